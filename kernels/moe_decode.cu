@@ -1,0 +1,329 @@
+// MoE experts for decode (few tokens): out[t] = sum_j w[t,j] * W2[e] (silu(G[e] x_t) * U[e] x_t).
+//
+// Two kernels on one stream, each weight byte read once per call:
+//   moe_gate_up_<dtype>: one block per (used expert, 16 rows of I). Its warps split H; each warp
+//     multiplies its 16 gate rows and 16 up rows by the x of every token routed to the expert
+//     (tensor cores, m16n8k16, tokens as the N dimension), the block sums the warps in a fixed
+//     order and writes act[t*k+j, :] = w[t,j] * silu(gate) * up to the workspace.
+//   moe_down_<dtype>: one block per 16 rows of H. Its warps share the (used expert, I chunk) work
+//     items; B is act of each token for that expert (zero for tokens that did not pick it), so the
+//     accumulator sums over experts directly, and the block sums the warps in a fixed order.
+// No atomics on data and fixed summation orders: the same inputs give the same bits every run.
+//
+// Compile-time constants (-D): OG_DTYPE (1 bf16, 2 fp16), OG_IDS64, OG_H, OG_I, OG_E, OG_K,
+// OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
+// block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input).
+#include "og_common.cuh"
+#include "moe_params.h"
+
+#define OG_FULL 0xffffffffu
+#define OG_EWORDS ((OG_E + 31) / 32)
+#define OG_MAXPAIRS (8 * OG_NT * OG_K)
+#define OG_PMAX (8 * OG_NT)
+
+#if OG_H % 32 != 0 || OG_I % 32 != 0
+#error "H and I must be multiples of 32"
+#endif
+
+__device__ __forceinline__ int og_load_id(const og_moe_params &p, int i) {
+  const int t = i / OG_K, j = i - t * OG_K;
+#if OG_IDS64
+  const long long e = ((const long long *)p.topk_ids)[t * p.topk_ids_stride + j];
+  return (e >= 0 && e < OG_E) ? (int)e : -1;
+#else
+  const int e = ((const int *)p.topk_ids)[t * p.topk_ids_stride + j];
+  return (e >= 0 && e < OG_E) ? e : -1;
+#endif
+}
+
+// Loads the routing ids into shared memory and marks the used experts in a bitmap.
+__device__ __forceinline__ void og_load_routing(const og_moe_params &p, int nk, int *s_ids,
+                                                og_u32 *s_bits) {
+  for (int i = threadIdx.x; i < OG_EWORDS; i += blockDim.x) s_bits[i] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < nk; i += blockDim.x) {
+    const int e = og_load_id(p, i);
+    s_ids[i] = e;
+    if (e >= 0) atomicOr(&s_bits[e >> 5], 1u << (e & 31));
+  }
+  __syncthreads();
+}
+
+// Warp-wide: calls f(rank, expert) for every used expert, in increasing expert order.
+template <class F>
+__device__ __forceinline__ int og_for_each_expert(const og_u32 *s_bits, int lane, F f) {
+  int base = 0;
+  for (int w0 = 0; w0 < OG_EWORDS; w0 += 32) {
+    const og_u32 word = (w0 + lane < OG_EWORDS) ? s_bits[w0 + lane] : 0u;
+    const int cnt = __popc(word);
+    int incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(OG_FULL, incl, o);
+      if (lane >= o) incl += v;
+    }
+    int rank = base + incl - cnt;
+    og_u32 rest = word;
+    while (rest) {
+      const int b = __ffs(rest) - 1;
+      f(rank++, (w0 + lane) * 32 + b);
+      rest &= rest - 1;
+    }
+    base += __shfl_sync(OG_FULL, incl, 31);
+  }
+  return base;
+}
+
+extern "C" __global__ void __launch_bounds__(OG_W1 * 32)
+    OG_SUFFIX(moe_gate_up)(const og_moe_params p) {
+  __shared__ int s_ids[OG_MAXPAIRS];
+  __shared__ og_u32 s_bits[OG_EWORDS];
+  __shared__ int s_pairs[OG_MAXPAIRS];
+  __shared__ int s_expert, s_npairs;
+  __shared__ float s_red[OG_W1][OG_NT][2][4][32];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int nk = p.T * OG_K;
+  const int tiles = OG_I / 16;
+  const int u = blockIdx.x / tiles, tile = blockIdx.x - u * tiles;
+
+  if (threadIdx.x == 0) s_expert = -1;
+  og_load_routing(p, nk, s_ids, s_bits);
+  if (warp == 0) {
+    og_for_each_expert(s_bits, lane, [&](int rank, int e) {
+      if (rank == u) s_expert = e;
+    });
+    __syncwarp();
+    const int e = s_expert;
+    int n = 0;
+    if (e >= 0) {
+      for (int i0 = 0; i0 < nk; i0 += 32) {
+        const int i = i0 + lane;
+        const bool m = i < nk && s_ids[i] == e;
+        const og_u32 b = __ballot_sync(OG_FULL, m);
+        if (m) s_pairs[n + __popc(b & ((1u << lane) - 1u))] = i;
+        n += __popc(b);
+      }
+    }
+    if (lane == 0) s_npairs = n;
+  }
+  __syncthreads();
+  const int e = s_expert;
+  if (e < 0) return;  // fewer used experts than blocks: nothing to do
+  const int npairs = s_npairs;
+
+  const char *wg = (const char *)p.w13 +
+                   2 * (e * p.w13_estride + (long long)(tile * 16 + g) * p.w13_rstride);
+  const long long row8 = 2 * 8 * p.w13_rstride, up_off = 2 * (long long)OG_I * p.w13_rstride;
+  const int steps = OG_H / 32;
+
+  for (int p0 = 0; p0 < npairs; p0 += OG_PMAX) {
+    const char *xrow[OG_NT];
+    bool xval[OG_NT];
+#pragma unroll
+    for (int nt = 0; nt < OG_NT; ++nt) {
+      const int n = p0 + nt * 8 + g;
+      xval[nt] = n < npairs;
+      const int t = xval[nt] ? s_pairs[n] / OG_K : 0;
+      xrow[nt] = (const char *)p.x + 2 * (long long)t * p.x_stride;
+    }
+    float acc_g[OG_NT][4], acc_u[OG_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < OG_NT; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc_g[nt][q] = acc_u[nt][q] = 0.f;
+
+    for (int s0 = warp * OG_U1; s0 < steps; s0 += OG_W1 * OG_U1) {
+      og_vec4 ag[OG_U1], ag8[OG_U1], au[OG_U1], au8[OG_U1], bx[OG_U1][OG_NT];
+#pragma unroll
+      for (int q = 0; q < OG_U1; ++q) {
+        const int s = s0 + q;
+        if (steps % (OG_W1 * OG_U1) == 0 || s < steps) {
+          const long long off = 2 * (long long)(s * 32 + c * 8);
+          ag[q] = og_load_stream(wg + off);
+          ag8[q] = og_load_stream(wg + row8 + off);
+          au[q] = og_load_stream(wg + up_off + off);
+          au8[q] = og_load_stream(wg + up_off + row8 + off);
+#pragma unroll
+          for (int nt = 0; nt < OG_NT; ++nt)
+            bx[q][nt] = xval[nt] ? og_load_shared_operand(xrow[nt] + off) : og_zero4();
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < OG_U1; ++q) {
+        const int s = s0 + q;
+        if (steps % (OG_W1 * OG_U1) == 0 || s < steps) {
+#pragma unroll
+          for (int nt = 0; nt < OG_NT; ++nt) {
+            if (p0 + nt * 8 < npairs) {
+              og_mma_k32(acc_g[nt], ag[q], ag8[q], bx[q][nt]);
+              og_mma_k32(acc_u[nt], au[q], au8[q], bx[q][nt]);
+            }
+          }
+        }
+      }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < OG_NT; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        s_red[warp][nt][0][q][lane] = acc_g[nt][q];
+        s_red[warp][nt][1][q][lane] = acc_u[nt][q];
+      }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < OG_NT * 4 * 32; idx += blockDim.x) {
+      const int nt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
+      const int n = p0 + nt * 8 + (l & 3) * 2 + (q & 1);
+      if (n >= npairs) continue;
+      float gs = 0.f, us = 0.f;
+#pragma unroll
+      for (int w = 0; w < OG_W1; ++w) {
+        gs += s_red[w][nt][0][q][l];
+        us += s_red[w][nt][1][q][l];
+      }
+      const int i = s_pairs[n];
+      const int t = i / OG_K, j = i - t * OG_K;
+      const float rw = p.topk_w[t * p.topk_w_stride + j];
+#if OG_ON_INPUT
+      const float a = og_silu(gs * rw) * (us * rw);
+#else
+      const float a = og_silu(gs) * us * rw;
+#endif
+      const int row = tile * 16 + (l >> 2) + (q >> 1) * 8;
+      ((og_u16 *)p.act)[(long long)i * OG_I + row] = og_from_float(a);
+    }
+    __syncthreads();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(OG_W2 * 32)
+    OG_SUFFIX(moe_down)(const og_moe_params p) {
+  __shared__ int s_ids[OG_MAXPAIRS];
+  __shared__ og_u32 s_bits[OG_EWORDS];
+  __shared__ short s_experts[OG_MAXPAIRS < OG_E ? OG_MAXPAIRS : OG_E];
+  __shared__ int s_nused;
+  __shared__ float s_red[OG_W2][OG_NT][4][32];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int T = p.T, nk = T * OG_K;
+  const int h0 = blockIdx.x * 16;
+
+  og_load_routing(p, nk, s_ids, s_bits);
+  if (warp == 0) {
+    const int n = og_for_each_expert(s_bits, lane, [&](int rank, int e) {
+      s_experts[rank] = (short)e;
+    });
+    if (lane == 0) s_nused = n;
+  }
+  __syncthreads();
+  const int nused = s_nused;
+
+  const int steps = OG_I / 32;
+  const int nchunks = (steps + OG_U2 - 1) / OG_U2;
+  const int items = nused * nchunks;
+  const long long row8 = 2 * 8 * p.w2_rstride;
+
+  float acc[OG_NT][4];
+#pragma unroll
+  for (int nt = 0; nt < OG_NT; ++nt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
+
+  int cur_u = -1;
+  const char *wrow = 0;
+  // For each token tile: the workspace rows of this lane's token for the current expert (the
+  // second one only if a token lists the same expert twice), or -1.
+  int src0[OG_NT], src1[OG_NT];
+  for (int it = warp; it < items; it += OG_W2) {
+    const int uu = it / nchunks, ch = it - uu * nchunks;
+    if (uu != cur_u) {
+      cur_u = uu;
+      const int e = s_experts[uu];
+      wrow = (const char *)p.w2 + 2 * (e * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
+#pragma unroll
+      for (int nt = 0; nt < OG_NT; ++nt) {
+        const int t = nt * 8 + g;
+        src0[nt] = src1[nt] = -1;
+        if (t < T) {
+          for (int j = 0; j < OG_K; ++j) {
+            if (s_ids[t * OG_K + j] == e) {
+              if (src0[nt] < 0) src0[nt] = t * OG_K + j;
+              else if (src1[nt] < 0) src1[nt] = t * OG_K + j;
+              else {  // three or more copies: fold them in one by one below
+                src1[nt] = -2;
+              }
+            }
+          }
+        }
+      }
+    }
+    og_vec4 a[OG_U2], a8[OG_U2], b[OG_U2][OG_NT];
+#pragma unroll
+    for (int q = 0; q < OG_U2; ++q) {
+      const int s = ch * OG_U2 + q;
+      if (steps % OG_U2 == 0 || s < steps) {
+        const long long off = 2 * (long long)(s * 32 + c * 8);
+        a[q] = og_load_stream(wrow + off);
+        a8[q] = og_load_stream(wrow + row8 + off);
+#pragma unroll
+        for (int nt = 0; nt < OG_NT; ++nt)
+          b[q][nt] = src0[nt] >= 0 ? og_load_coherent((const char *)p.act +
+                                                      2 * ((long long)src0[nt] * OG_I) + off)
+                                   : og_zero4();
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < OG_NT; ++nt) {
+      if (src1[nt] != -1) {  // rare: a token routed to this expert more than once
+        const int e = s_experts[uu];
+        const int t = nt * 8 + g;
+#pragma unroll
+        for (int q = 0; q < OG_U2; ++q) {
+          const int s = ch * OG_U2 + q;
+          if (steps % OG_U2 == 0 || s < steps) {
+            const long long off = 2 * (long long)(s * 32 + c * 8);
+            float v[8];
+            for (int z = 0; z < 8; ++z) v[z] = 0.f;
+            for (int j = 0; j < OG_K; ++j) {
+              if (s_ids[t * OG_K + j] != e) continue;
+              const og_vec4 r = og_load_coherent((const char *)p.act +
+                                                 2 * ((long long)(t * OG_K + j) * OG_I) + off);
+              v[0] += og_lo(r.x), v[1] += og_hi(r.x), v[2] += og_lo(r.y), v[3] += og_hi(r.y);
+              v[4] += og_lo(r.z), v[5] += og_hi(r.z), v[6] += og_lo(r.w), v[7] += og_hi(r.w);
+            }
+            b[q][nt].x = og_pack2(v[0], v[1]), b[q][nt].y = og_pack2(v[2], v[3]);
+            b[q][nt].z = og_pack2(v[4], v[5]), b[q][nt].w = og_pack2(v[6], v[7]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < OG_U2; ++q) {
+      const int s = ch * OG_U2 + q;
+      if (steps % OG_U2 == 0 || s < steps) {
+#pragma unroll
+        for (int nt = 0; nt < OG_NT; ++nt)
+          if (nt * 8 < T) og_mma_k32(acc[nt], a[q], a8[q], b[q][nt]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int nt = 0; nt < OG_NT; ++nt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) s_red[warp][nt][q][lane] = acc[nt][q];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < OG_NT * 4 * 32; idx += blockDim.x) {
+    const int nt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
+    const int t = nt * 8 + (l & 3) * 2 + (q & 1);
+    if (t >= T) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < OG_W2; ++w) sum += s_red[w][nt][q][l];
+    const int h = h0 + (l >> 2) + (q >> 1) * 8;
+    ((og_u16 *)p.out)[(long long)t * p.out_stride + h] = og_from_float(sum);
+  }
+}

@@ -1,0 +1,153 @@
+/* Internal declarations of libopgraft (not installed). Non-static internal names use the
+ * opgraft__ prefix. */
+#ifndef OPGRAFT_INTERNAL_H
+#define OPGRAFT_INTERNAL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "opgraft/opgraft.h"
+
+#if defined(__GNUC__)
+#define OG_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define OG_PRINTF(a, b)
+#endif
+
+/* ---- status.c ---- */
+/* Records a message for opgraft_last_error() and returns status. */
+int32_t opgraft__fail(int32_t status, const char *fmt, ...) OG_PRINTF(2, 3);
+void opgraft__log(int32_t level, const char *fmt, ...) OG_PRINTF(2, 3);
+/* Logs a warning only the first time this exact message is seen in the process. */
+void opgraft__warn_once(const char *fmt, ...) OG_PRINTF(1, 2);
+/* snprintf that always terminates and never overflows; returns dst. */
+char *opgraft__copy(char *dst, size_t len, const char *src);
+
+/* ---- hash.c ---- */
+typedef struct og_hash {
+  uint64_t a, b;
+} og_hash;
+void opgraft__hash_init(og_hash *h);
+void opgraft__hash_update(og_hash *h, const void *data, size_t len);
+/* Writes 32 hex digits and a terminator. */
+void opgraft__hash_hex(const og_hash *h, char out[33]);
+uint64_t opgraft__fnv1a64(const void *data, size_t len);
+
+/* ---- runtime.c: libcuda and libnvrtc through dlopen, with our own minimal declarations ---- */
+typedef int og_CUresult;
+typedef int og_CUdevice;
+typedef struct og_CUctx_st *og_CUcontext;
+typedef struct og_CUmod_st *og_CUmodule;
+typedef struct og_CUfunc_st *og_CUfunction;
+typedef struct og_CUstream_st *og_CUstream;
+typedef int og_nvrtcResult;
+typedef struct og_nvrtcProgram_st *og_nvrtcProgram;
+
+typedef struct og_cuda_api {
+  og_CUresult (*cuInit)(unsigned int);
+  og_CUresult (*cuDriverGetVersion)(int *);
+  og_CUresult (*cuCtxGetCurrent)(og_CUcontext *);
+  og_CUresult (*cuCtxGetDevice)(og_CUdevice *);
+  og_CUresult (*cuDeviceGetAttribute)(int *, int, og_CUdevice);
+  og_CUresult (*cuDeviceGetName)(char *, int, og_CUdevice);
+  og_CUresult (*cuModuleLoadData)(og_CUmodule *, const void *);
+  og_CUresult (*cuModuleGetFunction)(og_CUfunction *, og_CUmodule, const char *);
+  og_CUresult (*cuLaunchKernel)(og_CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                unsigned, unsigned, og_CUstream, void **, void **);
+  og_CUresult (*cuGetErrorString)(og_CUresult, const char **);
+} og_cuda_api;
+
+typedef struct og_nvrtc_api {
+  og_nvrtcResult (*nvrtcVersion)(int *, int *);
+  og_nvrtcResult (*nvrtcCreateProgram)(og_nvrtcProgram *, const char *, const char *, int,
+                                       const char *const *, const char *const *);
+  og_nvrtcResult (*nvrtcCompileProgram)(og_nvrtcProgram, int, const char *const *);
+  og_nvrtcResult (*nvrtcGetProgramLogSize)(og_nvrtcProgram, size_t *);
+  og_nvrtcResult (*nvrtcGetProgramLog)(og_nvrtcProgram, char *);
+  og_nvrtcResult (*nvrtcGetCUBINSize)(og_nvrtcProgram, size_t *);
+  og_nvrtcResult (*nvrtcGetCUBIN)(og_nvrtcProgram, char *);
+  og_nvrtcResult (*nvrtcDestroyProgram)(og_nvrtcProgram *);
+  const char *(*nvrtcGetErrorString)(og_nvrtcResult);
+} og_nvrtc_api;
+
+/* Return the loaded API, or NULL with the error recorded (opgraft_last_error). */
+const og_cuda_api *opgraft__cuda(void);
+const og_nvrtc_api *opgraft__nvrtc(void);
+/* NVRTC version as major*1000 + minor*10, 0 if not loaded. */
+int32_t opgraft__nvrtc_version(void);
+/* Checks a driver call; on failure records "what: CUDA error N (name)" and returns OPGRAFT_ECUDA. */
+int32_t opgraft__cu_check(og_CUresult r, const char *what);
+
+/* The current context's device: compute capability (major*10+minor) and name. */
+int32_t opgraft__current_device(og_CUcontext *ctx, int32_t *arch, char *name, size_t name_len);
+
+/* ---- jit.c ---- */
+typedef struct og_source {
+  const char *name; /* e.g. "moe_decode.cu" */
+  const char *text;
+} og_source;
+/* The embedded kernel sources (kernels_embed.c, generated at build time). */
+extern const og_source opgraft__sources[];
+extern const int opgraft__num_sources;
+const og_source *opgraft__find_source(const char *name);
+
+typedef struct og_cubin {
+  char *data;
+  size_t size;
+  char *log; /* compiler log (resource report), may be NULL */
+} og_cubin;
+void opgraft__cubin_free(og_cubin *c);
+
+/* Compiles source `name` with the given options for sm_<arch>. */
+int32_t opgraft__compile(const char *name, const char *const *opts, int nopts, int32_t arch,
+                         og_cubin *out);
+/* Returns a cubin for (source, options, arch): from memory, the disk cache, or a fresh compile
+ * written back to the disk cache. */
+int32_t opgraft__cubin_cached(const char *name, const char *const *opts, int nopts, int32_t arch,
+                              og_cubin *out);
+/* Loads (once per context) the module for (source, options, arch) and resolves the functions. */
+int32_t opgraft__get_functions(const char *name, const char *const *opts, int nopts, int32_t arch,
+                               const char *const *fn_names, int nfn, og_CUfunction *fns);
+/* Parses an NVRTC/ptxas verbose log for one entry function's resources. */
+int32_t opgraft__parse_resources(const char *log, const char *fn_name, opgraft_kernel_info *info);
+
+/* Cache file format, exposed for tests. */
+int32_t opgraft__cache_path(const char *key, char *path, size_t len);
+int32_t opgraft__cache_store(const char *key, const char *data, size_t size);
+int32_t opgraft__cache_load(const char *key, og_cubin *out);
+
+/* ---- json.c: a strict, small JSON reader for tune files ---- */
+typedef enum { OG_JSON_NULL, OG_JSON_BOOL, OG_JSON_NUMBER, OG_JSON_STRING, OG_JSON_ARRAY, OG_JSON_OBJECT } og_json_type;
+typedef struct og_json {
+  og_json_type type;
+  double number;
+  int boolean;
+  char *string;                /* OG_JSON_STRING's value */
+  struct og_json *child, *next; /* first element or member; next sibling */
+  char *key;                    /* member name when inside an object */
+} og_json;
+/* Parses text; on error returns NULL and writes "line L, column C: what" to err. */
+og_json *opgraft__json_parse(const char *text, size_t len, char *err, size_t err_len);
+void opgraft__json_free(og_json *j);
+const og_json *opgraft__json_get(const og_json *obj, const char *key);
+
+/* ---- tune.c ---- */
+typedef struct og_tune_entry {
+  int32_t arch; /* 0 = any */
+  const char *gpu;
+  const char *shape;
+  int32_t tokens_lo, tokens_hi; /* 0, 0 = any */
+  const char *key;
+  int64_t value;
+  const char *why;
+} og_tune_entry;
+/* Bumped by opgraft_tune_reload(): cached launch plans older than this are re-resolved. */
+uint32_t opgraft__tune_generation(void);
+extern const og_tune_entry opgraft__baked_table[];
+extern const int opgraft__baked_table_len;
+/* Convenience: resolves key, returning fallback (and warning) if nothing matches. */
+int64_t opgraft__tune_value(const char *key, int32_t arch, const char *gpu, const char *shape,
+                            int32_t tokens);
+
+#endif

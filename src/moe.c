@@ -1,0 +1,300 @@
+/* MoE experts: the dispatch guard, the launcher of kernels/moe_decode.cu, and its compile report. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../kernels/moe_params.h"
+#include "internal.h"
+
+/* The kernels' hard limits (kernels/moe_decode.cu): 8-token tiles up to 8 of them, a bitmap of
+ * experts in shared memory, and the routing of all tokens in shared memory. */
+#define OG_MAX_TOKENS 64
+#define OG_MAX_EXPERTS 4096
+#define OG_MAX_TOPK 16
+#define OG_MIN_ARCH 80 /* mma.sync bf16 and cvt.rn.bf16x2.f32 need sm_80 */
+
+static const char *dtype_name(int32_t d) {
+  switch (d) {
+  case OPGRAFT_DTYPE_BF16: return "bf16";
+  case OPGRAFT_DTYPE_FP16: return "fp16";
+  case OPGRAFT_DTYPE_FP32: return "fp32";
+  case OPGRAFT_DTYPE_INT32: return "int32";
+  case OPGRAFT_DTYPE_INT64: return "int64";
+  }
+  return "unknown";
+}
+
+static void shape_key(const opgraft_moe_args *a, char *buf, size_t len) {
+  snprintf(buf, len, "moe:%s:E%lld:H%lld:I%lld:k%lld", dtype_name(a->dtype), (long long)a->num_experts,
+           (long long)a->hidden, (long long)a->inter, (long long)a->top_k);
+}
+
+static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+typedef struct og_moe_cfg {
+  int nt, w1, u1, w2, u2;
+} og_moe_cfg;
+
+/* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
+ * operand registers of one k-step group under what compiles without spills (checked by the
+ * compile tests for every token tile count). */
+static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c) {
+  char shape[128];
+  shape_key(a, shape, sizeof shape);
+  const int32_t T = (int32_t)a->num_tokens;
+  c->nt = T <= 0 ? 1 : (T + 7) / 8;
+  c->w1 = (int)opgraft__tune_value("moe.gate_up.warps", arch, gpu, shape, T);
+  c->u1 = (int)opgraft__tune_value("moe.gate_up.unroll", arch, gpu, shape, T);
+  c->w2 = (int)opgraft__tune_value("moe.down.warps", arch, gpu, shape, T);
+  c->u2 = (int)opgraft__tune_value("moe.down.unroll", arch, gpu, shape, T);
+  while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
+  while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
+  while (c->u1 > 1 && c->u1 * (4 + c->nt) > 24) c->u1--; /* 16-byte operands per k-step group */
+  while (c->u2 > 1 && c->u2 * (2 + c->nt) > 24) c->u2--;
+}
+
+#define OG_REASON(...) (snprintf(reason, reason_len, __VA_ARGS__), OPGRAFT_EUNSUPPORTED)
+
+/* The checks that look only at the arguments. */
+static int32_t check_static(const opgraft_moe_args *a, char *reason, size_t reason_len) {
+  if (!a) return OG_REASON("no arguments");
+  if (a->struct_size < sizeof(opgraft_moe_args))
+    return OG_REASON("opgraft_moe_args.struct_size %u < %zu: caller built against an older ABI",
+                     a->struct_size, sizeof(opgraft_moe_args));
+  if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
+    return OG_REASON("dtype %s (the kernel takes bf16 and fp16)", dtype_name(a->dtype));
+  if (a->activation != OPGRAFT_ACT_SILU) return OG_REASON("activation %d is not SwiGLU (silu)", a->activation);
+  if (a->expert_map) return OG_REASON("expert_map is set (expert parallelism is handed back)");
+  if (a->topk_weights_dtype != OPGRAFT_DTYPE_FP32)
+    return OG_REASON("topk_weights dtype %s (fp32 expected)", dtype_name(a->topk_weights_dtype));
+  if (a->topk_ids_dtype != OPGRAFT_DTYPE_INT32 && a->topk_ids_dtype != OPGRAFT_DTYPE_INT64)
+    return OG_REASON("topk_ids dtype %s (int32 or int64 expected)", dtype_name(a->topk_ids_dtype));
+  const int64_t T = a->num_tokens, H = a->hidden, I = a->inter, E = a->num_experts, k = a->top_k;
+  if (T < 0) return OG_REASON("negative token count %lld", (long long)T);
+  if (H < 32 || H % 32) return OG_REASON("hidden size %lld is not a positive multiple of 32", (long long)H);
+  if (I < 32 || I % 32) return OG_REASON("intermediate size %lld is not a positive multiple of 32", (long long)I);
+  if (H > (1 << 20) || I > (1 << 20)) return OG_REASON("hidden/intermediate size too large");
+  if (E < 1 || E > OG_MAX_EXPERTS) return OG_REASON("%lld experts (1..%d supported)", (long long)E, OG_MAX_EXPERTS);
+  if (k < 1 || k > OG_MAX_TOPK) return OG_REASON("top_k %lld (1..%d supported)", (long long)k, OG_MAX_TOPK);
+  if (k > E) return OG_REASON("top_k %lld > %lld experts", (long long)k, (long long)E);
+  if (a->hidden_states_stride[1] != 1 || a->w13_stride[2] != 1 || a->w2_stride[2] != 1 ||
+      a->out_stride[1] != 1 || a->topk_weights_stride[1] != 1 || a->topk_ids_stride[1] != 1)
+    return OG_REASON("a tensor's last dimension is not contiguous");
+  if (a->w13_stride[1] < H || a->w13_stride[0] < 2 * I * a->w13_stride[1] || a->w2_stride[1] < I ||
+      a->w2_stride[0] < H * a->w2_stride[1])
+    return OG_REASON("weight strides do not describe plain [E, 2I, H] / [E, H, I] tensors");
+  if (a->w13_stride[0] % 8 || a->w13_stride[1] % 8 || a->w2_stride[0] % 8 || a->w2_stride[1] % 8 ||
+      a->hidden_states_stride[0] % 8)
+    return OG_REASON("row strides are not multiples of 16 bytes");
+  if (T > 0 && (a->hidden_states_stride[0] < H || a->out_stride[0] < H ||
+                a->topk_weights_stride[0] < k || a->topk_ids_stride[0] < k))
+    return OG_REASON("row strides smaller than the rows");
+  if (T > 0 && (!a->hidden_states || !a->w13 || !a->w2 || !a->topk_weights || !a->topk_ids || !a->out))
+    return OG_REASON("a tensor pointer is NULL");
+  if (!aligned16(a->hidden_states) || !aligned16(a->w13) || !aligned16(a->w2))
+    return OG_REASON("hidden_states or weights not 16-byte aligned");
+  if (((uintptr_t)a->out & 1u) || ((uintptr_t)a->topk_weights & 3u) ||
+      ((uintptr_t)a->topk_ids & (a->topk_ids_dtype == OPGRAFT_DTYPE_INT64 ? 7u : 3u)))
+    return OG_REASON("out, topk_weights or topk_ids misaligned");
+
+  return OPGRAFT_OK;
+}
+
+/* The checks that need the device (arch, name) and the tunables: done once per plan. */
+static int32_t check_device(const opgraft_moe_args *a, int32_t *arch_out, char *gpu, size_t gpu_len,
+                            char *reason, size_t reason_len) {
+  const int64_t T = a->num_tokens;
+  int32_t arch = a->arch;
+  if (gpu && gpu_len) opgraft__copy(gpu, gpu_len, a->gpu_name);
+  if (!arch) {
+    const int32_t st = opgraft__current_device(NULL, &arch, gpu, gpu_len);
+    if (st) return OG_REASON("no GPU: %s", opgraft_last_error());
+  }
+  if (arch < OG_MIN_ARCH) return OG_REASON("sm_%d is older than sm_%d", arch, OG_MIN_ARCH);
+  if (T > OG_MAX_TOKENS) return OG_REASON("%lld tokens > %d (kernel limit)", (long long)T, OG_MAX_TOKENS);
+  char shape[128];
+  shape_key(a, shape, sizeof shape);
+  const int64_t max_t = opgraft__tune_value("moe.max_tokens", arch, gpu && *gpu ? gpu : NULL, shape, (int32_t)T);
+  if (T > max_t) return OG_REASON("%lld tokens > moe.max_tokens %lld", (long long)T, (long long)max_t);
+  if (arch_out) *arch_out = arch;
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft_moe_supports(const opgraft_moe_args *args, char *reason, size_t reason_len) {
+  char dummy[8];
+  if (!reason || !reason_len) reason = dummy, reason_len = sizeof dummy;
+  reason[0] = 0;
+  char gpu[256];
+  int32_t st = check_static(args, reason, reason_len);
+  if (!st) st = check_device(args, NULL, gpu, sizeof gpu, reason, reason_len);
+  if (st) opgraft__fail(st, "MoE call not supported: %s", reason);
+  return st;
+}
+
+int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
+  if (!a || !bytes || a->struct_size < sizeof(opgraft_moe_args))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: bad arguments");
+  if (a->num_tokens < 0 || a->top_k < 0 || a->inter < 0)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: negative size");
+  /* act: [T*k, I] in the activation dtype, padded to 256 bytes. */
+  const size_t n = (size_t)a->num_tokens * (size_t)a->top_k * (size_t)a->inter * 2u;
+  *bytes = (n + 255u) & ~(size_t)255u;
+  return OPGRAFT_OK;
+}
+
+/* Compile options for one configuration; returns the number of options. */
+static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
+  int n = 0;
+#define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
+  OG_OPT("-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
+  OG_OPT("-DOG_IDS64=%d", a->topk_ids_dtype == OPGRAFT_DTYPE_INT64);
+  OG_OPT("-DOG_H=%lld", (long long)a->hidden);
+  OG_OPT("-DOG_I=%lld", (long long)a->inter);
+  OG_OPT("-DOG_E=%lld", (long long)a->num_experts);
+  OG_OPT("-DOG_K=%lld", (long long)a->top_k);
+  OG_OPT("-DOG_NT=%d", c->nt);
+  OG_OPT("-DOG_W1=%d", c->w1);
+  OG_OPT("-DOG_U1=%d", c->u1);
+  OG_OPT("-DOG_W2=%d", c->w2);
+  OG_OPT("-DOG_U2=%d", c->u2);
+  OG_OPT("-DOG_ON_INPUT=%d", a->apply_router_weight_on_input ? 1 : 0);
+#undef OG_OPT
+  return n;
+}
+
+static void fn_names(const opgraft_moe_args *a, char names[2][64]) {
+  const char *sfx = a->dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16";
+  snprintf(names[0], 64, "moe_gate_up_%s", sfx);
+  snprintf(names[1], 64, "moe_down_%s", sfx);
+}
+
+/* Launch plans by (context, arguments that shape the kernels): repeated calls skip the tunable
+ * lookups and the module search. Tunables are read at the first call of each shape. */
+typedef struct og_plan {
+  og_CUcontext ctx;
+  int32_t dtype, ids64, on_input, arch_req, arch;
+  uint32_t tune_gen;
+  int64_t T, H, I, E, k;
+  og_moe_cfg cfg;
+  og_CUfunction fn[2];
+} og_plan;
+#define OG_PLANS 128
+static og_plan plans[OG_PLANS];
+static int nplans, next_evict;
+static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int plan_matches(const og_plan *p, const og_plan *q) {
+  return p->ctx == q->ctx && p->tune_gen == q->tune_gen && p->arch_req == q->arch_req && p->dtype == q->dtype && p->ids64 == q->ids64 && p->on_input == q->on_input &&
+         p->T == q->T && p->H == q->H && p->I == q->I && p->E == q->E && p->k == q->k;
+}
+
+int32_t opgraft_moe_run(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream) {
+  char reason[256];
+  const og_cuda_api *cu = opgraft__cuda();
+  if (!cu) return OPGRAFT_ENOLIB;
+  og_CUcontext ctx = NULL;
+  int32_t st = opgraft__cu_check(cu->cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (st) return st;
+  if (!ctx) return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread");
+
+  og_plan key;
+  memset(&key, 0, sizeof key);
+  if (a && a->struct_size >= sizeof *a) {
+    key.ctx = ctx, key.dtype = a->dtype, key.ids64 = a->topk_ids_dtype == OPGRAFT_DTYPE_INT64;
+    key.on_input = !!a->apply_router_weight_on_input, key.T = a->num_tokens, key.H = a->hidden;
+    key.I = a->inter, key.E = a->num_experts, key.k = a->top_k, key.arch_req = a->arch;
+    key.tune_gen = opgraft__tune_generation();
+  }
+  /* The argument checks run on every call (no system calls); the device and tunable checks run
+   * once per plan. */
+  if ((st = check_static(a, reason, sizeof reason)))
+    return opgraft__fail(st, "MoE call not supported: %s", reason);
+  size_t need = 0;
+  opgraft_moe_workspace_size(a, &need);
+  if (a->num_tokens == 0) return OPGRAFT_OK;
+  if (!workspace || workspace_bytes < need)
+    return opgraft__fail(OPGRAFT_EINVAL, "workspace of %zu bytes given, %zu needed", workspace_bytes, need);
+  if ((uintptr_t)workspace & 15u) return opgraft__fail(OPGRAFT_EINVAL, "workspace not 16-byte aligned");
+
+  og_plan plan;
+  int found = 0;
+  pthread_mutex_lock(&plan_lock);
+  for (int i = 0; i < nplans && !found; ++i)
+    if (plan_matches(&plans[i], &key)) plan = plans[i], found = 1;
+  pthread_mutex_unlock(&plan_lock);
+  if (!found) {
+    char gpu[256] = "";
+    int32_t arch = 0;
+    if ((st = check_device(a, &arch, gpu, sizeof gpu, reason, sizeof reason)))
+      return opgraft__fail(st, "MoE call not supported: %s", reason);
+    plan = key;
+    plan.arch = arch;
+    moe_config(a, arch, gpu[0] ? gpu : NULL, &plan.cfg);
+    char buf[16][48];
+    const char *opts[16];
+    const int nopts = moe_options(a, &plan.cfg, buf, opts);
+    char names[2][64];
+    fn_names(a, names);
+    const char *np[2] = {names[0], names[1]};
+    if ((st = opgraft__get_functions("moe_decode.cu", opts, nopts, arch, np, 2, plan.fn))) return st;
+    pthread_mutex_lock(&plan_lock);
+    if (nplans < OG_PLANS) {
+      plans[nplans++] = plan;
+    } else {
+      plans[next_evict] = plan;
+      next_evict = (next_evict + 1) % OG_PLANS;
+    }
+    pthread_mutex_unlock(&plan_lock);
+  }
+
+  og_moe_params p;
+  memset(&p, 0, sizeof p);
+  p.x = a->hidden_states, p.w13 = a->w13, p.w2 = a->w2;
+  p.topk_w = a->topk_weights, p.topk_ids = a->topk_ids;
+  p.act = workspace, p.out = a->out;
+  p.x_stride = a->hidden_states_stride[0];
+  p.w13_estride = a->w13_stride[0], p.w13_rstride = a->w13_stride[1];
+  p.w2_estride = a->w2_stride[0], p.w2_rstride = a->w2_stride[1];
+  p.topk_w_stride = a->topk_weights_stride[0], p.topk_ids_stride = a->topk_ids_stride[0];
+  p.out_stride = a->out_stride[0];
+  p.T = (int)a->num_tokens;
+  void *params[] = {&p};
+
+  const int64_t used_max = a->num_tokens * a->top_k < a->num_experts ? a->num_tokens * a->top_k : a->num_experts;
+  const unsigned grid1 = (unsigned)(used_max * (a->inter / 16));
+  const unsigned grid2 = (unsigned)(a->hidden / 16);
+  og_CUstream s = (og_CUstream)stream;
+  if ((st = opgraft__cu_check(cu->cuLaunchKernel(plan.fn[0], grid1, 1, 1, 32u * (unsigned)plan.cfg.w1, 1, 1, 0, s,
+                                                 params, NULL),
+                              "launch moe_gate_up")))
+    return st;
+  return opgraft__cu_check(
+      cu->cuLaunchKernel(plan.fn[1], grid2, 1, 1, 32u * (unsigned)plan.cfg.w2, 1, 1, 0, s, params, NULL),
+      "launch moe_down");
+}
+
+int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgraft_kernel_info *out,
+                                   int32_t cap, int32_t *count) {
+  if (!a || a->struct_size < sizeof *a || !count || (cap > 0 && !out))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_compile_report: bad arguments");
+  if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "dtype %s has no kernel", dtype_name(a->dtype));
+  if (a->hidden % 32 || a->inter % 32 || a->hidden <= 0 || a->inter <= 0 || a->num_experts < 1 ||
+      a->top_k < 1 || a->top_k > OG_MAX_TOPK || a->num_tokens < 1 || a->num_tokens > OG_MAX_TOKENS)
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "shape outside the kernel's limits");
+  og_moe_cfg cfg;
+  moe_config(a, arch, a->gpu_name, &cfg);
+  char buf[16][48];
+  const char *opts[16];
+  const int nopts = moe_options(a, &cfg, buf, opts);
+  og_cubin cub;
+  int32_t st = opgraft__compile("moe_decode.cu", opts, nopts, arch, &cub);
+  if (st) return st;
+  char names[2][64];
+  fn_names(a, names);
+  *count = 2;
+  for (int i = 0; i < 2 && i < cap && st == OPGRAFT_OK; ++i) st = opgraft__parse_resources(cub.log, names[i], &out[i]);
+  opgraft__cubin_free(&cub);
+  return st;
+}
