@@ -48,6 +48,9 @@ __device__ __forceinline__ og_vec4 og_load_coherent(const void *p) {
   return v;
 }
 
+#ifndef OG_DTYPE
+#define OG_DTYPE 1
+#endif
 #if OG_DTYPE == 1 /* bf16 */
 #define OG_SUFFIX(name) name##_bf16
 __device__ __forceinline__ float og_to_float(og_u16 h) { return __uint_as_float(((og_u32)h) << 16); }

@@ -206,6 +206,15 @@ OPGRAFT_EXTERN int32_t opgraft_moe_compile_report(const opgraft_moe_args *args, 
                                                   opgraft_kernel_info *out, int32_t cap,
                                                   int32_t *count);
 
+/* ---------------------------------------------------------------------------------------------
+ * Measurement helper: reads `bytes` of device memory at data (16-byte aligned, bytes a multiple of
+ * 16) with 16-byte streaming loads, enqueued on stream. sink is 4 bytes of device memory that is
+ * written only in the unlikely case the data's XOR equals a fixed constant. grid = 0 picks 4 blocks
+ * of 512 threads per multiprocessor. Timing it gives the read ceiling of the GPU.
+ * ------------------------------------------------------------------------------------------- */
+OPGRAFT_EXTERN int32_t opgraft_stream_read(const void *data, size_t bytes, void *sink, int32_t grid,
+                                           void *stream);
+
 #ifdef __cplusplus
 }
 #endif

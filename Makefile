@@ -1,0 +1,27 @@
+# Convenience targets around CMake and pytest. The library itself builds with plain CMake.
+BUILD ?= build
+PYTHON ?= python3
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: all lib test test-c test-python gpu-test gpu-check-quick clean
+
+all: lib
+
+lib:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build $(BUILD) -j $(JOBS)
+
+# CI's test command: C unit tests and kernel compile checks (ctest), then the Python tests.
+test: lib
+	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+	PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
+
+# On a machine with an NVIDIA GPU (sm_80+): correctness over odd cases, then the benchmark.
+gpu-test: lib
+	PYTHONPATH=python $(PYTHON) -m opgraft.gpucheck --out $${OUT:-bench/out}
+
+gpu-check-quick: lib
+	PYTHONPATH=python $(PYTHON) -m opgraft.gpucheck --quick --out $${OUT:-bench/out}
+
+clean:
+	rm -rf $(BUILD)

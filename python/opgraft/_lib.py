@@ -1,0 +1,238 @@
+"""ctypes bindings of libopgraft: the one place that knows the C ABI (include/opgraft/opgraft.h)."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import sys
+import threading
+
+logger = logging.getLogger("opgraft")
+
+# Status codes, mirrored from OPGRAFT_STATUS_MAP.
+OK, EINVAL, ENOMEM, ENOLIB, ECUDA, ENVRTC, EUNSUPPORTED = 0, -1, -2, -3, -4, -5, -6
+
+DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_INT64 = 1, 2, 3, 4, 5
+ACT_SILU, ACT_GELU = 1, 2
+
+_I64_2 = ctypes.c_int64 * 2
+_I64_3 = ctypes.c_int64 * 3
+
+
+class MoeArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("dtype", ctypes.c_int32),
+        ("activation", ctypes.c_int32),
+        ("apply_router_weight_on_input", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("num_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("hidden_states", ctypes.c_void_p),
+        ("hidden_states_stride", _I64_2),
+        ("w13", ctypes.c_void_p),
+        ("w13_stride", _I64_3),
+        ("w2", ctypes.c_void_p),
+        ("w2_stride", _I64_3),
+        ("topk_weights", ctypes.c_void_p),
+        ("topk_weights_dtype", ctypes.c_int32),
+        ("topk_weights_stride", _I64_2),
+        ("topk_ids", ctypes.c_void_p),
+        ("topk_ids_dtype", ctypes.c_int32),
+        ("topk_ids_stride", _I64_2),
+        ("expert_map", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("out_stride", _I64_2),
+        ("arch", ctypes.c_int32),
+        ("gpu_name", ctypes.c_char_p),
+    ]
+
+
+class RuntimeInfo(ctypes.Structure):
+    _fields_ = [
+        ("nvrtc_path", ctypes.c_char * 512),
+        ("libcuda_path", ctypes.c_char * 512),
+        ("nvrtc_version", ctypes.c_int32),
+        ("driver_version", ctypes.c_int32),
+        ("nvrtc_error", ctypes.c_char * 256),
+        ("libcuda_error", ctypes.c_char * 256),
+    ]
+
+
+class KernelInfo(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char * 64),
+        ("registers", ctypes.c_int32),
+        ("spill_store_bytes", ctypes.c_int32),
+        ("spill_load_bytes", ctypes.c_int32),
+        ("stack_bytes", ctypes.c_int32),
+        ("shared_bytes", ctypes.c_int32),
+    ]
+
+
+class TuneQuery(ctypes.Structure):
+    _fields_ = [
+        ("key", ctypes.c_char_p),
+        ("arch", ctypes.c_int32),
+        ("gpu", ctypes.c_char_p),
+        ("shape", ctypes.c_char_p),
+        ("tokens", ctypes.c_int32),
+    ]
+
+
+_LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_char_p, ctypes.c_void_p)
+
+_SIGNATURES = {
+    "opgraft_version": (ctypes.c_uint32, []),
+    "opgraft_version_string": (ctypes.c_char_p, []),
+    "opgraft_strerror": (ctypes.c_char_p, [ctypes.c_int32]),
+    "opgraft_status_name": (ctypes.c_char_p, [ctypes.c_int32]),
+    "opgraft_last_error": (ctypes.c_char_p, []),
+    "opgraft_set_log_callback": (None, [_LOG_FN, ctypes.c_void_p]),
+    "opgraft_add_library_dir": (ctypes.c_int32, [ctypes.c_char_p]),
+    "opgraft_runtime_query": (ctypes.c_int32, [ctypes.POINTER(RuntimeInfo)]),
+    "opgraft_cache_dir": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_tune_get": (
+        ctypes.c_int32,
+        [ctypes.POINTER(TuneQuery), ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_size_t],
+    ),
+    "opgraft_tune_reload": (None, []),
+    "opgraft_tune_keys": (ctypes.POINTER(ctypes.c_char_p), []),
+    "opgraft_moe_supports": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_moe_workspace_size": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.POINTER(ctypes.c_size_t)]),
+    "opgraft_moe_run": (
+        ctypes.c_int32,
+        [ctypes.POINTER(MoeArgs), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
+    ),
+    "opgraft_moe_reference": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.POINTER(ctypes.c_double)]),
+    "opgraft_moe_compile_report": (
+        ctypes.c_int32,
+        [ctypes.POINTER(MoeArgs), ctypes.c_int32, ctypes.POINTER(KernelInfo), ctypes.c_int32,
+         ctypes.POINTER(ctypes.c_int32)],
+    ),
+    "opgraft_stream_read": (
+        ctypes.c_int32,
+        [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p],
+    ),
+}
+
+
+class OpgraftError(RuntimeError):
+    """A libopgraft call failed; .status holds the C status code."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_log_cb = None
+
+
+def _candidates() -> list[str]:
+    env = os.environ.get("OPGRAFT_LIBRARY")
+    if env:
+        return [env]
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "libopgraft.so*")))
+    # A source checkout: the library built by `make` / cmake into build/.
+    root = os.path.dirname(os.path.dirname(here))
+    found += sorted(glob.glob(os.path.join(root, "build", "libopgraft.so*")))
+    return found
+
+
+def nvidia_library_dirs() -> list[str]:
+    """Library folders of pip's nvidia-* packages (they carry libnvrtc for torch)."""
+    dirs = []
+    for entry in sys.path:
+        for d in glob.glob(os.path.join(entry or ".", "nvidia", "*", "lib")):
+            if glob.glob(os.path.join(d, "libnvrtc.so*")) and d not in dirs:
+                dirs.append(d)
+    return dirs
+
+
+def _on_log(level: int, message: bytes, _ud) -> None:
+    text = message.decode(errors="replace")
+    logger.log(logging.WARNING if level >= 30 else logging.INFO if level >= 20 else logging.DEBUG, "%s", text)
+
+
+def lib() -> ctypes.CDLL:
+    """Loads libopgraft once; raises OpgraftError(ENOLIB) with the places tried."""
+    global _lib, _log_cb
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        tried = _candidates()
+        errors = []
+        handle = None
+        for path in tried:
+            try:
+                handle = ctypes.CDLL(path)
+                break
+            except OSError as e:
+                errors.append(f"{path}: {e}")
+        if handle is None:
+            raise OpgraftError(
+                ENOLIB,
+                "libopgraft not found (reinstall with `pip install opgraft`, or build it with `make` "
+                "in a source checkout, or set OPGRAFT_LIBRARY)" + ("; " + "; ".join(errors) if errors else ""),
+            )
+        for name, (res, args) in _SIGNATURES.items():
+            fn = getattr(handle, name)
+            fn.restype, fn.argtypes = res, args
+        for d in nvidia_library_dirs():
+            handle.opgraft_add_library_dir(d.encode())
+        _log_cb = _LOG_FN(_on_log)
+        handle.opgraft_set_log_callback(_log_cb, None)
+        _lib = handle
+        return handle
+
+
+def check(status: int) -> None:
+    if status != OK:
+        l = lib()
+        raise OpgraftError(status, f"{l.opgraft_status_name(status).decode()}: {l.opgraft_last_error().decode()}")
+
+
+def runtime_info() -> dict:
+    info = RuntimeInfo()
+    lib().opgraft_runtime_query(ctypes.byref(info))
+    return {
+        "nvrtc_path": info.nvrtc_path.decode(),
+        "nvrtc_version": info.nvrtc_version,
+        "nvrtc_error": info.nvrtc_error.decode(),
+        "libcuda_path": info.libcuda_path.decode(),
+        "driver_version": info.driver_version,
+        "libcuda_error": info.libcuda_error.decode(),
+    }
+
+
+def cache_dir() -> str:
+    buf = ctypes.create_string_buffer(1024)
+    check(lib().opgraft_cache_dir(buf, len(buf)))
+    return buf.value.decode()
+
+
+def tune_get(key: str, arch: int = 0, gpu: str | None = None, shape: str | None = None, tokens: int = 0):
+    """Returns (value, source) for a tunable key."""
+    q = TuneQuery(key.encode(), arch, gpu.encode() if gpu else None, shape.encode() if shape else None, tokens)
+    v = ctypes.c_int64()
+    src = ctypes.create_string_buffer(1100)
+    check(lib().opgraft_tune_get(ctypes.byref(q), ctypes.byref(v), src, len(src)))
+    return v.value, src.value.decode()
+
+
+def tune_keys() -> list[str]:
+    arr = lib().opgraft_tune_keys()
+    out, i = [], 0
+    while arr[i]:
+        out.append(arr[i].decode())
+        i += 1
+    return out

@@ -1,0 +1,248 @@
+"""MoE benchmark harness: opgraft's kernel against a baseline and an fp64 reference at a model's
+real dims, with the read ceiling measured in the same run.
+
+How a number is taken (see the project's measuring rules): CUDA-graph replays timed with events
+after warm-up, the median of many; each replay makes one call per routing of a rotating set of
+random routings, so consecutive calls touch different experts and L2 (60 MB on an H200) does not
+hold the weights; inputs are random, never zeros; outputs are poisoned before each check.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import statistics
+import subprocess
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .presets import MoeShape
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# ‖out − ref‖ / ‖ref‖ limits against the fp64 oracle: bf16 keeps 8 significant bits, fp16 11.
+TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3}
+
+
+@dataclass
+class Problem:
+    shape: MoeShape
+    dtype: str
+    x: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    routings: list = field(default_factory=list)  # [(topk_weights fp32, topk_ids int32)]
+
+
+def make_weights(shape: MoeShape, dtype: str, device, seed: int = 0):
+    """Random normal weights, std 1/sqrt(fan_in) so every stage stays O(1); filled a few experts at
+    a time so the fp32 draws never need the whole model's size."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = TORCH_DTYPES[dtype]
+    E, H, I = shape.num_experts, shape.hidden, shape.inter
+    w13 = torch.empty((E, 2 * I, H), dtype=dt, device=device)
+    w2 = torch.empty((E, H, I), dtype=dt, device=device)
+    step = max(1, (256 << 20) // (3 * I * H * 4))
+    for e in range(0, E, step):
+        n = min(step, E - e)
+        w13[e:e + n] = torch.randn((n, 2 * I, H), generator=g, device=device).mul_(H ** -0.5)
+        w2[e:e + n] = torch.randn((n, H, I), generator=g, device=device).mul_(I ** -0.5)
+    return w13, w2
+
+
+def make_routing(T: int, E: int, k: int, device, gen: torch.Generator, ids_dtype=torch.int32):
+    """k distinct experts per token and softmax-normalised fp32 weights, like a top-k router."""
+    scores = torch.rand((T, E), generator=gen, device=device)
+    ids = scores.topk(k, dim=1).indices.to(ids_dtype)
+    logits = torch.randn((T, k), generator=gen, device=device)
+    return torch.softmax(logits, dim=1).float(), ids
+
+
+def make_x(T: int, H: int, dtype: str, device, gen: torch.Generator):
+    return torch.randn((T, H), generator=gen, device=device, dtype=torch.float32).to(TORCH_DTYPES[dtype])
+
+
+def reference(x, w13, w2, tw, ids, apply_router_weight_on_input=False) -> torch.Tensor:
+    """fp64 oracle on the tensors' device, expert by expert."""
+    T, H = x.shape
+    I = w2.shape[2]
+    E = w13.shape[0]
+    out = torch.zeros((T, H), dtype=torch.float64, device=x.device)
+    xd = x.double()
+    idl = ids.long()
+    for e in torch.unique(idl).tolist():
+        if e < 0 or e >= E:
+            continue
+        t_idx, j_idx = (idl == e).nonzero(as_tuple=True)
+        w = tw[t_idx, j_idx].double()
+        xin = xd[t_idx] * (w[:, None] if apply_router_weight_on_input else 1.0)
+        h = xin @ w13[e].double().T
+        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        y = a @ w2[e].double().T
+        out.index_add_(0, t_idx, y * (1.0 if apply_router_weight_on_input else w[:, None]))
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    o = out.double()
+    if not torch.isfinite(o).all():
+        return float("inf")
+    return float((o - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def torch_baseline(x, w13, w2, tw, ids):
+    """Plain-torch experts (gather the routed experts' weights, batched matmuls): graph-capturable."""
+    T, H = x.shape
+    k = ids.shape[1]
+    I = w2.shape[2]
+    flat = ids.reshape(-1).long()
+    xs = x.repeat_interleave(k, dim=0).unsqueeze(2)  # [T*k, H, 1]
+    h = torch.bmm(w13[flat], xs)  # [T*k, 2I, 1]
+    a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+    y = torch.bmm(w2[flat], a).view(T, k, H)
+    return (y * tw.to(y.dtype).unsqueeze(2)).sum(1)
+
+
+def time_graph(step, calls_per_replay: int, reps: int = 30, warmup: int = 3) -> float:
+    """Median microseconds per call of `step` captured into a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside capture: compiles kernels, settles allocations
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls_per_replay)
+    return statistics.median(times)
+
+
+def measure_read_ceiling(device, gib: float = 4.0, reps: int = 20) -> float:
+    """TB/s of our 16-byte streaming-read kernel over a buffer far larger than L2."""
+    n = int(gib * (1 << 30)) // 16 * 16
+    buf = torch.randint(-(2 ** 31), 2 ** 31 - 1, (n // 4,), dtype=torch.int32, device=device)
+    sink = torch.zeros(4, dtype=torch.int32, device=device)
+    us = time_graph(lambda: ops.stream_read(buf, sink), 1, reps=reps)
+    del buf
+    return n / (us * 1e-6) / 1e12
+
+
+def gpu_facts() -> dict:
+    p = torch.cuda.get_device_properties(0)
+    try:
+        drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        drv = ""
+    return {"gpu": p.name, "arch": f"sm_{p.major}{p.minor}", "sms": p.multi_processor_count, "driver": drv,
+            "torch": torch.__version__}
+
+
+def commit_id() -> str:
+    env = os.environ.get("OPGRAFT_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              timeout=10, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def unique_expert_bytes(shape: MoeShape, routings, elem_bytes: int = 2) -> float:
+    """Mean over the routings of the bytes that must move: each used expert's weights once."""
+    counts = [int(torch.unique(ids[(ids >= 0) & (ids < shape.num_experts)]).numel()) for _, ids in routings]
+    return statistics.mean(counts) * shape.expert_bytes(elem_bytes)
+
+
+def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device="cuda", n_routings: int = 16,
+                reps: int = 30, ceiling_tbps: float | None = None, baseline: bool = True, progress=None,
+                w13=None, w2=None) -> list[dict]:
+    """Rows for one model shape at each token count: opgraft, the torch baseline, checked vs fp64."""
+    if w13 is None:
+        w13, w2 = make_weights(shape, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(1234)
+    facts = gpu_facts()
+    base = {"gpu": facts["gpu"], "arch": facts["arch"], "driver": facts["driver"], "torch": facts["torch"],
+            "commit": commit_id(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "model": shape.name, "E": shape.num_experts, "H": shape.hidden, "I": shape.inter, "top_k": shape.top_k,
+            "dtype": dtype}
+    rows = []
+    for T in tokens:
+        if progress:
+            progress(f"{shape.name} T={T}")
+        xs = [make_x(T, shape.hidden, dtype, device, gen) for _ in range(n_routings)]
+        routings = [make_routing(T, shape.num_experts, shape.top_k, device, gen) for _ in range(n_routings)]
+        nbytes = unique_expert_bytes(shape, routings)
+        ok, reason = ops.moe_supports(xs[0], w13, w2, *routings[0])
+        results = {}
+        # Correctness first: fresh inputs, poisoned outputs, against the fp64 oracle.
+        ref = reference(xs[0], w13, w2, *routings[0])
+        if ok:
+            out = torch.full((T, shape.hidden), float("nan"), dtype=xs[0].dtype, device=device)
+            ops.moe_experts_into(out, xs[0], w13, w2, *routings[0])
+            err = rel_err(out, ref)
+            again = torch.full_like(out, float("nan"))
+            ops.moe_experts_into(again, xs[0], w13, w2, *routings[0])
+            deterministic = bool(torch.equal(out, again))
+            outs = [torch.empty_like(out) for _ in range(n_routings)]
+            ws = torch.empty(1 << 24, dtype=torch.uint8, device=device)
+
+            def step():
+                for i in range(n_routings):
+                    ops.moe_experts_into(outs[i], xs[i], w13, w2, *routings[i], workspace=ws)
+
+            results["opgraft"] = (time_graph(step, n_routings, reps=reps), err, {"deterministic": deterministic})
+        gathered = T * shape.top_k * shape.expert_bytes()
+        if baseline and gathered <= (6 << 30):
+            bout = torch_baseline(xs[0], w13, w2, *routings[0])
+            berr = rel_err(bout, ref)
+
+            def bstep():
+                for i in range(n_routings):
+                    torch_baseline(xs[i], w13, w2, *routings[i])
+
+            results["torch-gather-bmm"] = (time_graph(bstep, n_routings, reps=max(5, reps // 3)), berr, {})
+        base_us = results.get("torch-gather-bmm", (None,))[0]
+        for impl, (us, err, extra) in results.items():
+            tbps = nbytes / (us * 1e-6) / 1e12
+            row = dict(base, tokens=T, impl=impl, median_us=round(us, 2), bytes=int(nbytes), tbps=round(tbps, 3),
+                       ceiling_tbps=round(ceiling_tbps, 3) if ceiling_tbps else None,
+                       fraction_of_ceiling=round(tbps / ceiling_tbps, 3) if ceiling_tbps else None,
+                       baseline_impl="torch-gather-bmm" if base_us else None,
+                       speedup_vs_baseline=round(base_us / us, 2) if base_us else None, rel_err=float(f"{err:.3g}"),
+                       tolerance=TOLERANCE[dtype], guard="take" if ok else f"delegate: {reason}")
+            row.update(extra)
+            rows.append(row)
+        if not ok:
+            rows.append(dict(base, tokens=T, impl="opgraft", median_us=None, bytes=int(nbytes),
+                             guard=f"delegate: {reason}"))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'model':<16} {'dt':<4} {'T':>3} {'impl':<17} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6} {'xbase':>6} {'relerr':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("median_us") is None:
+            lines.append(f"{r['model']:<16} {r['dtype']:<4} {r['tokens']:>3} {r['impl']:<17} {r.get('guard', '')}")
+            continue
+        frac = r.get("fraction_of_ceiling")
+        sp = r.get("speedup_vs_baseline")
+        lines.append(
+            f"{r['model']:<16} {r['dtype']:<4} {r['tokens']:>3} {r['impl']:<17} {r['median_us']:>9.1f} "
+            f"{r['bytes'] / 1e6:>8.1f} {r['tbps']:>6.2f} {(frac or 0) * 100:>5.1f}% "
+            f"{(sp if sp else 0):>6.2f} {r['rel_err']:>8.1e}")
+    return "\n".join(lines)

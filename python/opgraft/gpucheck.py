@@ -1,0 +1,139 @@
+"""GPU check: correctness of the MoE kernel against the fp64 oracles over odd cases, then the
+benchmark at real model dims with the read ceiling measured in the same run.
+
+    python -m opgraft.gpucheck [--quick] [--out DIR]
+
+Prints a short table last and writes moe_check.json and moe_bench.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from . import _lib, bench, ops
+from .presets import PRESETS, MoeShape
+
+
+def _case(name, shape, T, dtype="bf16", ids64=False, on_input=False, x_pad=0, out_pad=0, dup=False, invalid=False,
+          seed=0):
+    return dict(name=name, shape=shape, T=T, dtype=dtype, ids64=ids64, on_input=on_input, x_pad=x_pad,
+                out_pad=out_pad, dup=dup, invalid=invalid, seed=seed)
+
+
+def correctness_cases() -> list[dict]:
+    small = MoeShape("small", 16, 256, 128, 4)
+    odd = MoeShape("odd", 7, 96, 160, 3)
+    cases = []
+    for T in (1, 3, 8, 13, 16, 33, 64):
+        cases.append(_case(f"small T={T}", small, T))
+    cases += [
+        _case("fp16 T=5", small, 5, dtype="fp16"),
+        _case("fp16 T=40", small, 40, dtype="fp16"),
+        _case("int64 ids T=9", small, 9, ids64=True),
+        _case("router weight on input T=6", small, 6, on_input=True),
+        _case("strided x and out T=11", small, 11, x_pad=64, out_pad=32),
+        _case("duplicate expert in a row T=7", small, 7, dup=True),
+        _case("id -1 and E (not routed) T=4", small, 4, invalid=True),
+        _case("odd dims E=7 H=96 I=160 k=3 T=10", odd, 10),
+        _case("Qwen3-30B-A3B T=2", PRESETS["Qwen3-30B-A3B"], 2),
+    ]
+    return cases
+
+
+def run_case(c: dict, device="cuda") -> dict:
+    shape: MoeShape = c["shape"]
+    T, dtype = c["T"], c["dtype"]
+    gen = torch.Generator(device=device).manual_seed(100 + c["seed"])
+    w13, w2 = bench.make_weights(shape, dtype, device, seed=c["seed"])
+    tw, ids = bench.make_routing(T, shape.num_experts, shape.top_k, device, gen,
+                                 ids_dtype=torch.int64 if c["ids64"] else torch.int32)
+    if c["dup"]:
+        ids[:, 1] = ids[:, 0]
+    if c["invalid"]:
+        ids[0, 0] = -1
+        ids[-1, -1] = shape.num_experts
+    xfull = bench.make_x(T, shape.hidden + c["x_pad"], dtype, device, gen)
+    x = xfull[:, : shape.hidden]
+    ofull = torch.full((T, shape.hidden + c["out_pad"]), float("nan"), dtype=x.dtype, device=device)
+    out = ofull[:, : shape.hidden]
+    ok, reason = ops.moe_supports(x, w13, w2, tw, ids, c["on_input"])
+    res = {k: v for k, v in c.items() if k != "shape"}
+    res.update(shape=shape.as_dict(), supported=ok, reason=reason)
+    if not ok:
+        res.update(passed=False)
+        return res
+    ops.moe_experts_into(out, x, w13, w2, tw, ids, c["on_input"])
+    ref = bench.reference(x, w13, w2, tw, ids, c["on_input"])
+    err = bench.rel_err(out, ref)
+    pad_ok = bool(torch.isnan(ofull[:, shape.hidden:]).all()) if c["out_pad"] else True
+    again = torch.full_like(out, float("nan"))
+    ops.moe_experts_into(again, x, w13, w2, tw, ids, c["on_input"])
+    det = bool(torch.equal(out, again))
+    tol = bench.TOLERANCE[dtype]
+    res.update(rel_err=err, tolerance=tol, deterministic=det, padding_untouched=pad_ok)
+    if shape.hidden * shape.inter * shape.num_experts <= 16 * 256 * 256 and T <= 16:
+        cref = ops.moe_reference_cpu(x, w13, w2, tw, ids, c["on_input"])
+        res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm())
+    res["passed"] = bool(err <= tol and det and pad_ok and res.get("c_oracle_vs_torch_fp64", 0) < 1e-9)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m opgraft.gpucheck")
+    ap.add_argument("--quick", action="store_true", help="correctness only, no benchmark")
+    ap.add_argument("--presets", default="Qwen3-30B-A3B,Mixtral-8x7B,Kimi-K2,Qwen3-235B-A22B")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--dtypes", default="bf16")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: the GPU check needs one", file=sys.stderr)
+        return 2
+    torch.cuda.init()
+    # The check covers the kernel's whole range; the shipped delegation threshold is a tunable.
+    os.environ.setdefault("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64")
+    os.makedirs(args.out, exist_ok=True)
+    facts = bench.gpu_facts()
+    print("device:", facts, flush=True)
+    print("runtime:", _lib.runtime_info(), flush=True)
+
+    t0 = time.time()
+    checks = [run_case(c) for c in correctness_cases()]
+    for r in checks:
+        print(f"  {'PASS' if r['passed'] else 'FAIL'} {r['name']:<40} rel_err={r.get('rel_err', float('nan')):.2e} "
+              f"det={r.get('deterministic')} {r.get('reason', '')}", flush=True)
+    with open(os.path.join(args.out, "moe_check.json"), "w") as f:
+        json.dump({"device": facts, "cases": checks}, f, indent=1, default=str)
+    failed = [r for r in checks if not r["passed"]]
+    print(f"correctness: {len(checks) - len(failed)} passed, {len(failed)} failed ({time.time() - t0:.0f} s)",
+          flush=True)
+    if args.quick:
+        return 1 if failed else 0
+
+    ceiling = bench.measure_read_ceiling("cuda")
+    print(f"read ceiling (stream_read, 4 GiB): {ceiling:.3f} TB/s", flush=True)
+    rows = []
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for name in args.presets.split(","):
+        shape = PRESETS[name]
+        for dtype in args.dtypes.split(","):
+            w13, w2 = bench.make_weights(shape, dtype, "cuda")
+            rows += bench.bench_shape(shape, tokens, dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
+                                      progress=lambda m: print("  bench", m, flush=True))
+            del w13, w2
+            torch.cuda.empty_cache()
+            with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
+                json.dump({"device": facts, "ceiling_tbps": ceiling, "rows": rows}, f, indent=1)
+    print(bench.format_table(rows))
+    print(f"read ceiling {ceiling:.3f} TB/s; correctness {len(checks) - len(failed)}/{len(checks)} passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""MoE dims of public models (from each model's config.json on its public model card), and a reader
+for any Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    name: str
+    num_experts: int  # E
+    hidden: int  # H
+    inter: int  # I (per expert, moe_intermediate_size)
+    top_k: int  # k
+
+    def expert_bytes(self, elem_bytes: int = 2) -> int:
+        """Bytes of one expert's weights: w13 [2I, H] and w2 [H, I]."""
+        return 3 * self.inter * self.hidden * elem_bytes
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# config.json fields: num_experts / num_local_experts / n_routed_experts, hidden_size,
+# moe_intermediate_size (or intermediate_size for Mixtral), num_experts_per_tok.
+PRESETS = {
+    p.name: p
+    for p in [
+        MoeShape("Qwen3-30B-A3B", 128, 2048, 768, 8),
+        MoeShape("Qwen3-235B-A22B", 128, 4096, 1536, 8),
+        MoeShape("Mixtral-8x7B", 8, 4096, 14336, 2),
+        MoeShape("Mixtral-8x22B", 8, 6144, 16384, 2),
+        MoeShape("DeepSeek-V3", 256, 7168, 2048, 8),
+        MoeShape("Kimi-K2", 384, 7168, 2048, 8),
+        MoeShape("OLMoE-1B-7B", 64, 2048, 1024, 8),
+    ]
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _first(cfg: dict, keys: tuple[str, ...]):
+    for k in keys:
+        if k in cfg and cfg[k] is not None:
+            return cfg[k]
+    return None
+
+
+def from_config(cfg: dict, name: str = "config") -> MoeShape:
+    """MoE dims from a Hugging Face config dict (text_config is looked into for multimodal models)."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{name}: the top level must be a JSON object")
+    if isinstance(cfg.get("text_config"), dict):
+        merged = dict(cfg["text_config"])
+        merged.setdefault("architectures", cfg.get("architectures"))
+        cfg = merged
+    fields = {
+        "num_experts": _first(cfg, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
+        "hidden": _first(cfg, ("hidden_size", "d_model")),
+        "inter": _first(cfg, ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")),
+        "top_k": _first(cfg, ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token")),
+    }
+    missing = [k for k, v in fields.items() if v is None]
+    if missing:
+        raise ConfigError(f"{name}: not a MoE config (missing {', '.join(missing)})")
+    for k, v in fields.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{name}: {k} must be a positive integer, got {v!r}")
+    if fields["top_k"] > fields["num_experts"]:
+        raise ConfigError(f"{name}: num_experts_per_tok {fields['top_k']} > {fields['num_experts']} experts")
+    label = (cfg.get("architectures") or [name])[0] if isinstance(cfg.get("architectures"), list) else name
+    return MoeShape(str(label), fields["num_experts"], fields["hidden"], fields["inter"], fields["top_k"])
+
+
+def resolve(model: str) -> MoeShape:
+    """A preset name (case-insensitive) or the path of a config.json."""
+    for name, shape in PRESETS.items():
+        if name.lower() == model.lower():
+            return shape
+    if model.endswith(".json") or "/" in model:
+        try:
+            with open(model, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"{model}: cannot read ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{model}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return from_config(cfg, model)
+    raise ConfigError(f"unknown model {model!r}: use one of {', '.join(PRESETS)} or a config.json path")
