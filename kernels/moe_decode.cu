@@ -12,11 +12,15 @@
 //
 // Compile-time constants (-D): OG_DTYPE (1 bf16, 2 fp16), OG_IDS64, OG_H, OG_I, OG_E, OG_K,
 // OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
-// block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input).
+// block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
+// OG_PDL (programmatic dependent launch between the two kernels, sm_90+).
 #include "og_common.cuh"
 #include "moe_params.h"
 
 #define OG_FULL 0xffffffffu
+#ifndef OG_PDL
+#define OG_PDL 0
+#endif
 #define OG_EWORDS ((OG_E + 31) / 32)
 #define OG_MAXPAIRS (8 * OG_NT * OG_K)
 #define OG_PMAX (8 * OG_NT)
@@ -88,6 +92,11 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32)
   const int tiles = OG_I / 16;
   const int u = blockIdx.x / tiles, tile = blockIdx.x - u * tiles;
 
+#if OG_PDL
+  // The down kernel may be scheduled now; it waits (griddepcontrol.wait) for this grid to finish
+  // before it reads act, and prefetches its first weights meanwhile.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   if (threadIdx.x == 0) s_expert = -1;
   og_load_routing(p, nk, s_ids, s_bits);
   if (warp == 0) {
@@ -232,6 +241,25 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32)
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
 
+#if OG_PDL
+  // Overlap the gate_up kernel's tail: pull this warp's first two work items into L2, then wait
+  // for gate_up to complete (its act writes are visible after the wait).
+  for (int it = warp, n = 0; it < items && n < 2; it += OG_W2, ++n) {
+    const int uu = it / nchunks, ch = it - uu * nchunks;
+    const char *w = (const char *)p.w2 +
+                    2 * (s_experts[uu] * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
+#pragma unroll
+    for (int q = 0; q < OG_U2; ++q) {
+      const int s = ch * OG_U2 + q;
+      if (steps % OG_U2 == 0 || s < steps) {
+        const long long off = 2 * (long long)(s * 32 + c * 8);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + off));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + row8 + off));
+      }
+    }
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   int cur_u = -1;
   const char *wrow = 0;
   // For each token tile: the workspace rows of this lane's token for the current expert (the

@@ -44,6 +44,7 @@ typedef struct og_CUstream_st *og_CUstream;
 typedef int og_nvrtcResult;
 typedef struct og_nvrtcProgram_st *og_nvrtcProgram;
 
+struct og_CUlaunchConfig;
 typedef struct og_cuda_api {
   og_CUresult (*cuInit)(unsigned int);
   og_CUresult (*cuDriverGetVersion)(int *);
@@ -56,7 +57,26 @@ typedef struct og_cuda_api {
   og_CUresult (*cuLaunchKernel)(og_CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                                 unsigned, unsigned, og_CUstream, void **, void **);
   og_CUresult (*cuGetErrorString)(og_CUresult, const char **);
+  og_CUresult (*cuLaunchKernelEx)(const struct og_CUlaunchConfig *, og_CUfunction, void **, void **);
 } og_cuda_api;
+
+/* CUlaunchAttribute / CUlaunchConfig as documented in the driver API (cuda.h, CUDA 12 and 13). */
+typedef struct og_CUlaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    int programmatic_stream_serialization_allowed;
+    void *align;
+  } value;
+} og_CUlaunchAttribute;
+enum { OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
+typedef struct og_CUlaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+  og_CUstream stream;
+  og_CUlaunchAttribute *attrs;
+  unsigned num_attrs;
+} og_CUlaunchConfig;
 
 typedef struct og_nvrtc_api {
   og_nvrtcResult (*nvrtcVersion)(int *, int *);

@@ -33,7 +33,7 @@ static void shape_key(const opgraft_moe_args *a, char *buf, size_t len) {
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 typedef struct og_moe_cfg {
-  int nt, w1, u1, w2, u2;
+  int nt, w1, u1, w2, u2, pdl;
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
@@ -48,6 +48,8 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->u1 = (int)opgraft__tune_value("moe.gate_up.unroll", arch, gpu, shape, T);
   c->w2 = (int)opgraft__tune_value("moe.down.warps", arch, gpu, shape, T);
   c->u2 = (int)opgraft__tune_value("moe.down.unroll", arch, gpu, shape, T);
+  /* Programmatic dependent launch (griddepcontrol) exists from sm_90 on. */
+  c->pdl = arch >= 90 && opgraft__tune_value("moe.pdl", arch, gpu, shape, T) != 0;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   while (c->u1 > 1 && c->u1 * (4 + c->nt) > 24) c->u1--; /* 16-byte operands per k-step group */
@@ -159,6 +161,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_W2=%d", c->w2);
   OG_OPT("-DOG_U2=%d", c->u2);
   OG_OPT("-DOG_ON_INPUT=%d", a->apply_router_weight_on_input ? 1 : 0);
+  OG_OPT("-DOG_PDL=%d", c->pdl);
 #undef OG_OPT
   return n;
 }
@@ -189,8 +192,11 @@ static int plan_matches(const og_plan *p, const og_plan *q) {
          p->T == q->T && p->H == q->H && p->I == q->I && p->E == q->E && p->k == q->k;
 }
 
-int32_t opgraft_moe_run(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream) {
+int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream,
+                               uint32_t stages) {
   char reason[256];
+  if (stages == 0 || (stages & ~(uint32_t)OPGRAFT_MOE_STAGE_ALL))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_run_stages: bad stage mask %u", stages);
   const og_cuda_api *cu = opgraft__cuda();
   if (!cu) return OPGRAFT_ENOLIB;
   og_CUcontext ctx = NULL;
@@ -265,13 +271,27 @@ int32_t opgraft_moe_run(const opgraft_moe_args *a, void *workspace, size_t works
   const unsigned grid1 = (unsigned)(used_max * (a->inter / 16));
   const unsigned grid2 = (unsigned)(a->hidden / 16);
   og_CUstream s = (og_CUstream)stream;
-  if ((st = opgraft__cu_check(cu->cuLaunchKernel(plan.fn[0], grid1, 1, 1, 32u * (unsigned)plan.cfg.w1, 1, 1, 0, s,
+  if ((stages & OPGRAFT_MOE_STAGE_GATE_UP) &&
+      (st = opgraft__cu_check(cu->cuLaunchKernel(plan.fn[0], grid1, 1, 1, 32u * (unsigned)plan.cfg.w1, 1, 1, 0, s,
                                                  params, NULL),
                               "launch moe_gate_up")))
     return st;
+  if (!(stages & OPGRAFT_MOE_STAGE_DOWN)) return OPGRAFT_OK;
+  og_CUlaunchAttribute attr;
+  memset(&attr, 0, sizeof attr);
+  attr.id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmatic_stream_serialization_allowed = 1;
+  og_CUlaunchConfig lc = {grid2, 1, 1, 32u * (unsigned)plan.cfg.w2, 1, 1, 0, s, &attr, 1};
+  /* With PDL the down kernel is compiled to wait for gate_up itself (griddepcontrol.wait). */
+  if (plan.cfg.pdl && (stages & OPGRAFT_MOE_STAGE_GATE_UP))
+    return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan.fn[1], params, NULL), "launch moe_down (PDL)");
   return opgraft__cu_check(
       cu->cuLaunchKernel(plan.fn[1], grid2, 1, 1, 32u * (unsigned)plan.cfg.w2, 1, 1, 0, s, params, NULL),
       "launch moe_down");
+}
+
+int32_t opgraft_moe_run(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream) {
+  return opgraft_moe_run_stages(a, workspace, workspace_bytes, stream, OPGRAFT_MOE_STAGE_ALL);
 }
 
 int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgraft_kernel_info *out,

@@ -69,7 +69,7 @@ static void *open_lib(const char *path, char *where, size_t where_len) {
 static const char *const cuda_names[] = {
     "cuInit",          "cuDriverGetVersion",  "cuCtxGetCurrent", "cuCtxGetDevice",
     "cuDeviceGetAttribute", "cuDeviceGetName", "cuModuleLoadData", "cuModuleGetFunction",
-    "cuLaunchKernel",  "cuGetErrorString",
+    "cuLaunchKernel",  "cuGetErrorString", "cuLaunchKernelEx",
 };
 
 static void load_cuda_locked(void) {

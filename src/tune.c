@@ -29,6 +29,7 @@ static const og_tunable tunables[] = {
     {"moe.gate_up.unroll", 1, 8, 4},
     {"moe.down.warps", 1, 16, 8},
     {"moe.down.unroll", 1, 8, 4},
+    {"moe.pdl", 0, 1, 0},
 };
 #define OG_NTUNABLES ((int)(sizeof tunables / sizeof *tunables))
 

@@ -186,6 +186,16 @@ OPGRAFT_EXTERN int32_t opgraft_moe_workspace_size(const opgraft_moe_args *args, 
 OPGRAFT_EXTERN int32_t opgraft_moe_run(const opgraft_moe_args *args, void *workspace,
                                        size_t workspace_bytes, void *stream);
 
+/* Runs only some of the kernels behind opgraft_moe_run, for profiling the time split: stages is
+ * a mask of OPGRAFT_MOE_STAGE_*. The output is complete only with OPGRAFT_MOE_STAGE_ALL. */
+enum {
+  OPGRAFT_MOE_STAGE_GATE_UP = 1, /* act = w * silu(G x) * U x into the workspace */
+  OPGRAFT_MOE_STAGE_DOWN = 2,    /* out = sum over experts of W2 act */
+  OPGRAFT_MOE_STAGE_ALL = 3,
+};
+OPGRAFT_EXTERN int32_t opgraft_moe_run_stages(const opgraft_moe_args *args, void *workspace,
+                                              size_t workspace_bytes, void *stream, uint32_t stages);
+
 /* CPU oracle: the same function in fp64 on host pointers. Writes out_f64 ([T, H], contiguous) when
  * it is not NULL; otherwise rounds to args->dtype into args->out. */
 OPGRAFT_EXTERN int32_t opgraft_moe_reference(const opgraft_moe_args *args, double *out_f64);

@@ -108,6 +108,10 @@ _SIGNATURES = {
         ctypes.c_int32,
         [ctypes.POINTER(MoeArgs), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
     ),
+    "opgraft_moe_run_stages": (
+        ctypes.c_int32,
+        [ctypes.POINTER(MoeArgs), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32],
+    ),
     "opgraft_moe_reference": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.POINTER(ctypes.c_double)]),
     "opgraft_moe_compile_report": (
         ctypes.c_int32,

@@ -86,9 +86,13 @@ def moe_workspace_bytes(a: _lib.MoeArgs) -> int:
     return n.value
 
 
+STAGE_GATE_UP, STAGE_DOWN, STAGE_ALL = 1, 2, 3
+
+
 def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
-                     workspace=None):
-    """Runs the kernel into out ([T, H], the hidden dtype). Raises OpgraftError if unsupported."""
+                     workspace=None, stages: int = STAGE_ALL):
+    """Runs the kernel into out ([T, H], the hidden dtype). Raises OpgraftError if unsupported.
+    stages selects a part of the computation for profiling (the output is then incomplete)."""
     a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input)
     if a.dtype == -1:
         raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensor shapes or devices are not those of fused_experts")
@@ -96,7 +100,7 @@ def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_
     if workspace is None or workspace.numel() * workspace.element_size() < need:
         workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device)
     stream = torch.cuda.current_stream(hidden.device).cuda_stream
-    _lib.check(_lib.lib().opgraft_moe_run(ctypes.byref(a), workspace.data_ptr(), need, stream))
+    _lib.check(_lib.lib().opgraft_moe_run_stages(ctypes.byref(a), workspace.data_ptr(), need, stream, stages))
     return out
 
 

@@ -1,0 +1,120 @@
+"""Measures the MoE kernels' time split and sweeps their tunables at one shape (GPU only).
+
+    python -m opgraft.sweep --model Mixtral-8x7B --tokens 1,8 [--grid] [--json FILE]
+
+Each configuration is set through the tunables' environment variables, re-resolved with
+opgraft_tune_reload(), checked against the fp64 oracle, then timed (CUDA-graph replays, rotating
+routings) for the gate/up stage alone, the down stage alone, and both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+from . import _lib, bench, ops
+from .presets import resolve
+
+_KEYS = ["moe.gate_up.warps", "moe.gate_up.unroll", "moe.down.warps", "moe.down.unroll", "moe.pdl"]
+
+
+def env_name(key: str) -> str:
+    return "OPGRAFT_TUNE_" + key.upper().replace(".", "_")
+
+
+def apply_config(cfg: dict) -> None:
+    for k in _KEYS:
+        os.environ.pop(env_name(k), None)
+    for k, v in cfg.items():
+        os.environ[env_name(k)] = str(v)
+    _lib.lib().opgraft_tune_reload()
+
+
+class Fixture:
+    """Weights, routings and buffers of one (shape, T, dtype)."""
+
+    def __init__(self, shape, T, dtype="bf16", n_routings=16, w13=None, w2=None):
+        self.shape, self.T, self.dtype = shape, T, dtype
+        if w13 is None:
+            w13, w2 = bench.make_weights(shape, dtype, "cuda")
+        self.w13, self.w2 = w13, w2
+        gen = torch.Generator(device="cuda").manual_seed(77 + T)
+        self.xs = [bench.make_x(T, shape.hidden, dtype, "cuda", gen) for _ in range(n_routings)]
+        self.routings = [bench.make_routing(T, shape.num_experts, shape.top_k, "cuda", gen) for _ in range(n_routings)]
+        self.outs = [torch.empty_like(x) for x in self.xs]
+        self.ws = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
+        self.ref = bench.reference(self.xs[0], w13, w2, *self.routings[0])
+        self.bytes = bench.unique_expert_bytes(shape, self.routings)
+
+    def check(self) -> float:
+        out = torch.full_like(self.xs[0], float("nan"))
+        ops.moe_experts_into(out, self.xs[0], self.w13, self.w2, *self.routings[0], workspace=self.ws)
+        return bench.rel_err(out, self.ref)
+
+    def time(self, stages=ops.STAGE_ALL, reps=30) -> float:
+        n = len(self.xs)
+
+        def step():
+            for i in range(n):
+                ops.moe_experts_into(self.outs[i], self.xs[i], self.w13, self.w2, *self.routings[i],
+                                     workspace=self.ws, stages=stages)
+
+        return bench.time_graph(step, n, reps=reps)
+
+
+def measure(fx: Fixture, cfg: dict, stages_all=True) -> dict:
+    apply_config(cfg)
+    err = fx.check()
+    r = {"config": dict(cfg), "rel_err": err, "ok": err <= bench.TOLERANCE[fx.dtype]}
+    if not r["ok"]:
+        return r
+    r["all_us"] = fx.time(ops.STAGE_ALL)
+    if stages_all:
+        r["gate_up_us"] = fx.time(ops.STAGE_GATE_UP)
+        r["down_us"] = fx.time(ops.STAGE_DOWN)
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m opgraft.sweep")
+    ap.add_argument("--model", default="Mixtral-8x7B")
+    ap.add_argument("--tokens", default="1")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--grid", action="store_true", help="sweep warps x unroll of each stage")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    shape = resolve(args.model)
+    ceiling = bench.measure_read_ceiling("cuda")
+    w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
+    results = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
+        rows = [measure(fx, {}), measure(fx, {"moe.pdl": 1}, stages_all=False)]
+        if args.grid:
+            for w, u in itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8]):
+                r = measure(fx, {"moe.gate_up.warps": w, "moe.gate_up.unroll": u}, stages_all=True)
+                rows.append(r)
+            for w, u in itertools.product([2, 4, 8, 16], [1, 2, 4, 8]):
+                rows.append(measure(fx, {"moe.down.warps": w, "moe.down.unroll": u}, stages_all=True))
+        for r in rows:
+            r.update(model=shape.name, tokens=T, bytes=fx.bytes, ceiling_tbps=ceiling)
+            if r.get("all_us"):
+                r["fraction_of_ceiling"] = fx.bytes / (r["all_us"] * 1e-6) / 1e12 / ceiling
+            print(f"{shape.name} T={T} {r['config']} all={r.get('all_us', 0):.1f} gate_up={r.get('gate_up_us', 0):.1f} "
+                  f"down={r.get('down_us', 0):.1f} frac={r.get('fraction_of_ceiling', 0):.3f} err={r['rel_err']:.1e}",
+                  flush=True)
+        results += rows
+    apply_config({})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": bench.gpu_facts(), "ceiling_tbps": ceiling, "rows": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
