@@ -7,7 +7,7 @@ cmake -S . -B build -DOPGRAFT_BUILD_TESTS=OFF >/dev/null && cmake --build build 
 export PYTHONPATH=python PYTHONUNBUFFERED=1 OPGRAFT_CACHE_DIR=/tmp/ogcache
 for spec in "$@"; do
   model=${spec%%:*}; tokens=${spec#*:}
-  python3 -m opgraft.sweep --model "$model" --tokens "$tokens" --grid --json "$OUT/sweep-$model.json" 2>&1 | tee -a "$OUT/sweep.log" | grep -v "^\s*$"
+  python3 -m opgraft.sweep --model "$model" --tokens "$tokens" ${SWEEP_ARGS:---grid} --json "$OUT/sweep-$model.json" 2>&1 | tee -a "$OUT/sweep.log" | grep -vE "^\s*$|round"
 done
 if command -v ncu >/dev/null && [ -n "${NCU_SPEC:-}" ]; then
   ncu --clock-control none --kernel-name regex:moe_ --launch-skip 2 --launch-count 2 \

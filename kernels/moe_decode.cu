@@ -13,13 +13,17 @@
 // Compile-time constants (-D): OG_DTYPE (1 bf16, 2 fp16), OG_IDS64, OG_H, OG_I, OG_E, OG_K,
 // OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
 // block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
-// OG_PDL (programmatic dependent launch between the two kernels, sm_90+).
+// OG_PDL (programmatic dependent launch between the two kernels, sm_90+), OG_PREFETCH (L2
+// prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size hint, og_common.cuh).
 #include "og_common.cuh"
 #include "moe_params.h"
 
 #define OG_FULL 0xffffffffu
 #ifndef OG_PDL
 #define OG_PDL 0
+#endif
+#ifndef OG_PREFETCH
+#define OG_PREFETCH 0
 #endif
 #define OG_EWORDS ((OG_E + 31) / 32)
 #define OG_MAXPAIRS (8 * OG_NT * OG_K)
@@ -144,6 +148,18 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32)
       for (int q = 0; q < 4; ++q) acc_g[nt][q] = acc_u[nt][q] = 0.f;
 
     for (int s0 = warp * OG_U1; s0 < steps; s0 += OG_W1 * OG_U1) {
+#if OG_PREFETCH
+      {  // L2 prefetch of this lane's rows OG_PREFETCH iterations ahead
+        const int sp = s0 + OG_PREFETCH * OG_W1 * OG_U1;
+        if (sp < steps) {
+          const long long off = 2 * (long long)(sp * 32 + c * 8);
+          og_prefetch_l2(wg + off);
+          og_prefetch_l2(wg + row8 + off);
+          og_prefetch_l2(wg + up_off + off);
+          og_prefetch_l2(wg + up_off + row8 + off);
+        }
+      }
+#endif
       og_vec4 ag[OG_U1], ag8[OG_U1], au[OG_U1], au8[OG_U1], bx[OG_U1][OG_NT];
 #pragma unroll
       for (int q = 0; q < OG_U1; ++q) {
@@ -288,6 +304,20 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32)
         }
       }
     }
+#if OG_PREFETCH
+    {  // L2 prefetch of the work item OG_PREFETCH items ahead
+      const int ip = it + OG_PREFETCH * OG_W2;
+      if (ip < items) {
+        const int up = ip / nchunks, cp = ip - up * nchunks, sp = cp * OG_U2;
+        if (sp < steps) {
+          const char *w = (const char *)p.w2 + 2 * (s_experts[up] * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
+          const long long off = 2 * (long long)(sp * 32 + c * 8);
+          og_prefetch_l2(w + off);
+          og_prefetch_l2(w + row8 + off);
+        }
+      }
+    }
+#endif
     og_vec4 a[OG_U2], a8[OG_U2], b[OG_U2][OG_NT];
 #pragma unroll
     for (int q = 0; q < OG_U2; ++q) {

@@ -11,23 +11,40 @@ struct __align__(16) og_vec4 {
 
 // Streaming 16-byte load for data read exactly once (expert weights): read-only path, not kept in
 // L1, and (OG_EVICT_FIRST) marked first for eviction from L2 so the re-read operands stay there.
+// OG_L2_FETCH (0, 128 or 256) asks L2 to fetch that many bytes around each miss: a lane reads 64
+// contiguous bytes of a row per instruction, so a larger fetch turns the next steps into hits.
 #ifndef OG_EVICT_FIRST
 #define OG_EVICT_FIRST 1
+#endif
+#ifndef OG_L2_FETCH
+#define OG_L2_FETCH 0
+#endif
+#if OG_L2_FETCH == 256
+#define OG_L2_FETCH_Q ".L2::256B"
+#elif OG_L2_FETCH == 128
+#define OG_L2_FETCH_Q ".L2::128B"
+#else
+#define OG_L2_FETCH_Q ""
 #endif
 __device__ __forceinline__ og_vec4 og_load_stream(const void *p) {
   og_vec4 v;
 #if OG_EVICT_FIRST
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint" OG_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p), "l"(policy));
 #else
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm("ld.global.nc.L1::no_allocate" OG_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
 #endif
   return v;
+}
+
+// Asks L2 to start fetching a line that this thread will load a few iterations later.
+__device__ __forceinline__ void og_prefetch_l2(const void *p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // 16-byte load for small operands that many blocks read again (activations).

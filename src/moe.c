@@ -33,7 +33,7 @@ static void shape_key(const opgraft_moe_args *a, char *buf, size_t len) {
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 typedef struct og_moe_cfg {
-  int nt, w1, u1, w2, u2, pdl;
+  int nt, w1, u1, w2, u2, pdl, prefetch, l2_fetch;
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
@@ -50,6 +50,9 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->u2 = (int)opgraft__tune_value("moe.down.unroll", arch, gpu, shape, T);
   /* Programmatic dependent launch (griddepcontrol) exists from sm_90 on. */
   c->pdl = arch >= 90 && opgraft__tune_value("moe.pdl", arch, gpu, shape, T) != 0;
+  c->prefetch = (int)opgraft__tune_value("moe.prefetch", arch, gpu, shape, T);
+  const int64_t f = opgraft__tune_value("moe.l2_fetch", arch, gpu, shape, T);
+  c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   while (c->u1 > 1 && c->u1 * (4 + c->nt) > 24) c->u1--; /* 16-byte operands per k-step group */
@@ -162,6 +165,8 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_U2=%d", c->u2);
   OG_OPT("-DOG_ON_INPUT=%d", a->apply_router_weight_on_input ? 1 : 0);
   OG_OPT("-DOG_PDL=%d", c->pdl);
+  OG_OPT("-DOG_PREFETCH=%d", c->prefetch);
+  OG_OPT("-DOG_L2_FETCH=%d", c->l2_fetch);
 #undef OG_OPT
   return n;
 }
@@ -237,8 +242,8 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     plan = key;
     plan.arch = arch;
     moe_config(a, arch, gpu[0] ? gpu : NULL, &plan.cfg);
-    char buf[16][48];
-    const char *opts[16];
+    char buf[20][48];
+    const char *opts[20];
     const int nopts = moe_options(a, &plan.cfg, buf, opts);
     char names[2][64];
     fn_names(a, names);
@@ -305,8 +310,8 @@ int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgr
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "shape outside the kernel's limits");
   og_moe_cfg cfg;
   moe_config(a, arch, a->gpu_name, &cfg);
-  char buf[16][48];
-  const char *opts[16];
+  char buf[20][48];
+  const char *opts[20];
   const int nopts = moe_options(a, &cfg, buf, opts);
   og_cubin cub;
   int32_t st = opgraft__compile("moe_decode.cu", opts, nopts, arch, &cub);

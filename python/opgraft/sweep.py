@@ -20,7 +20,9 @@ import torch
 from . import _lib, bench, ops
 from .presets import resolve
 
-_KEYS = ["moe.gate_up.warps", "moe.gate_up.unroll", "moe.down.warps", "moe.down.unroll", "moe.pdl"]
+from .tune import MOE_SPACE, coordinate_descent
+
+_KEYS = list(MOE_SPACE)
 
 
 def env_name(key: str) -> str:
@@ -86,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--grid", action="store_true", help="sweep warps x unroll of each stage")
+    ap.add_argument("--descent", action="store_true", help="coordinate descent over all tunables")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     shape = resolve(args.model)
@@ -101,11 +104,24 @@ def main(argv=None) -> int:
                 rows.append(r)
             for w, u in itertools.product([2, 4, 8, 16], [1, 2, 4, 8]):
                 rows.append(measure(fx, {"moe.down.warps": w, "moe.down.unroll": u}, stages_all=True))
+        if args.descent:
+            start = {k: _lib.tune_get(k, 90, None, None, T)[0] for k in MOE_SPACE}
+
+            def cost(cfg):
+                r = measure(fx, cfg, stages_all=False)
+                rows.append(r)
+                return r["all_us"] if r["ok"] else float("inf")
+
+            best, best_us, _ = coordinate_descent(cost, MOE_SPACE, start,
+                                                  progress=lambda m: print(f"  {shape.name} T={T} {m}", flush=True))
+            r = measure(fx, best)
+            r["best"] = True
+            rows.append(r)
         for r in rows:
             r.update(model=shape.name, tokens=T, bytes=fx.bytes, ceiling_tbps=ceiling)
             if r.get("all_us"):
                 r["fraction_of_ceiling"] = fx.bytes / (r["all_us"] * 1e-6) / 1e12 / ceiling
-            print(f"{shape.name} T={T} {r['config']} all={r.get('all_us', 0):.1f} gate_up={r.get('gate_up_us', 0):.1f} "
+            print(f"{'BEST ' if r.get('best') else ''}{shape.name} T={T} {r['config']} all={r.get('all_us', 0):.1f} gate_up={r.get('gate_up_us', 0):.1f} "
                   f"down={r.get('down_us', 0):.1f} frac={r.get('fraction_of_ceiling', 0):.3f} err={r['rel_err']:.1e}",
                   flush=True)
         results += rows
