@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--grid", action="store_true", help="sweep warps x unroll of each stage")
     ap.add_argument("--descent", action="store_true", help="coordinate descent over all tunables")
+    ap.add_argument("--start", default=None, help="JSON object: the descent's starting configuration")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     shape = resolve(args.model)
@@ -105,14 +107,16 @@ def main(argv=None) -> int:
             for w, u in itertools.product([2, 4, 8, 16], [1, 2, 4, 8]):
                 rows.append(measure(fx, {"moe.down.warps": w, "moe.down.unroll": u}, stages_all=True))
         if args.descent:
+            apply_config({})
             start = {k: _lib.tune_get(k, 90, None, None, T)[0] for k in MOE_SPACE}
+            start.update(json.loads(args.start) if args.start else {})
 
             def cost(cfg):
                 r = measure(fx, cfg, stages_all=False)
                 rows.append(r)
                 return r["all_us"] if r["ok"] else float("inf")
 
-            best, best_us, _ = coordinate_descent(cost, MOE_SPACE, start,
+            best, best_us, _ = coordinate_descent(cost, MOE_SPACE, start, rounds=args.rounds,
                                                   progress=lambda m: print(f"  {shape.name} T={T} {m}", flush=True))
             r = measure(fx, best)
             r["best"] = True
