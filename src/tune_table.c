@@ -4,11 +4,23 @@
 
 const og_tune_entry opgraft__baked_table[] = {
     /* BEGIN TUNED ROWS */
-    {0, NULL, NULL, 0, 0, "moe.max_tokens", 8, "initial guess before measurement"},
-    {0, NULL, NULL, 0, 0, "moe.gate_up.warps", 4, "initial guess before measurement"},
-    {0, NULL, NULL, 0, 0, "moe.gate_up.unroll", 4, "initial guess before measurement"},
-    {0, NULL, NULL, 0, 0, "moe.down.warps", 8, "initial guess before measurement"},
-    {0, NULL, NULL, 0, 0, "moe.down.unroll", 4, "initial guess before measurement"},
+    /* Any arch: the sm_90 winners below, unmeasured elsewhere. */
+    {0, NULL, NULL, 0, 0, "moe.max_tokens", 8, "Kimi-K2 T=8 ties vLLM's Triton kernels (1223 vs 1176 us standalone); larger T unmeasured against vLLM"},
+    {0, NULL, NULL, 0, 0, "moe.gate_up.warps", 8, "H200 coordinate descent 2026-11-29: 8 or 16 won on 3 of 4 presets"},
+    {0, NULL, NULL, 0, 0, "moe.gate_up.unroll", 4, "H200 coordinate descent 2026-11-29: 4 won on every preset once L2 fetch was 128 B"},
+    {0, NULL, NULL, 0, 0, "moe.down.warps", 8, "H200 coordinate descent 2026-11-29: 8 won on Mixtral, Qwen3-235B, Kimi T=1"},
+    {0, NULL, NULL, 0, 0, "moe.down.unroll", 4, "H200 coordinate descent 2026-11-29: 4 won on every preset"},
+    {0, NULL, NULL, 0, 0, "moe.l2_fetch", 128, "H200 coordinate descent 2026-11-29: 128 B fetch: Kimi T=8 1590 -> 1223 us, Mixtral T=1 234 -> 175 us"},
+    {0, NULL, NULL, 0, 0, "moe.prefetch", 0, "H200 coordinate descent 2026-11-29: explicit L2 prefetch never beat the fetch-size hint"},
+    {0, NULL, NULL, 0, 0, "moe.pdl", 0, "H200 coordinate descent 2026-11-29: PDL changed nothing measurable (Kimi T=1 229.7 vs 232.1 us)"},
+    /* Per-model rows (bf16, H200). */
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 4, "moe.gate_up.warps", 8, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=1 25.1 us"},
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 5, 64, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=8 124.8 us"},
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 0, 0, "moe.down.warps", 16, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B down 9.3 us (T=1), 41.0 us (T=8)"},
+    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 0, 0, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Mixtral-8x7B T=1 175.0 us, T=8 593.8 us"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 4, "moe.gate_up.warps", 16, "H200 coordinate descent 2026-11-29: Qwen3-235B-A22B T=1 79.8 us"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 0, 0, "moe.gate_up.warps", 16, "H200 coordinate descent 2026-11-29: Kimi-K2 T=1 175.6 us, T=8 1222.7 us"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 5, 64, "moe.down.warps", 4, "H200 coordinate descent 2026-11-29: Kimi-K2 T=8 down 395.6 us"},
     /* END TUNED ROWS */
 };
 const int opgraft__baked_table_len = (int)(sizeof opgraft__baked_table / sizeof *opgraft__baked_table);
