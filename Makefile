@@ -3,7 +3,7 @@ BUILD ?= build
 PYTHON ?= python3
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all lib test test-c test-python gpu-test gpu-check-quick clean
+.PHONY: all lib deps test gpu-test gpu-check-quick clean
 
 all: lib
 
@@ -11,8 +11,12 @@ lib:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build $(BUILD) -j $(JOBS)
 
+# Installs cmocka and pytest when they are missing.
+deps:
+	PYTHON=$(PYTHON) bash scripts/test-deps.sh
+
 # CI's test command: C unit tests and kernel compile checks (ctest), then the Python tests.
-test: lib
+test: deps lib
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
 	PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
 

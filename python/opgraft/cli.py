@@ -1,0 +1,206 @@
+"""`opgraft` command line: bench (and, on a machine without a GPU, what can run without one)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import random
+import struct
+import sys
+import time
+
+from . import _lib
+from .presets import PRESETS, ConfigError, MoeShape, resolve
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens takes comma-separated integers, got {text!r}") from None
+    if not tokens or any(t < 1 or t > 4096 for t in tokens):
+        raise argparse.ArgumentTypeError("--tokens values must be between 1 and 4096")
+    return tokens
+
+
+def _gpu_status() -> tuple[bool, str]:
+    """(True, "") when torch sees a CUDA GPU, else (False, why not)."""
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA GPU"
+    return True, ""
+
+
+def moe_args_struct(shape: MoeShape, tokens: int, dtype: str, arch: int) -> _lib.MoeArgs:
+    """Arguments that describe a shape only (fake aligned pointers): for the guard and compiler."""
+    a = _lib.MoeArgs()
+    a.struct_size = ctypes.sizeof(_lib.MoeArgs)
+    a.dtype = _lib.DTYPE_BF16 if dtype == "bf16" else _lib.DTYPE_FP16
+    a.activation = _lib.ACT_SILU
+    E, H, I, k = shape.num_experts, shape.hidden, shape.inter, shape.top_k
+    a.num_tokens, a.hidden, a.inter, a.num_experts, a.top_k = tokens, H, I, E, k
+    fake = 1 << 20  # never dereferenced: the guard and the compiler look at shapes only
+    a.hidden_states, a.w13, a.w2, a.topk_weights, a.topk_ids, a.out = (fake,) * 6
+    a.hidden_states_stride[:] = [H, 1]
+    a.w13_stride[:] = [2 * I * H, H, 1]
+    a.w2_stride[:] = [H * I, I, 1]
+    a.topk_weights_dtype, a.topk_ids_dtype = _lib.DTYPE_FP32, _lib.DTYPE_INT32
+    a.topk_weights_stride[:] = [k, 1]
+    a.topk_ids_stride[:] = [k, 1]
+    a.out_stride[:] = [H, 1]
+    a.arch = arch
+    return a
+
+
+def guard_decision(shape: MoeShape, tokens: int, dtype: str, arch: int) -> tuple[bool, str]:
+    a = moe_args_struct(shape, tokens, dtype, arch)
+    reason = ctypes.create_string_buffer(256)
+    st = _lib.lib().opgraft_moe_supports(ctypes.byref(a), reason, len(reason))
+    return st == _lib.OK, reason.value.decode()
+
+
+def compile_report(shape: MoeShape, tokens: int, dtype: str, arch: int) -> list[dict]:
+    a = moe_args_struct(shape, tokens, dtype, arch)
+    infos = (_lib.KernelInfo * 4)()
+    n = ctypes.c_int32()
+    _lib.check(_lib.lib().opgraft_moe_compile_report(ctypes.byref(a), arch, infos, 4, ctypes.byref(n)))
+    return [{"kernel": infos[i].name.decode(), "registers": infos[i].registers,
+             "spill_bytes": infos[i].spill_store_bytes + infos[i].spill_load_bytes,
+             "shared_bytes": infos[i].shared_bytes} for i in range(min(n.value, 4))]
+
+
+def oracle_selfcheck(seed: int = 0) -> float:
+    """Runs the C fp64 oracle on a small random bf16 problem and compares it with a Python loop;
+    returns the largest relative difference (a check that the CPU path works here)."""
+    rng = random.Random(seed)
+    T, H, I, E, k = 2, 16, 8, 4, 2
+
+    def bf16(x: float) -> int:
+        return int.from_bytes(struct.pack("<f", x), "little") >> 16
+
+    def val(b: int) -> float:
+        return struct.unpack("<f", (b << 16).to_bytes(4, "little"))[0]
+
+    x = [bf16(rng.uniform(-1, 1)) for _ in range(T * H)]
+    w13 = [bf16(rng.uniform(-0.5, 0.5)) for _ in range(E * 2 * I * H)]
+    w2 = [bf16(rng.uniform(-0.5, 0.5)) for _ in range(E * H * I)]
+    ids = [rng.sample(range(E), k) for _ in range(T)]
+    f32 = lambda v: struct.unpack("<f", struct.pack("<f", v))[0]  # the router weights are fp32
+    tw = [[f32(rng.random()) for _ in range(k)] for _ in range(T)]
+    U16 = ctypes.c_uint16
+    bx, b13, b2 = (U16 * len(x))(*x), (U16 * len(w13))(*w13), (U16 * len(w2))(*w2)
+    bids = (ctypes.c_int32 * (T * k))(*[e for row in ids for e in row])
+    btw = (ctypes.c_float * (T * k))(*[w for row in tw for w in row])
+    out = (ctypes.c_double * (T * H))()
+    shape = MoeShape("selfcheck", E, H, I, k)
+    a = moe_args_struct(shape, T, "bf16", 90)
+    a.hidden_states, a.w13, a.w2 = ctypes.addressof(bx), ctypes.addressof(b13), ctypes.addressof(b2)
+    a.topk_ids, a.topk_weights = ctypes.addressof(bids), ctypes.addressof(btw)
+    _lib.check(_lib.lib().opgraft_moe_reference(ctypes.byref(a), out))
+    worst = 0.0
+    for t in range(T):
+        acc = [0.0] * H
+        for j in range(k):
+            e = ids[t][j]
+            act = []
+            for i in range(I):
+                g = sum(val(w13[(e * 2 * I + i) * H + h]) * val(x[t * H + h]) for h in range(H))
+                u = sum(val(w13[(e * 2 * I + I + i) * H + h]) * val(x[t * H + h]) for h in range(H))
+                act.append(g / (1 + math.exp(-g)) * u)
+            for h in range(H):
+                acc[h] += tw[t][j] * sum(val(w2[(e * H + h) * I + i]) * act[i] for i in range(I))
+        for h in range(H):
+            worst = max(worst, abs(acc[h] - out[t * H + h]) / max(1e-12, abs(acc[h])))
+    return worst
+
+
+def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, as_json: bool) -> int:
+    print(f"no GPU here ({why}): running what works without one -- the dispatch guard, the NVRTC "
+          f"compile of every kernel variant for sm_90 with its resource report, and the C fp64 oracle.",
+          file=sys.stderr)
+    rows = []
+    try:
+        info = _lib.runtime_info()
+    except _lib.OpgraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"libnvrtc: {info['nvrtc_path'] or 'not found: ' + info['nvrtc_error']}", file=sys.stderr)
+    for T in tokens:
+        ok, reason = guard_decision(shape, T, dtype, 90)
+        row = {"model": shape.name, "dtype": dtype, "tokens": T, "arch": "sm_90",
+               "guard": "take" if ok else f"delegate: {reason}"}
+        if info["nvrtc_path"] and T <= 64:
+            try:
+                row["kernels"] = compile_report(shape, T, dtype, 90)
+            except _lib.OpgraftError as e:
+                row["compile_error"] = str(e)
+        rows.append(row)
+    err = oracle_selfcheck()
+    if as_json:
+        print(json.dumps({"gpu": None, "why": why, "oracle_selfcheck_rel_diff": err, "rows": rows}, indent=1))
+        return 0
+    print(f"{'model':<16} {'dt':<4} {'T':>4}  {'guard (sm_90)':<44} kernels (registers / spill bytes)")
+    for r in rows:
+        ks = ", ".join(f"{k['kernel']} {k['registers']}r/{k['spill_bytes']}s" for k in r.get("kernels", []))
+        print(f"{r['model']:<16} {r['dtype']:<4} {r['tokens']:>4}  {r['guard'][:44]:<44} "
+              f"{ks or r.get('compile_error', '-')}")
+    print(f"C fp64 oracle vs Python loop, small bf16 problem: max relative difference {err:.1e}")
+    return 0 if err < 1e-9 else 1
+
+
+def cmd_bench(args) -> int:
+    try:
+        shape = resolve(args.model)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ok, why = _gpu_status()
+    if not ok:
+        return _cpu_bench(shape, args.tokens, args.dtype, why, args.json is not None and args.json == "-")
+    from . import bench
+
+    rows: list[dict] = []
+    t0 = time.time()
+    try:
+        ceiling = bench.measure_read_ceiling("cuda")
+        print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
+        w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
+        for T in args.tokens:
+            print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
+            rows += bench.bench_shape(shape, [T], args.dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
+                                      baseline=not args.no_baseline)
+    except KeyboardInterrupt:
+        print("\ninterrupted: results so far", file=sys.stderr)
+    print(bench.format_table(rows))
+    if args.json:
+        text = json.dumps({"rows": rows}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="opgraft", description="opgraft: faster MoE kernels for stock vLLM")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bench", help="benchmark an op at a model's dims")
+    b.add_argument("op", choices=["moe"])
+    b.add_argument("--model", default="Qwen3-30B-A3B", help=f"a preset ({', '.join(PRESETS)}) or a config.json")
+    b.add_argument("--tokens", type=_parse_tokens, default=[1, 2, 4, 8, 16, 32, 64])
+    b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    b.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
+    b.add_argument("--no-baseline", action="store_true", help="skip the torch baseline")
+    b.set_defaults(fn=cmd_bench)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

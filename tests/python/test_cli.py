@@ -1,0 +1,57 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(*args, env=None):
+    e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "opgraft.cli", *args], capture_output=True, text=True, env=e,
+                          timeout=300, cwd=ROOT)
+
+
+def gpu_present():
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+no_gpu_only = pytest.mark.skipif(gpu_present(), reason="a GPU is present: `make gpu-test` covers the GPU path")
+
+
+@no_gpu_only
+def test_bench_without_gpu_says_so_and_reports_what_it_can():
+    r = run("bench", "moe", "--model", "Mixtral-8x7B", "--tokens", "1,9", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "no GPU here" in r.stderr
+    data = json.loads(r.stdout)
+    rows = {row["tokens"]: row for row in data["rows"]}
+    assert rows[1]["guard"] == "take"
+    assert rows[9]["guard"].startswith("delegate: 9 tokens > moe.max_tokens")
+    assert {k["kernel"] for k in rows[1]["kernels"]} == {"moe_gate_up_bf16", "moe_down_bf16"}
+    assert data["oracle_selfcheck_rel_diff"] < 1e-12
+
+
+@no_gpu_only
+def test_bench_table_on_a_config_file(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"architectures": ["TinyMoe"], "num_experts": 4, "hidden_size": 64,
+                             "moe_intermediate_size": 32, "num_experts_per_tok": 2}))
+    r = run("bench", "moe", "--model", str(p), "--tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert "TinyMoe" in r.stdout and "moe_gate_up_bf16" in r.stdout
+
+
+def test_bad_arguments_are_clear_errors():
+    r = run("bench", "moe", "--tokens", "1,x")
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    r = run("bench", "moe", "--model", "nope")
+    assert r.returncode == 2 and "unknown model" in r.stderr

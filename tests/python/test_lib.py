@@ -1,0 +1,85 @@
+"""The ctypes layer against the real libopgraft built by `make` (no GPU needed)."""
+
+import ctypes
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from opgraft import _lib, cli
+from opgraft.presets import PRESETS
+
+
+def test_version_matches_the_package():
+    import opgraft
+
+    assert _lib.lib().opgraft_version_string().decode() == opgraft.__version__
+
+
+def test_status_strings():
+    l = _lib.lib()
+    assert l.opgraft_status_name(_lib.EUNSUPPORTED) == b"OPGRAFT_EUNSUPPORTED"
+    assert b"hand the call back" in l.opgraft_strerror(_lib.EUNSUPPORTED)
+    assert l.opgraft_strerror(12345) == b"unknown status"
+
+
+def test_nvrtc_is_found_here():
+    info = _lib.runtime_info()
+    assert info["nvrtc_path"], info["nvrtc_error"]
+    assert info["nvrtc_version"] >= 12000
+
+
+def test_struct_layout_matches_the_c_abi():
+    # The guard names a too-small struct_size: one byte less than ours must be refused for that
+    # reason, and ours must not be.
+    a = cli.moe_args_struct(PRESETS["Qwen3-30B-A3B"], 1, "bf16", 90)
+    reason = ctypes.create_string_buffer(256)
+    assert _lib.lib().opgraft_moe_supports(ctypes.byref(a), reason, 256) == _lib.OK, reason.value
+    a.struct_size -= 1
+    assert _lib.lib().opgraft_moe_supports(ctypes.byref(a), reason, 256) == _lib.EUNSUPPORTED
+    assert b"struct_size" in reason.value
+
+
+def test_guard_reasons():
+    shape = PRESETS["Qwen3-30B-A3B"]
+    assert cli.guard_decision(shape, 8, "bf16", 90) == (True, "")
+    ok, why = cli.guard_decision(shape, 1, "bf16", 75)
+    assert not ok and "sm_75" in why
+
+
+def test_tunable_precedence_env_over_baked(monkeypatch):
+    v, src = _lib.tune_get("moe.max_tokens", 90)
+    assert src.startswith("baked")
+    monkeypatch.setenv("OPGRAFT_TUNE_MOE_MAX_TOKENS", "3")
+    assert _lib.tune_get("moe.max_tokens", 90) == (3, "env:OPGRAFT_TUNE_MOE_MAX_TOKENS")
+    ok, why = cli.guard_decision(PRESETS["Qwen3-30B-A3B"], 4, "bf16", 90)
+    assert not ok and "moe.max_tokens 3" in why
+    with pytest.raises(_lib.OpgraftError, match="unknown tunable"):
+        _lib.tune_get("no.such.key")
+
+
+def test_malformed_env_value_warns_through_python_logging():
+    # A fresh process: each warning is given once per process.
+    code = (
+        "import logging, sys; sys.path.insert(0, 'python'); logging.basicConfig(level=logging.WARNING);"
+        "from opgraft import _lib; print(_lib.tune_get('moe.max_tokens', 90))"
+    )
+    env = dict(os.environ, OPGRAFT_TUNE_MOE_MAX_TOKENS="eight")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "OPGRAFT_TUNE_MOE_MAX_TOKENS" in r.stderr and "not an integer" in r.stderr
+    assert "baked" in r.stdout
+
+
+def test_every_preset_kernel_compiles_without_spills_for_sm90():
+    for name in ("Qwen3-30B-A3B", "Kimi-K2"):
+        for T in (1, 8):
+            for k in cli.compile_report(PRESETS[name], T, "bf16", 90):
+                assert k["registers"] > 0 and k["spill_bytes"] == 0, (name, T, k)
+
+
+def test_oracle_selfcheck_agrees_with_a_python_loop():
+    assert cli.oracle_selfcheck(seed=3) < 1e-12

@@ -1,0 +1,68 @@
+import json
+
+import pytest
+
+from opgraft.presets import PRESETS, ConfigError, from_config, resolve
+
+
+def test_presets_carry_public_config_values():
+    q = PRESETS["Qwen3-30B-A3B"]
+    assert (q.num_experts, q.hidden, q.inter, q.top_k) == (128, 2048, 768, 8)
+    m = PRESETS["Mixtral-8x7B"]
+    assert (m.num_experts, m.hidden, m.inter, m.top_k) == (8, 4096, 14336, 2)
+    k = PRESETS["Kimi-K2"]
+    assert (k.num_experts, k.hidden, k.inter, k.top_k) == (384, 7168, 2048, 8)
+    assert q.expert_bytes() == 3 * 768 * 2048 * 2
+
+
+def test_resolve_is_case_insensitive():
+    assert resolve("qwen3-30b-a3b") is PRESETS["Qwen3-30B-A3B"]
+
+
+@pytest.mark.parametrize(
+    "cfg, expect",
+    [
+        ({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128, "hidden_size": 2048,
+          "moe_intermediate_size": 768, "intermediate_size": 6144, "num_experts_per_tok": 8}, (128, 2048, 768, 8)),
+        ({"num_local_experts": 8, "hidden_size": 4096, "intermediate_size": 14336, "num_experts_per_tok": 2},
+         (8, 4096, 14336, 2)),
+        ({"n_routed_experts": 256, "hidden_size": 7168, "moe_intermediate_size": 2048, "intermediate_size": 18432,
+          "num_experts_per_tok": 8}, (256, 7168, 2048, 8)),
+        ({"architectures": ["X"], "text_config": {"num_experts": 16, "hidden_size": 512, "moe_intermediate_size": 256,
+                                                  "num_experts_per_tok": 2}}, (16, 512, 256, 2)),
+    ],
+)
+def test_from_config_reads_each_family(cfg, expect):
+    s = from_config(cfg)
+    assert (s.num_experts, s.hidden, s.inter, s.top_k) == expect
+
+
+@pytest.mark.parametrize(
+    "cfg, msg",
+    [
+        ([], "must be a JSON object"),
+        ({"hidden_size": 4096, "intermediate_size": 11008}, "not a MoE config"),
+        ({"num_experts": 8, "hidden_size": -1, "intermediate_size": 64, "num_experts_per_tok": 2}, "positive"),
+        ({"num_experts": 8, "hidden_size": True, "intermediate_size": 64, "num_experts_per_tok": 2}, "positive"),
+        ({"num_experts": 8, "hidden_size": "4096", "intermediate_size": 64, "num_experts_per_tok": 2}, "positive"),
+        ({"num_experts": 2, "hidden_size": 64, "intermediate_size": 64, "num_experts_per_tok": 4}, "experts"),
+    ],
+)
+def test_from_config_rejects_malformed(cfg, msg):
+    with pytest.raises(ConfigError, match=msg):
+        from_config(cfg)
+
+
+def test_resolve_reads_config_files(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"num_experts": 64, "hidden_size": 2048, "moe_intermediate_size": 1024,
+                             "num_experts_per_tok": 8}))
+    assert resolve(str(p)).num_experts == 64
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        resolve(str(bad))
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve(str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="unknown model"):
+        resolve("no-such-model")
