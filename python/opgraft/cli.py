@@ -6,6 +6,7 @@ import argparse
 import ctypes
 import json
 import math
+import os
 import random
 import struct
 import sys
@@ -187,6 +188,90 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _pkg_version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return "not installed"
+
+
+def cmd_doctor(args) -> int:
+    """What opgraft would do in a vLLM process on this machine, and why."""
+    from .vllm import attn_seam, moe_seam, platform_gate
+
+    out = []
+    say = lambda k, v: out.append(f"{k:<22} {v}")
+    import opgraft
+
+    say("opgraft", opgraft.__version__)
+    for pkg in ("vllm", "torch"):
+        say(pkg, _pkg_version(pkg))
+    arch, gpu = 0, None
+    ok, why = _gpu_status()
+    if ok:
+        import torch
+
+        p = torch.cuda.get_device_properties(0)
+        arch, gpu = p.major * 10 + p.minor, p.name
+        say("GPU", f"{p.name} (sm_{arch}, {p.multi_processor_count} SMs)")
+    else:
+        say("GPU", f"none ({why})")
+    try:
+        lib = _lib.lib()
+        say("libopgraft", f"{lib._name} (version {lib.opgraft_version_string().decode()})")
+        info = _lib.runtime_info()
+        say("libcuda", info["libcuda_path"] or f"not found: {info['libcuda_error']}")
+        nv = info["nvrtc_version"]
+        say("NVRTC", f"{info['nvrtc_path']} ({nv // 1000}.{nv % 1000 // 10})" if nv else
+            f"not found: {info['nvrtc_error']}")
+        cache = _lib.cache_dir()
+        writable = os.access(cache, os.W_OK) if os.path.isdir(cache) else os.access(
+            os.path.dirname(cache.rstrip("/")) or "/", os.W_OK)
+        say("kernel cache", f"{cache} ({'writable' if writable else 'NOT writable: kept in memory only'})")
+    except _lib.OpgraftError as e:
+        say("libopgraft", f"not usable: {e}")
+    if os.environ.get("OPGRAFT_DISABLE", "").strip() not in ("", "0"):
+        say("seams", "none: OPGRAFT_DISABLE is set")
+    elif _pkg_version("vllm") == "not installed":
+        say("seams", "none: vLLM is not installed")
+    else:
+        gate_ok, gate_why = platform_gate()
+        say("platform gate", "pass" if gate_ok else f"closed ({gate_why}): nothing would be patched")
+        cls, why = moe_seam._target()
+        sig = cls is not None and moe_seam._signature_matches(cls.__dict__.get("apply"))
+        say("MoE seam", "TritonExperts.apply: ready" if sig else f"unavailable: {why or 'unexpected signature'}")
+        try:
+            override = attn_seam.requested_backend()
+            say("attention seam", f"inject {override}" if override else "pass-through")
+        except ValueError as e:
+            say("attention seam", f"not installed: {e}")
+        from . import dispatch
+
+        say("MoE variant", dispatch.selected_variant())
+    print("\n".join(out))
+    if args.model:
+        try:
+            shape = resolve(args.model)
+            layers = None
+            if args.model.endswith(".json") or "/" in args.model:
+                from .presets import load_config, moe_layer_count
+
+                layers = moe_layer_count(load_config(args.model))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        a = arch or 90
+        print(f"\n{shape.name}: E={shape.num_experts} H={shape.hidden} I={shape.inter} top_k={shape.top_k}, "
+              f"{layers if layers is not None else 'all'} MoE layers; guard at sm_{a}"
+              f"{'' if arch else ' (no GPU here: assuming an H200)'}, bf16:")
+        for T in (1, 2, 4, 8, 16, 32, 64):
+            took, why = guard_decision(shape, T, "bf16", a)
+            print(f"  T={T:<3} {'opgraft kernel' if took else 'vLLM (' + why + ')'}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="opgraft", description="opgraft: faster MoE kernels for stock vLLM")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -198,6 +283,9 @@ def main(argv=None) -> int:
     b.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
     b.add_argument("--no-baseline", action="store_true", help="skip the torch baseline")
     b.set_defaults(fn=cmd_bench)
+    d = sub.add_parser("doctor", help="what opgraft would do on this machine, and why")
+    d.add_argument("--model", default=None, help="a preset or config.json: which calls would take our kernel")
+    d.set_defaults(fn=cmd_doctor)
     args = ap.parse_args(argv)
     return args.fn(args)
 

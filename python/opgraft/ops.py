@@ -89,6 +89,14 @@ def moe_workspace_bytes(a: _lib.MoeArgs) -> int:
 STAGE_GATE_UP, STAGE_DOWN, STAGE_ALL = 1, 2, 3
 
 
+def usable_workspace(t):
+    """A caller's scratch tensor as a flat byte view if it is contiguous and 16-byte aligned;
+    None otherwise (then the op allocates through torch's caching allocator)."""
+    if t is None or not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.data_ptr() % 16:
+        return None
+    return t.view(-1).view(torch.uint8) if t.numel() else None
+
+
 def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
                      workspace=None, stages: int = STAGE_ALL):
     """Runs the kernel into out ([T, H], the hidden dtype). Raises OpgraftError if unsupported.
@@ -97,7 +105,7 @@ def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_
     if a.dtype == -1:
         raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensor shapes or devices are not those of fused_experts")
     need = moe_workspace_bytes(a)
-    if workspace is None or workspace.numel() * workspace.element_size() < need:
+    if workspace is None or workspace.numel() * workspace.element_size() < need or workspace.data_ptr() % 16:
         workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device)
     stream = torch.cuda.current_stream(hidden.device).cuda_stream
     _lib.check(_lib.lib().opgraft_moe_run_stages(ctypes.byref(a), workspace.data_ptr(), need, stream, stages))

@@ -76,18 +76,36 @@ def from_config(cfg: dict, name: str = "config") -> MoeShape:
     return MoeShape(str(label), fields["num_experts"], fields["hidden"], fields["inter"], fields["top_k"])
 
 
+def moe_layer_count(cfg: dict) -> int | None:
+    """How many decoder layers are MoE layers in a Hugging Face config (None if unknown)."""
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int) or n <= 0:
+        return None
+    dense = set(cfg.get("mlp_only_layers") or [])
+    first_dense = cfg.get("first_k_dense_replace") or 0
+    step = cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1
+    if not isinstance(step, int) or step <= 0:
+        step = 1
+    return sum(1 for i in range(n) if i >= first_dense and i not in dense and (i + 1) % step == 0)
+
+
+def load_config(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
 def resolve(model: str) -> MoeShape:
     """A preset name (case-insensitive) or the path of a config.json."""
     for name, shape in PRESETS.items():
         if name.lower() == model.lower():
             return shape
     if model.endswith(".json") or "/" in model:
-        try:
-            with open(model, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except OSError as e:
-            raise ConfigError(f"{model}: cannot read ({e.strerror})") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{model}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return from_config(cfg, model)
+        return from_config(load_config(model), model)
     raise ConfigError(f"unknown model {model!r}: use one of {', '.join(PRESETS)} or a config.json path")

@@ -1,0 +1,35 @@
+"""vLLM version helpers. The seams are written against the pinned release (TESTED_VLLM) and check
+for the symbols they patch, so a moved API leaves opgraft a no-op with one warning."""
+
+from __future__ import annotations
+
+# The vLLM release opgraft is tested against: the newest that pins torch 2.11.0 (its wheel's
+# METADATA: Requires-Dist torch==2.11.0; built for CUDA 13.0).
+TESTED_VLLM = "0.26.0"
+
+
+def vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:
+        return ""
+
+
+def _release(v: str) -> tuple:
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+        if not part.isdigit():
+            break
+    return tuple(out)
+
+
+def vllm_version_is(spec: str) -> bool:
+    """True when the installed vLLM's release equals spec ("0.26.0"), or starts with it ("0.26")."""
+    have, want = _release(vllm_version()), _release(spec)
+    return bool(have) and have[: len(want)] == want
