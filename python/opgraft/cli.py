@@ -178,6 +178,8 @@ def cmd_bench(args) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
     print(bench.format_table(rows))
+    if args.plot:
+        write_plot(rows, args.plot)
     if args.json:
         text = json.dumps({"rows": rows}, indent=1)
         if args.json == "-":
@@ -185,6 +187,173 @@ def cmd_bench(args) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text)
+    return 0
+
+
+def write_plot(rows: list[dict], path: str) -> bool:
+    """Time against tokens, one line per implementation, with the byte floor (bytes over the
+    measured read ceiling) drawn as the roofline. Needs matplotlib; says so if it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written (pip install matplotlib)", file=sys.stderr)
+        return False
+    timed = [r for r in rows if r.get("median_us")]
+    if not timed:
+        print("nothing measured: no plot written", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for impl in sorted({r["impl"] for r in timed}):
+        pts = sorted((r["tokens"], r["median_us"]) for r in timed if r["impl"] == impl)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+    floor = sorted({(r["tokens"], r["bytes"] / (r["ceiling_tbps"] * 1e12) * 1e6) for r in timed if r.get("ceiling_tbps")})
+    if floor:
+        ax.plot([f[0] for f in floor], [f[1] for f in floor], "k--", label="byte floor (roofline)")
+    r0 = timed[0]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("µs per call")
+    ax.set_title(f"{r0['model']} {r0['dtype']} MoE experts on {r0.get('gpu', '?')}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+    return True
+
+
+VERDICTS = {
+    "bandwidth": "bandwidth-bound: within 15% of the byte floor; stop tuning, move fewer bytes",
+    "latency": "launch/latency-bound: fixed costs (kernel ramps and tails, routing setup) dominate a "
+               "short call; fuse stages or overlap launches",
+    "occupancy": "occupancy-bound: too few bytes in flight for the bandwidth; run `opgraft tune`",
+}
+
+
+def verdict(us: float, nbytes: float, ceiling_tbps: float) -> str:
+    """Classifies one timing against the byte floor measured in the same run."""
+    floor_us = nbytes / (ceiling_tbps * 1e12) * 1e6
+    frac = floor_us / us if us > 0 else 0.0
+    if frac >= 0.85:
+        return "bandwidth"
+    if floor_us < 40.0 and us - floor_us >= 4.0:
+        return "latency"
+    return "occupancy"
+
+
+def _shape_tokens(args):
+    try:
+        return resolve(args.model), None
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None, 2
+
+
+def cmd_profile(args) -> int:
+    shape, rc = _shape_tokens(args)
+    if shape is None:
+        return rc
+    ok, why = _gpu_status()
+    if not ok:
+        return _cpu_bench(shape, args.tokens, args.dtype, why, False)
+    from . import bench, ops
+    from .sweep import Fixture
+
+    ceiling = bench.measure_read_ceiling("cuda")
+    w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
+    rows = []
+    print(f"read ceiling {ceiling:.3f} TB/s; {shape.name} {args.dtype}")
+    print(f"{'T':>3} {'stage':<8} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6}  verdict")
+    for T in args.tokens:
+        fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
+        err = fx.check()
+        if err > bench.TOLERANCE[args.dtype]:
+            print(f"{T:>3} kernel output wrong (rel err {err:.2e}): not profiled")
+            continue
+        b_all = fx.bytes
+        parts = {"all": (fx.time(ops.STAGE_ALL), b_all), "gate_up": (fx.time(ops.STAGE_GATE_UP), b_all * 2 / 3),
+                 "down": (fx.time(ops.STAGE_DOWN), b_all / 3)}
+        for stage, (us, nb) in parts.items():
+            v = verdict(us, nb, ceiling)
+            tbps = nb / (us * 1e-6) / 1e12
+            rows.append({"model": shape.name, "dtype": args.dtype, "tokens": T, "stage": stage, "median_us": us,
+                         "bytes": nb, "tbps": tbps, "fraction_of_ceiling": tbps / ceiling, "verdict": v,
+                         "ceiling_tbps": ceiling, "rel_err": err})
+            print(f"{T:>3} {stage:<8} {us:>9.1f} {nb / 1e6:>8.1f} {tbps:>6.2f} {tbps / ceiling * 100:>5.1f}%  "
+                  f"{VERDICTS[v] if stage == 'all' else v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": bench.gpu_facts(), "rows": rows}, f, indent=1)
+    return 0
+
+
+def cmd_tune(args) -> int:
+    shape, rc = _shape_tokens(args)
+    if shape is None:
+        return rc
+    ok, why = _gpu_status()
+    if not ok:
+        print(f"error: tune measures on a GPU and there is none here ({why})", file=sys.stderr)
+        return 2
+    import datetime
+
+    import torch
+
+    from . import bench
+    from .sweep import Fixture, apply_config, measure
+    from .tune import MOE_SPACE, coordinate_descent, inject_baked, make_entries, merge_tune_file, token_ranges
+
+    table = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src",
+                         "tune_table.c")
+    if args.inject and not args.out and not os.path.exists(table):
+        print("error: --inject without --out writes src/tune_table.c of a source checkout, and there is "
+              "none here: give --out FILE (then set OPGRAFT_TUNE_FILE=FILE)", file=sys.stderr)
+        return 2
+    p = torch.cuda.get_device_properties(0)
+    arch, gpu = p.major * 10 + p.minor, p.name
+    sk = f"moe:{args.dtype}:E{shape.num_experts}:H{shape.hidden}:I{shape.inter}:k{shape.top_k}"
+    w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
+    winners = []
+    date = datetime.date.today().isoformat()
+    for T, rng in zip(sorted(set(args.tokens)), token_ranges(args.tokens)):
+        fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
+        apply_config({})
+        start = {k: _lib.tune_get(k, arch, gpu, sk, T)[0] for k in MOE_SPACE}
+        n = [0]
+        total = sum(len(v) for v in MOE_SPACE.values())
+
+        def cost(cfg):
+            r = measure(fx, cfg, stages_all=False)
+            return r["all_us"] if r["ok"] else float("inf")
+
+        def progress(msg):
+            n[0] += 1
+            print(f"\r  {shape.name} T={T} [{n[0]:>3}/{total * args.rounds}] {msg[:70]:<70}", end="",
+                  file=sys.stderr, flush=True)
+
+        best, best_us, hist = coordinate_descent(cost, MOE_SPACE, start, rounds=args.rounds, progress=progress)
+        print(file=sys.stderr)
+        start_us = hist[0][1]
+        changed = {k: v for k, v in best.items() if start.get(k) != v}
+        print(f"T={T} (tokens {rng[0]}-{rng[1]}): {start_us:.1f} -> {best_us:.1f} us "
+              f"({fx.bytes / (best_us * 1e-6) / 1e12:.2f} TB/s) {changed or 'no change'}")
+        if changed:
+            winners.append({"arch": arch, "gpu": gpu, "shape": sk, "tokens": rng, "values": changed,
+                            "why": f"opgraft tune {date}: {start_us:.1f} -> {best_us:.1f} us at T={T}"})
+    apply_config({})
+    entries = make_entries(winners)
+    if args.out:
+        merge_tune_file(args.out, entries)
+        print(f"wrote {len(entries)} entries to {args.out} (use it with OPGRAFT_TUNE_FILE={args.out})")
+    elif args.inject:
+        n_rows = inject_baked(table, entries)
+        print(f"wrote {n_rows} rows to {table}: rebuild libopgraft to use them")
+    else:
+        print(json.dumps({"entries": entries}, indent=1))
     return 0
 
 
@@ -282,7 +451,25 @@ def main(argv=None) -> int:
     b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     b.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
     b.add_argument("--no-baseline", action="store_true", help="skip the torch baseline")
+    b.add_argument("--plot", default=None, help="write a PNG: time against tokens with the roofline")
     b.set_defaults(fn=cmd_bench)
+    pr = sub.add_parser("profile", help="time split and roofline verdict per token count")
+    pr.add_argument("op", choices=["moe"])
+    pr.add_argument("--model", default="Qwen3-30B-A3B")
+    pr.add_argument("--tokens", type=_parse_tokens, default=[1, 8])
+    pr.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    pr.add_argument("--json", default=None, help="write the rows to FILE")
+    pr.set_defaults(fn=cmd_profile)
+    tu = sub.add_parser("tune", help="correctness-gated coordinate descent over the kernel's tunables")
+    tu.add_argument("op", choices=["moe"])
+    tu.add_argument("--model", default="Qwen3-30B-A3B")
+    tu.add_argument("--tokens", type=_parse_tokens, default=[1, 8])
+    tu.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    tu.add_argument("--rounds", type=int, default=2)
+    tu.add_argument("--out", default=None, help="merge the winners into this JSON tune file")
+    tu.add_argument("--inject", action="store_true",
+                    help="write the winners where the library reads them (--out FILE, else src/tune_table.c)")
+    tu.set_defaults(fn=cmd_tune)
     d = sub.add_parser("doctor", help="what opgraft would do on this machine, and why")
     d.add_argument("--model", default=None, help="a preset or config.json: which calls would take our kernel")
     d.set_defaults(fn=cmd_doctor)

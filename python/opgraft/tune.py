@@ -9,6 +9,7 @@ and times both kernels with CUDA-graph replays.
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable
 
 # Candidate values per tunable key; the kernel clamps what would not fit (src/moe.c).
@@ -55,3 +56,107 @@ def coordinate_descent(cost: Callable[[dict], float], space: dict, start: dict, 
     if not math.isfinite(best_cost):
         raise RuntimeError("no configuration passed the correctness check")
     return best, best_cost, history
+
+
+# ---- where the winners go -------------------------------------------------------------------
+
+MAX_TOKENS = 64  # the kernel's token limit (src/moe.c)
+
+
+def token_ranges(tokens: list[int]) -> list[tuple[int, int]]:
+    """Splits 1..MAX_TOKENS among the tuned token counts at geometric midpoints, e.g. [1, 8] ->
+    [(1, 2), (3, 64)]: each tuned T covers the counts nearest to it on a log scale."""
+    ts = sorted(set(tokens))
+    ranges = []
+    lo = 1
+    for i, t in enumerate(ts):
+        hi = MAX_TOKENS if i == len(ts) - 1 else max(t, int((t * ts[i + 1]) ** 0.5))
+        ranges.append((lo, hi))
+        lo = hi + 1
+    return ranges
+
+
+def make_entries(winners: list[dict]) -> list[dict]:
+    """Tune-file entries from winners [{arch, gpu, shape, tokens: (lo, hi), values, why}]."""
+    out = []
+    for w in winners:
+        out.append({"arch": int(w["arch"]), "gpu": w["gpu"], "shape": w["shape"],
+                    "tokens": [int(w["tokens"][0]), int(w["tokens"][1])],
+                    "values": {k: int(v) for k, v in sorted(w["values"].items())}, "why": w["why"]})
+    return out
+
+
+def merge_tune_file(path: str, entries: list[dict]) -> dict:
+    """Writes entries into the JSON tune file at path (created if missing). An older entry with the
+    same arch, gpu, shape and tokens is replaced. The file is replaced atomically."""
+    import json
+    import os
+    import tempfile
+
+    doc = {"version": 1, "entries": []}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            try:
+                doc = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON ({e.msg}); refusing to overwrite it") from None
+        if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("entries"), list):
+            raise ValueError(f"{path} is not an opgraft tune file (version 1); refusing to overwrite it")
+    key = lambda e: (e.get("arch"), e.get("gpu"), e.get("shape"), tuple(e.get("tokens") or ()))
+    new_keys = {key(e) for e in entries}
+    doc["entries"] = [e for e in doc["entries"] if key(e) not in new_keys] + entries
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tune-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return doc
+
+
+BEGIN, END = "/* BEGIN TUNED ROWS */", "/* END TUNED ROWS */"
+
+
+def _c_string(s) -> str:
+    if s is None:
+        return "NULL"
+    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def baked_rows(entries: list[dict]) -> list[str]:
+    rows = []
+    for e in entries:
+        lo, hi = e.get("tokens") or (0, 0)
+        for k, v in e["values"].items():
+            rows.append(f"    {{{e.get('arch') or 0}, {_c_string(e.get('gpu'))}, {_c_string(e.get('shape'))}, {lo}, {hi}, "
+                        f"{_c_string(k)}, {int(v)}, {_c_string(e.get('why', ''))}}},")
+    return rows
+
+
+_STR = r'(?:NULL|"(?:[^"\\]|\\.)*")'
+_ROW = re.compile(rf'^\s*\{{(\d+), ({_STR}), ({_STR}), (\d+), (\d+), ({_STR}), (-?\d+), ({_STR})\}},\s*$')
+
+
+def _row_signature(line: str):
+    """(arch, gpu, shape, lo, hi, key) of a baked-table row, or None for other lines."""
+    m = _ROW.match(line)
+    return m.groups()[:6] if m else None
+
+
+def inject_baked(table_path: str, entries: list[dict]) -> int:
+    """Adds rows for entries to the baked table (src/tune_table.c) just before the END marker,
+    replacing older rows of the same arch, gpu, shape, tokens and key. Returns rows written."""
+    text = open(table_path, encoding="utf-8").read()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{table_path} has no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    body, tail = rest.split(END, 1)
+    new = baked_rows(entries)
+    new_sigs = {_row_signature(r) for r in new}
+    kept = [line for line in body.split("\n") if _row_signature(line) not in new_sigs or _row_signature(line) is None]
+    while kept and not kept[-1].strip():
+        kept.pop()
+    body = "\n".join(kept + new) + "\n    "
+    with open(table_path, "w", encoding="utf-8") as f:
+        f.write(head + BEGIN + body + END + tail)
+    return len(new)

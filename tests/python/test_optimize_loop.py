@@ -1,0 +1,130 @@
+"""The optimize loop's host-side pieces: token ranges, the tune file round trip through the C
+library, baked-table injection, verdicts and the plot."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from opgraft import _lib, cli
+from opgraft.tune import inject_baked, make_entries, merge_tune_file, token_ranges
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHAPE = "moe:bf16:E128:H2048:I768:k8"
+
+
+def test_token_ranges_cover_every_count_once():
+    for tokens in ([1], [1, 8], [1, 2, 4, 8, 16, 32, 64], [8, 1, 8]):
+        rs = token_ranges(tokens)
+        covered = [t for lo, hi in rs for t in range(lo, hi + 1)]
+        assert covered == list(range(1, 65)), (tokens, rs)
+        for t, (lo, hi) in zip(sorted(set(tokens)), rs):
+            assert lo <= t <= hi
+
+
+def _winners():
+    return make_entries([
+        {"arch": 90, "gpu": "NVIDIA H200", "shape": SHAPE, "tokens": (1, 2),
+         "values": {"moe.down.warps": 16, "moe.l2_fetch": 256}, "why": "test: 25.0 -> 24.0 us"},
+        {"arch": 90, "gpu": "NVIDIA H200", "shape": SHAPE, "tokens": (3, 64),
+         "values": {"moe.gate_up.warps": 2}, "why": "test"},
+    ])
+
+
+def test_tune_file_round_trip_through_the_c_library(tmp_path, monkeypatch):
+    path = tmp_path / "tune.json"
+    merge_tune_file(str(path), _winners())
+    monkeypatch.setenv("OPGRAFT_TUNE_FILE", str(path))
+    _lib.lib().opgraft_tune_reload()
+    try:
+        assert _lib.tune_get("moe.down.warps", 90, "NVIDIA H200", SHAPE, 2) == (16, f"file:{path}")
+        assert _lib.tune_get("moe.l2_fetch", 90, "NVIDIA H200", SHAPE, 1)[0] == 256
+        assert _lib.tune_get("moe.gate_up.warps", 90, "NVIDIA H200", SHAPE, 40)[0] == 2
+        # Another GPU, or a token count outside the entry, falls back to the baked table.
+        assert _lib.tune_get("moe.down.warps", 90, "NVIDIA H100", SHAPE, 2)[1].startswith("baked")
+        assert _lib.tune_get("moe.l2_fetch", 90, "NVIDIA H200", SHAPE, 3)[1].startswith("baked")
+        # Merging again replaces the entry with the same key instead of adding one.
+        again = make_entries([{"arch": 90, "gpu": "NVIDIA H200", "shape": SHAPE, "tokens": (1, 2),
+                               "values": {"moe.down.warps": 4}, "why": "newer"}])
+        doc = merge_tune_file(str(path), again)
+        assert len(doc["entries"]) == 2
+        _lib.lib().opgraft_tune_reload()
+        assert _lib.tune_get("moe.down.warps", 90, "NVIDIA H200", SHAPE, 2)[0] == 4
+    finally:
+        monkeypatch.delenv("OPGRAFT_TUNE_FILE")
+        _lib.lib().opgraft_tune_reload()
+
+
+def test_merge_refuses_to_overwrite_a_foreign_file(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text("{broken")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        merge_tune_file(str(p), _winners())
+    p.write_text(json.dumps({"something": "else"}))
+    with pytest.raises(ValueError, match="not an opgraft tune file"):
+        merge_tune_file(str(p), _winners())
+    assert json.loads(p.read_text()) == {"something": "else"}
+
+
+def test_inject_into_a_copy_of_the_baked_table_compiles_and_is_read(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(ROOT, "src"), src)
+    for d in ("include", "kernels", "cmake"):
+        shutil.copytree(os.path.join(ROOT, d), tmp_path / d)
+    shutil.copy(os.path.join(ROOT, "CMakeLists.txt"), tmp_path)
+    table = src / "tune_table.c"
+    before = table.read_text()
+    assert inject_baked(str(table), _winners()) == 3
+    assert inject_baked(str(table), _winners()) == 3  # idempotent: replaces its own rows
+    after = table.read_text()
+    assert after.count('"NVIDIA H200"') == 3 and before.split("/* BEGIN")[0] == after.split("/* BEGIN")[0]
+    build = tmp_path / "build"
+    r = subprocess.run(["cmake", "-S", str(tmp_path), "-B", str(build), "-DOPGRAFT_BUILD_TESTS=OFF"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["cmake", "--build", str(build), "-j2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    code = ("import sys; sys.path.insert(0, 'python'); from opgraft import _lib;"
+            f"print(_lib.tune_get('moe.down.warps', 90, 'NVIDIA H200', '{SHAPE}', 1))")
+    env = dict(os.environ, OPGRAFT_LIBRARY=str(build / "libopgraft.so"))
+    env.pop("OPGRAFT_TUNE_MOE_DOWN_WARPS", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "(16, 'baked:sm_90')" in r.stdout
+
+
+def test_verdicts():
+    assert cli.verdict(100.0, 0.9 * 100e-6 * 4.5e12, 4.5) == "bandwidth"
+    assert cli.verdict(25.0, 16e-6 * 4.5e12, 4.5) == "latency"
+    assert cli.verdict(1000.0, 600e-6 * 4.5e12, 4.5) == "occupancy"
+
+
+def test_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"model": "M", "dtype": "bf16", "gpu": "G", "tokens": t, "impl": impl, "median_us": us,
+             "bytes": 1e8 * t, "ceiling_tbps": 4.5} for t in (1, 2, 4) for impl, us in (("opgraft", 30.0 * t),
+                                                                                       ("torch", 80.0 * t))]
+    out = tmp_path / "p.png"
+    assert cli.write_plot(rows, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not cli.write_plot([], str(tmp_path / "none.png"))
+
+
+def test_tune_and_profile_without_gpu_are_clear(tmp_path):
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+    except ImportError:
+        pass
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    r = subprocess.run([sys.executable, "-m", "opgraft.cli", "tune", "moe", "--tokens", "1"], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and "needs" not in r.stdout and "GPU" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "opgraft.cli", "profile", "moe", "--tokens", "1"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 0 and "no GPU here" in r.stderr
