@@ -25,6 +25,9 @@
 #ifndef OG_PREFETCH
 #define OG_PREFETCH 0
 #endif
+// From two token tiles on, the accumulators need more than 128 registers, and ptxas otherwise
+// aims at two blocks per SM and spills: one block per SM is enough for those (longer) calls.
+#define OG_MIN_BLOCKS (OG_NT >= 2 ? 1 : 0)
 #define OG_EWORDS ((OG_E + 31) / 32)
 #define OG_MAXPAIRS (8 * OG_NT * OG_K)
 #define OG_PMAX (8 * OG_NT)
@@ -82,7 +85,7 @@ __device__ __forceinline__ int og_for_each_expert(const og_u32 *s_bits, int lane
   return base;
 }
 
-extern "C" __global__ void __launch_bounds__(OG_W1 * 32)
+extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
     OG_SUFFIX(moe_gate_up)(const og_moe_params p) {
   __shared__ int s_ids[OG_MAXPAIRS];
   __shared__ og_u32 s_bits[OG_EWORDS];
@@ -223,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32)
   }
 }
 
-extern "C" __global__ void __launch_bounds__(OG_W2 * 32)
+extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
     OG_SUFFIX(moe_down)(const og_moe_params p) {
   __shared__ int s_ids[OG_MAXPAIRS];
   __shared__ og_u32 s_bits[OG_EWORDS];

@@ -67,7 +67,10 @@ static char *parse_string(og_parser *p) {
       return fail_at(p, "control character in string");
     }
     if (ch == '\\') {
-      if (p->s >= p->end) break;
+      if (p->s >= p->end) {
+        free(out);
+        return fail_at(p, "unterminated string");
+      }
       const char e = *p->s++;
       switch (e) {
       case '"': cp = '"'; break;

@@ -55,10 +55,11 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
-  /* 16 warps cap a thread at 128 registers; the down kernel needs more from two token tiles on. */
+  /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
+  if (c->nt >= 2 && c->w1 > 8) c->w1 = 8;
   if (c->nt >= 2 && c->w2 > 8) c->w2 = 8;
   while (c->u1 > 1 && c->u1 * (4 + c->nt) > 24) c->u1--; /* 16-byte operands per k-step group */
-  while (c->u2 > 1 && c->u2 * (2 + c->nt) > 24) c->u2--;
+  while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
 }
 
 #define OG_REASON(...) (snprintf(reason, reason_len, __VA_ARGS__), OPGRAFT_EUNSUPPORTED)

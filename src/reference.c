@@ -22,12 +22,20 @@ static double fp16_to_double(uint16_t h) {
   return sign ? -v : v;
 }
 
-static uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-  bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(bits >> 16);
+/* Rounds straight from fp64 to nearest even (going through float first would round twice). */
+static uint16_t double_to_bf16(double d) {
+  const uint16_t sign = signbit(d) ? 0x8000u : 0u;
+  const double a = fabs(d);
+  if (isnan(d)) return 0x7fc0u;
+  if (a >= ldexp(2.0 - ldexp(1, -8), 127)) return sign | 0x7f80u; /* rounds to infinity */
+  if (a < ldexp(1, -126)) return sign | (uint16_t)nearbyint(a * ldexp(1, 133)); /* subnormal */
+  int e;
+  const double m = frexp(a, &e); /* a = m * 2^e, m in [0.5, 1) */
+  long q = (long)nearbyint(m * 256.0); /* 8 significant bits */
+  if (q == 256) q = 128, e += 1;
+  const int exp = e - 1 + 127;
+  if (exp >= 255) return sign | 0x7f80u;
+  return sign | (uint16_t)(exp << 7) | (uint16_t)(q - 128);
 }
 
 static uint16_t double_to_fp16(double d) {
@@ -108,7 +116,7 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
         out_f64[t * H + h] = acc[h];
       } else {
         uint16_t *o = (uint16_t *)a->out + t * a->out_stride[0] + h * a->out_stride[1];
-        *o = a->dtype == OPGRAFT_DTYPE_BF16 ? float_to_bf16((float)acc[h]) : double_to_fp16(acc[h]);
+        *o = a->dtype == OPGRAFT_DTYPE_BF16 ? double_to_bf16(acc[h]) : double_to_fp16(acc[h]);
       }
     }
   }
