@@ -1,7 +1,7 @@
 /* A strict JSON reader (RFC 8259) for tune files: objects, arrays, strings, numbers, true, false,
  * null. Small on purpose: the library must build with only a C compiler, and a tune file is a few
- * kilobytes we write ourselves. Nesting depth and input size are bounded; any error gives a
- * position and reason instead of a partial tree. */
+ * kilobytes we write ourselves. Containers nest at most OG_JSON_MAX_DEPTH deep; any error gives
+ * a position and reason instead of a partial tree. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,6 +164,7 @@ static og_json *parse_number(og_parser *p) {
 
 static og_json *parse_container(og_parser *p, int depth, int is_obj) {
   const char close = is_obj ? '}' : ']';
+  if (depth >= OG_JSON_MAX_DEPTH) return fail_at(p, "nested too deeply");
   og_json *j = new_node(p, is_obj ? OG_JSON_OBJECT : OG_JSON_ARRAY);
   if (!j) return NULL;
   p->s++;
@@ -211,7 +212,6 @@ static og_json *parse_container(og_parser *p, int depth, int is_obj) {
 }
 
 static og_json *parse_value(og_parser *p, int depth) {
-  if (depth > OG_JSON_MAX_DEPTH) return fail_at(p, "nested too deeply");
   skip_ws(p);
   if (p->s >= p->end) return fail_at(p, "unexpected end of input");
   const char c = *p->s;
@@ -246,8 +246,9 @@ static og_json *parse_value(og_parser *p, int depth) {
 
 og_json *opgraft__json_parse(const char *text, size_t len, char *err, size_t err_len) {
   char dummy[8];
-  og_parser p = {text, text + len, text, err ? err : dummy, err ? err_len : sizeof dummy, 0};
+  og_parser p = {text, text, text, err ? err : dummy, err ? err_len : sizeof dummy, 0};
   if (!text) return fail_at(&p, "no input");
+  p.end = text + len;
   og_json *j = parse_value(&p, 0);
   if (!j) return NULL;
   skip_ws(&p);

@@ -130,8 +130,8 @@ static int32_t check_device(const opgraft_moe_args *a, int32_t *arch_out, char *
 }
 
 int32_t opgraft_moe_supports(const opgraft_moe_args *args, char *reason, size_t reason_len) {
-  char dummy[8];
-  if (!reason || !reason_len) reason = dummy, reason_len = sizeof dummy;
+  char local[256];
+  if (!reason || !reason_len) reason = local, reason_len = sizeof local;
   reason[0] = 0;
   char gpu[256];
   int32_t st = check_static(args, reason, reason_len);

@@ -136,8 +136,9 @@ static const char *load_rows(const char *path, const og_json *root, og_tune_entr
       const og_json *t0 = tok->type == OG_JSON_ARRAY ? tok->child : NULL;
       const og_json *t1 = t0 ? t0->next : NULL;
       if (!t1 || t1->next || t0->type != OG_JSON_NUMBER || t1->type != OG_JSON_NUMBER ||
-          t0->number < 1 || t1->number < t0->number || t1->number > 1e9)
-        bad = "\"tokens\" must be [lo, hi] with 1 <= lo <= hi";
+          t0->number < 1 || t1->number < t0->number || t1->number > 1e9 ||
+          t0->number != (double)(int32_t)t0->number || t1->number != (double)(int32_t)t1->number)
+        bad = "\"tokens\" must be [lo, hi], integers with 1 <= lo <= hi";
       else
         lo = (int32_t)t0->number, hi = (int32_t)t1->number;
     }
@@ -152,8 +153,9 @@ static const char *load_rows(const char *path, const og_json *root, og_tune_entr
         opgraft__warn_once("tune file %s, entry %d: unknown key \"%s\"; skipping it", path, idx, kv->key);
         continue;
       }
-      if (kv->type != OG_JSON_NUMBER || kv->number != (double)(int64_t)kv->number ||
-          kv->number < (double)t->lo || kv->number > (double)t->hi) {
+      /* The range check comes first: casting an out-of-range double to an integer is undefined. */
+      if (kv->type != OG_JSON_NUMBER || kv->number < (double)t->lo || kv->number > (double)t->hi ||
+          kv->number != (double)(int64_t)kv->number) {
         opgraft__warn_once("tune file %s, entry %d: \"%s\" must be an integer in [%lld, %lld]; "
                            "skipping it", path, idx, kv->key, (long long)t->lo, (long long)t->hi);
         continue;

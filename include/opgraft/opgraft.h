@@ -65,7 +65,8 @@ OPGRAFT_EXTERN const char *opgraft_status_name(int32_t status);
 OPGRAFT_EXTERN const char *opgraft_last_error(void);
 
 /* Log messages (warnings about malformed settings, cache trouble) go to this callback; by default
- * they go to stderr with an "opgraft:" prefix. Pass NULL to restore the default. */
+ * they go to stderr with an "opgraft:" prefix. Pass NULL to restore the default. The callback may
+ * run while the library holds internal locks: it must not call back into libopgraft. */
 enum { OPGRAFT_LOG_DEBUG = 10, OPGRAFT_LOG_INFO = 20, OPGRAFT_LOG_WARNING = 30 };
 typedef void (*opgraft_log_fn)(int32_t level, const char *message, void *user_data);
 OPGRAFT_EXTERN void opgraft_set_log_callback(opgraft_log_fn fn, void *user_data);
@@ -110,8 +111,9 @@ typedef struct opgraft_tune_query {
   const char *shape; /* e.g. "moe:bf16:E128:H2048:I768:k8"; NULL matches entries without it */
   int32_t tokens;    /* the call's token count; entries may restrict it; 0 = any */
 } opgraft_tune_query;
-/* Resolves one key. source (may be NULL) receives where the value came from, e.g.
- * "env:OPGRAFT_TUNE_MOE_MAX_TOKENS", "file:/path/tune.json#2", "baked:sm_90". */
+/* Resolves one key. source (may be NULL) receives where the value came from:
+ * "env:OPGRAFT_TUNE_MOE_MAX_TOKENS", "file:/path/tune.json", "baked:sm_90", "baked:any", or
+ * "default" (the key's built-in fallback, used when no table row matches). */
 OPGRAFT_EXTERN int32_t opgraft_tune_get(const opgraft_tune_query *q, int64_t *value, char *source,
                                         size_t source_len);
 /* Forgets the parsed tune file so the next lookup reads $OPGRAFT_TUNE_FILE again. */

@@ -143,7 +143,16 @@ static inline int og_allow_no_nvrtc(void) {
 
 /* ---- child processes ---- */
 
-/* Runs this test program again in a fresh process (fork, then exec of /proc/self/exe) with
+/* The test program's own path, for running it again (set from argv[0] by og_set_self). */
+static char og_self[4096] = "/proc/self/exe";
+
+/* Remembers the program's path; /proc/self/exe would name valgrind when the test runs under it. */
+static inline void og_set_self(const char *argv0) {
+  char buf[4096];
+  if (argv0 && strchr(argv0, '/') && realpath(argv0, buf)) snprintf(og_self, sizeof og_self, "%s", buf);
+}
+
+/* Runs this test program again in a fresh process (fork, then exec of og_self) with
  * $OG_TEST_ROLE set to role; the program's main() runs that role instead of the tests. The child
  * inherits the current environment. Returns the child's pid. */
 static inline pid_t og_spawn_role(const char *role) {
@@ -152,8 +161,8 @@ static inline pid_t og_spawn_role(const char *role) {
   if (pid < 0) fail_msg("fork: %s", strerror(errno));
   if (pid == 0) {
     setenv("OG_TEST_ROLE", role, 1);
-    execl("/proc/self/exe", "opgraft-test-child", (char *)NULL);
-    fprintf(stderr, "exec of /proc/self/exe failed: %s\n", strerror(errno));
+    execl(og_self, og_self, (char *)NULL);
+    fprintf(stderr, "exec of %s failed: %s\n", og_self, strerror(errno));
     _exit(127);
   }
   return pid;

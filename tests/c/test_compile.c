@@ -1,0 +1,285 @@
+/* Every kernel variant of the model presets compiles with NVRTC without register spills, and the
+ * ptxas resource report is parsed correctly. Compiles run on several threads (NVRTC is
+ * thread-safe for distinct programs); $OPGRAFT_TEST_JOBS overrides the thread count. */
+#include "og_test.h"
+
+typedef struct shape {
+  const char *name;
+  int64_t E, H, I, k;
+} shape;
+
+static const shape shapes[] = {
+    {"Qwen3-30B-A3B", 128, 2048, 768, 8},  {"Qwen3-235B-A22B", 128, 4096, 1536, 8},
+    {"Mixtral-8x7B", 8, 4096, 14336, 2},   {"DeepSeek-V3", 256, 7168, 2048, 8},
+    {"Kimi-K2", 384, 7168, 2048, 8},       {"odd", 7, 96, 160, 3},
+};
+static const int32_t token_counts[] = {1, 8, 9, 16, 17, 32, 33, 64};
+static const int32_t archs[] = {80, 90};
+static const int32_t dtypes[] = {OPGRAFT_DTYPE_BF16, OPGRAFT_DTYPE_FP16};
+
+#define N_SHAPES (sizeof shapes / sizeof *shapes)
+#define N_TOKENS (sizeof token_counts / sizeof *token_counts)
+#define N_JOBS (N_SHAPES * N_TOKENS * 2 * 2)
+
+typedef struct job {
+  const shape *s;
+  int32_t dtype, arch, T;
+  int32_t status, count;
+  opgraft_kernel_info info[2];
+  char error[512];
+} job;
+
+static job jobs[N_JOBS];
+static int n_jobs;
+static int have_nvrtc;
+static char nvrtc_error[256];
+static _Atomic int next_job;
+
+static const char *dtype_str(int32_t d) { return d == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16"; }
+
+static void describe(const job *j, char *buf, size_t len) {
+  snprintf(buf, len, "%s (E=%lld H=%lld I=%lld k=%lld) %s T=%d sm_%d", j->s->name, (long long)j->s->E,
+           (long long)j->s->H, (long long)j->s->I, (long long)j->s->k, dtype_str(j->dtype), j->T, j->arch);
+}
+
+static void run_job(job *j) {
+  opgraft_moe_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = j->dtype;
+  a.activation = OPGRAFT_ACT_SILU;
+  a.num_tokens = j->T, a.hidden = j->s->H, a.inter = j->s->I, a.num_experts = j->s->E, a.top_k = j->s->k;
+  a.topk_weights_dtype = OPGRAFT_DTYPE_FP32;
+  a.topk_ids_dtype = OPGRAFT_DTYPE_INT32;
+  a.arch = j->arch;
+  j->count = -1;
+  j->status = opgraft_moe_compile_report(&a, j->arch, j->info, 2, &j->count);
+  opgraft__copy(j->error, sizeof j->error, j->status ? opgraft_last_error() : "");
+}
+
+static void *worker(void *arg) {
+  for (int i; (i = next_job++) < n_jobs;) run_job(&jobs[i]);
+  return arg;
+}
+
+static int setup(void **state) {
+  static char tmp[512];
+  og_tmpdir(tmp, sizeof tmp);
+  setenv("OPGRAFT_CACHE_DIR", tmp, 1); /* nothing should be cached, but never in $HOME */
+  og_unsetenv_prefix("OPGRAFT_TUNE_");  /* the shipped tunables decide the configurations */
+  opgraft_tune_reload();
+  *state = tmp;
+
+  opgraft_runtime_info info;
+  assert_int_equal(opgraft_runtime_query(&info), OPGRAFT_OK);
+  have_nvrtc = info.nvrtc_version > 0;
+  opgraft__copy(nvrtc_error, sizeof nvrtc_error, info.nvrtc_error);
+  if (!have_nvrtc) return 0;
+
+  n_jobs = 0;
+  for (size_t d = 0; d < 2; ++d)
+    for (size_t a = 0; a < 2; ++a)
+      for (size_t s = 0; s < N_SHAPES; ++s)
+        for (size_t t = 0; t < N_TOKENS; ++t) {
+          job *j = &jobs[n_jobs++];
+          memset(j, 0, sizeof *j);
+          j->s = &shapes[s], j->dtype = dtypes[d], j->arch = archs[a], j->T = token_counts[t];
+        }
+  long threads = sysconf(_SC_NPROCESSORS_ONLN);
+  const char *env = getenv("OPGRAFT_TEST_JOBS");
+  if (env && atoi(env) > 0) threads = atoi(env);
+  if (threads < 1) threads = 1;
+  if (threads > 16) threads = 16;
+  pthread_t th[16];
+  next_job = 0;
+  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_create(&th[i], NULL, worker, NULL), 0);
+  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_join(th[i], NULL), 0);
+  return 0;
+}
+
+static int teardown(void **state) {
+  og_rm_rf(*state);
+  unsetenv("OPGRAFT_CACHE_DIR");
+  return 0;
+}
+
+static void need_nvrtc(void) {
+  if (have_nvrtc) return;
+  if (og_allow_no_nvrtc()) {
+    print_message("skipping: NVRTC cannot be loaded (%s) and OPGRAFT_TEST_ALLOW_NO_NVRTC=1\n", nvrtc_error);
+    skip();
+  }
+  fail_msg("NVRTC cannot be loaded: %s (set OPGRAFT_TEST_ALLOW_NO_NVRTC=1 to skip the compile tests)", nvrtc_error);
+}
+
+static void test_every_variant_compiles(void **state) {
+  need_nvrtc();
+  assert_int_equal(n_jobs, (int)N_JOBS);
+  int bad = 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    const job *j = &jobs[i];
+    char what[160], names[2][64];
+    describe(j, what, sizeof what);
+    snprintf(names[0], sizeof names[0], "moe_gate_up_%s", dtype_str(j->dtype));
+    snprintf(names[1], sizeof names[1], "moe_down_%s", dtype_str(j->dtype));
+    if (j->status != OPGRAFT_OK) {
+      print_error("%s: %s: %.400s\n", what, opgraft_status_name(j->status), j->error);
+      ++bad;
+      continue;
+    }
+    if (j->count != 2) {
+      print_error("%s: %d kernels reported, expected 2\n", what, j->count);
+      ++bad;
+      continue;
+    }
+    for (int k = 0; k < 2; ++k)
+      if (strcmp(j->info[k].name, names[k]) != 0 || j->info[k].registers <= 0) {
+        print_error("%s: kernel %d is \"%s\" with %d registers, expected %s with some\n", what, k, j->info[k].name,
+                    j->info[k].registers, names[k]);
+        ++bad;
+      }
+  }
+  if (bad) fail_msg("%d problems over %d kernel variants", bad, n_jobs);
+}
+
+static void test_no_spills(void **state) {
+  need_nvrtc();
+  int bad = 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    const job *j = &jobs[i];
+    if (j->status != OPGRAFT_OK) continue; /* reported by test_every_variant_compiles */
+    for (int k = 0; k < 2; ++k) {
+      const opgraft_kernel_info *ki = &j->info[k];
+      if (ki->spill_store_bytes > 0 || ki->spill_load_bytes > 0) {
+        char what[160];
+        describe(j, what, sizeof what);
+        print_error("%s: %s spills: %d bytes stored, %d bytes loaded, %d registers, %d bytes stack\n", what,
+                    ki->name, ki->spill_store_bytes, ki->spill_load_bytes, ki->registers, ki->stack_bytes);
+        ++bad;
+      }
+    }
+  }
+  if (bad) fail_msg("%d kernels spill registers", bad);
+}
+
+static void test_real_log_parses(void **state) {
+  /* The resource report of an actual compile parses. */
+  need_nvrtc();
+  og_cubin c;
+  const int32_t st = opgraft__compile("stream_read.cu", NULL, 0, 90, &c);
+  if (st != OPGRAFT_OK) fail_msg("compiling stream_read.cu: %s", opgraft_last_error());
+  assert_non_null(c.log);
+  opgraft_kernel_info ki;
+  assert_int_equal(opgraft__parse_resources(c.log, "stream_read_u128", &ki), OPGRAFT_OK);
+  assert_string_equal(ki.name, "stream_read_u128");
+  assert_true(ki.registers > 0 && ki.registers <= 255);
+  assert_int_equal(ki.spill_store_bytes, 0);
+  assert_int_equal(ki.spill_load_bytes, 0);
+  opgraft__cubin_free(&c);
+}
+
+/* A verbose ptxas log in the shape NVRTC gives it: the first entry in the older report format,
+ * the second in the newer one, with spills. */
+static const char canned_log[] =
+    "ptxas info    : 0 bytes gmem\n"
+    "ptxas info    : Compiling entry function 'moe_gate_up_bf16' for 'sm_90'\n"
+    "ptxas info    : Function properties for moe_gate_up_bf16\n"
+    "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+    "ptxas info    : Used 176 registers, 36920 bytes smem, 400 bytes cmem[0]\n"
+    "ptxas info    : Compile time = 93.120 ms\n"
+    "ptxas info    : Compiling entry function 'moe_down_bf16' for 'sm_90'\n"
+    "ptxas info    : Function properties for moe_down_bf16\n"
+    "ptxas         .     24 bytes stack frame, 40 bytes spill stores, 64 bytes spill loads\n"
+    "ptxas info    : Used 128 registers, used 1 barriers, 24 bytes cumulative stack size, 12600 bytes smem\n"
+    "ptxas info    : Compile time = 89.320 ms\n";
+
+static void test_parse_canned_log(void **state) {
+  opgraft_kernel_info ki;
+  assert_int_equal(opgraft__parse_resources(canned_log, "moe_gate_up_bf16", &ki), OPGRAFT_OK);
+  assert_string_equal(ki.name, "moe_gate_up_bf16");
+  assert_int_equal(ki.registers, 176);
+  assert_int_equal(ki.spill_store_bytes, 0);
+  assert_int_equal(ki.spill_load_bytes, 0);
+  assert_int_equal(ki.stack_bytes, 0);
+  assert_int_equal(ki.shared_bytes, 36920);
+
+  assert_int_equal(opgraft__parse_resources(canned_log, "moe_down_bf16", &ki), OPGRAFT_OK);
+  assert_string_equal(ki.name, "moe_down_bf16");
+  assert_int_equal(ki.registers, 128);
+  assert_int_equal(ki.spill_store_bytes, 40);
+  assert_int_equal(ki.spill_load_bytes, 64);
+  assert_int_equal(ki.stack_bytes, 24);
+  assert_int_equal(ki.shared_bytes, 12600);
+}
+
+static void test_parse_rejects_garbage(void **state) {
+  opgraft_kernel_info ki;
+  assert_int_not_equal(opgraft__parse_resources("garbage", "moe_down_bf16", &ki), OPGRAFT_OK);
+  assert_int_not_equal(opgraft__parse_resources("", "moe_down_bf16", &ki), OPGRAFT_OK);
+  assert_int_not_equal(opgraft__parse_resources(NULL, "moe_down_bf16", &ki), OPGRAFT_OK);
+  /* A name that is only a prefix of a reported one is not found. */
+  assert_int_equal(opgraft__parse_resources(canned_log, "moe_down", &ki), OPGRAFT_ENOTFOUND);
+  /* The entry is there but its numbers are not. */
+  const char *no_numbers =
+      "ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+      "ptxas         .     many bytes stack frame, some bytes spill stores, few bytes spill loads\n"
+      "ptxas info    : Used lots of registers\n";
+  assert_int_equal(opgraft__parse_resources(no_numbers, "k", &ki), OPGRAFT_EPARSE);
+  const char *no_registers =
+      "ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+      "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+      "ptxas info    : Used lots of registers\n";
+  assert_int_equal(opgraft__parse_resources(no_registers, "k", &ki), OPGRAFT_EPARSE);
+  /* The report lines belong to the next entry, not to this one. */
+  const char *borrowed =
+      "ptxas info    : Compiling entry function 'a' for 'sm_90'\n"
+      "ptxas info    : Compiling entry function 'b' for 'sm_90'\n"
+      "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+      "ptxas info    : Used 32 registers\n";
+  assert_int_equal(opgraft__parse_resources(borrowed, "a", &ki), OPGRAFT_EPARSE);
+  const char *no_spill_line =
+      "ptxas info    : Compiling entry function 'a' for 'sm_90'\n"
+      "ptxas info    : Used 10 registers\n"
+      "ptxas info    : Compiling entry function 'b' for 'sm_90'\n"
+      "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+      "ptxas info    : Used 32 registers\n";
+  assert_int_equal(opgraft__parse_resources(no_spill_line, "a", &ki), OPGRAFT_EPARSE);
+  assert_int_equal(opgraft__parse_resources(borrowed, "b", &ki), OPGRAFT_OK);
+  assert_int_equal(ki.registers, 32);
+}
+
+static void test_compile_report_arguments(void **state) {
+  opgraft_moe_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = OPGRAFT_DTYPE_BF16;
+  a.activation = OPGRAFT_ACT_SILU;
+  a.num_tokens = 1, a.hidden = 64, a.inter = 64, a.num_experts = 4, a.top_k = 2;
+  a.topk_weights_dtype = OPGRAFT_DTYPE_FP32;
+  a.topk_ids_dtype = OPGRAFT_DTYPE_INT32;
+  opgraft_kernel_info ki[2];
+  int32_t count = 0;
+  assert_int_equal(opgraft_moe_compile_report(NULL, 90, ki, 2, &count), OPGRAFT_EINVAL);
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 2, NULL), OPGRAFT_EINVAL);
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, NULL, 2, &count), OPGRAFT_EINVAL);
+  a.dtype = OPGRAFT_DTYPE_FP32;
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 2, &count), OPGRAFT_EUNSUPPORTED);
+  a.dtype = OPGRAFT_DTYPE_BF16;
+  a.num_tokens = 65;
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 2, &count), OPGRAFT_EUNSUPPORTED);
+  a.num_tokens = 1;
+  a.hidden = 48;
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 2, &count), OPGRAFT_EUNSUPPORTED);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_parse_canned_log),
+      cmocka_unit_test(test_parse_rejects_garbage),
+      cmocka_unit_test(test_compile_report_arguments),
+      cmocka_unit_test(test_real_log_parses),
+      cmocka_unit_test(test_every_variant_compiles),
+      cmocka_unit_test(test_no_spills),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

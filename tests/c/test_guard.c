@@ -1,0 +1,309 @@
+/* The MoE dispatch guard: which calls the kernel takes and why it refuses the others. No GPU and
+ * no data are needed: the pointers are fake but aligned, and the guard never reads them. */
+#include "og_test.h"
+
+static char tmp[512];
+
+static int setup(void **state) {
+  og_tmpdir(tmp, sizeof tmp);
+  /* Nothing here should write a cache file; if something does, it lands in tmp. */
+  setenv("OPGRAFT_CACHE_DIR", tmp, 1);
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  return 0;
+}
+
+static int teardown(void **state) {
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  unsetenv("OPGRAFT_CACHE_DIR");
+  og_rm_rf(tmp);
+  return 0;
+}
+
+/* After each test: tunables back to their defaults. */
+static int reset_tunables(void **state) {
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  return 0;
+}
+
+/* Contiguous strides for the given sizes. */
+static void set_shape(opgraft_moe_args *a, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k) {
+  a->num_tokens = T, a->hidden = H, a->inter = I, a->num_experts = E, a->top_k = k;
+  a->hidden_states_stride[0] = H, a->hidden_states_stride[1] = 1;
+  a->w13_stride[0] = 2 * I * H, a->w13_stride[1] = H, a->w13_stride[2] = 1;
+  a->w2_stride[0] = H * I, a->w2_stride[1] = I, a->w2_stride[2] = 1;
+  a->topk_weights_stride[0] = k, a->topk_weights_stride[1] = 1;
+  a->topk_ids_stride[0] = k, a->topk_ids_stride[1] = 1;
+  a->out_stride[0] = H, a->out_stride[1] = 1;
+}
+
+/* bf16, T=1, H=2048, I=768, E=128, k=8 (Qwen3-30B-A3B) on sm_90. */
+static opgraft_moe_args valid_args(void) {
+  opgraft_moe_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = OPGRAFT_DTYPE_BF16;
+  a.activation = OPGRAFT_ACT_SILU;
+  set_shape(&a, 1, 2048, 768, 128, 8);
+  a.hidden_states = (const void *)0x10000;
+  a.w13 = (const void *)0x100000;
+  a.w2 = (const void *)0x200000;
+  a.topk_weights = (const void *)0x300000;
+  a.topk_weights_dtype = OPGRAFT_DTYPE_FP32;
+  a.topk_ids = (const void *)0x310000;
+  a.topk_ids_dtype = OPGRAFT_DTYPE_INT32;
+  a.out = (void *)0x320000;
+  a.arch = 90;
+  return a;
+}
+
+static void expect_ok(const opgraft_moe_args *a, const char *what) {
+  char reason[256] = "unset";
+  const int32_t st = opgraft_moe_supports(a, reason, sizeof reason);
+  if (st != OPGRAFT_OK) fail_msg("%s: %s, reason \"%s\"", what, opgraft_status_name(st), reason);
+  assert_string_equal(reason, "");
+}
+
+static void expect_refusal(const opgraft_moe_args *a, const char *needle, const char *what) {
+  char reason[256] = "unset";
+  const int32_t st = opgraft_moe_supports(a, reason, sizeof reason);
+  if (st != OPGRAFT_EUNSUPPORTED)
+    fail_msg("%s: %s, expected OPGRAFT_EUNSUPPORTED (reason \"%s\")", what, opgraft_status_name(st), reason);
+  if (!strstr(reason, needle)) fail_msg("%s: reason \"%s\" lacks \"%s\"", what, reason, needle);
+  if (!strstr(opgraft_last_error(), reason))
+    fail_msg("%s: last error \"%s\" lacks the reason", what, opgraft_last_error());
+}
+
+static void test_valid(void **state) {
+  opgraft_moe_args a = valid_args();
+  expect_ok(&a, "the valid call");
+  /* A NULL reason buffer is allowed. */
+  assert_int_equal(opgraft_moe_supports(&a, NULL, 0), OPGRAFT_OK);
+  a.dtype = OPGRAFT_DTYPE_FP16;
+  a.topk_ids_dtype = OPGRAFT_DTYPE_INT64;
+  a.apply_router_weight_on_input = 1;
+  expect_ok(&a, "fp16 with int64 ids and the weight on the input");
+  a = valid_args();
+  a.arch = 80;
+  a.gpu_name = "NVIDIA A100-SXM4-80GB";
+  expect_ok(&a, "sm_80");
+  a = valid_args();
+  a.hidden_states_stride[0] = 2048 + 64; /* rows of a larger buffer */
+  expect_ok(&a, "a padded hidden row stride");
+}
+
+static void test_zero_tokens(void **state) {
+  opgraft_moe_args a = valid_args();
+  a.num_tokens = 0;
+  expect_ok(&a, "T=0");
+  a.hidden_states = a.w13 = a.w2 = a.topk_weights = a.topk_ids = NULL;
+  a.out = NULL;
+  expect_ok(&a, "T=0 with NULL pointers");
+}
+
+/* ---- one refusal per case ---- */
+
+typedef struct refusal {
+  void (*mutate)(opgraft_moe_args *a);
+  const char *needle;
+} refusal;
+
+static void m_struct_size(opgraft_moe_args *a) { a->struct_size = (uint32_t)sizeof *a - 8; }
+static void m_dtype_fp32(opgraft_moe_args *a) { a->dtype = OPGRAFT_DTYPE_FP32; }
+static void m_gelu(opgraft_moe_args *a) { a->activation = OPGRAFT_ACT_GELU; }
+static void m_expert_map(opgraft_moe_args *a) { a->expert_map = (const void *)0x400000; }
+static void m_weights_bf16(opgraft_moe_args *a) { a->topk_weights_dtype = OPGRAFT_DTYPE_BF16; }
+static void m_ids_fp16(opgraft_moe_args *a) { a->topk_ids_dtype = OPGRAFT_DTYPE_FP16; }
+static void m_hidden_2064(opgraft_moe_args *a) { set_shape(a, 1, 2064, 768, 128, 8); }
+static void m_inter_784(opgraft_moe_args *a) { set_shape(a, 1, 2048, 784, 128, 8); }
+static void m_experts_0(opgraft_moe_args *a) { set_shape(a, 1, 2048, 768, 0, 8); }
+static void m_topk_0(opgraft_moe_args *a) { set_shape(a, 1, 2048, 768, 128, 0); }
+static void m_topk_17(opgraft_moe_args *a) { set_shape(a, 1, 2048, 768, 128, 17); }
+static void m_topk_over_e(opgraft_moe_args *a) { set_shape(a, 1, 2048, 768, 4, 8); }
+static void m_negative_t(opgraft_moe_args *a) { a->num_tokens = -1; }
+static void m_hidden_stride2(opgraft_moe_args *a) { a->hidden_states_stride[1] = 2; }
+static void m_w13_rows_short(opgraft_moe_args *a) { a->w13_stride[1] = 2048 - 32; }
+static void m_w2_experts_short(opgraft_moe_args *a) { a->w2_stride[0] = 2048 * 768 - 8; }
+static void m_hidden_row_stride(opgraft_moe_args *a) { a->hidden_states_stride[0] = 2048 + 4; }
+static void m_w13_row_stride(opgraft_moe_args *a) {
+  a->w13_stride[1] = 2048 + 4;
+  a->w13_stride[0] = 2 * 768 * a->w13_stride[1];
+}
+static void m_out_rows_short(opgraft_moe_args *a) { a->out_stride[0] = 2048 - 8; }
+static void m_hidden_misaligned(opgraft_moe_args *a) { a->hidden_states = (const void *)0x10008; }
+static void m_w2_misaligned(opgraft_moe_args *a) { a->w2 = (const void *)0x200004; }
+static void m_out_odd(opgraft_moe_args *a) { a->out = (void *)0x320001; }
+static void m_null_ids(opgraft_moe_args *a) { a->topk_ids = NULL; }
+static void m_null_hidden(opgraft_moe_args *a) { a->hidden_states = NULL; }
+static void m_arch_75(opgraft_moe_args *a) { a->arch = 75; }
+
+static const refusal r_struct_size = {m_struct_size, "struct_size"};
+static const refusal r_dtype_fp32 = {m_dtype_fp32, "dtype fp32"};
+static const refusal r_gelu = {m_gelu, "activation 2"};
+static const refusal r_expert_map = {m_expert_map, "expert_map"};
+static const refusal r_weights_bf16 = {m_weights_bf16, "topk_weights dtype bf16"};
+static const refusal r_ids_fp16 = {m_ids_fp16, "topk_ids dtype fp16"};
+static const refusal r_hidden_2064 = {m_hidden_2064, "hidden size 2064"};
+static const refusal r_inter_784 = {m_inter_784, "intermediate size 784"};
+static const refusal r_experts_0 = {m_experts_0, "0 experts"};
+static const refusal r_topk_0 = {m_topk_0, "top_k 0"};
+static const refusal r_topk_17 = {m_topk_17, "top_k 17"};
+static const refusal r_topk_over_e = {m_topk_over_e, "top_k 8 > 4 experts"};
+static const refusal r_negative_t = {m_negative_t, "negative token count"};
+static const refusal r_hidden_stride2 = {m_hidden_stride2, "not contiguous"};
+static const refusal r_w13_rows_short = {m_w13_rows_short, "weight strides"};
+static const refusal r_w2_experts_short = {m_w2_experts_short, "weight strides"};
+static const refusal r_hidden_row_stride = {m_hidden_row_stride, "multiples of 16 bytes"};
+static const refusal r_w13_row_stride = {m_w13_row_stride, "multiples of 16 bytes"};
+static const refusal r_out_rows_short = {m_out_rows_short, "smaller than the rows"};
+static const refusal r_hidden_misaligned = {m_hidden_misaligned, "16-byte aligned"};
+static const refusal r_w2_misaligned = {m_w2_misaligned, "16-byte aligned"};
+static const refusal r_out_odd = {m_out_odd, "misaligned"};
+static const refusal r_null_ids = {m_null_ids, "NULL"};
+static const refusal r_null_hidden = {m_null_hidden, "NULL"};
+static const refusal r_arch_75 = {m_arch_75, "sm_75"};
+
+static void test_refusal(void **state) {
+  const refusal *r = *state;
+  opgraft_moe_args a = valid_args();
+  r->mutate(&a);
+  expect_refusal(&a, r->needle, r->needle);
+}
+
+static void test_noncontiguous_last_dim_each_tensor(void **state) {
+  for (int i = 0; i < 6; ++i) {
+    opgraft_moe_args a = valid_args();
+    int64_t *dims[6] = {&a.hidden_states_stride[1], &a.w13_stride[2], &a.w2_stride[2],
+                        &a.topk_weights_stride[1], &a.topk_ids_stride[1], &a.out_stride[1]};
+    *dims[i] = 2;
+    char what[64];
+    snprintf(what, sizeof what, "tensor %d with last stride 2", i);
+    expect_refusal(&a, "not contiguous", what);
+  }
+}
+
+static void test_null_args(void **state) {
+  char reason[128] = "";
+  assert_int_equal(opgraft_moe_supports(NULL, reason, sizeof reason), OPGRAFT_EUNSUPPORTED);
+  assert_true(reason[0] != 0);
+}
+
+static void test_kernel_token_limit(void **state) {
+  /* With moe.max_tokens at its maximum, T=64 passes and T=65 hits the kernel's own limit. */
+  setenv("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64", 1);
+  opgraft_moe_args a = valid_args();
+  a.num_tokens = 64;
+  expect_ok(&a, "T=64 with moe.max_tokens=64");
+  a.num_tokens = 65;
+  expect_refusal(&a, "65 tokens > 64 (kernel limit)", "T=65");
+}
+
+static void test_max_tokens_tunable(void **state) {
+  setenv("OPGRAFT_TUNE_MOE_MAX_TOKENS", "4", 1);
+  opgraft_tune_reload();
+  opgraft_moe_args a = valid_args();
+  a.num_tokens = 4;
+  expect_ok(&a, "T=4 with moe.max_tokens=4");
+  a.num_tokens = 5;
+  expect_refusal(&a, "5 tokens > moe.max_tokens 4", "T=5 with moe.max_tokens=4");
+
+  /* Unset again: the limit is whatever the tunable now resolves to for this call. */
+  unsetenv("OPGRAFT_TUNE_MOE_MAX_TOKENS");
+  opgraft_tune_reload();
+  const opgraft_tune_query q = {"moe.max_tokens", 90, NULL, "moe:bf16:E128:H2048:I768:k8", 5};
+  int64_t max_t = 0;
+  assert_int_equal(opgraft_tune_get(&q, &max_t, NULL, 0), OPGRAFT_OK);
+  assert_true(max_t != 4);
+  if (max_t >= 5) expect_ok(&a, "T=5 with the default moe.max_tokens");
+  else expect_refusal(&a, "moe.max_tokens", "T=5 with the default moe.max_tokens");
+}
+
+static void test_no_gpu_without_arch(void **state) {
+  /* arch 0 means the current device; there is no CUDA context in this process. */
+  opgraft_moe_args a = valid_args();
+  a.arch = 0;
+  expect_refusal(&a, "no GPU", "arch 0 without a current CUDA context");
+}
+
+static void test_workspace_size(void **state) {
+  opgraft_moe_args a = valid_args();
+  size_t bytes = 1;
+  assert_int_equal(opgraft_moe_workspace_size(&a, &bytes), OPGRAFT_OK);
+  assert_int_equal(bytes, 1 * 8 * 768 * 2); /* already a multiple of 256 */
+  const int64_t cases[][3] = {{0, 8, 768}, {3, 3, 32}, {5, 2, 1536}, {64, 16, 2048}, {1, 1, 32}, {7, 3, 160}};
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+    set_shape(&a, cases[i][0], 2048, cases[i][2], 128, cases[i][1]);
+    assert_int_equal(opgraft_moe_workspace_size(&a, &bytes), OPGRAFT_OK);
+    const size_t raw = (size_t)(cases[i][0] * cases[i][1] * cases[i][2] * 2);
+    const size_t want = (raw + 255) / 256 * 256;
+    if (bytes != want) fail_msg("T=%lld k=%lld I=%lld: %zu bytes, expected %zu", (long long)cases[i][0],
+                                (long long)cases[i][1], (long long)cases[i][2], bytes, want);
+    assert_int_equal(bytes % 256, 0);
+    assert_true(bytes >= raw && bytes < raw + 256);
+  }
+  assert_int_equal(opgraft_moe_workspace_size(NULL, &bytes), OPGRAFT_EINVAL);
+  assert_int_equal(opgraft_moe_workspace_size(&a, NULL), OPGRAFT_EINVAL);
+  a.struct_size = 16;
+  assert_int_equal(opgraft_moe_workspace_size(&a, &bytes), OPGRAFT_EINVAL);
+}
+
+static void test_run_without_gpu(void **state) {
+  opgraft_runtime_info info;
+  assert_int_equal(opgraft_runtime_query(&info), OPGRAFT_OK);
+  opgraft_moe_args a = valid_args();
+  opgraft__fail(OPGRAFT_OK, "%s", "");
+  const int32_t st = opgraft_moe_run(&a, (void *)0x500000, 1 << 20, NULL);
+  assert_int_not_equal(st, OPGRAFT_OK);
+  assert_true(opgraft_last_error()[0] != 0);
+  /* Without libcuda nothing else can be reached; with it, there is still no context here. */
+  if (!info.libcuda_path[0]) assert_int_equal(st, OPGRAFT_ENOLIB);
+  else assert_int_equal(st, OPGRAFT_ENODEV);
+
+  /* Bad stage masks are refused before anything is loaded. */
+  assert_int_equal(opgraft_moe_run_stages(&a, (void *)0x500000, 1 << 20, NULL, 0), OPGRAFT_EINVAL);
+  assert_int_equal(opgraft_moe_run_stages(&a, (void *)0x500000, 1 << 20, NULL, 4), OPGRAFT_EINVAL);
+}
+
+#define REFUSAL(r) {"refuse_" #r, test_refusal, NULL, reset_tunables, (void *)&r_##r}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(test_valid, reset_tunables),
+      cmocka_unit_test_teardown(test_zero_tokens, reset_tunables),
+      REFUSAL(struct_size),
+      REFUSAL(dtype_fp32),
+      REFUSAL(gelu),
+      REFUSAL(expert_map),
+      REFUSAL(weights_bf16),
+      REFUSAL(ids_fp16),
+      REFUSAL(hidden_2064),
+      REFUSAL(inter_784),
+      REFUSAL(experts_0),
+      REFUSAL(topk_0),
+      REFUSAL(topk_17),
+      REFUSAL(topk_over_e),
+      REFUSAL(negative_t),
+      REFUSAL(hidden_stride2),
+      REFUSAL(w13_rows_short),
+      REFUSAL(w2_experts_short),
+      REFUSAL(hidden_row_stride),
+      REFUSAL(w13_row_stride),
+      REFUSAL(out_rows_short),
+      REFUSAL(hidden_misaligned),
+      REFUSAL(w2_misaligned),
+      REFUSAL(out_odd),
+      REFUSAL(null_ids),
+      REFUSAL(null_hidden),
+      REFUSAL(arch_75),
+      cmocka_unit_test_teardown(test_noncontiguous_last_dim_each_tensor, reset_tunables),
+      cmocka_unit_test(test_null_args),
+      cmocka_unit_test_teardown(test_kernel_token_limit, reset_tunables),
+      cmocka_unit_test_teardown(test_max_tokens_tunable, reset_tunables),
+      cmocka_unit_test(test_no_gpu_without_arch),
+      cmocka_unit_test(test_workspace_size),
+      cmocka_unit_test(test_run_without_gpu),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}
