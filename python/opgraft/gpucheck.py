@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", default="", help="run only the correctness cases whose name contains this")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: the GPU check needs one", file=sys.stderr)
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     print("runtime:", _lib.runtime_info(), flush=True)
 
     t0 = time.time()
-    checks = [run_case(c) for c in correctness_cases()]
+    checks = [run_case(c) for c in correctness_cases() if args.only in c["name"]]
     for r in checks:
         print(f"  {'PASS' if r['passed'] else 'FAIL'} {r['name']:<40} rel_err={r.get('rel_err', float('nan')):.2e} "
               f"det={r.get('deterministic')} {r.get('reason', '')}", flush=True)
