@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -522,6 +523,7 @@ class Node:
     extras: Set[str] = field(default_factory=set)
     required_by: Set[str] = field(default_factory=set)
     url: Optional[str] = None
+    spec_from: Dict[str, Set[str]] = field(default_factory=dict)  # parent -> its clauses
 
 
 @dataclass
@@ -558,6 +560,7 @@ def walk(roots: List[Requirement], metadata: Dict[str, WheelInfo], env: Dict[str
         node.specs.update(req.specs)
         node.extras.update(req.extras)
         node.required_by.add(parent)
+        node.spec_from.setdefault(parent, set()).update(req.specs)
         if req.url:
             node.url = req.url
         if reason is not None or key in have:
@@ -583,12 +586,6 @@ def walk(roots: List[Requirement], metadata: Dict[str, WheelInfo], env: Dict[str
                 queue.append((child, key, True))
     g.unresolved = {k for k in g.unresolved if k not in metadata}
     return g
-
-
-def _pip_requirement(name: str, node: Node) -> str:
-    if node.url:
-        return "%s @ %s" % (name, node.url)
-    return name + ",".join(sorted(node.specs))
 
 
 # --------------------------------------------------------------------------------------------
@@ -649,52 +646,6 @@ def pip_download(pip_cmd: List[str], requirement: str, target: Target, dest: str
         raise RuntimeError("pip download %s failed (exit %d):\n%s" % (requirement,
                                                                      proc.returncode, tail))
     return os.path.join(dest, wheels[0])
-
-
-def resolve(roots: List[Requirement], target: Target, have: Dict[str, Optional[str]],
-            excludes: List[Tuple[str, str]], fetch: Callable[[str, str], WheelInfo],
-            jobs: int = 8, log: Callable[[str], None] = print,
-            max_rounds: int = 50) -> Tuple[Graph, Dict[str, WheelInfo]]:
-    """Fixpoint of walk + fetch.  ``fetch(name, pip_requirement)`` returns the WheelInfo of the
-    wheel chosen for that requirement.  Returns the final graph and the metadata of every
-    needed package."""
-    env = target.env
-    metadata: Dict[str, WheelInfo] = {}
-    fetched_with: Dict[str, str] = {}
-    for rnd in range(1, max_rounds + 1):
-        g = walk(roots, metadata, env, have, excludes)
-        todo = {}
-        for name, node in g.needed.items():
-            req = _pip_requirement(name, node)
-            if name not in metadata:
-                todo[name] = req
-            elif fetched_with.get(name) != req:
-                # constraints changed since the last fetch: keep the wheel if it still fits
-                ok = spec_satisfied(metadata[name].version, node.specs)
-                if ok is True and not node.url:
-                    fetched_with[name] = req
-                else:
-                    todo[name] = req
-        if not todo:
-            return g, {k: metadata[k] for k in g.needed}
-        log("round %d: fetching %d: %s" % (rnd, len(todo), " ".join(sorted(todo))))
-        errors = []
-        with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-            futs = {pool.submit(fetch, name, req): name for name, req in sorted(todo.items())}
-            for fut in concurrent.futures.as_completed(futs):
-                name = futs[fut]
-                try:
-                    metadata[name] = fut.result()
-                    fetched_with[name] = todo[name]
-                except Exception as exc:  # report every failure, not just the first
-                    errors.append("%s: %s" % (name, exc))
-        if errors:
-            raise RuntimeError("could not fetch %d package(s):\n  %s\nHints: a package with no "
-                               "wheel for the target cannot be staged (build one on a matching "
-                               "machine and add it with `pack`), add a newer --platform tag if the "
-                               "target's glibc allows it, or --exclude it."
-                               % (len(errors), "\n  ".join(sorted(errors))))
-    raise RuntimeError("resolution did not settle after %d rounds" % max_rounds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -842,14 +793,20 @@ def write_manifest(out_dir: str, parts_dir: str, manifest: dict) -> str:
 
 
 def graph_records(g: Graph, have: Dict[str, Optional[str]]) -> Tuple[List[dict], List[dict]]:
+    """Manifest records of the skipped (present on the target) and dropped packages."""
     present = []
     for name, node in sorted(g.present.items()):
         ver = have.get(name)
         ok = spec_satisfied(ver, node.specs)
-        present.append({"name": name, "version_on_target": ver, "specifiers": sorted(node.specs),
-                        "extras_requested": sorted(node.extras),
-                        "required_by": sorted(node.required_by),
-                        "status": {True: "ok", False: "conflict", None: "unverified"}[ok]})
+        rec = {"name": name, "version_on_target": ver, "specifiers": sorted(node.specs),
+               "extras_requested": sorted(node.extras), "required_by": sorted(node.required_by),
+               "status": {True: "ok", False: "conflict", None: "unverified"}[ok],
+               "specifiers_by": {p: ",".join(sorted(s)) for p, s in sorted(node.spec_from.items())
+                                 if s}}
+        if ok is False:
+            rec["unmet"] = {p: ",".join(sorted(s)) for p, s in sorted(node.spec_from.items())
+                            if spec_satisfied(ver, s) is False}
+        present.append(rec)
     dropped = [{"name": n, "reason": None, "specifiers": sorted(node.specs),
                 "required_by": sorted(node.required_by)} for n, node in sorted(g.dropped.items())]
     return present, dropped
@@ -870,6 +827,70 @@ def _http_get(url: str, accept: Optional[str] = None, timeout: float = 60) -> by
         return resp.read()
 
 
+class _HTTPRangeFile:
+    """A read-only, seekable file over HTTP Range requests, enough for zipfile to read one
+    member of a remote wheel without downloading it (fetched in cached 256 KiB blocks)."""
+
+    BLOCK = 256 * 1024
+
+    def __init__(self, url: str, size: int):
+        self.url, self.size, self.pos = url, size, 0
+        self.blocks: Dict[int, bytes] = {}
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def _block(self, i: int) -> bytes:
+        if i not in self.blocks:
+            lo = i * self.BLOCK
+            hi = min(self.size, lo + self.BLOCK) - 1
+            req = urllib.request.Request(self.url, headers={"Range": "bytes=%d-%d" % (lo, hi)})
+            with urllib.request.urlopen(req, timeout=60, context=_ssl_context()) as resp:
+                data = resp.read()
+                if resp.status != 206 and len(data) != hi - lo + 1:
+                    raise RuntimeError("server ignored the Range request for %s" % self.url)
+            self.blocks[i] = data if resp.status == 206 else data[lo:hi + 1]
+        return self.blocks[i]
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self.pos + n)
+        out = bytearray()
+        while self.pos < end:
+            i, off = divmod(self.pos, self.BLOCK)
+            chunk = self._block(i)[off: off + end - self.pos]
+            if not chunk:
+                break
+            out += chunk
+            self.pos += len(chunk)
+        return bytes(out)
+
+
+def remote_wheel_metadata(url: str, size: int) -> str:
+    """METADATA of a remote wheel: PEP 658 ``<url>.metadata`` when the index serves it, else the
+    member read out of the zip through HTTP Range requests (a few hundred KiB at most)."""
+    try:
+        return _http_get(url + ".metadata").decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        if exc.code not in (403, 404):
+            raise
+    if not size:
+        req = urllib.request.Request(url, method="HEAD")
+        with urllib.request.urlopen(req, timeout=60, context=_ssl_context()) as resp:
+            size = int(resp.headers["Content-Length"])
+    with zipfile.ZipFile(_HTTPRangeFile(url, size)) as zf:
+        names = [n for n in zf.namelist() if re.match(r"^[^/]+\.dist-info/METADATA$", n)]
+        if not names:
+            raise RuntimeError("no METADATA in %s" % url)
+        return zf.read(names[0]).decode("utf-8", "replace")
+
+
 def _wheel_compatible(filename: str, supported: Dict[Tuple[str, str, str], int]) -> Optional[int]:
     """Rank of the best supported tag of a wheel file name (lower is better), None if none."""
     parts = filename[:-4].split("-")
@@ -881,57 +902,276 @@ def _wheel_compatible(filename: str, supported: Dict[Tuple[str, str, str], int])
     return min(ranks) if ranks else None
 
 
-def index_fetcher(target: Target, index_url: str):
-    """A fetch(name, requirement) for ``resolve`` that reads only index metadata."""
-    pk = _import_packaging()
-    if pk is None:
-        raise RuntimeError("plan needs the 'packaging' library (or pip's vendored copy)")
-    SpecifierSet, Version, ptags = pk
-    short = tuple(int(x) for x in target.python_version.split(".")[:2])
-    supported = {}
-    for i, t in enumerate(ptags.cpython_tags(short, platforms=target.platforms)):
-        supported.setdefault((t.interpreter, t.abi, t.platform), i)
-    base = len(supported)
-    for i, t in enumerate(ptags.compatible_tags(short, "cp%d%d" % short,
-                                                platforms=target.platforms)):
-        supported.setdefault((t.interpreter, t.abi, t.platform), base + i)
+# --------------------------------------------------------------------------------------------
+# Resolution over the index (resolvelib; pip vendors it)
+# --------------------------------------------------------------------------------------------
 
-    pyfull = target.env["python_full_version"]
+def _import_resolvelib():
+    try:
+        import resolvelib  # type: ignore
+        return resolvelib
+    except ImportError:
+        pass
+    try:
+        from pip._vendor import resolvelib  # type: ignore
+        return resolvelib
+    except ImportError:
+        return None
 
-    def fetch(name: str, requirement: str) -> WheelInfo:
-        req = parse_requirement(requirement)
-        spec = SpecifierSet(",".join(req.specs))
-        data = json.loads(_http_get(index_url.rstrip("/") + "/" + name + "/",
-                                    "application/vnd.pypi.simple.v1+json"))
-        best = None
+
+@dataclass(eq=False)
+class Candidate:
+    name: str                 # normalized
+    version: object           # packaging Version
+    extras: frozenset
+    file: dict                # the index's file record (filename, url, size, hashes, ...)
+
+
+def _ident(name: str, extras: Iterable[str]) -> str:
+    extras = sorted(extras)
+    return "%s[%s]" % (name, ",".join(extras)) if extras else name
+
+
+def _split_ident(identifier: str) -> Tuple[str, frozenset]:
+    if identifier.endswith("]"):
+        name, _, rest = identifier.partition("[")
+        return name, frozenset(rest[:-1].split(","))
+    return identifier, frozenset()
+
+
+class IndexClient:
+    """Reads a PEP 691 JSON simple index: the compatible wheels of each project (one per
+    version, the best tag for the target) and each wheel's METADATA (PEP 658 file, else the
+    member read through HTTP Range requests).  Fetches run in a thread pool and are cached, so
+    the resolver can ask for a project's list ahead of need (``prefetch``)."""
+
+    def __init__(self, index_url: str, target: Target, jobs: int = 8):
+        pk = _import_packaging()
+        if pk is None:
+            raise RuntimeError("resolution needs the 'packaging' library (pip vendors one; is "
+                               "pip installed for %s?)" % sys.executable)
+        self.SpecifierSet, self.Version, ptags = pk
+        self.index_url = index_url.rstrip("/")
+        self.target = target
+        self.pyfull = target.env["python_full_version"]
+        short = tuple(int(x) for x in target.python_version.split(".")[:2])
+        self.supported: Dict[Tuple[str, str, str], int] = {}
+        interp = "%s%d%d" % (target.implementation, short[0], short[1])
+        tags = list(ptags.cpython_tags(short, platforms=target.platforms)) + list(
+            ptags.compatible_tags(short, interp, platforms=target.platforms))
+        for i, t in enumerate(tags):
+            self.supported.setdefault((t.interpreter, t.abi, t.platform), i)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, jobs))
+        self.lock = threading.Lock()
+        self._projects: Dict[str, concurrent.futures.Future] = {}
+        self._meta: Dict[str, concurrent.futures.Future] = {}
+        self.fetched_metadata = 0
+
+    def _future(self, cache, key, fn, *args):
+        with self.lock:
+            fut = cache.get(key)
+            if fut is None:
+                fut = cache[key] = self.pool.submit(fn, *args)
+        return fut
+
+    def prefetch(self, name: str) -> None:
+        self._future(self._projects, name, self._load_project, name)
+
+    def candidates(self, name: str) -> List[Tuple[object, dict]]:
+        """(Version, file) for every version that has a wheel for the target, newest first."""
+        return self._future(self._projects, name, self._load_project, name).result()
+
+    def _load_project(self, name: str) -> List[Tuple[object, dict]]:
+        try:
+            data = json.loads(_http_get("%s/%s/" % (self.index_url, name),
+                                        "application/vnd.pypi.simple.v1+json"))
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                raise RuntimeError("%s is not on the index %s" % (name, self.index_url))
+            raise
+        best: Dict[object, Tuple[int, dict]] = {}
+        arch = machine_from_platform(self.target.platforms[0])
+        other_tags: Set[str] = set()
         for f in data.get("files", []):
             fn = f["filename"]
             if not fn.endswith(".whl") or f.get("yanked"):
                 continue
-            rank = _wheel_compatible(fn, supported)
+            rank = _wheel_compatible(fn, self.supported)
             if rank is None:
+                if arch in fn:
+                    other_tags.add(fn[:-4].split("-")[-1])
                 continue
-            rp = f.get("requires-python")
             try:
-                if rp and not SpecifierSet(rp).contains(pyfull, prereleases=True):
+                rp = f.get("requires-python")
+                if rp and not self.SpecifierSet(rp).contains(self.pyfull, prereleases=True):
                     continue
-                ver = Version(fn.split("-")[1])
+                ver = self.Version(fn.split("-")[1])
             except Exception:
                 continue
-            if not spec.contains(ver):
-                continue
-            key = (ver, -rank)
-            if best is None or key > best[0]:
-                best = (key, f)
-        if best is None:
-            raise RuntimeError("no wheel of %s for the target" % requirement)
-        f = best[1]
-        meta = _http_get(f["url"].split("#", 1)[0] + ".metadata").decode("utf-8", "replace")
-        nm, version, requires, rp = parse_metadata(meta)
-        return WheelInfo(normalize(nm or name), version, f["filename"], requires, rp, None,
-                         int(f.get("size") or 0))
+            if ver not in best or rank < best[ver][0]:
+                best[ver] = (rank, f)
+        if not best:
+            hint = (" (%s wheels exist only for: %s; a newer --platform may fit)"
+                    % (arch, ", ".join(sorted(other_tags)[-6:])) if other_tags else "")
+            raise RuntimeError("no wheel of %s for python %s on %s%s" % (
+                name, self.target.python_version, self.target.platforms[0], hint))
+        return [(v, best[v][1]) for v in sorted(best, reverse=True)]
 
-    return fetch
+    def prefetch_metadata(self, cand: Candidate) -> None:
+        url = cand.file["url"].split("#", 1)[0]
+        self._future(self._meta, url, self._load_metadata, url, int(cand.file.get("size") or 0))
+
+    def metadata(self, cand: Candidate) -> List[str]:
+        """Requires-Dist lines of a candidate's wheel."""
+        url = cand.file["url"].split("#", 1)[0]
+        return self._future(self._meta, url, self._load_metadata, url,
+                            int(cand.file.get("size") or 0)).result()
+
+    def _load_metadata(self, url: str, size: int) -> List[str]:
+        self.fetched_metadata += 1
+        return parse_metadata(remote_wheel_metadata(url, size))[2]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _make_provider(resolvelib, index, env, have, excludes, SpecifierSet, Version,
+                   pinned_have):
+    class Provider(resolvelib.AbstractProvider):
+        """Candidates = compatible wheels on the index, newest first; dependencies = the
+        wheel's Requires-Dist for the target's markers, minus what the target has (have-list)
+        and what was excluded.  Extras follow pip's scheme: ``name[x]`` is its own identifier
+        whose candidate depends on ``name==same version`` plus the extra's lines."""
+
+        def identify(self, requirement_or_candidate):
+            obj = requirement_or_candidate
+            if isinstance(obj, Candidate):
+                return _ident(obj.name, obj.extras)
+            return _ident(obj.key, obj.extras)
+
+        def get_preference(self, identifier, resolutions, candidates, information,
+                           backtrack_causes=None, **kwargs):
+            causes = backtrack_causes
+            infos = list(information[identifier])
+            pinned = any(s.startswith("==") and "*" not in s
+                         for i in infos for s in i.requirement.specs)
+            cause_names = set()
+            for c in causes or ():
+                cause_names.add(self.identify(c.requirement))
+                if c.parent is not None:
+                    cause_names.add(self.identify(c.parent))
+            return (identifier not in cause_names, not pinned, identifier)
+
+        def find_matches(self, identifier, requirements, incompatibilities):
+            name, extras = _split_ident(identifier)
+            reqs = list(requirements[identifier])
+            for r in reqs:
+                if r.url:
+                    raise RuntimeError("%s comes from a URL (%s): stage that wheel with `pack`"
+                                       % (r.name, r.url))
+            bad = {str(c.version) for c in incompatibilities[identifier]}
+            specs = [s for r in reqs for s in r.specs]
+            spec = SpecifierSet(",".join(specs))
+            if name in pinned_have:  # the target's own version, the only candidate
+                v = Version(pinned_have[name])
+                return [Candidate(name, v, extras, {})] if spec.contains(
+                    v, prereleases=True) and str(v) not in bad else []
+            found = [(v, f) for v, f in index.candidates(name)
+                     if str(v) not in bad and spec.contains(v, prereleases=True)]
+            finals = [x for x in found if not x[0].is_prerelease]
+            wants_pre = any(re.search(r"\d(a|b|rc|dev)\d*", s) for s in specs)
+            chosen = found if (wants_pre or not finals) else finals
+            out = [Candidate(name, v, extras, f) for v, f in chosen]
+            if out:
+                index.prefetch_metadata(out[0])
+            return out
+
+        def is_satisfied_by(self, requirement, candidate):
+            return SpecifierSet(",".join(requirement.specs)).contains(candidate.version,
+                                                                      prereleases=True)
+
+        def get_dependencies(self, candidate):
+            if candidate.name in pinned_have:
+                return []  # installed on the target with whatever it needs
+            deps = []
+            if candidate.extras:
+                deps.append(Requirement(candidate.name, ["==%s" % candidate.version], set()))
+            for line in index.metadata(candidate):
+                r = parse_requirement(line)
+                if candidate.extras:
+                    if not r.marker or not any(evaluate_marker(r.marker, dict(env, extra=e))
+                                               for e in candidate.extras):
+                        continue
+                elif not marker_applies(r, env):
+                    continue
+                if match_exclude(r.key, excludes) is not None or (
+                        r.key in have and r.key not in pinned_have):
+                    continue
+                index.prefetch(r.key)
+                deps.append(Requirement(r.name, r.specs, r.extras, None, r.url))
+            return deps
+
+    return Provider()
+
+
+def resolve(roots: List[Requirement], target: Target, have: Dict[str, Optional[str]],
+            excludes: List[Tuple[str, str]], index, log: Callable[[str], None] = print,
+            max_rounds: int = 20000, respect_have_versions: bool = True
+            ) -> Tuple[Graph, Dict[str, WheelInfo]]:
+    """Backtracking resolution (resolvelib, as pip uses) of ``roots`` for the target, with every
+    have-listed and excluded name cut out of the graph.  ``index`` is an IndexClient or
+    anything with the same candidates/metadata/prefetch methods.  Returns the graph walked over
+    the final pins (needed / present / dropped, with who required what) and the WheelInfo of
+    each needed package (file = the index's chosen wheel)."""
+    resolvelib = _import_resolvelib()
+    pk = _import_packaging()
+    if resolvelib is None or pk is None:
+        raise RuntimeError("resolution needs resolvelib and packaging (pip vendors both)")
+    env = target.env
+    todo = [r for r in roots if marker_applies(r, env) and r.key not in have
+            and match_exclude(r.key, excludes) is None]
+    for r in todo:
+        index.prefetch(r.key)
+    # First try with the target's known versions as fixed pins, so that a package whose newest
+    # release conflicts with them is taken at an older release that fits; if none fits, resolve
+    # without them (the conflict is then reported as a warning).
+    known = {n: v for n, v in have.items() if v and version_key(v) is not None} \
+        if respect_have_versions else {}
+    attempts = [known, {}] if known else [{}]
+    for attempt, pinned_have in enumerate(attempts):
+        provider = _make_provider(resolvelib, index, env, have, excludes, pk[0], pk[1],
+                                  pinned_have)
+        try:
+            result = resolvelib.Resolver(provider, resolvelib.BaseReporter()).resolve(
+                todo, max_rounds=max_rounds)
+            break
+        except resolvelib.ResolutionImpossible as exc:
+            lines = []
+            for cause in exc.causes:
+                parent = cause.parent
+                lines.append("%s%s required by %s" % (
+                    cause.requirement.name, ",".join(cause.requirement.specs),
+                    ROOT_PARENT if parent is None else "%s %s" % (parent.name, parent.version)))
+            msg = "\n  ".join(sorted(set(lines)))
+            if attempt + 1 < len(attempts):
+                log("no resolution fits the target's known versions:\n  %s\nresolving again "
+                    "without them (conflicts will be listed)" % msg)
+                continue
+            raise RuntimeError("no set of versions satisfies every requirement:\n  " + msg)
+        except resolvelib.ResolutionTooDeep:
+            raise RuntimeError("resolution did not settle in %d rounds" % max_rounds)
+    metadata: Dict[str, WheelInfo] = {}
+    for cand in result.mapping.values():
+        if cand.extras or not cand.file:
+            continue
+        metadata[cand.name] = WheelInfo(cand.name, str(cand.version), cand.file["filename"],
+                                        index.metadata(cand), cand.file.get("requires-python"),
+                                        None, int(cand.file.get("size") or 0))
+    g = walk(roots, metadata, env, have, excludes)
+    if g.unresolved:
+        raise RuntimeError("internal error: unresolved after resolution: %s"
+                           % ", ".join(sorted(g.unresolved)))
+    return g, {k: metadata[k] for k in g.needed}
 
 
 # --------------------------------------------------------------------------------------------
@@ -954,6 +1194,9 @@ def _common_target_args(p: argparse.ArgumentParser) -> None:
                    help="newest platform tag the target accepts (repeatable); manylinux_2_N_ARCH "
                         "also adds every older manylinux tag (default manylinux_2_28_x86_64)")
     p.add_argument("--implementation", default="cp")
+    p.add_argument("--index-url", default=None,
+                   help="PEP 691 simple index (default $PIP_INDEX_URL, else PyPI); build passes "
+                        "it on to pip")
     p.add_argument("--jobs", "-j", type=int, default=8, help="parallel fetches (default 8)")
 
 
@@ -972,92 +1215,131 @@ def _excludes_reasons(excludes, dropped_records):
         rec["reason"] = match_exclude(rec["name"], excludes)
 
 
-def cmd_plan(args) -> int:
+def _resolve_for(args, log) -> Tuple[Target, Dict[str, Optional[str]], List[Tuple[str, str]],
+                                      Graph, Dict[str, WheelInfo], float]:
     target = _target(args)
     have = load_have(args.have)
     excludes = parse_excludes(args.exclude)
-    fetch = index_fetcher(target, args.index_url)
-    quiet = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr))
+    index_url = args.index_url or os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"
+    log("target: python %s, %s (+%d older tags); have-list: %d names; excludes: %s; index: %s"
+        % (target.python_version, target.platforms[0], len(target.platforms) - 1, len(have),
+           ", ".join(p for p, _ in excludes) or "none", index_url))
     t0 = time.time()
-    g, meta = resolve(_roots(args), target, have, excludes, fetch, args.jobs, quiet)
+    index = IndexClient(index_url, target, args.jobs)
+    try:
+        g, meta = resolve(_roots(args), target, have, excludes, index, log)
+    finally:
+        index.close()
+    dt = time.time() - t0
+    log("resolved %d packages to download in %.1f s (%d metadata files read)"
+        % (len(meta), dt, index.fetched_metadata))
+    return target, have, excludes, g, meta, dt
+
+
+def _print_skips(present: List[dict], dropped: List[dict], verbose: bool) -> None:
+    print("skipped, already on the target: %d%s" % (len(present), (": " + " ".join(
+        p["name"] for p in present)) if verbose else ""))
+    for p in present:
+        if p["status"] == "conflict":
+            print("  WARNING: target has %s %s, but %s" % (
+                p["name"], p["version_on_target"], "; ".join(
+                    "%s needs %s" % (k, v) for k, v in p["unmet"].items())))
+    unverified = [p for p in present if p["status"] == "unverified" and p["specifiers"]]
+    if unverified:
+        print("  version on the target unknown, so not checked here (unstage checks them there): "
+              + ", ".join("%s%s" % (p["name"], ",".join(p["specifiers"])) for p in unverified))
+    print("dropped: %s" % ("; ".join("%s (%s; required by %s)" % (
+        d["name"], d["reason"], ", ".join(d["required_by"])) for d in dropped) or "none"))
+
+
+def cmd_plan(args) -> int:
+    log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    target, have, excludes, g, meta, dt = _resolve_for(args, log)
     present, dropped = graph_records(g, have)
     _excludes_reasons(excludes, dropped)
     rows = [{"name": n, "version": meta[n].version, "file": meta[n].filename,
              "size": meta[n].size, "required_by": sorted(g.needed[n].required_by)}
             for n in sorted(meta)]
     total = sum(r["size"] for r in rows)
-    est_tar = total + 512 * (len(rows) + 1) * 2 + 10240
+    est_tar = total + 1024 * (len(rows) + 1) + 10240  # headers (+pax), padding, end blocks
     parts = -(-est_tar // args.part_size)
     if args.json:
-        json.dump({"download": rows, "present": present, "dropped": dropped,
+        json.dump({"download": rows, "skipped_present": present, "dropped": dropped,
                    "total_bytes": total, "estimated_parts": parts}, sys.stdout, indent=2)
         print()
         return 0
     w = max([len(r["name"]) for r in rows] + [4])
-    print("would download %d wheels (resolved from index metadata in %.1f s):"
-          % (len(rows), time.time() - t0))
-    for r in sorted(rows, key=lambda r: -r["size"]):
-        print("  %-*s %-22s %10s  <- %s" % (w, r["name"], r["version"], human(r["size"]),
+    print("would download %d wheels:" % len(rows))
+    for r in sorted(rows, key=lambda r: (-r["size"], r["name"])):
+        print("  %-*s %-16s %10s  <- %s" % (w, r["name"], r["version"], human(r["size"]),
                                             ", ".join(r["required_by"])))
-    print("already on the target (skipped): %d" % len(present))
-    for p in present:
-        flag = "" if p["status"] == "ok" else "  [%s: needs %s, target has %s]" % (
-            p["status"], ",".join(p["specifiers"]) or "any", p["version_on_target"] or "?")
-        if flag or args.verbose:
-            print("  %s%s" % (p["name"], flag))
-    print("dropped: %s" % (", ".join("%s (%s)" % (d["name"], d["reason"]) for d in dropped)
-                           or "none"))
-    print("total %s in about %d part(s) of at most %s" % (human(total), parts,
-                                                         human(args.part_size)))
+    _print_skips(present, dropped, args.verbose)
+    print("total %s, about %d part(s) of at most %s" % (human(total), parts,
+                                                       human(args.part_size)))
     return 0
 
 
 def cmd_build(args) -> int:
     t_start = time.time()
-    target = _target(args)
-    have = load_have(args.have)
-    excludes = parse_excludes(args.exclude)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    target, have, excludes, g, meta, _ = _resolve_for(args, log)
+    t_res = time.time()
     out = os.path.abspath(args.out)
     wheels_dir = os.path.join(out, "wheels")
     parts_dir = os.path.join(out, "parts")
     tmp_root = os.path.join(out, ".download")
     os.makedirs(wheels_dir, exist_ok=True)
+    os.makedirs(tmp_root, exist_ok=True)
     pip_cmd = shlex.split(args.pip) if args.pip else [sys.executable, "-m", "pip"]
-    counter = [0]
+    pip_args = list(args.pip_arg) + (["--index-url", args.index_url] if args.index_url else [])
+    warnings: List[str] = []
 
-    def fetch(name: str, requirement: str) -> WheelInfo:
-        counter[0] += 1
-        dest = tempfile.mkdtemp(prefix=name + "-", dir=tmp_root)
-        try:
-            got = pip_download(pip_cmd, requirement, target, dest, args.pip_arg)
-            final = os.path.join(wheels_dir, os.path.basename(got))
-            os.replace(got, final)
-        finally:
-            shutil.rmtree(dest, ignore_errors=True)
+    def fetch(name: str) -> WheelInfo:
+        want = meta[name]
+        final = os.path.join(wheels_dir, want.filename)
+        if os.path.isfile(final) and args.reuse:
+            got = final
+        else:
+            dest = tempfile.mkdtemp(prefix=name + "-", dir=tmp_root)
+            try:
+                got = pip_download(pip_cmd, "%s==%s" % (name, want.version), target, dest,
+                                   pip_args)
+                final = os.path.join(wheels_dir, os.path.basename(got))
+                os.replace(got, final)
+            finally:
+                shutil.rmtree(dest, ignore_errors=True)
         info = read_wheel(final)
-        print("  got %-60s %10s" % (info.filename, human(info.size)), flush=True)
+        if normalize(info.version) != normalize(want.version) and info.version != want.version:
+            raise RuntimeError("pip gave %s, resolution chose %s" % (info.filename, want.version))
+        if sorted(info.requires) != sorted(want.requires):
+            warnings.append("%s: Requires-Dist in the wheel differs from the index metadata"
+                            % info.filename)
+        log("  got %-66s %10s" % (info.filename, human(info.size)))
         return info
 
-    os.makedirs(tmp_root, exist_ok=True)
-    print("target: python %s, %s (+%d older tags); have-list: %d names; excludes: %s"
-          % (target.python_version, target.platforms[0], len(target.platforms) - 1, len(have),
-             ", ".join(p for p, _ in excludes) or "none"), flush=True)
+    log("downloading %d wheels with pip (%d at a time) ..." % (len(meta), args.jobs))
+    errors = []
+    got: Dict[str, WheelInfo] = {}
     try:
-        g, meta = resolve(_roots(args), target, have, excludes, fetch, args.jobs,
-                          lambda s: print(s, flush=True))
-    except RuntimeError as exc:
-        print("error: %s" % exc, file=sys.stderr)
-        return 1
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            futs = {pool.submit(fetch, n): n for n in sorted(meta, key=lambda n: -meta[n].size)}
+            for fut in concurrent.futures.as_completed(futs):
+                try:
+                    got[futs[fut]] = fut.result()
+                except Exception as exc:  # report every failure, not just the first
+                    errors.append("%s: %s" % (futs[fut], exc))
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
+    if errors:
+        print("error: %d download(s) failed:\n  %s" % (len(errors), "\n  ".join(sorted(errors))),
+              file=sys.stderr)
+        return 1
     t_dl = time.time()
-    paths = [os.path.join(wheels_dir, meta[n].filename) for n in sorted(meta)]
+    paths = [os.path.join(wheels_dir, got[n].filename) for n in sorted(got)]
     stale = sorted(set(os.listdir(wheels_dir)) - {os.path.basename(p) for p in paths})
     if stale:
-        print("not packed (in %s from earlier runs or superseded): %s"
-              % (wheels_dir, " ".join(stale)))
-    print("packing %d wheels into parts of at most %s ..." % (len(paths), human(args.part_size)),
-          flush=True)
+        log("not packed (left in %s by an earlier run): %s" % (wheels_dir, " ".join(stale)))
+    log("packing %d wheels into parts of at most %s ..." % (len(paths), human(args.part_size)))
     wheels, tar, parts = pack(paths, parts_dir, args.part_size)
     t_pack = time.time()
     for w in wheels:
@@ -1080,35 +1362,24 @@ def cmd_build(args) -> int:
         "parts": parts,
         "skipped_present": present,
         "dropped": dropped,
-        "timings_s": {"resolve_download": round(t_dl - t_start, 1),
+        "warnings": warnings,
+        "timings_s": {"resolve": round(t_res - t_start, 1), "download": round(t_dl - t_res, 1),
                       "pack_split": round(t_pack - t_dl, 1),
                       "total": round(t_pack - t_start, 1)},
-        "pip_downloads": counter[0],
     }
     path = write_manifest(out, parts_dir, manifest)
     if not args.keep_wheels:
         for p in paths:
             os.remove(p)
-    conflicts = [p for p in present if p["status"] == "conflict"]
-    unverified = [p for p in present if p["status"] == "unverified" and p["specifiers"]]
-    print("skipped (already on the target): %d: %s" % (len(present),
-                                                        " ".join(p["name"] for p in present)))
-    if dropped:
-        print("dropped: %s" % "; ".join("%s (%s)" % (d["name"], d["reason"]) for d in dropped))
-    for p in conflicts:
-        print("WARNING: target has %s %s but %s need(s) %s" % (
-            p["name"], p["version_on_target"], ", ".join(p["required_by"]),
-            ",".join(p["specifiers"])))
-    if unverified:
-        print("unverified (version on target unknown; unstage checks them there): %s" % ", ".join(
-            "%s%s" % (p["name"], ",".join(p["specifiers"])) for p in unverified))
-    print("timings: resolve+download %.1f s, pack+split %.1f s, total %.1f s"
-          % (t_dl - t_start, t_pack - t_dl, t_pack - t_start))
-    print("%d wheels, %s; tar %s sha256 %s" % (len(wheels), human(manifest["wheels_total_bytes"]),
-                                               human(tar["size"]), tar["sha256"]))
-    print("%d parts of at most %s in %s (+ %s, %s)" % (len(parts), human(args.part_size),
-                                                     parts_dir, MANIFEST_NAME, UNSTAGE_SCRIPT))
-    print("manifest: %s" % path)
+    for w in warnings:
+        log("WARNING: " + w)
+    _print_skips(present, dropped, True)
+    log("timings: resolve %.1f s, download %.1f s, pack+split %.1f s, total %.1f s"
+        % (t_res - t_start, t_dl - t_res, t_pack - t_dl, t_pack - t_start))
+    log("%d wheels, %s; tar %s, sha256 %s" % (len(wheels), human(manifest["wheels_total_bytes"]),
+                                              human(tar["size"]), tar["sha256"]))
+    log("%d parts of at most %s in %s (with %s and %s)" % (
+        len(parts), human(args.part_size), parts_dir, MANIFEST_NAME, UNSTAGE_SCRIPT))
     return 0
 
 
@@ -1153,13 +1424,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "(repeatable)")
     b.add_argument("--keep-wheels", action="store_true",
                    help="keep OUT/wheels after packing (default: delete them; the parts hold them)")
+    b.add_argument("--reuse", action="store_true",
+                   help="use a wheel already in OUT/wheels (from --keep-wheels) instead of "
+                        "downloading it again")
     b.set_defaults(func=cmd_build)
 
     p = sub.add_parser("plan", help="print what build would download (index metadata only)")
     _common_target_args(p)
     p.add_argument("--part-size", type=parse_size, default=parse_size("64M"), help=size_help)
-    p.add_argument("--index-url", default=os.environ.get("PIP_INDEX_URL",
-                                                         "https://pypi.org/simple"))
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--verbose", "-v", action="store_true", help="list every skipped package")
     p.set_defaults(func=cmd_plan)
@@ -1179,6 +1451,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, MarkerError) as exc:
         print("error: %s" % exc, file=sys.stderr)
         return 2
+    except (RuntimeError, OSError) as exc:
+        print("error: %s" % exc, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

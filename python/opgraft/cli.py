@@ -156,7 +156,7 @@ def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, as_json
 
 def cmd_bench(args) -> int:
     try:
-        shape = resolve(args.model)
+        shape = resolve(args.model).per_rank(args.tp)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -247,7 +247,7 @@ def verdict(us: float, nbytes: float, ceiling_tbps: float) -> str:
 
 def _shape_tokens(args):
     try:
-        return resolve(args.model), None
+        return resolve(args.model).per_rank(getattr(args, "tp", 1)), None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return None, 2
@@ -449,6 +449,7 @@ def main(argv=None) -> int:
     b.add_argument("--model", default="Qwen3-30B-A3B", help=f"a preset ({', '.join(PRESETS)}) or a config.json")
     b.add_argument("--tokens", type=_parse_tokens, default=[1, 2, 4, 8, 16, 32, 64])
     b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
     b.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
     b.add_argument("--no-baseline", action="store_true", help="skip the torch baseline")
     b.add_argument("--plot", default=None, help="write a PNG: time against tokens with the roofline")
@@ -458,6 +459,7 @@ def main(argv=None) -> int:
     pr.add_argument("--model", default="Qwen3-30B-A3B")
     pr.add_argument("--tokens", type=_parse_tokens, default=[1, 8])
     pr.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    pr.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
     pr.add_argument("--json", default=None, help="write the rows to FILE")
     pr.set_defaults(fn=cmd_profile)
     tu = sub.add_parser("tune", help="correctness-gated coordinate descent over the kernel's tunables")
@@ -465,6 +467,7 @@ def main(argv=None) -> int:
     tu.add_argument("--model", default="Qwen3-30B-A3B")
     tu.add_argument("--tokens", type=_parse_tokens, default=[1, 8])
     tu.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    tu.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
     tu.add_argument("--rounds", type=int, default=2)
     tu.add_argument("--out", default=None, help="merge the winners into this JSON tune file")
     tu.add_argument("--inject", action="store_true",

@@ -22,6 +22,14 @@ class MoeShape:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def per_rank(self, tp: int = 1) -> "MoeShape":
+        """The shape one rank sees under vLLM's tensor parallelism: each expert's I split tp ways."""
+        if tp == 1:
+            return self
+        if tp < 1 or self.inter % tp:
+            raise ConfigError(f"{self.name}: intermediate size {self.inter} does not split {tp} ways")
+        return MoeShape(f"{self.name}/tp{tp}", self.num_experts, self.hidden, self.inter // tp, self.top_k)
+
 
 # config.json fields: num_experts / num_local_experts / n_routed_experts, hidden_size,
 # moe_intermediate_size (or intermediate_size for Mixtral), num_experts_per_tok.

@@ -128,3 +128,30 @@ def test_tune_and_profile_without_gpu_are_clear(tmp_path):
     r = subprocess.run([sys.executable, "-m", "opgraft.cli", "profile", "moe", "--tokens", "1"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 0 and "no GPU here" in r.stderr
+
+
+def test_bench_table_names_the_missing_builtin_and_the_decision():
+    pytest.importorskip("torch")
+    from opgraft import bench
+
+    base = {"model": "M", "dtype": "bf16", "tokens": 1, "bytes": 1e8, "tbps": 3.0, "fraction_of_ceiling": 0.66,
+            "rel_err": 2.4e-3, "builtin_missing": "vLLM is not importable here (ImportError: x)"}
+    rows = [dict(base, impl="opgraft", median_us=30.0, speedup_vs_baseline=2.5, guard="take"),
+            dict(base, impl="torch-gather-bmm", median_us=75.0, speedup_vs_baseline=1.0, guard="take")]
+    text = bench.format_table(rows)
+    assert text.splitlines()[0].startswith("vLLM builtin column missing: vLLM is not importable")
+    line = [l for l in text.splitlines() if " opgraft " in l][0]
+    assert line.rstrip().endswith("take")
+
+
+def test_vllm_builtin_is_found_where_vllm_imports():
+    pytest.importorskip("torch")
+    from opgraft import bench
+
+    fn, why = bench.vllm_builtin()
+    try:
+        import vllm.model_executor.layers.fused_moe.fused_moe  # noqa: F401
+    except Exception:
+        assert fn is None and "not importable" in why
+    else:
+        assert callable(fn) and why == ""

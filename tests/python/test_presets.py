@@ -66,3 +66,12 @@ def test_resolve_reads_config_files(tmp_path):
         resolve(str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError, match="unknown model"):
         resolve("no-such-model")
+
+
+def test_per_rank_shapes():
+    q = PRESETS["Qwen3-30B-A3B"]
+    assert q.per_rank(1) is q
+    s = q.per_rank(8)
+    assert (s.num_experts, s.hidden, s.inter, s.top_k, s.name) == (128, 2048, 96, 8, "Qwen3-30B-A3B/tp8")
+    with pytest.raises(ConfigError, match="does not split"):
+        q.per_rank(5)
