@@ -13,15 +13,17 @@
 // Compile-time constants (-D): OG_DTYPE (1 bf16, 2 fp16), OG_IDS64, OG_H, OG_I, OG_E, OG_K,
 // OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
 // block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
-// OG_PDL (programmatic dependent launch between the two kernels, sm_90+), OG_PREFETCH (L2
-// prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size hint, og_common.cuh).
+// OG_PREFETCH (L2 prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size
+// hint, og_common.cuh).
+//
+// moe_fused_<dtype> does both stages in one cooperative launch: blocks loop over the gate_up tiles,
+// meet at a grid-wide barrier (a counter the launcher zeroes before the launch), then loop over
+// the down tiles. It pays one launch and one routing setup instead of two, which matters for small
+// calls. The barrier spins, so the kernel must be launched cooperatively (all blocks resident).
 #include "og_common.cuh"
 #include "moe_params.h"
 
 #define OG_FULL 0xffffffffu
-#ifndef OG_PDL
-#define OG_PDL 0
-#endif
 #ifndef OG_PREFETCH
 #define OG_PREFETCH 0
 #endif
@@ -85,48 +87,45 @@ __device__ __forceinline__ int og_for_each_expert(const og_u32 *s_bits, int lane
   return base;
 }
 
-extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
-    OG_SUFFIX(moe_gate_up)(const og_moe_params p) {
-  __shared__ int s_ids[OG_MAXPAIRS];
-  __shared__ og_u32 s_bits[OG_EWORDS];
-  __shared__ int s_pairs[OG_MAXPAIRS];
-  __shared__ int s_expert, s_npairs;
-  __shared__ float s_red[OG_W1][OG_NT][2][4][32];
+// The routing of the call, shared by a block's tiles: ids (-1 where not routed here), a bitmap of
+// the used experts, and their list in increasing order.
+struct og_routing {
+  int ids[OG_MAXPAIRS];
+  og_u32 bits[OG_EWORDS];
+  short experts[OG_MAXPAIRS < OG_E ? OG_MAXPAIRS : OG_E];
+  int nused;
+};
 
+__device__ __forceinline__ void og_routing_setup(const og_moe_params &p, og_routing &r) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  og_load_routing(p, p.T * OG_K, r.ids, r.bits);
+  if (warp == 0) {
+    const int n = og_for_each_expert(r.bits, lane, [&](int rank, int e) { r.experts[rank] = (short)e; });
+    if (lane == 0) r.nused = n;
+  }
+  __syncthreads();
+}
+
+// gate_up for one tile: 16 rows of I of used expert number u, for every token routed to it.
+template <int W>
+__device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og_routing &r, int u, int tile,
+                                                int *s_pairs, int &s_npairs, float (*s_red)[OG_NT][2][4][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int nk = p.T * OG_K;
-  const int tiles = OG_I / 16;
-  const int u = blockIdx.x / tiles, tile = blockIdx.x - u * tiles;
-
-#if OG_PDL
-  // The down kernel may be scheduled now; it waits (griddepcontrol.wait) for this grid to finish
-  // before it reads act, and prefetches its first weights meanwhile.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  if (threadIdx.x == 0) s_expert = -1;
-  og_load_routing(p, nk, s_ids, s_bits);
+  const int e = r.experts[u];
   if (warp == 0) {
-    og_for_each_expert(s_bits, lane, [&](int rank, int e) {
-      if (rank == u) s_expert = e;
-    });
-    __syncwarp();
-    const int e = s_expert;
     int n = 0;
-    if (e >= 0) {
-      for (int i0 = 0; i0 < nk; i0 += 32) {
-        const int i = i0 + lane;
-        const bool m = i < nk && s_ids[i] == e;
-        const og_u32 b = __ballot_sync(OG_FULL, m);
-        if (m) s_pairs[n + __popc(b & ((1u << lane) - 1u))] = i;
-        n += __popc(b);
-      }
+    for (int i0 = 0; i0 < nk; i0 += 32) {
+      const int i = i0 + lane;
+      const bool m = i < nk && r.ids[i] == e;
+      const og_u32 b = __ballot_sync(OG_FULL, m);
+      if (m) s_pairs[n + __popc(b & ((1u << lane) - 1u))] = i;
+      n += __popc(b);
     }
     if (lane == 0) s_npairs = n;
   }
   __syncthreads();
-  const int e = s_expert;
-  if (e < 0) return;  // fewer used experts than blocks: nothing to do
   const int npairs = s_npairs;
 
   const char *wg = (const char *)p.w13 +
@@ -150,10 +149,10 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc_g[nt][q] = acc_u[nt][q] = 0.f;
 
-    for (int s0 = warp * OG_U1; s0 < steps; s0 += OG_W1 * OG_U1) {
+    for (int s0 = warp * OG_U1; s0 < steps; s0 += W * OG_U1) {
 #if OG_PREFETCH
       {  // L2 prefetch of this lane's rows OG_PREFETCH iterations ahead
-        const int sp = s0 + OG_PREFETCH * OG_W1 * OG_U1;
+        const int sp = s0 + OG_PREFETCH * W * OG_U1;
         if (sp < steps) {
           const long long off = 2 * (long long)(sp * 32 + c * 8);
           og_prefetch_l2(wg + off);
@@ -167,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
 #pragma unroll
       for (int q = 0; q < OG_U1; ++q) {
         const int s = s0 + q;
-        if (steps % (OG_W1 * OG_U1) == 0 || s < steps) {
+        if (steps % (W * OG_U1) == 0 || s < steps) {
           const long long off = 2 * (long long)(s * 32 + c * 8);
           ag[q] = og_load_stream(wg + off);
           ag8[q] = og_load_stream(wg + row8 + off);
@@ -181,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
 #pragma unroll
       for (int q = 0; q < OG_U1; ++q) {
         const int s = s0 + q;
-        if (steps % (OG_W1 * OG_U1) == 0 || s < steps) {
+        if (steps % (W * OG_U1) == 0 || s < steps) {
 #pragma unroll
           for (int nt = 0; nt < OG_NT; ++nt) {
             if (p0 + nt * 8 < npairs) {
@@ -207,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
       if (n >= npairs) continue;
       float gs = 0.f, us = 0.f;
 #pragma unroll
-      for (int w = 0; w < OG_W1; ++w) {
+      for (int w = 0; w < W; ++w) {
         gs += s_red[w][nt][0][q][l];
         us += s_red[w][nt][1][q][l];
       }
@@ -226,29 +225,15 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
   }
 }
 
-extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
-    OG_SUFFIX(moe_down)(const og_moe_params p) {
-  __shared__ int s_ids[OG_MAXPAIRS];
-  __shared__ og_u32 s_bits[OG_EWORDS];
-  __shared__ short s_experts[OG_MAXPAIRS < OG_E ? OG_MAXPAIRS : OG_E];
-  __shared__ int s_nused;
-  __shared__ float s_red[OG_W2][OG_NT][4][32];
-
+// down for one tile: 16 rows of H, summed over every used expert and token.
+template <int W>
+__device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_routing &r, int htile,
+                                             float (*s_red)[OG_NT][4][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int T = p.T, nk = T * OG_K;
-  const int h0 = blockIdx.x * 16;
-
-  og_load_routing(p, nk, s_ids, s_bits);
-  if (warp == 0) {
-    const int n = og_for_each_expert(s_bits, lane, [&](int rank, int e) {
-      s_experts[rank] = (short)e;
-    });
-    if (lane == 0) s_nused = n;
-  }
-  __syncthreads();
-  const int nused = s_nused;
-
+  const int T = p.T;
+  const int h0 = htile * 16;
+  const int nused = r.nused;
   const int steps = OG_I / 32;
   const int nchunks = (steps + OG_U2 - 1) / OG_U2;
   const int items = nused * nchunks;
@@ -260,35 +245,16 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
 
-#if OG_PDL
-  // Overlap the gate_up kernel's tail: pull this warp's first two work items into L2, then wait
-  // for gate_up to complete (its act writes are visible after the wait).
-  for (int it = warp, n = 0; it < items && n < 2; it += OG_W2, ++n) {
-    const int uu = it / nchunks, ch = it - uu * nchunks;
-    const char *w = (const char *)p.w2 +
-                    2 * (s_experts[uu] * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
-#pragma unroll
-    for (int q = 0; q < OG_U2; ++q) {
-      const int s = ch * OG_U2 + q;
-      if (steps % OG_U2 == 0 || s < steps) {
-        const long long off = 2 * (long long)(s * 32 + c * 8);
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + off));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + row8 + off));
-      }
-    }
-  }
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
   int cur_u = -1;
   const char *wrow = 0;
   // For each token tile: the workspace rows of this lane's token for the current expert (the
   // second one only if a token lists the same expert twice), or -1.
   int src0[OG_NT], src1[OG_NT];
-  for (int it = warp; it < items; it += OG_W2) {
+  for (int it = warp; it < items; it += W) {
     const int uu = it / nchunks, ch = it - uu * nchunks;
     if (uu != cur_u) {
       cur_u = uu;
-      const int e = s_experts[uu];
+      const int e = r.experts[uu];
       wrow = (const char *)p.w2 + 2 * (e * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
 #pragma unroll
       for (int nt = 0; nt < OG_NT; ++nt) {
@@ -296,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
         src0[nt] = src1[nt] = -1;
         if (t < T) {
           for (int j = 0; j < OG_K; ++j) {
-            if (s_ids[t * OG_K + j] == e) {
+            if (r.ids[t * OG_K + j] == e) {
               if (src0[nt] < 0) src0[nt] = t * OG_K + j;
               else if (src1[nt] < 0) src1[nt] = t * OG_K + j;
               else {  // three or more copies: fold them in one by one below
@@ -309,11 +275,11 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
     }
 #if OG_PREFETCH
     {  // L2 prefetch of the work item OG_PREFETCH items ahead
-      const int ip = it + OG_PREFETCH * OG_W2;
+      const int ip = it + OG_PREFETCH * W;
       if (ip < items) {
         const int up = ip / nchunks, cp = ip - up * nchunks, sp = cp * OG_U2;
         if (sp < steps) {
-          const char *w = (const char *)p.w2 + 2 * (s_experts[up] * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
+          const char *w = (const char *)p.w2 + 2 * (r.experts[up] * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
           const long long off = 2 * (long long)(sp * 32 + c * 8);
           og_prefetch_l2(w + off);
           og_prefetch_l2(w + row8 + off);
@@ -339,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
 #pragma unroll
     for (int nt = 0; nt < OG_NT; ++nt) {
       if (src1[nt] != -1) {  // rare: a token routed to this expert more than once
-        const int e = s_experts[uu];
+        const int e = r.experts[uu];
         const int t = nt * 8 + g;
 #pragma unroll
         for (int q = 0; q < OG_U2; ++q) {
@@ -349,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
             float v[8];
             for (int z = 0; z < 8; ++z) v[z] = 0.f;
             for (int j = 0; j < OG_K; ++j) {
-              if (s_ids[t * OG_K + j] != e) continue;
+              if (r.ids[t * OG_K + j] != e) continue;
               const og_vec4 r = og_load_coherent((const char *)p.act +
                                                  2 * ((long long)(t * OG_K + j) * OG_I) + off);
               v[0] += og_lo(r.x), v[1] += og_hi(r.x), v[2] += og_lo(r.y), v[3] += og_hi(r.y);
@@ -383,8 +349,58 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
     if (t >= T) continue;
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < OG_W2; ++w) sum += s_red[w][nt][q][l];
+    for (int w = 0; w < W; ++w) sum += s_red[w][nt][q][l];
     const int h = h0 + (l >> 2) + (q >> 1) * 8;
     ((og_u16 *)p.out)[(long long)t * p.out_stride + h] = og_from_float(sum);
   }
+  __syncthreads();  // s_red is reused by the next tile
+}
+
+extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
+    OG_SUFFIX(moe_gate_up)(const og_moe_params p) {
+  __shared__ og_routing r;
+  __shared__ int s_pairs[OG_MAXPAIRS];
+  __shared__ int s_npairs;
+  __shared__ float s_red[OG_W1][OG_NT][2][4][32];
+  og_routing_setup(p, r);
+  const int tiles = OG_I / 16;
+  const int u = blockIdx.x / tiles;
+  if (u >= r.nused) return;  // fewer used experts than the grid allows for: nothing to do
+  og_gate_up_tile<OG_W1>(p, r, u, blockIdx.x - u * tiles, s_pairs, s_npairs, s_red);
+}
+
+extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
+    OG_SUFFIX(moe_down)(const og_moe_params p) {
+  __shared__ og_routing r;
+  __shared__ float s_red[OG_W2][OG_NT][4][32];
+  og_routing_setup(p, r);
+  og_down_tile<OG_W2>(p, r, blockIdx.x, s_red);
+}
+
+// Grid-wide barrier for a cooperative launch: one arrival per block on a zeroed counter.
+__device__ __forceinline__ void og_grid_barrier(unsigned *counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+    while (*(volatile unsigned *)counter < gridDim.x) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(OG_W1 * 32, 1)
+    OG_SUFFIX(moe_fused)(const og_moe_params p) {
+  __shared__ og_routing r;
+  __shared__ int s_pairs[OG_MAXPAIRS];
+  __shared__ int s_npairs;
+  __shared__ float s_red[OG_W1 * OG_NT * 2 * 4 * 32];
+  og_routing_setup(p, r);
+  const int tiles = OG_I / 16;
+  for (int t = blockIdx.x; t < r.nused * tiles; t += gridDim.x)
+    og_gate_up_tile<OG_W1>(p, r, t / tiles, t % tiles, s_pairs, s_npairs,
+                           reinterpret_cast<float (*)[OG_NT][2][4][32]>(s_red));
+  og_grid_barrier(p.sync);
+  for (int h = blockIdx.x; h < OG_H / 16; h += gridDim.x)
+    og_down_tile<OG_W1>(p, r, h, reinterpret_cast<float (*)[OG_NT][4][32]>(s_red));
 }

@@ -12,6 +12,7 @@ typedef struct og_moe_params {
   const void *topk_ids; /* [T, k], int32 or int64 (OG_IDS64) */
   void *act;            /* workspace [T*k, I]: silu(gate)*up, router weight applied */
   void *out;            /* [T, H] */
+  unsigned *sync;       /* moe_fused's barrier counter (zeroed before each launch), or NULL */
   long long x_stride;
   long long w13_estride, w13_rstride;
   long long w2_estride, w2_rstride;

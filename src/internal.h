@@ -58,6 +58,8 @@ typedef struct og_cuda_api {
                                 unsigned, unsigned, og_CUstream, void **, void **);
   og_CUresult (*cuGetErrorString)(og_CUresult, const char **);
   og_CUresult (*cuLaunchKernelEx)(const struct og_CUlaunchConfig *, og_CUfunction, void **, void **);
+  og_CUresult (*cuMemsetD32Async)(unsigned long long, unsigned int, size_t, og_CUstream);
+  og_CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int *, og_CUfunction, int, size_t);
 } og_cuda_api;
 
 /* CUlaunchAttribute / CUlaunchConfig as documented in the driver API (cuda.h, CUDA 12 and 13). */
@@ -66,11 +68,11 @@ typedef struct og_CUlaunchAttribute {
   char pad[4];
   union {
     char bytes[64];
-    int programmatic_stream_serialization_allowed;
+    int cooperative;
     void *align;
   } value;
 } og_CUlaunchAttribute;
-enum { OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
+enum { OG_LAUNCH_ATTRIBUTE_COOPERATIVE = 2 };
 typedef struct og_CUlaunchConfig {
   unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
   og_CUstream stream;

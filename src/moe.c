@@ -33,7 +33,7 @@ static void shape_key(const opgraft_moe_args *a, char *buf, size_t len) {
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 typedef struct og_moe_cfg {
-  int nt, w1, u1, w2, u2, pdl, prefetch, l2_fetch;
+  int nt, w1, u1, w2, u2, fused, prefetch, l2_fetch;
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
@@ -48,15 +48,14 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->u1 = (int)opgraft__tune_value("moe.gate_up.unroll", arch, gpu, shape, T);
   c->w2 = (int)opgraft__tune_value("moe.down.warps", arch, gpu, shape, T);
   c->u2 = (int)opgraft__tune_value("moe.down.unroll", arch, gpu, shape, T);
-  /* Programmatic dependent launch (griddepcontrol) exists from sm_90 on. */
-  c->pdl = arch >= 90 && opgraft__tune_value("moe.pdl", arch, gpu, shape, T) != 0;
+  c->fused = opgraft__tune_value("moe.fused", arch, gpu, shape, T) != 0;
   c->prefetch = (int)opgraft__tune_value("moe.prefetch", arch, gpu, shape, T);
   const int64_t f = opgraft__tune_value("moe.l2_fetch", arch, gpu, shape, T);
   c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
-  if (c->nt >= 2 && c->w1 > 8) c->w1 = 8;
+  if ((c->nt >= 2 || c->fused) && c->w1 > 8) c->w1 = 8; /* fused: one block of <= 256 threads */
   if (c->nt >= 2 && c->w2 > 8) c->w2 = 8;
   while (c->u1 > 1 && c->u1 * (4 + c->nt) > 24) c->u1--; /* 16-byte operands per k-step group */
   while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
@@ -140,14 +139,19 @@ int32_t opgraft_moe_supports(const opgraft_moe_args *args, char *reason, size_t 
   return st;
 }
 
+static size_t act_bytes(const opgraft_moe_args *a) {
+  const size_t n = (size_t)a->num_tokens * (size_t)a->top_k * (size_t)a->inter * 2u;
+  return (n + 255u) & ~(size_t)255u;
+}
+
 int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
   if (!a || !bytes || a->struct_size < sizeof(opgraft_moe_args))
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: bad arguments");
   if (a->num_tokens < 0 || a->top_k < 0 || a->inter < 0)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: negative size");
-  /* act: [T*k, I] in the activation dtype, padded to 256 bytes. */
-  const size_t n = (size_t)a->num_tokens * (size_t)a->top_k * (size_t)a->inter * 2u;
-  *bytes = (n + 255u) & ~(size_t)255u;
+  /* act: [T*k, I] in the activation dtype, padded to 256 bytes, then 256 bytes for the fused
+   * kernel's barrier counter. */
+  *bytes = act_bytes(a) + 256u;
   return OPGRAFT_OK;
 }
 
@@ -167,17 +171,18 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_W2=%d", c->w2);
   OG_OPT("-DOG_U2=%d", c->u2);
   OG_OPT("-DOG_ON_INPUT=%d", a->apply_router_weight_on_input ? 1 : 0);
-  OG_OPT("-DOG_PDL=%d", c->pdl);
   OG_OPT("-DOG_PREFETCH=%d", c->prefetch);
   OG_OPT("-DOG_L2_FETCH=%d", c->l2_fetch);
 #undef OG_OPT
   return n;
 }
 
-static void fn_names(const opgraft_moe_args *a, char names[2][64]) {
+#define OG_MOE_KERNELS 3
+static void fn_names(const opgraft_moe_args *a, char names[OG_MOE_KERNELS][64]) {
   const char *sfx = a->dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16";
   snprintf(names[0], 64, "moe_gate_up_%s", sfx);
   snprintf(names[1], 64, "moe_down_%s", sfx);
+  snprintf(names[2], 64, "moe_fused_%s", sfx);
 }
 
 /* Launch plans by (context, arguments that shape the kernels): repeated calls skip the tunable
@@ -188,7 +193,8 @@ typedef struct og_plan {
   uint32_t tune_gen;
   int64_t T, H, I, E, k;
   og_moe_cfg cfg;
-  og_CUfunction fn[2];
+  og_CUfunction fn[OG_MOE_KERNELS];
+  unsigned fused_grid; /* blocks of moe_fused that fit on the GPU at once (cooperative launch) */
 } og_plan;
 #define OG_PLANS 128
 static og_plan plans[OG_PLANS];
@@ -198,6 +204,22 @@ static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
 static int plan_matches(const og_plan *p, const og_plan *q) {
   return p->ctx == q->ctx && p->tune_gen == q->tune_gen && p->arch_req == q->arch_req && p->dtype == q->dtype && p->ids64 == q->ids64 && p->on_input == q->on_input &&
          p->T == q->T && p->H == q->H && p->I == q->I && p->E == q->E && p->k == q->k;
+}
+
+/* How many blocks of the fused kernel can be resident at once: its cooperative grid. */
+static int32_t fused_capacity(const og_cuda_api *cu, og_CUfunction fn, int threads, unsigned *grid) {
+  enum { OG_ATTR_SM_COUNT = 16 }; /* CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT */
+  og_CUdevice dev = 0;
+  int per_sm = 0, sms = 0;
+  int32_t st = opgraft__cu_check(cu->cuCtxGetDevice(&dev), "cuCtxGetDevice");
+  if (!st) st = opgraft__cu_check(cu->cuDeviceGetAttribute(&sms, OG_ATTR_SM_COUNT, dev), "cuDeviceGetAttribute");
+  if (!st)
+    st = opgraft__cu_check(cu->cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, 0),
+                           "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (st) return st;
+  if (per_sm < 1) return opgraft__fail(OPGRAFT_ECUDA, "moe_fused cannot be resident on this GPU");
+  *grid = (unsigned)(per_sm * sms);
+  return OPGRAFT_OK;
 }
 
 int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream,
@@ -248,10 +270,12 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     char buf[20][48];
     const char *opts[20];
     const int nopts = moe_options(a, &plan.cfg, buf, opts);
-    char names[2][64];
+    char names[OG_MOE_KERNELS][64];
     fn_names(a, names);
-    const char *np[2] = {names[0], names[1]};
-    if ((st = opgraft__get_functions("moe_decode.cu", opts, nopts, arch, np, 2, plan.fn))) return st;
+    const char *np[OG_MOE_KERNELS] = {names[0], names[1], names[2]};
+    if ((st = opgraft__get_functions("moe_decode.cu", opts, nopts, arch, np, OG_MOE_KERNELS, plan.fn))) return st;
+    plan.fused_grid = 0;
+    if (plan.cfg.fused && (st = fused_capacity(cu, plan.fn[2], 32 * plan.cfg.w1, &plan.fused_grid))) return st;
     pthread_mutex_lock(&plan_lock);
     if (nplans < OG_PLANS) {
       plans[nplans++] = plan;
@@ -279,20 +303,27 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   const unsigned grid1 = (unsigned)(used_max * (a->inter / 16));
   const unsigned grid2 = (unsigned)(a->hidden / 16);
   og_CUstream s = (og_CUstream)stream;
+  if (plan.cfg.fused && stages == OPGRAFT_MOE_STAGE_ALL) {
+    /* One cooperative launch: every block is resident, so the grid-wide barrier cannot hang. */
+    const unsigned long long counter = (unsigned long long)(uintptr_t)workspace + act_bytes(a);
+    p.sync = (unsigned *)(uintptr_t)counter;
+    const unsigned want = grid1 > grid2 ? grid1 : grid2;
+    const unsigned grid = want < plan.fused_grid ? want : plan.fused_grid;
+    og_CUlaunchAttribute attr;
+    memset(&attr, 0, sizeof attr);
+    attr.id = OG_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attr.value.cooperative = 1;
+    og_CUlaunchConfig lc = {grid, 1, 1, 32u * (unsigned)plan.cfg.w1, 1, 1, 0, s, &attr, 1};
+    if ((st = opgraft__cu_check(cu->cuMemsetD32Async(counter, 0u, 1, s), "cuMemsetD32Async (moe_fused counter)")))
+      return st;
+    return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan.fn[2], params, NULL), "launch moe_fused (cooperative)");
+  }
   if ((stages & OPGRAFT_MOE_STAGE_GATE_UP) &&
       (st = opgraft__cu_check(cu->cuLaunchKernel(plan.fn[0], grid1, 1, 1, 32u * (unsigned)plan.cfg.w1, 1, 1, 0, s,
                                                  params, NULL),
                               "launch moe_gate_up")))
     return st;
   if (!(stages & OPGRAFT_MOE_STAGE_DOWN)) return OPGRAFT_OK;
-  og_CUlaunchAttribute attr;
-  memset(&attr, 0, sizeof attr);
-  attr.id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attr.value.programmatic_stream_serialization_allowed = 1;
-  og_CUlaunchConfig lc = {grid2, 1, 1, 32u * (unsigned)plan.cfg.w2, 1, 1, 0, s, &attr, 1};
-  /* With PDL the down kernel is compiled to wait for gate_up itself (griddepcontrol.wait). */
-  if (plan.cfg.pdl && (stages & OPGRAFT_MOE_STAGE_GATE_UP))
-    return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan.fn[1], params, NULL), "launch moe_down (PDL)");
   return opgraft__cu_check(
       cu->cuLaunchKernel(plan.fn[1], grid2, 1, 1, 32u * (unsigned)plan.cfg.w2, 1, 1, 0, s, params, NULL),
       "launch moe_down");
@@ -319,10 +350,12 @@ int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgr
   og_cubin cub;
   int32_t st = opgraft__compile("moe_decode.cu", opts, nopts, arch, &cub);
   if (st) return st;
-  char names[2][64];
+  char names[OG_MOE_KERNELS][64];
   fn_names(a, names);
-  *count = 2;
-  for (int i = 0; i < 2 && i < cap && st == OPGRAFT_OK; ++i) st = opgraft__parse_resources(cub.log, names[i], &out[i]);
+  /* The fused kernel is reported only when the configuration selects it. */
+  const int n = cfg.fused ? OG_MOE_KERNELS : 2;
+  *count = n;
+  for (int i = 0; i < n && i < cap && st == OPGRAFT_OK; ++i) st = opgraft__parse_resources(cub.log, names[i], &out[i]);
   opgraft__cubin_free(&cub);
   return st;
 }

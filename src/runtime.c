@@ -69,7 +69,8 @@ static void *open_lib(const char *path, char *where, size_t where_len) {
 static const char *const cuda_names[] = {
     "cuInit",          "cuDriverGetVersion",  "cuCtxGetCurrent", "cuCtxGetDevice",
     "cuDeviceGetAttribute", "cuDeviceGetName", "cuModuleLoadData", "cuModuleGetFunction",
-    "cuLaunchKernel",  "cuGetErrorString", "cuLaunchKernelEx",
+    "cuLaunchKernel",  "cuGetErrorString", "cuLaunchKernelEx", "cuMemsetD32Async",
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor",
 };
 
 static void load_cuda_locked(void) {

@@ -12,7 +12,7 @@ const og_tune_entry opgraft__baked_table[] = {
     {0, NULL, NULL, 0, 0, "moe.down.unroll", 4, "H200 coordinate descent 2026-11-29: 4 won on every preset"},
     {0, NULL, NULL, 0, 0, "moe.l2_fetch", 128, "H200 coordinate descent 2026-11-29: 128 B fetch: Kimi T=8 1590 -> 1223 us, Mixtral T=1 234 -> 175 us"},
     {0, NULL, NULL, 0, 0, "moe.prefetch", 0, "H200 coordinate descent 2026-11-29: explicit L2 prefetch never beat the fetch-size hint"},
-    {0, NULL, NULL, 0, 0, "moe.pdl", 0, "H200 coordinate descent 2026-11-29: PDL changed nothing measurable (Kimi T=1 229.7 vs 232.1 us)"},
+    {0, NULL, NULL, 0, 0, "moe.fused", 0, "two kernels until the cooperative one is measured"},
     /* Per-model rows (bf16, H200). */
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 4, "moe.gate_up.warps", 8, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=1 25.1 us"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 5, 64, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=8 124.8 us"},

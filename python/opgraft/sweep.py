@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     results = []
     for T in [int(t) for t in args.tokens.split(",")]:
         fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
-        rows = [measure(fx, {}), measure(fx, {"moe.pdl": 1}, stages_all=False)]
+        rows = [measure(fx, {}), measure(fx, {"moe.fused": 1}, stages_all=False)]
         if args.grid:
             for w, u in itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8]):
                 r = measure(fx, {"moe.gate_up.warps": w, "moe.gate_up.unroll": u}, stages_all=True)

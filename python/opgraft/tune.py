@@ -20,7 +20,7 @@ MOE_SPACE = {
     "moe.down.unroll": [1, 2, 4, 8],
     "moe.l2_fetch": [0, 128, 256],
     "moe.prefetch": [0, 1, 2, 4],
-    "moe.pdl": [0, 1],
+    "moe.fused": [0, 1],
 }
 
 

@@ -11,7 +11,7 @@ static const struct {
   int64_t fallback;
 } defaults[] = {
     {"moe.max_tokens", 8}, {"moe.gate_up.warps", 4}, {"moe.gate_up.unroll", 4}, {"moe.down.warps", 8},
-    {"moe.down.unroll", 4}, {"moe.pdl", 0},          {"moe.prefetch", 0},       {"moe.l2_fetch", 0},
+    {"moe.down.unroll", 4}, {"moe.fused", 0},          {"moe.prefetch", 0},       {"moe.l2_fetch", 0},
 };
 #define N_KEYS ((int)(sizeof defaults / sizeof *defaults))
 

@@ -81,5 +81,14 @@ def test_every_preset_kernel_compiles_without_spills_for_sm90():
                 assert k["registers"] > 0 and k["spill_bytes"] == 0, (name, T, k)
 
 
+def test_the_fused_kernel_compiles_without_spills(monkeypatch):
+    monkeypatch.setenv("OPGRAFT_TUNE_MOE_FUSED", "1")
+    for name in ("Qwen3-30B-A3B", "Mixtral-8x7B"):
+        for T in (1, 8, 16, 64):
+            ks = cli.compile_report(PRESETS[name], T, "bf16", 90)
+            assert [k["kernel"] for k in ks] == ["moe_gate_up_bf16", "moe_down_bf16", "moe_fused_bf16"]
+            assert all(k["spill_bytes"] == 0 for k in ks), (name, T, ks)
+
+
 def test_oracle_selfcheck_agrees_with_a_python_loop():
     assert cli.oracle_selfcheck(seed=3) < 1e-12
