@@ -21,6 +21,10 @@ const og_tune_entry opgraft__baked_table[] = {
     {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 4, "moe.gate_up.warps", 16, "H200 coordinate descent 2026-11-29: Qwen3-235B-A22B T=1 79.8 us"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 0, 0, "moe.gate_up.warps", 16, "H200 coordinate descent 2026-11-29: Kimi-K2 T=1 175.6 us, T=8 1222.7 us"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 5, 64, "moe.down.warps", 4, "H200 coordinate descent 2026-11-29: Kimi-K2 T=8 down 395.6 us"},
+    /* Per-rank shapes under tensor parallelism 8: one cooperative kernel wins where calls are small. */
+    {90, NULL, "moe:bf16:E384:H7168:I256:k8", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Kimi-K2/tp8 T=1 38.2 -> 29.9 us, T=8 171.1 -> 155.9 us"},
+    {90, NULL, "moe:bf16:E8:H4096:I1792:k2", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Mixtral-8x7B/tp8 T=1 31.0 -> 28.5 us, T=8 85.0 -> 80.0 us"},
+    {90, NULL, "moe:bf16:E128:H2048:I96:k8", 1, 4, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Qwen3-30B-A3B/tp8 T=1 12.8 -> 11.2 us, T=4 18.0 -> 17.2 us (T=8 loses: 24.6 -> 27.1)"},
     /* END TUNED ROWS */
 };
 const int opgraft__baked_table_len = (int)(sizeof opgraft__baked_table / sizeof *opgraft__baked_table);
