@@ -178,7 +178,8 @@ typedef struct opgraft_moe_args {
 OPGRAFT_EXTERN int32_t opgraft_moe_supports(const opgraft_moe_args *args, char *reason,
                                             size_t reason_len);
 
-/* Bytes of device workspace opgraft_moe_run needs for these arguments. */
+/* Bytes of device workspace opgraft_moe_run needs for these arguments (16-byte aligned; the
+ * contents need not be initialised: the library resets what it uses, on the stream). */
 OPGRAFT_EXTERN int32_t opgraft_moe_workspace_size(const opgraft_moe_args *args, size_t *bytes);
 
 /* Runs the experts computation on stream (a CUstream / cudaStream_t; NULL = legacy default).
