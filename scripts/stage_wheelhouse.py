@@ -10,21 +10,27 @@ into the parts folder) checks and installs them on the target. docs/AIRGAP.md is
 
 Subcommands::
 
-    build  resolve + download (pip download --no-deps, one package at a time, in parallel rounds),
-           then pack + split                                        -> DIR/parts/*, manifest.json
-    plan   the same resolution from the index's metadata alone (no wheel is downloaded)
-    pack   pack + split an existing folder of wheels, no resolution
+    build  resolve, download the chosen wheels with pip, pack + split -> DIR/parts/, manifest.json
+    plan   the same resolution, printed (names, versions, sizes, part count); nothing downloaded
+    pack   pack + split an existing folder of wheels (no resolution)
 
-Resolution. pip's own resolver cannot be told "the target already has torch", so the walk is done
-here: each wheel's ``Requires-Dist`` lines (from its METADATA) are evaluated for the target
-(python_version, sys_platform=linux, platform_machine, ...; extras only where a parent asks for
-them) and every requirement whose name is in the have-list is recorded as *present* and never
-downloaded, nor are its own dependencies walked. Names matched by ``--exclude`` are *dropped* the
-same way (with the reason you give). Everything else is downloaded with
-``pip download --no-deps --only-binary=:all: --python-version ... --platform ...`` using the
-combined specifiers of all its parents; the walk repeats from the roots until nothing new is
-needed, so a package whose constraints tighten in a later round is fetched again and stale
-dependencies are not packed.
+How it resolves. pip's own resolver cannot be told "the target already has torch": it would
+download torch, triton and the CUDA wheels again. So the resolution is done here, with the
+backtracking engine pip itself uses (resolvelib, vendored in pip) over the index's metadata
+(PEP 691 JSON listing; each wheel's METADATA from its PEP 658 ``.metadata`` file, else read out of
+the remote zip with HTTP Range requests, a few KiB each). A dependency's ``Requires-Dist`` line
+counts when its environment marker holds for the target (python_version, sys_platform,
+platform_machine, ...; ``extra == "x"`` only where a parent asked for ``[x]``). A name on the
+have-list is cut from the graph: never downloaded, its own dependencies not followed; where the
+have-list gives its version, that version is the only candidate, so the resolver picks releases
+of the other packages that accept it (and, if none can, resolves without it and reports the
+conflict). A name matched by ``--exclude`` is cut the same way and listed as dropped with the
+reason given. ``build`` then fetches each chosen ``name==version`` with
+``pip download --no-deps --only-binary=:all: --python-version ... --platform ...`` (in parallel)
+and checks that pip delivered that version.
+
+Only the standard library and pip are needed (``packaging`` and ``resolvelib`` are taken from
+pip's vendored copies when not installed).
 
 Exit status: 0 on success, 1 on a resolution/download error, 2 on a usage error.
 """
@@ -128,7 +134,8 @@ _MARKER_VARS = {
 }
 _LEGACY = {
     "os.name": "os_name", "sys.platform": "sys_platform", "platform.version": "platform_version",
-    "platform.machine": "platform_machine", "python_implementation": "platform_python_implementation",
+    "platform.machine": "platform_machine",
+    "python_implementation": "platform_python_implementation",
     "platform.python_implementation": "platform_python_implementation",
 }
 _TOKEN_RE = re.compile(
@@ -278,8 +285,8 @@ def target_environment(python_version: str, machine: str = "x86_64",
         "python_version": short,
         "python_full_version": full,
         "os_name": "posix" if system != "Windows" else "nt",
-        "sys_platform": {"Linux": "linux", "Darwin": "darwin", "Windows": "win32"}.get(system,
-                                                                                     system.lower()),
+        "sys_platform": {"Linux": "linux", "Darwin": "darwin",
+                         "Windows": "win32"}.get(system, system.lower()),
         "platform_system": system,
         "platform_machine": machine,
         "platform_release": "",
@@ -331,7 +338,7 @@ def parse_requirement(text: str) -> Requirement:
     if spec.startswith("(") and spec.endswith(")"):
         spec = spec[1:-1]
     specs = [s.replace(" ", "") for s in spec.split(",") if s.strip()]
-    extras = {normalize(e) for e in (m.group("extras") or "").split(",") if e.strip()}
+    extras = {normalize(e.strip()) for e in (m.group("extras") or "").split(",") if e.strip()}
     marker = (m.group("marker") or "").strip() or None
     return Requirement(m.group("name"), specs, extras, marker, m.group("url"))
 
@@ -467,6 +474,64 @@ def match_exclude(name: str, excludes: List[Tuple[str, str]]) -> Optional[str]:
     return None
 
 
+def parse_strips(values: Iterable[str]) -> List[Tuple[str, str, str]]:
+    """``NAME:MEMBER_GLOB[=REASON]``: drop files matching MEMBER_GLOB (a glob over the paths
+    inside the wheel, e.g. ``vllm/vllm_flash_attn/_vllm_fa2_C*.so``) from the wheel of package
+    NAME (a glob over normalized names)."""
+    out = []
+    for value in values:
+        spec, _, reason = value.partition("=")
+        name, sep, member = spec.partition(":")
+        if not sep or not name.strip() or not member.strip():
+            raise ValueError("--strip wants NAME:MEMBER_GLOB[=REASON], got %r" % value)
+        out.append((normalize(name.strip()), member.strip(), reason.strip() or "stripped"))
+    return out
+
+
+def strip_wheel(path: str, strips: List[Tuple[str, str, str]]) -> List[dict]:
+    """Rewrites the wheel at ``path`` without the members that ``strips`` name for its package,
+    and without their lines in ``*.dist-info/RECORD`` (so pip neither installs nor lists them).
+    Returns one record per removed file; the wheel is left untouched when nothing matches.
+    The rewrite goes to a temporary file that replaces the wheel only once complete."""
+    fname = os.path.basename(path)
+    name = normalize(fname[:-4].split("-")[0])
+    rules = [(m, r) for n, m, r in strips if fnmatch.fnmatchcase(name, n)]
+    if not rules:
+        return []
+    removed: List[dict] = []
+    with zipfile.ZipFile(path) as zin:
+        infos = zin.infolist()
+        drop = {}
+        for info in infos:
+            for member, reason in rules:
+                if fnmatch.fnmatchcase(info.filename, member):
+                    drop[info.filename] = reason
+                    break
+        if not drop:
+            return []
+        tmp = path + ".strip-tmp"
+        try:
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+                for info in infos:
+                    if info.filename in drop:
+                        removed.append({"wheel": fname, "path": info.filename,
+                                        "size": info.file_size,
+                                        "compressed_size": info.compress_size,
+                                        "reason": drop[info.filename]})
+                        continue
+                    data = zin.read(info)
+                    if info.filename.endswith(".dist-info/RECORD"):
+                        lines = data.decode("utf-8").splitlines(keepends=True)
+                        data = "".join(ln for ln in lines
+                                       if ln.split(",", 1)[0] not in drop).encode("utf-8")
+                    zout.writestr(info, data, compress_type=info.compress_type)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return removed
+
+
 # --------------------------------------------------------------------------------------------
 # Wheels
 # --------------------------------------------------------------------------------------------
@@ -503,14 +568,6 @@ def read_wheel(path: str) -> WheelInfo:
     name, version, requires, rp = parse_metadata(text)
     return WheelInfo(normalize(name or stem[0]), version or stem[1], fname, requires, rp, path,
                      os.path.getsize(path))
-
-
-def sha256_file(path: str, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(bufsize), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1279,6 +1336,21 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _apply_strips(paths: List[str], strips: List[Tuple[str, str, str]], log) -> List[dict]:
+    removed: List[dict] = []
+    for path in paths:
+        got = strip_wheel(path, strips)
+        for r in got:
+            log("  stripped %s from %s (%s): %s" % (r["path"], r["wheel"],
+                                                   human(r["compressed_size"]), r["reason"]))
+        removed += got
+    for name, member, _ in strips:
+        if not any(fnmatch.fnmatchcase(r["path"], member) for r in removed):
+            log("  note: --strip %s:%s matched no file (already stripped, or not in this version)"
+                % (name, member))
+    return removed
+
+
 def cmd_build(args) -> int:
     t_start = time.time()
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -1336,6 +1408,7 @@ def cmd_build(args) -> int:
         return 1
     t_dl = time.time()
     paths = [os.path.join(wheels_dir, got[n].filename) for n in sorted(got)]
+    stripped = _apply_strips(paths, parse_strips(args.strip), log)
     stale = sorted(set(os.listdir(wheels_dir)) - {os.path.basename(p) for p in paths})
     if stale:
         log("not packed (left in %s by an earlier run): %s" % (wheels_dir, " ".join(stale)))
@@ -1362,6 +1435,7 @@ def cmd_build(args) -> int:
         "parts": parts,
         "skipped_present": present,
         "dropped": dropped,
+        "stripped": stripped,
         "warnings": warnings,
         "timings_s": {"resolve": round(t_res - t_start, 1), "download": round(t_dl - t_res, 1),
                       "pack_split": round(t_pack - t_dl, 1),
@@ -1392,8 +1466,9 @@ def cmd_pack(args) -> int:
     if not paths:
         print("error: no .whl files in %s" % args.wheels, file=sys.stderr)
         return 1
+    stripped = _apply_strips(paths, parse_strips(args.strip), print)
     wheels, tar, parts = pack(paths, parts_dir, args.part_size)
-    manifest = {"format": TOOL_VERSION, "tool": "stage_wheelhouse.py pack",
+    manifest = {"format": TOOL_VERSION, "tool": "stage_wheelhouse.py pack", "stripped": stripped,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "requirements": [], "wheels": wheels,
                 "wheels_total_bytes": sum(w["size"] for w in wheels), "tar": tar,
@@ -1427,6 +1502,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     b.add_argument("--reuse", action="store_true",
                    help="use a wheel already in OUT/wheels (from --keep-wheels) instead of "
                         "downloading it again")
+    b.add_argument("--strip", action="append", default=[], metavar="NAME:MEMBER_GLOB[=REASON]",
+                   help="drop files matching MEMBER_GLOB from package NAME's wheel (and from its "
+                        "RECORD), with the reason recorded in the manifest (repeatable)")
     b.set_defaults(func=cmd_build)
 
     p = sub.add_parser("plan", help="print what build would download (index metadata only)")
@@ -1440,6 +1518,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     k.add_argument("--wheels", required=True, help="folder of .whl files")
     k.add_argument("--out", required=True)
     k.add_argument("--part-size", type=parse_size, default=parse_size("64M"), help=size_help)
+    k.add_argument("--strip", action="append", default=[], metavar="NAME:MEMBER_GLOB[=REASON]",
+                   help="drop files matching MEMBER_GLOB from package NAME's wheel (and from its "
+                        "RECORD), with the reason recorded in the manifest (repeatable)")
     k.set_defaults(func=cmd_pack)
 
     args = ap.parse_args(argv)
