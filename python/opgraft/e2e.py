@@ -1,0 +1,386 @@
+"""End-to-end decode study in a real vLLM: stock vLLM against opgraft pass-through and opgraft's
+kernel, same model, same prompts, one process per setting.
+
+    python -m opgraft.e2e study --model Qwen3-30B-A3B --out-dir DIR
+        [--modes disabled,opgraft,passthrough] [--batches 1,8,32] [--input-len 128]
+        [--output-len 256] [--reps 5] [--mode-timeout 300]
+    python -m opgraft.e2e run --mode opgraft --model Qwen3-30B-A3B --json FILE   (one setting)
+    python -m opgraft.e2e compare DIR                                            (table again)
+
+Settings ("modes"): `disabled` runs with OPGRAFT_DISABLE=1 (the plugin patches nothing: stock
+vLLM); `passthrough` installs the seams but hands every call back (OPGRAFT_MOE_EXPERTS=passthrough);
+`opgraft` takes the MoE calls our guard accepts (the default variant). Each runs in its own
+process because the plugin is installed when vLLM starts and CUDA graphs fix the kernels at
+capture time.
+
+The model is a public architecture (its config.json values, below, or a path to a config.json)
+with random weights (load_format="dummy": no download) and token-id prompts
+(skip_tokenizer_init=True). torch.compile and CUDA graphs stay on, as users run vLLM.
+
+Timing: for each batch size B, `generate(B prompts, max_tokens=1)` and `generate(B prompts,
+max_tokens=N)` are timed back to back (greedy, ignore_eos); the difference is N-1 decode steps, so
+ITL = (t_N - t_1) / (N - 1) and decode tokens/s = B (N-1) / (t_N - t_1). Repeated --reps times;
+medians and spread are reported. A separate greedy run with logprobs gives the token ids and the
+chosen tokens' logprobs for the parity check between settings. The MoE counters of the engine's
+worker process (opgraft.stats()) are read through vLLM's collective_rpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODES = ("disabled", "passthrough", "opgraft")
+
+# Public config.json values (Hugging Face model cards: Qwen/Qwen3-30B-A3B,
+# mistralai/Mixtral-8x7B-v0.1). Only the architecture matters: weights are random.
+MODEL_CONFIGS = {
+    "Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rope_scaling": None,
+        "rms_norm_eps": 1e-06, "hidden_act": "silu", "attention_bias": False,
+        "attention_dropout": 0.0, "tie_word_embeddings": False, "use_sliding_window": False,
+        "sliding_window": None, "max_window_layers": 48, "initializer_range": 0.02,
+        "output_router_logits": False, "router_aux_loss_coef": 0.001, "use_cache": True,
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    },
+    "Mixtral-8x7B": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+        "sliding_window": None, "tie_word_embeddings": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "output_router_logits": False, "router_aux_loss_coef": 0.02,
+        "use_cache": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _modes(text: str) -> list[str]:
+    vals = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in vals if m not in MODES]
+    if not vals or bad:
+        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}; got {text!r}")
+    return vals
+
+
+def model_config(model: str) -> dict:
+    """The config.json dict of a built-in architecture, or of a config.json path (file or dir)."""
+    if model in MODEL_CONFIGS:
+        return dict(MODEL_CONFIGS[model])
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise SystemExit(f"opgraft e2e: {model!r} is neither a built-in architecture "
+                         f"({', '.join(MODEL_CONFIGS)}) nor a config.json")
+    with open(path) as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"opgraft e2e: {path}: not JSON ({e})")
+    if not isinstance(cfg, dict) or "architectures" not in cfg:
+        raise SystemExit(f"opgraft e2e: {path}: no 'architectures' field")
+    return cfg
+
+
+def write_model_dir(cfg: dict, root: str) -> str:
+    d = os.path.join(root, "model")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return d
+
+
+def mode_env(mode: str, base: dict | None = None) -> dict:
+    """The environment a setting runs under."""
+    env = dict(os.environ if base is None else base)
+    for k in ("OPGRAFT_DISABLE", "OPGRAFT_MOE_EXPERTS"):
+        env.pop(k, None)
+    if mode == "disabled":
+        env["OPGRAFT_DISABLE"] = "1"
+    elif mode == "passthrough":
+        env["OPGRAFT_MOE_EXPERTS"] = "passthrough"
+    elif mode == "opgraft":
+        env["OPGRAFT_MOE_EXPERTS"] = "opgraft"
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    # collective_rpc sends our stats function to the worker by pickling it.
+    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    return env
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+def _worker_stats(worker=None) -> dict:
+    """Runs in vLLM's worker process (collective_rpc): the plugin's state there."""
+    out = {"pid": os.getpid()}
+    try:
+        from opgraft import vllm as plugin
+
+        out["plugin"] = getattr(plugin, "_summary", "")
+    except Exception as e:  # plugin not importable there
+        out["plugin"] = f"not importable ({type(e).__name__}: {e})"
+    try:
+        import sys as _sys
+
+        if "opgraft.dispatch" in _sys.modules:
+            out["moe"] = _sys.modules["opgraft.dispatch"].stats()
+        else:
+            out["moe"] = None  # the MoE seam never ran in this process
+    except Exception as e:
+        out["moe_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def run(args) -> int:
+    """One setting in this process; writes args.json after each batch size."""
+    env = mode_env(args.mode)
+    for k in ("OPGRAFT_DISABLE", "OPGRAFT_MOE_EXPERTS"):
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    cfg = model_config(args.model)
+    result: dict = {"mode": args.mode, "model": args.model, "input_len": args.input_len,
+                    "output_len": args.output_len, "reps": args.reps, "batches": {},
+                    "commit": os.environ.get("OPGRAFT_COMMIT", ""),
+                    "date": time.strftime("%Y-%m-%d"), "status": "starting"}
+
+    def save():
+        if args.json:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(tmp, args.json)
+
+    save()
+    t0 = time.perf_counter()
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    result.update(vllm=vllm.__version__, torch=torch.__version__,
+                  gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+    batches = sorted(set(args.batches))
+    capture = sorted({c for c in (1, 2, 4, 8, 16, 32) if c <= max(batches)} | set(batches))
+    tmp = tempfile.mkdtemp(prefix="opgraft-e2e-")  # the model folder, for the whole run
+    llm = LLM(model=write_model_dir(cfg, tmp), load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
+              max_num_seqs=max(batches), gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=False,
+              compilation_config={"cudagraph_capture_sizes": capture})
+    result["startup_s"] = round(time.perf_counter() - t0, 1)
+    result["status"] = "started"
+    save()
+    P = prompts(max(batches), args.input_len, int(cfg.get("vocab_size", 32000)))
+    tok = [{"prompt_token_ids": p} for p in P]
+    n = args.output_len
+
+    def sp(max_tokens, logprobs=None):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                              detokenize=False, logprobs=logprobs)
+
+    for b in batches:  # warm every batch size once (first-call costs, lazy compiles)
+        llm.generate(tok[:b], sp(8), use_tqdm=False)
+    for b in batches:
+        itl, tps = [], []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            llm.generate(tok[:b], sp(1), use_tqdm=False)
+            t1 = time.perf_counter() - t
+            t = time.perf_counter()
+            outs = llm.generate(tok[:b], sp(n), use_tqdm=False)
+            tn = time.perf_counter() - t
+            got = [len(o.outputs[0].token_ids) for o in outs]
+            if got != [n] * b:
+                raise SystemExit(f"opgraft e2e: expected {n} tokens per sequence, got {got}")
+            itl.append((tn - t1) / (n - 1) * 1e3)
+            tps.append(b * (n - 1) / (tn - t1))
+        outs = llm.generate(tok[:b], sp(n, logprobs=0), use_tqdm=False)
+        ids, lps = [], []
+        for o in outs:
+            c = o.outputs[0]
+            ids.append([int(x) for x in c.token_ids])
+            lps.append([float(d[t].logprob) if d and t in d else None
+                        for t, d in zip(c.token_ids, c.logprobs or [None] * len(c.token_ids))])
+        result["batches"][str(b)] = {"itl_ms": summarize(itl), "decode_tok_s": summarize(tps),
+                                     "itl_ms_all": [round(x, 4) for x in itl],
+                                     "token_ids": ids, "logprobs": lps}
+        save()
+    try:
+        result["workers"] = llm.collective_rpc(_worker_stats)
+    except Exception as e:
+        result["workers_error"] = f"{type(e).__name__}: {e}"
+    result["status"] = "done"
+    result["total_s"] = round(time.perf_counter() - t0, 1)
+    save()
+    print(f"opgraft e2e: {args.mode} done in {result['total_s']} s", flush=True)
+    return 0
+
+
+def parity(a: dict, b: dict) -> dict:
+    """Token and logprob agreement of run b against run a, per batch size present in both.
+    Logprobs are compared only up to each sequence's first differing token (after it the
+    contexts differ)."""
+    out = {}
+    for key, ra in a.get("batches", {}).items():
+        rb = b.get("batches", {}).get(key)
+        if not rb:
+            continue
+        same = total = prefix = 0
+        dmax = 0.0
+        for ia, ib, la, lb in zip(ra["token_ids"], rb["token_ids"], ra["logprobs"], rb["logprobs"]):
+            total += len(ia)
+            same += sum(x == y for x, y in zip(ia, ib))
+            k = 0
+            while k < min(len(ia), len(ib)) and ia[k] == ib[k]:
+                k += 1
+            prefix += k
+            for x, y in zip(la[:k], lb[:k]):
+                if x is not None and y is not None:
+                    dmax = max(dmax, abs(x - y))
+        out[key] = {"identical": ra["token_ids"] == rb["token_ids"],
+                    "same_position_fraction": same / total if total else None,
+                    "common_prefix_fraction": prefix / total if total else None,
+                    "max_abs_logprob_diff_on_common_prefix": dmax}
+    return out
+
+
+def compare(out_dir: str, modes=MODES) -> dict:
+    runs = {}
+    for m in modes:
+        p = os.path.join(out_dir, f"e2e-{m}.json")
+        if os.path.isfile(p):
+            with open(p) as f:
+                runs[m] = json.load(f)
+    rows = []
+    base = runs.get("disabled")
+    for m, r in runs.items():
+        for key, br in sorted(r.get("batches", {}).items(), key=lambda kv: int(kv[0])):
+            row = {"mode": m, "batch": int(key), "itl_ms": br["itl_ms"]["median"],
+                   "itl_ms_min": br["itl_ms"]["min"], "itl_ms_max": br["itl_ms"]["max"],
+                   "decode_tok_s": br["decode_tok_s"]["median"], "reps": br["itl_ms"]["n"]}
+            if base and key in base.get("batches", {}):
+                bi = base["batches"][key]["itl_ms"]["median"]
+                row["itl_vs_disabled"] = br["itl_ms"]["median"] / bi
+            rows.append(row)
+    par = {m: parity(base, r) for m, r in runs.items() if base and m != "disabled"}
+    meta = {k: v for k, v in (base or next(iter(runs.values()), {})).items()
+            if k in ("model", "vllm", "torch", "gpu", "commit", "date", "input_len", "output_len")}
+    summary = {"meta": meta, "rows": rows, "parity_vs_disabled": par,
+               "status": {m: r.get("status") for m, r in runs.items()},
+               "startup_s": {m: r.get("startup_s") for m, r in runs.items()},
+               "workers": {m: r.get("workers") or r.get("workers_error") for m, r in runs.items()}}
+    with open(os.path.join(out_dir, "e2e-summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"{'mode':<12} {'B':>3} {'ITL ms (median)':>16} {'min..max':>16} {'tok/s':>9} {'vs off':>7}")
+    for r in rows:
+        vs = f"{r['itl_vs_disabled']:.3f}" if "itl_vs_disabled" in r else "-"
+        print(f"{r['mode']:<12} {r['batch']:>3} {r['itl_ms']:>16.3f} "
+              f"{r['itl_ms_min']:>7.3f}..{r['itl_ms_max']:<7.3f} {r['decode_tok_s']:>9.1f} {vs:>7}")
+    for m, p in par.items():
+        for key, v in p.items():
+            print(f"parity {m} vs disabled, B={key}: identical={v['identical']} "
+                  f"same-position {v['same_position_fraction']:.4f} "
+                  f"common-prefix {v['common_prefix_fraction']:.4f} "
+                  f"max|dlogprob| {v['max_abs_logprob_diff_on_common_prefix']:.4g}")
+    for m, w in summary["workers"].items():
+        print(f"workers {m}: {json.dumps(w)[:400]}")
+    return summary
+
+
+def study(args) -> int:
+    os.makedirs(args.out_dir, exist_ok=True)
+    for m in args.modes:
+        path = os.path.join(args.out_dir, f"e2e-{m}.json")
+        cmd = [sys.executable, "-m", "opgraft.e2e", "run", "--mode", m, "--model", args.model,
+               "--json", path, "--batches", ",".join(map(str, args.batches)),
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+               "--reps", str(args.reps),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
+        log = os.path.join(args.log_dir or args.out_dir, f"e2e-{m}.log")
+        print(f"opgraft e2e: {m} ... (log {log})", flush=True)
+        t = time.perf_counter()
+        with open(log, "w") as lf:
+            try:
+                rc = subprocess.run(cmd, env=mode_env(m), stdout=lf, stderr=subprocess.STDOUT,
+                                    timeout=args.mode_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        print(f"opgraft e2e: {m} exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
+        if rc != 0:
+            with open(log) as lf:
+                print("".join(lf.readlines()[-25:]), flush=True)
+    compare(args.out_dir, args.modes)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="opgraft e2e", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p):
+        p.add_argument("--model", default="Qwen3-30B-A3B",
+                       help=f"built-in architecture ({', '.join(MODEL_CONFIGS)}) or a config.json")
+        p.add_argument("--batches", type=_ints, default=[1, 8, 32])
+        p.add_argument("--input-len", type=int, default=128)
+        p.add_argument("--output-len", type=int, default=256)
+        p.add_argument("--reps", type=int, default=5)
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+
+    r = sub.add_parser("run", help="one setting, in this process")
+    common(r)
+    r.add_argument("--mode", choices=MODES, required=True)
+    r.add_argument("--json", default=None)
+    s = sub.add_parser("study", help="every setting, each in its own process, then the comparison")
+    common(s)
+    s.add_argument("--modes", type=_modes, default=["disabled", "opgraft", "passthrough"])
+    s.add_argument("--out-dir", required=True)
+    s.add_argument("--mode-timeout", type=float, default=600)
+    s.add_argument("--log-dir", default=None, help="where each setting's vLLM log goes (default --out-dir)")
+    c = sub.add_parser("compare", help="the comparison table of a study's folder")
+    c.add_argument("out_dir")
+    args = ap.parse_args(argv)
+    if args.cmd in ("run", "study"):
+        if args.output_len < 2 or args.input_len < 1 or args.reps < 1:
+            ap.error("--output-len must be >= 2, --input-len and --reps >= 1")
+        model_config(args.model)  # fail early on a bad --model
+    if args.cmd == "run":
+        return run(args)
+    if args.cmd == "study":
+        return study(args)
+    compare(args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

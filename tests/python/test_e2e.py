@@ -1,0 +1,91 @@
+"""The end-to-end study's CPU-side logic: settings, model configs, parity and the comparison
+table. (The study itself needs vLLM on a GPU: bench/results/ holds its runs.)"""
+
+import json
+
+import pytest
+
+from opgraft import e2e
+
+
+def test_mode_env_sets_exactly_one_switch():
+    base = {"OPGRAFT_DISABLE": "1", "OPGRAFT_MOE_EXPERTS": "x", "KEEP": "1"}
+    assert e2e.mode_env("disabled", base)["OPGRAFT_DISABLE"] == "1"
+    p = e2e.mode_env("passthrough", base)
+    assert "OPGRAFT_DISABLE" not in p and p["OPGRAFT_MOE_EXPERTS"] == "passthrough"
+    o = e2e.mode_env("opgraft", base)
+    assert "OPGRAFT_DISABLE" not in o and o["OPGRAFT_MOE_EXPERTS"] == "opgraft"
+    assert o["KEEP"] == "1" and base["OPGRAFT_DISABLE"] == "1"  # the caller's dict is untouched
+    with pytest.raises(ValueError):
+        e2e.mode_env("fast", base)
+
+
+def test_builtin_configs_match_the_moe_presets():
+    from opgraft.presets import PRESETS, from_config
+
+    for name, cfg in e2e.MODEL_CONFIGS.items():
+        shape = from_config(cfg)
+        p = PRESETS[name]
+        assert (shape.num_experts, shape.hidden, shape.inter, shape.top_k) == \
+            (p.num_experts, p.hidden, p.inter, p.top_k)
+
+
+def test_model_config_from_path_and_errors(tmp_path):
+    good = tmp_path / "m"
+    good.mkdir()
+    (good / "config.json").write_text(json.dumps({"architectures": ["X"], "vocab_size": 10}))
+    assert e2e.model_config(str(good))["architectures"] == ["X"]
+    assert e2e.model_config(str(good / "config.json"))["vocab_size"] == 10
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "noarch.json").write_text("{}")
+    for bad in [str(tmp_path / "missing"), str(tmp_path / "bad.json"), str(tmp_path / "noarch.json")]:
+        with pytest.raises(SystemExit):
+            e2e.model_config(bad)
+
+
+def test_cli_rejects_bad_arguments():
+    for argv in (["run", "--mode", "fast"], ["study", "--out-dir", "x", "--modes", "on,off"],
+                 ["run", "--mode", "opgraft", "--batches", "1,x"],
+                 ["run", "--mode", "opgraft", "--batches", "0"],
+                 ["run", "--mode", "opgraft", "--output-len", "1"]):
+        with pytest.raises(SystemExit) as ei:
+            e2e.main(argv)
+        assert ei.value.code == 2
+
+
+def test_prompts_are_deterministic_and_in_range():
+    a = e2e.prompts(3, 16, 1000, seed=1)
+    assert a == e2e.prompts(3, 16, 1000, seed=1) and a != e2e.prompts(3, 16, 1000, seed=2)
+    assert all(len(p) == 16 and all(100 <= t < 900 for t in p) for p in a)
+
+
+def _run(mode, ids, lps, itl):
+    return {"mode": mode, "model": "m", "status": "done", "startup_s": 1.0,
+            "batches": {"1": {"itl_ms": e2e.summarize(itl), "decode_tok_s": e2e.summarize([1.0 / x for x in itl]),
+                              "token_ids": ids, "logprobs": lps}}}
+
+
+def test_parity_counts_positions_and_compares_logprobs_only_on_the_common_prefix():
+    a = _run("disabled", [[1, 2, 3, 4]], [[-1.0, -2.0, -3.0, -4.0]], [2.0])
+    b = _run("opgraft", [[1, 2, 9, 4]], [[-1.0, -2.5, -9.0, -4.0]], [1.5])
+    p = e2e.parity(a, b)["1"]
+    assert p["identical"] is False
+    assert p["same_position_fraction"] == 0.75 and p["common_prefix_fraction"] == 0.5
+    assert p["max_abs_logprob_diff_on_common_prefix"] == pytest.approx(0.5)  # not 6.0 (after divergence)
+    same = e2e.parity(a, a)["1"]
+    assert same["identical"] and same["max_abs_logprob_diff_on_common_prefix"] == 0.0
+
+
+def test_compare_writes_summary_with_ratios(tmp_path, capsys):
+    runs = {"disabled": _run("disabled", [[1, 2]], [[-1.0, -1.0]], [2.0, 2.2, 1.8]),
+            "opgraft": _run("opgraft", [[1, 2]], [[-1.0, -1.01]], [1.5, 1.6, 1.4]),
+            "passthrough": _run("passthrough", [[1, 2]], [[-1.0, -1.0]], [2.0, 2.0, 2.0])}
+    for m, r in runs.items():
+        (tmp_path / f"e2e-{m}.json").write_text(json.dumps(r))
+    s = e2e.compare(str(tmp_path))
+    rows = {r["mode"]: r for r in s["rows"]}
+    assert rows["opgraft"]["itl_vs_disabled"] == pytest.approx(0.75)
+    assert rows["disabled"]["itl_ms_min"] == 1.8 and rows["disabled"]["itl_ms_max"] == 2.2
+    assert s["parity_vs_disabled"]["passthrough"]["1"]["identical"] is True
+    assert json.loads((tmp_path / "e2e-summary.json").read_text())["rows"] == s["rows"]
+    assert "opgraft" in capsys.readouterr().out
