@@ -158,8 +158,14 @@ def gpu_facts() -> dict:
                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         drv = ""
+    try:
+        from importlib.metadata import version
+
+        vllm_ver = version("vllm")
+    except Exception:  # not installed
+        vllm_ver = None
     return {"gpu": p.name, "arch": f"sm_{p.major}{p.minor}", "sms": p.multi_processor_count, "driver": drv,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "vllm": vllm_ver}
 
 
 def commit_id() -> str:
@@ -188,6 +194,7 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
     gen = torch.Generator(device=device).manual_seed(1234)
     facts = gpu_facts()
     base = {"gpu": facts["gpu"], "arch": facts["arch"], "driver": facts["driver"], "torch": facts["torch"],
+            "vllm": facts.get("vllm"),
             "commit": commit_id(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "model": shape.name, "E": shape.num_experts, "H": shape.hidden, "I": shape.inter, "top_k": shape.top_k,
             "dtype": dtype}

@@ -126,6 +126,10 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
         raise ValueError(f"unknown mode {mode!r}")
     # collective_rpc sends our stats function to the worker by pickling it.
     env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # Greedy decoding never uses FlashInfer's top-k/top-p sampler, but vLLM warms it up at start,
+    # which JIT-compiles it (minutes on a fresh machine, measured on an H200). Same for every
+    # setting; set VLLM_USE_FLASHINFER_SAMPLER=1 to keep it.
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return env
 
 
@@ -317,6 +321,56 @@ def compare(out_dir: str, modes=MODES) -> dict:
     return summary
 
 
+def run_group(cmd: list[str], env: dict, out, timeout: float):
+    """Runs cmd in its own process group and returns its exit status, or "timeout". On timeout
+    the whole group goes (vLLM's engine-core process too, which would otherwise keep the GPU's
+    memory and make the next setting fail)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return "timeout"
+    finally:
+        try:  # children left behind by a setting that exited on its own
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def gpu_memory_used_mib() -> list[int] | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+        return [int(x) for x in out.split()]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def wait_gpu_memory_free(limit_mib: int = 4096, timeout: float = 60.0) -> None:
+    """Waits until every GPU uses less than limit_mib (a finished setting's memory is back)."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < timeout:
+        used = gpu_memory_used_mib()
+        if used is None or max(used, default=0) < limit_mib:
+            return
+        time.sleep(1.0)
+    print(f"opgraft e2e: GPU memory still in use after {timeout:.0f} s: {gpu_memory_used_mib()} MiB",
+          flush=True)
+
+
 def study(args) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     for m in args.modes:
@@ -331,12 +385,9 @@ def study(args) -> int:
         print(f"opgraft e2e: {m} ... (log {log})", flush=True)
         t = time.perf_counter()
         with open(log, "w") as lf:
-            try:
-                rc = subprocess.run(cmd, env=mode_env(m), stdout=lf, stderr=subprocess.STDOUT,
-                                    timeout=args.mode_timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            rc = run_group(cmd, mode_env(m), lf, args.mode_timeout)
         print(f"opgraft e2e: {m} exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
+        wait_gpu_memory_free()
         if rc != 0:
             with open(log) as lf:
                 print("".join(lf.readlines()[-25:]), flush=True)

@@ -89,3 +89,46 @@ def test_compare_writes_summary_with_ratios(tmp_path, capsys):
     assert s["parity_vs_disabled"]["passthrough"]["1"]["identical"] is True
     assert json.loads((tmp_path / "e2e-summary.json").read_text())["rows"] == s["rows"]
     assert "opgraft" in capsys.readouterr().out
+
+
+def test_run_group_kills_the_whole_group_on_timeout(tmp_path):
+    import os
+    import sys
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    # A parent that starts a long-lived child (as vLLM starts its engine core), then hangs.
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with open(tmp_path / "log", "w") as out:
+        t = time.time()
+        rc = e2e.run_group([sys.executable, "-c", code], dict(os.environ), out, timeout=2)
+    assert rc == "timeout" and time.time() - t < 30
+    child = int(pidfile.read_text())
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:  # a zombie (Z) waiting to be reaped is gone
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    for _ in range(50):
+        if not alive(child):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the setting's child process survived the timeout")
+
+
+def test_run_group_returns_exit_status(tmp_path):
+    import os
+    import sys
+
+    with open(tmp_path / "log", "w") as out:
+        assert e2e.run_group([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), out, 30) == 3
+
+
+def test_mode_env_keeps_flashinfer_sampler_off_unless_asked():
+    assert e2e.mode_env("opgraft", {})["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert e2e.mode_env("opgraft", {"VLLM_USE_FLASHINFER_SAMPLER": "1"})["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
