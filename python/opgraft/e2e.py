@@ -3,7 +3,7 @@ kernel, same model, same prompts, one process per setting.
 
     python -m opgraft.e2e study --model Qwen3-30B-A3B --out-dir DIR
         [--modes disabled,opgraft,passthrough] [--batches 1,8,32] [--input-len 128]
-        [--output-len 256] [--reps 5] [--mode-timeout 300]
+        [--output-len 256] [--reps 5] [--mode-timeout 300] [--tp 2 [--expert-parallel]]
     python -m opgraft.e2e run --mode opgraft --model Qwen3-30B-A3B --json FILE   (one setting)
     python -m opgraft.e2e compare DIR                                            (table again)
 
@@ -173,7 +173,8 @@ def run(args) -> int:
         os.environ.pop(k, None)
     os.environ.update(env)
     cfg = model_config(args.model)
-    result: dict = {"mode": args.mode, "model": args.model, "input_len": args.input_len,
+    result: dict = {"mode": args.mode, "model": args.model, "tp": args.tp,
+                    "expert_parallel": args.expert_parallel, "input_len": args.input_len,
                     "output_len": args.output_len, "reps": args.reps, "batches": {},
                     "commit": os.environ.get("OPGRAFT_COMMIT", ""),
                     "date": time.strftime("%Y-%m-%d"), "status": "starting"}
@@ -199,7 +200,8 @@ def run(args) -> int:
     llm = LLM(model=write_model_dir(cfg, tmp), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
               max_num_seqs=max(batches), gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=False,
+              enable_prefix_caching=False, tensor_parallel_size=args.tp,
+              enable_expert_parallel=args.expert_parallel,
               compilation_config={"cudagraph_capture_sizes": capture})
     result["startup_s"] = round(time.perf_counter() - t0, 1)
     result["status"] = "started"
@@ -298,7 +300,8 @@ def compare(out_dir: str, modes=MODES) -> dict:
             rows.append(row)
     par = {m: parity(base, r) for m, r in runs.items() if base and m != "disabled"}
     meta = {k: v for k, v in (base or next(iter(runs.values()), {})).items()
-            if k in ("model", "vllm", "torch", "gpu", "commit", "date", "input_len", "output_len")}
+            if k in ("model", "tp", "expert_parallel", "vllm", "torch", "gpu", "commit", "date",
+                     "input_len", "output_len")}
     summary = {"meta": meta, "rows": rows, "parity_vs_disabled": par,
                "status": {m: r.get("status") for m, r in runs.items()},
                "startup_s": {m: r.get("startup_s") for m, r in runs.items()},
@@ -379,7 +382,9 @@ def study(args) -> int:
                "--json", path, "--batches", ",".join(map(str, args.batches)),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                "--reps", str(args.reps),
-               "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
+        if args.expert_parallel:
+            cmd.append("--expert-parallel")
         os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
         log = os.path.join(args.log_dir or args.out_dir, f"e2e-{m}.log")
         print(f"opgraft e2e: {m} ... (log {log})", flush=True)
@@ -407,6 +412,9 @@ def main(argv=None) -> int:
         p.add_argument("--output-len", type=int, default=256)
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+        p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
+        p.add_argument("--expert-parallel", action="store_true",
+                       help="vLLM enable_expert_parallel (experts split over the --tp ranks)")
 
     r = sub.add_parser("run", help="one setting, in this process")
     common(r)
@@ -422,8 +430,8 @@ def main(argv=None) -> int:
     c.add_argument("out_dir")
     args = ap.parse_args(argv)
     if args.cmd in ("run", "study"):
-        if args.output_len < 2 or args.input_len < 1 or args.reps < 1:
-            ap.error("--output-len must be >= 2, --input-len and --reps >= 1")
+        if args.output_len < 2 or args.input_len < 1 or args.reps < 1 or args.tp < 1:
+            ap.error("--output-len must be >= 2, --input-len, --reps and --tp >= 1")
         model_config(args.model)  # fail early on a bad --model
     if args.cmd == "run":
         return run(args)

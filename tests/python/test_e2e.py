@@ -47,7 +47,8 @@ def test_cli_rejects_bad_arguments():
     for argv in (["run", "--mode", "fast"], ["study", "--out-dir", "x", "--modes", "on,off"],
                  ["run", "--mode", "opgraft", "--batches", "1,x"],
                  ["run", "--mode", "opgraft", "--batches", "0"],
-                 ["run", "--mode", "opgraft", "--output-len", "1"]):
+                 ["run", "--mode", "opgraft", "--output-len", "1"],
+                 ["run", "--mode", "opgraft", "--tp", "0"]):
         with pytest.raises(SystemExit) as ei:
             e2e.main(argv)
         assert ei.value.code == 2
