@@ -14,7 +14,7 @@
 // OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
 // block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
 // OG_PREFETCH (L2 prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size
-// hint, og_common.cuh).
+// hint, og_common.cuh), OG_W2PF_BYTES / OG_W2PF_LAST (below).
 //
 // moe_fused_<dtype> does both stages in one cooperative launch: blocks loop over the gate_up tiles,
 // meet at a grid-wide barrier (a counter the launcher zeroes before the launch), then loop over
@@ -26,6 +26,9 @@
 #define OG_FULL 0xffffffffu
 #ifndef OG_PREFETCH
 #define OG_PREFETCH 0
+#endif
+#ifndef OG_W2PF_BYTES
+#define OG_W2PF_BYTES 0
 #endif
 // From two token tiles on, the accumulators need more than 128 registers, and ptxas otherwise
 // aims at two blocks per SM and spills: one block per SM is enough for those (longer) calls.
@@ -104,6 +107,35 @@ __device__ __forceinline__ void og_routing_setup(const og_moe_params &p, og_rout
     if (lane == 0) r.nused = n;
   }
   __syncthreads();
+}
+
+// The down stage's weights, requested into L2 while gate_up streams its own (OG_W2PF_BYTES > 0):
+// the first OG_W2PF_BYTES of them in the order the down stage reads them (used experts in
+// increasing order, rows in order), spread over every thread of the grid, one 128-byte line per
+// request. Only lines that hold W2 bytes are touched. The HBM traffic is the same; what changes is
+// when it happens: during gate_up (which leaves bandwidth idle while it ramps up and drains),
+// instead of in the down stage's own ramp. Worth it only when the prefetched part survives in L2
+// until the down stage reads it, which bounds the useful budget by the L2 size.
+__device__ __forceinline__ void og_prefetch_w2(const og_moe_params &p, const og_routing &r) {
+#if OG_W2PF_BYTES > 0
+  const bool dense = p.w2_rstride == OG_I;  // each expert's [H, I] is one contiguous slab
+  const long long span = dense ? 2LL * OG_H * OG_I : 2LL * OG_I;  // bytes per run of lines
+  const long long runs = dense ? 1 : OG_H;                        // runs per expert
+  const long long run_lines = span / 128 + 2;  // upper bound: a run may straddle one more line
+  long long total = (long long)r.nused * runs * run_lines;
+  const long long cap = (OG_W2PF_BYTES + 127) / 128;
+  if (total > cap) total = cap;
+  const long long nthreads = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += nthreads) {
+    const long long per_exp = runs * run_lines;
+    const long long u = i / per_exp, rem = i - u * per_exp;
+    const long long run = rem / run_lines, l = rem - run * run_lines;
+    const unsigned long long start = (unsigned long long)(const char *)p.w2 +
+                                     2ULL * (unsigned long long)(r.experts[u] * p.w2_estride + run * p.w2_rstride);
+    const unsigned long long line = (start & ~127ULL) + 128ULL * (unsigned long long)l;
+    if (line < start + (unsigned long long)span) og_prefetch_l2_keep((const void *)line);
+  }
+#endif
 }
 
 // gate_up for one tile: 16 rows of I of used expert number u, for every token routed to it.
@@ -363,6 +395,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
   __shared__ int s_npairs;
   __shared__ float s_red[OG_W1][OG_NT][2][4][32];
   og_routing_setup(p, r);
+  og_prefetch_w2(p, r);
   const int tiles = OG_I / 16;
   const int u = blockIdx.x / tiles;
   if (u >= r.nused) return;  // fewer used experts than the grid allows for: nothing to do
@@ -396,6 +429,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, 1)
   __shared__ int s_npairs;
   __shared__ float s_red[OG_W1 * OG_NT * 2 * 4 * 32];
   og_routing_setup(p, r);
+  og_prefetch_w2(p, r);
   const int tiles = OG_I / 16;
   for (int t = blockIdx.x; t < r.nused * tiles; t += gridDim.x)
     og_gate_up_tile<OG_W1>(p, r, t / tiles, t % tiles, s_pairs, s_npairs,

@@ -47,6 +47,19 @@ __device__ __forceinline__ void og_prefetch_l2(const void *p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// Asks L2 to fetch a line and keep it above the streaming loads (which are evict_first):
+// evict_normal, or evict_last with OG_W2PF_LAST. sm_80 and newer.
+#ifndef OG_W2PF_LAST
+#define OG_W2PF_LAST 0
+#endif
+__device__ __forceinline__ void og_prefetch_l2_keep(const void *p) {
+#if OG_W2PF_LAST
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+#else
+  asm volatile("prefetch.global.L2::evict_normal [%0];" ::"l"(p));
+#endif
+}
+
 // 16-byte load for small operands that many blocks read again (activations).
 __device__ __forceinline__ og_vec4 og_load_shared_operand(const void *p) {
   og_vec4 v;

@@ -34,6 +34,7 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 typedef struct og_moe_cfg {
   int nt, w1, u1, w2, u2, fused, prefetch, l2_fetch;
+  int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
@@ -52,6 +53,8 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->prefetch = (int)opgraft__tune_value("moe.prefetch", arch, gpu, shape, T);
   const int64_t f = opgraft__tune_value("moe.l2_fetch", arch, gpu, shape, T);
   c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
+  c->w2pf_mb = (int)opgraft__tune_value("moe.w2_prefetch", arch, gpu, shape, T);
+  c->w2pf_last = c->w2pf_mb > 0 && opgraft__tune_value("moe.w2_prefetch_last", arch, gpu, shape, T) != 0;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
@@ -173,6 +176,8 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_ON_INPUT=%d", a->apply_router_weight_on_input ? 1 : 0);
   OG_OPT("-DOG_PREFETCH=%d", c->prefetch);
   OG_OPT("-DOG_L2_FETCH=%d", c->l2_fetch);
+  OG_OPT("-DOG_W2PF_BYTES=%lldLL", (long long)c->w2pf_mb << 20);
+  OG_OPT("-DOG_W2PF_LAST=%d", c->w2pf_last);
 #undef OG_OPT
   return n;
 }

@@ -32,6 +32,8 @@ static const og_tunable tunables[] = {
     {"moe.fused", 0, 1, 0},
     {"moe.prefetch", 0, 8, 0},
     {"moe.l2_fetch", 0, 256, 0},
+    {"moe.w2_prefetch", 0, 1024, 0},
+    {"moe.w2_prefetch_last", 0, 1, 0},
 };
 #define OG_NTUNABLES ((int)(sizeof tunables / sizeof *tunables))
 

@@ -1,6 +1,6 @@
 """Measures the MoE kernels' time split and sweeps their tunables at one shape (GPU only).
 
-    python -m opgraft.sweep --model Mixtral-8x7B --tokens 1,8 [--grid] [--json FILE]
+    python -m opgraft.sweep --model Mixtral-8x7B --tokens 1,8 [--grid] [--w2pf] [--descent] [--json FILE]
 
 Each configuration is set through the tunables' environment variables, re-resolved with
 opgraft_tune_reload(), checked against the fp64 oracle, then timed (CUDA-graph replays, rotating
@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--grid", action="store_true", help="sweep warps x unroll of each stage")
     ap.add_argument("--descent", action="store_true", help="coordinate descent over all tunables")
+    ap.add_argument("--w2pf", action="store_true",
+                    help="the down stage's weights requested into L2 during gate_up: budgets x priority")
     ap.add_argument("--start", default=None, help="JSON object: the descent's starting configuration")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -106,6 +108,9 @@ def main(argv=None) -> int:
                 rows.append(r)
             for w, u in itertools.product([2, 4, 8, 16], [1, 2, 4, 8]):
                 rows.append(measure(fx, {"moe.down.warps": w, "moe.down.unroll": u}, stages_all=True))
+        if args.w2pf:
+            for mb, last in itertools.product([4, 8, 16, 24, 32, 48], [0, 1]):
+                rows.append(measure(fx, {"moe.w2_prefetch": mb, "moe.w2_prefetch_last": last}, stages_all=False))
         if args.descent:
             apply_config({})
             start = {k: _lib.tune_get(k, 90, None, None, T)[0] for k in MOE_SPACE}

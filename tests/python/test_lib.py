@@ -90,5 +90,16 @@ def test_the_fused_kernel_compiles_without_spills(monkeypatch):
             assert all(k["spill_bytes"] == 0 for k in ks), (name, T, ks)
 
 
+def test_the_w2_prefetch_variant_compiles_without_spills(monkeypatch):
+    monkeypatch.setenv("OPGRAFT_TUNE_MOE_W2_PREFETCH", "24")
+    for last in ("0", "1"):
+        monkeypatch.setenv("OPGRAFT_TUNE_MOE_W2_PREFETCH_LAST", last)
+        for arch in (80, 90):
+            for name in ("Qwen3-30B-A3B", "Kimi-K2"):
+                for T in (1, 8, 64):
+                    ks = cli.compile_report(PRESETS[name], T, "bf16", arch)
+                    assert all(k["registers"] > 0 and k["spill_bytes"] == 0 for k in ks), (arch, name, T, ks)
+
+
 def test_oracle_selfcheck_agrees_with_a_python_loop():
     assert cli.oracle_selfcheck(seed=3) < 1e-12
