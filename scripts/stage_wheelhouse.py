@@ -1441,7 +1441,7 @@ def cmd_build(args) -> int:
                       "pack_split": round(t_pack - t_dl, 1),
                       "total": round(t_pack - t_start, 1)},
     }
-    path = write_manifest(out, parts_dir, manifest)
+    write_manifest(out, parts_dir, manifest)
     if not args.keep_wheels:
         for p in paths:
             os.remove(p)

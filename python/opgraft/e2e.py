@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -248,6 +249,7 @@ def run(args) -> int:
     result["status"] = "done"
     result["total_s"] = round(time.perf_counter() - t0, 1)
     save()
+    shutil.rmtree(tmp, ignore_errors=True)
     print(f"opgraft e2e: {args.mode} done in {result['total_s']} s", flush=True)
     return 0
 
