@@ -15,10 +15,19 @@ lib:
 deps:
 	PYTHON=$(PYTHON) bash scripts/test-deps.sh
 
+# With NEWEST_VLLM_PYTHON (an interpreter with the newest vLLM; .ci/run makes one), make test also
+# runs the plugin's tests against that vLLM, expecting version $(OPGRAFT_EXPECT_VLLM_NEWEST).
+NEWEST_VLLM_PYTHON ?=
+
 # CI's test command: C unit tests and kernel compile checks (ctest), then the Python tests.
 test: deps lib
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
 	PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
+	@if [ -n "$(NEWEST_VLLM_PYTHON)" ]; then \
+	  echo "plugin tests against the newest vLLM ($(NEWEST_VLLM_PYTHON))"; \
+	  OPGRAFT_EXPECT_VLLM=$(OPGRAFT_EXPECT_VLLM_NEWEST) PYTHONPATH=python \
+	    $(NEWEST_VLLM_PYTHON) -m pytest -q tests/python/test_vllm_plugin.py; \
+	fi
 
 # On a machine with an NVIDIA GPU (sm_80+): correctness over odd cases, then the benchmark.
 gpu-test: lib

@@ -45,6 +45,12 @@ def dist_dir(tmp_path):
 
 PROBE = textwrap.dedent("""
     import json
+    import vllm.logger
+    if hasattr(vllm.logger, "configure_logging"):
+        # Newer vLLM (0.33) configures its logging per process from the engine config, before it
+        # loads the plugins, instead of at import: do what its engine process does.
+        from vllm.config import LoggingConfig
+        vllm.logger.configure_logging(LoggingConfig())
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     from vllm.platforms import current_platform
     before = (TritonExperts.__dict__["apply"], type(current_platform).__dict__.get("get_attn_backend_cls"))
@@ -278,5 +284,7 @@ def test_register_experts_variant(clean, monkeypatch):
 
 
 def test_tested_vllm_version_is_the_installed_one():
-    assert compat.vllm_version_is(compat.TESTED_VLLM), compat.vllm_version()
+    # CI also runs these tests against the newest vLLM and says which one it installed.
+    expected = os.environ.get("OPGRAFT_EXPECT_VLLM") or compat.TESTED_VLLM
+    assert compat.vllm_version_is(expected), (expected, compat.vllm_version())
     assert not compat.vllm_version_is("0.1")

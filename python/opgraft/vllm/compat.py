@@ -6,6 +6,7 @@ from __future__ import annotations
 # The vLLM release opgraft is tested against: the newest that pins torch 2.11.0 (its wheel's
 # METADATA: Requires-Dist torch==2.11.0; built for CUDA 13.0).
 TESTED_VLLM = "0.26.0"
+# CI runs the plugin's tests against the newest release too (ci/requirements-newest.txt): 0.33.0.
 
 
 def vllm_version() -> str:

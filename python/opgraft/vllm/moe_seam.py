@@ -1,7 +1,8 @@
 """MoE seam: vLLM's Triton experts, after routing.
 
 What is patched: `TritonExperts.apply` in vllm/model_executor/layers/fused_moe/experts/triton_moe.py
-(vLLM 0.26.0; the class that the default unquantized bf16/fp16 path uses on sm_90 and sm_80).
+(vLLM 0.26.0, the pinned release, and 0.33.0, the newest, both tested in CI with the same
+signature; the class that the default unquantized bf16/fp16 path uses on sm_90 and sm_80).
 Why there: it runs after vLLM's router and after the modular kernel's prepare step (quantization,
 EP dispatch) and before its finalize step, with the fused_experts contract (hidden [T, H],
 w1 = w13 [E, 2I, H] gate rows first, w2 [E, H, I], fp32 topk_weights, int32/int64 topk_ids), and
@@ -36,7 +37,7 @@ def _target():
     return cls, ""
 
 
-# Parameter names of TritonExperts.apply in vLLM 0.26.0, in order.
+# Parameter names of TritonExperts.apply in vLLM 0.26.0 (and 0.33.0), in order.
 _APPLY_PARAMS = ("output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
                  "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13", "workspace2",
                  "expert_tokens_meta", "apply_router_weight_on_input")
