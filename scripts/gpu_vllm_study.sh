@@ -9,7 +9,8 @@
 # e2e-summary.json, bench-<model>.json, e2e-logs.txt (the tail of each setting's vLLM log).
 # OPGRAFT_SITE (default /tmp/opgraft-site) is the install folder; a second run reuses it.
 # OPGRAFT_BENCH_MODELS (default Qwen3-30B-A3B) and OPGRAFT_BENCH_TOKENS pick the bench rows;
-# OPGRAFT_SKIP_E2E=1 / OPGRAFT_SKIP_BENCH=1 skip a part.
+# OPGRAFT_SKIP_E2E=1 / OPGRAFT_SKIP_BENCH=1 skip a part. OPGRAFT_SWEEP="MODEL:T,T ..." adds
+# python -m opgraft.sweep runs (options in OPGRAFT_SWEEP_ARGS, e.g. --w2pf) -> sweep-<model>.json.
 set -uo pipefail
 [ $# -ge 2 ] || { sed -n '2,13p' "$0"; exit 2; }
 parts=$1 out=$2; shift 2
@@ -67,3 +68,9 @@ if [ "${OPGRAFT_SKIP_BENCH:-0}" != 1 ]; then
     stamp "bench $m"
   done
 fi
+for spec in ${OPGRAFT_SWEEP:-}; do
+  m=${spec%%:*} t=${spec#*:}
+  python3 -m opgraft.sweep --model "$m" --tokens "$t" ${OPGRAFT_SWEEP_ARGS:-} --json "$out/sweep-$m.json" 2>&1 \
+    | grep -v "^INFO\|^WARNING\|^DEBUG"
+  stamp "sweep $m"
+done
