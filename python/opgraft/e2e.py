@@ -147,16 +147,12 @@ def _worker_stats(worker=None) -> dict:
     try:
         from opgraft import vllm as plugin
 
-        out["plugin"] = getattr(plugin, "_summary", "")
+        out["plugin"] = plugin.summary()
     except Exception as e:  # plugin not importable there
         out["plugin"] = f"not importable ({type(e).__name__}: {e})"
+    dispatch = sys.modules.get("opgraft.dispatch")  # absent: the MoE seam never ran here
     try:
-        import sys as _sys
-
-        if "opgraft.dispatch" in _sys.modules:
-            out["moe"] = _sys.modules["opgraft.dispatch"].stats()
-        else:
-            out["moe"] = None  # the MoE seam never ran in this process
+        out.update(dispatch.stats() if dispatch else {"moe": None})  # {"moe": {taken, ...}}
     except Exception as e:
         out["moe_error"] = f"{type(e).__name__}: {e}"
     return out

@@ -133,3 +133,14 @@ def test_run_group_returns_exit_status(tmp_path):
 def test_mode_env_keeps_flashinfer_sampler_off_unless_asked():
     assert e2e.mode_env("opgraft", {})["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert e2e.mode_env("opgraft", {"VLLM_USE_FLASHINFER_SAMPLER": "1"})["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
+def test_worker_stats_reports_the_plugin_and_counters(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "opgraft.dispatch", raising=False)
+    s = e2e._worker_stats(object())
+    assert s["pid"] > 0 and s["moe"] is None and isinstance(s["plugin"], str)
+    from opgraft import dispatch  # noqa: F401  (imported by the seam when it runs)
+
+    assert set(e2e._worker_stats()["moe"]) >= {"taken", "delegated"}
