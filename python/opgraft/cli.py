@@ -476,7 +476,16 @@ def main(argv=None) -> int:
     d = sub.add_parser("doctor", help="what opgraft would do on this machine, and why")
     d.add_argument("--model", default=None, help="a preset or config.json: which calls would take our kernel")
     d.set_defaults(fn=cmd_doctor)
-    args = ap.parse_args(argv)
+    e = sub.add_parser("e2e", help="decode ITL in a real vLLM: stock vs pass-through vs opgraft (GPU)",
+                       add_help=False)
+    e.set_defaults(fn=None)
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "e2e":
+        from . import e2e
+
+        return e2e.main(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.fn(args)
 
 

@@ -435,6 +435,8 @@ def main(argv=None) -> int:
         return run(args)
     if args.cmd == "study":
         return study(args)
+    if not os.path.isdir(args.out_dir):
+        ap.error(f"no such folder: {args.out_dir}")
     compare(args.out_dir)
     return 0
 

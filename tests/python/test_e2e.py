@@ -144,3 +144,14 @@ def test_worker_stats_reports_the_plugin_and_counters(monkeypatch):
     from opgraft import dispatch  # noqa: F401  (imported by the seam when it runs)
 
     assert set(e2e._worker_stats()["moe"]) >= {"taken", "delegated"}
+
+
+def test_the_cli_forwards_e2e(tmp_path, capsys):
+    from opgraft import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["e2e", "compare", str(tmp_path / "missing")])
+    assert ei.value.code == 2 and "no such folder" in capsys.readouterr().err
+    assert cli.main(["e2e", "compare", str(tmp_path)]) == 0  # an empty study folder: empty table
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "moe", "--bogus"])
