@@ -136,13 +136,14 @@ def test_mode_env_keeps_flashinfer_sampler_off_unless_asked():
 
 
 def test_worker_stats_reports_the_plugin_and_counters(monkeypatch):
+    import importlib
     import sys
 
-    monkeypatch.delitem(sys.modules, "opgraft.dispatch", raising=False)
+    dispatch = importlib.import_module("opgraft.dispatch")
+    monkeypatch.delitem(sys.modules, "opgraft.dispatch")  # as in a process where the seam never ran
     s = e2e._worker_stats(object())
     assert s["pid"] > 0 and s["moe"] is None and isinstance(s["plugin"], str)
-    from opgraft import dispatch  # noqa: F401  (imported by the seam when it runs)
-
+    monkeypatch.setitem(sys.modules, "opgraft.dispatch", dispatch)
     assert set(e2e._worker_stats()["moe"]) >= {"taken", "delegated"}
 
 
