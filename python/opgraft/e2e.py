@@ -131,6 +131,11 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
     # which JIT-compiles it (minutes on a fresh machine, measured on an H200). Same for every
     # setting; set VLLM_USE_FLASHINFER_SAMPLER=1 to keep it.
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # A host that turns NVLink multicast off for NCCL (NCCL_NVLS_ENABLE=0) wants it off everywhere:
+    # vLLM's symmetric-memory all-reduce (tensor parallelism) would use it, so keep that off too
+    # (vLLM's custom all-reduce and NCCL remain). Same for every setting.
+    if env.get("NCCL_NVLS_ENABLE") == "0":
+        env.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     return env
 
 

@@ -156,3 +156,8 @@ def test_the_cli_forwards_e2e(tmp_path, capsys):
     assert cli.main(["e2e", "compare", str(tmp_path)]) == 0  # an empty study folder: empty table
     with pytest.raises(SystemExit):
         cli.main(["bench", "moe", "--bogus"])
+
+
+def test_mode_env_respects_a_host_without_nvlink_multicast():
+    assert e2e.mode_env("opgraft", {"NCCL_NVLS_ENABLE": "0"})["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    assert "VLLM_ALLREDUCE_USE_SYMM_MEM" not in e2e.mode_env("opgraft", {})
