@@ -42,7 +42,14 @@ if ! python3 -m pip install -q --no-index --no-build-isolation --no-deps --upgra
   di=$site/opgraft-$ver.dist-info
   mkdir -p "$di"
   printf 'Metadata-Version: 2.1\nName: opgraft\nVersion: %s\n' "$ver" >"$di/METADATA"
-  printf '[vllm.general_plugins]\nopgraft = opgraft.vllm:register\n\n[console_scripts]\nopgraft = opgraft.cli:main\n' >"$di/entry_points.txt"
+  python3 - "$di/entry_points.txt" <<'PY'  # the entry points pyproject.toml declares
+import sys, tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+groups = dict(p.get("entry-points", {}), console_scripts=p.get("scripts", {}))
+with open(sys.argv[1], "w") as f:
+    for g, eps in groups.items():
+        f.write(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n")
+PY
 fi
 stamp "opgraft installed"
 python3 - <<'PY' 2>&1 | grep -v "^INFO\|^WARNING" | tee -a "$log"

@@ -96,6 +96,15 @@ print(h.hexdigest())' "$1"
   }
 fi
 fsize() { wc -c <"$1" | tr -d ' '; }
+# mismatch FILE SIZE SHA256: prints why FILE is not the expected one, nothing when it is.
+mismatch() {
+  local size sum
+  [ -f "$1" ] || { echo "missing"; return; }
+  size=$(fsize "$1")
+  [ "$size" = "$2" ] || { echo "size $size, expected $2"; return; }
+  sum=$(sha256 "$1")
+  [ "$sum" = "$3" ] || echo "sha256 $sum, expected $3"
+}
 
 # ---- 1. manifest -----------------------------------------------------------------------------
 LISTING=$("$PYTHON" - "$MANIFEST" <<'EOF'
@@ -137,14 +146,8 @@ step_done presence
 # ---- 3. part checksums -------------------------------------------------------------------------
 BAD=()
 for i in "${!PARTS[@]}"; do
-  f=$PARTS_DIR/${PARTS[$i]}
-  size=$(fsize "$f")
-  if [ "$size" != "${PART_SIZES[$i]}" ]; then
-    BAD+=("${PARTS[$i]} (size $size, expected ${PART_SIZES[$i]})")
-    continue
-  fi
-  sum=$(sha256 "$f")
-  [ "$sum" = "${PART_SHAS[$i]}" ] || BAD+=("${PARTS[$i]} (sha256 $sum, expected ${PART_SHAS[$i]})")
+  why=$(mismatch "$PARTS_DIR/${PARTS[$i]}" "${PART_SIZES[$i]}" "${PART_SHAS[$i]}")
+  [ -z "$why" ] || BAD+=("${PARTS[$i]} ($why)")
 done
 if [ "${#BAD[@]}" -gt 0 ]; then
   printf 'ERROR: corrupt part: %s\n' "${BAD[@]}" >&2
@@ -172,13 +175,9 @@ tar -xf "$TAR" -C "$WORK" --no-same-owner
 BAD=()
 WHEEL_PATHS=()
 for i in "${!WHEELS[@]}"; do
-  f=$WORK/wheels/${WHEELS[$i]}
-  WHEEL_PATHS+=("$f")
-  if [ ! -f "$f" ]; then BAD+=("${WHEELS[$i]} (missing)"); continue; fi
-  size=$(fsize "$f")
-  if [ "$size" != "${WHEEL_SIZES[$i]}" ]; then BAD+=("${WHEELS[$i]} (size $size)"); continue; fi
-  sum=$(sha256 "$f")
-  [ "$sum" = "${WHEEL_SHAS[$i]}" ] || BAD+=("${WHEELS[$i]} (sha256 $sum)")
+  WHEEL_PATHS+=("$WORK/wheels/${WHEELS[$i]}")
+  why=$(mismatch "${WHEEL_PATHS[$i]}" "${WHEEL_SIZES[$i]}" "${WHEEL_SHAS[$i]}")
+  [ -z "$why" ] || BAD+=("${WHEELS[$i]} ($why)")
 done
 if [ "${#BAD[@]}" -gt 0 ]; then
   printf 'ERROR: bad wheel: %s\n' "${BAD[@]}" >&2

@@ -158,14 +158,10 @@ def gpu_facts() -> dict:
                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         drv = ""
-    try:
-        from importlib.metadata import version
+    from .vllm.compat import vllm_version
 
-        vllm_ver = version("vllm")
-    except Exception:  # not installed
-        vllm_ver = None
     return {"gpu": p.name, "arch": f"sm_{p.major}{p.minor}", "sms": p.multi_processor_count, "driver": drv,
-            "torch": torch.__version__, "vllm": vllm_ver}
+            "torch": torch.__version__, "vllm": vllm_version() or None}
 
 
 def commit_id() -> str:

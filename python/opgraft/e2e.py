@@ -171,8 +171,7 @@ def summarize(values: list[float]) -> dict:
 def run(args) -> int:
     """One setting in this process; writes args.json after each batch size."""
     env = mode_env(args.mode)
-    for k in ("OPGRAFT_DISABLE", "OPGRAFT_MOE_EXPERTS"):
-        os.environ.pop(k, None)
+    os.environ.clear()
     os.environ.update(env)
     cfg = model_config(args.model)
     result: dict = {"mode": args.mode, "model": args.model, "tp": args.tp,
@@ -379,6 +378,7 @@ def wait_gpu_memory_free(limit_mib: int = 4096, timeout: float = 60.0) -> None:
 
 def study(args) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
     for m in args.modes:
         path = os.path.join(args.out_dir, f"e2e-{m}.json")
         cmd = [sys.executable, "-m", "opgraft.e2e", "run", "--mode", m, "--model", args.model,
@@ -388,7 +388,6 @@ def study(args) -> int:
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
         if args.expert_parallel:
             cmd.append("--expert-parallel")
-        os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
         log = os.path.join(args.log_dir or args.out_dir, f"e2e-{m}.log")
         print(f"opgraft e2e: {m} ... (log {log})", flush=True)
         t = time.perf_counter()
