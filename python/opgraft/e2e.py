@@ -15,7 +15,14 @@ capture time.
 
 The model is a public architecture (its config.json values, below, or a path to a config.json)
 with random weights (load_format="dummy": no download) and token-id prompts
-(skip_tokenizer_init=True). torch.compile and CUDA graphs stay on, as users run vLLM.
+(skip_tokenizer_init=True). torch.compile and CUDA graphs stay on, as users run vLLM. vLLM's
+dummy weights are uniform in +-1e-3, norms included, and every layer gets the same values: the
+MoE output is then too small to move a logit, so any kernel would "agree" with any other. The
+study therefore re-initializes the weights in the worker after start-up (--init-std, default
+0.02: matrices ~N(0, std^2) seeded per parameter name, norm weights 1, biases 0; same values in
+every setting), so the parity check can see a wrong or inexact MoE output. --init-std 0 keeps
+vLLM's values. The model folder's path depends only on the config, so vLLM's torch.compile cache
+is shared by the settings.
 
 Timing: for each batch size B, `generate(B prompts, max_tokens=1)` and `generate(B prompts,
 max_tokens=N)` are timed back to back (greedy, ignore_eos); the difference is N-1 decode steps, so
@@ -30,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -104,6 +110,14 @@ def model_config(model: str) -> dict:
     return cfg
 
 
+def model_dir_for(cfg: dict) -> str:
+    """A folder whose path depends only on the config: vLLM keys its compile cache on it."""
+    import hashlib
+
+    key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"opgraft-e2e-{key}")
+
+
 def write_model_dir(cfg: dict, root: str) -> str:
     d = os.path.join(root, "model")
     os.makedirs(d, exist_ok=True)
@@ -163,6 +177,36 @@ def _worker_stats(worker=None) -> dict:
     return out
 
 
+def _worker_reinit(worker=None, std: float = 0.02) -> dict:
+    """Runs in vLLM's worker process (collective_rpc): replaces the dummy weights, in place (CUDA
+    graphs keep their pointers), by N(0, std^2) seeded per parameter name (the same values in
+    every run and setting), norm weights by 1 and biases by 0."""
+    import zlib
+
+    import torch
+
+    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+    n = nbytes = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not torch.is_floating_point(p) or p.device.type == "meta":
+                continue
+            module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # "input_layernorm", "q_norm", ...
+            if "norm" in module:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                g = torch.Generator(device=p.device)
+                g.manual_seed(zlib.crc32(name.encode()))
+                p.normal_(0.0, std, generator=g)
+            n += 1
+            nbytes += p.numel() * p.element_size()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {"pid": os.getpid(), "params": n, "bytes": nbytes, "std": std}
+
+
 def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values)}
@@ -197,8 +241,7 @@ def run(args) -> int:
                   gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
     batches = sorted(set(args.batches))
     capture = sorted({c for c in (1, 2, 4, 8, 16, 32) if c <= max(batches)} | set(batches))
-    tmp = tempfile.mkdtemp(prefix="opgraft-e2e-")  # the model folder, for the whole run
-    llm = LLM(model=write_model_dir(cfg, tmp), load_format="dummy", skip_tokenizer_init=True,
+    llm = LLM(model=write_model_dir(cfg, model_dir_for(cfg)), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
               max_num_seqs=max(batches), gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=False, tensor_parallel_size=args.tp,
@@ -206,6 +249,9 @@ def run(args) -> int:
               compilation_config={"cudagraph_capture_sizes": capture})
     result["startup_s"] = round(time.perf_counter() - t0, 1)
     result["status"] = "started"
+    result["init_std"] = args.init_std
+    if args.init_std > 0:
+        result["init"] = llm.collective_rpc(_worker_reinit, args=(args.init_std,))
     save()
     P = prompts(max(batches), args.input_len, int(cfg.get("vocab_size", 32000)))
     tok = [{"prompt_token_ids": p} for p in P]
@@ -218,7 +264,7 @@ def run(args) -> int:
     for b in batches:  # warm every batch size once (first-call costs, lazy compiles)
         llm.generate(tok[:b], sp(8), use_tqdm=False)
     for b in batches:
-        itl, tps = [], []
+        itl, tps, t1s, tns = [], [], [], []
         for _ in range(args.reps):
             t = time.perf_counter()
             llm.generate(tok[:b], sp(1), use_tqdm=False)
@@ -229,6 +275,8 @@ def run(args) -> int:
             got = [len(o.outputs[0].token_ids) for o in outs]
             if got != [n] * b:
                 raise SystemExit(f"opgraft e2e: expected {n} tokens per sequence, got {got}")
+            t1s.append(round(t1, 4))
+            tns.append(round(tn, 4))
             itl.append((tn - t1) / (n - 1) * 1e3)
             tps.append(b * (n - 1) / (tn - t1))
         outs = llm.generate(tok[:b], sp(n, logprobs=0), use_tqdm=False)
@@ -240,6 +288,7 @@ def run(args) -> int:
                         for t, d in zip(c.token_ids, c.logprobs or [None] * len(c.token_ids))])
         result["batches"][str(b)] = {"itl_ms": summarize(itl), "decode_tok_s": summarize(tps),
                                      "itl_ms_all": [round(x, 4) for x in itl],
+                                     "t_1_s": t1s, "t_n_s": tns,
                                      "token_ids": ids, "logprobs": lps}
         save()
     try:
@@ -249,7 +298,6 @@ def run(args) -> int:
     result["status"] = "done"
     result["total_s"] = round(time.perf_counter() - t0, 1)
     save()
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"opgraft e2e: {args.mode} done in {result['total_s']} s", flush=True)
     return 0
 
@@ -303,7 +351,7 @@ def compare(out_dir: str, modes=MODES) -> dict:
     par = {m: parity(base, r) for m, r in runs.items() if base and m != "disabled"}
     meta = {k: v for k, v in (base or next(iter(runs.values()), {})).items()
             if k in ("model", "tp", "expert_parallel", "vllm", "torch", "gpu", "commit", "date",
-                     "input_len", "output_len")}
+                     "input_len", "output_len", "init_std")}
     summary = {"meta": meta, "rows": rows, "parity_vs_disabled": par,
                "status": {m: r.get("status") for m, r in runs.items()},
                "startup_s": {m: r.get("startup_s") for m, r in runs.items()},
@@ -384,7 +432,7 @@ def study(args) -> int:
         cmd = [sys.executable, "-m", "opgraft.e2e", "run", "--mode", m, "--model", args.model,
                "--json", path, "--batches", ",".join(map(str, args.batches)),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-               "--reps", str(args.reps),
+               "--reps", str(args.reps), "--init-std", str(args.init_std),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
         if args.expert_parallel:
             cmd.append("--expert-parallel")
@@ -417,6 +465,8 @@ def main(argv=None) -> int:
         p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
         p.add_argument("--expert-parallel", action="store_true",
                        help="vLLM enable_expert_parallel (experts split over the --tp ranks)")
+        p.add_argument("--init-std", type=float, default=0.02,
+                       help="re-initialize the dummy weights as N(0, std^2) (0: keep vLLM's)")
 
     r = sub.add_parser("run", help="one setting, in this process")
     common(r)
@@ -434,6 +484,8 @@ def main(argv=None) -> int:
     if args.cmd in ("run", "study"):
         if args.output_len < 2 or args.input_len < 1 or args.reps < 1 or args.tp < 1:
             ap.error("--output-len must be >= 2, --input-len, --reps and --tp >= 1")
+        if not 0 <= args.init_std < 1:
+            ap.error("--init-std must be in [0, 1)")
         model_config(args.model)  # fail early on a bad --model
     if args.cmd == "run":
         return run(args)

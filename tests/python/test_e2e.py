@@ -161,3 +161,45 @@ def test_the_cli_forwards_e2e(tmp_path, capsys):
 def test_mode_env_respects_a_host_without_nvlink_multicast():
     assert e2e.mode_env("opgraft", {"NCCL_NVLS_ENABLE": "0"})["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
     assert "VLLM_ALLREDUCE_USE_SYMM_MEM" not in e2e.mode_env("opgraft", {})
+
+
+def test_worker_reinit_replaces_dummy_weights_deterministically_per_name():
+    torch = pytest.importorskip("torch")
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm = torch.nn.Module()
+            self.input_layernorm.weight = torch.nn.Parameter(torch.zeros(64))
+            self.proj = torch.nn.Linear(256, 64, bias=True)
+            self.other = torch.nn.Linear(256, 64, bias=False)
+
+    class Worker:
+        def __init__(self):
+            self.model = torch.nn.Module()
+            self.model.layer = Layer()
+
+        def get_model(self):
+            return self.model
+
+    a, b = Worker(), Worker()
+    info = e2e._worker_reinit(a, 0.02)
+    e2e._worker_reinit(b, 0.02)
+    la, lb = a.model.layer, b.model.layer
+    assert info["params"] == 4 and info["std"] == 0.02
+    assert torch.equal(la.input_layernorm.weight, torch.ones(64))
+    assert torch.equal(la.proj.bias, torch.zeros(64))
+    assert torch.equal(la.proj.weight, lb.proj.weight)  # same name, same values in every process
+    assert not torch.equal(la.proj.weight, la.other.weight)  # another name, other values
+    assert abs(la.proj.weight.std().item() - 0.02) < 0.002
+
+
+def test_model_dir_depends_only_on_the_config():
+    cfg = e2e.model_config("Qwen3-30B-A3B")
+    assert e2e.model_dir_for(cfg) == e2e.model_dir_for(dict(cfg))
+    assert e2e.model_dir_for(cfg) != e2e.model_dir_for(e2e.model_config("Mixtral-8x7B"))
+
+
+def test_cli_rejects_a_bad_init_std():
+    with pytest.raises(SystemExit):
+        e2e.main(["run", "--mode", "opgraft", "--init-std", "-1"])
