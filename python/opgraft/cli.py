@@ -155,6 +155,9 @@ def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, as_json
 
 
 def cmd_bench(args) -> int:
+    if args.layers < 1:
+        print("error: --layers must be >= 1", file=sys.stderr)
+        return 2
     try:
         shape = resolve(args.model).per_rank(args.tp)
     except ConfigError as e:
@@ -171,10 +174,14 @@ def cmd_bench(args) -> int:
         ceiling = bench.measure_read_ceiling("cuda")
         print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
         w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
+        extra = [bench.make_weights(shape, args.dtype, "cuda", seed=1 + i) for i in range(args.layers - 1)]
+        if args.layers > 1:
+            print(f"{args.layers} layers of weights: {args.layers * shape.num_experts * shape.expert_bytes() / 2**30:.1f} GiB",
+                  file=sys.stderr)
         for T in args.tokens:
             print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
             rows += bench.bench_shape(shape, [T], args.dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
-                                      baseline=not args.no_baseline)
+                                      baseline=not args.no_baseline, layers=args.layers, extra_layers=extra)
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
     print(bench.format_table(rows))
@@ -452,6 +459,9 @@ def main(argv=None) -> int:
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
     b.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
     b.add_argument("--no-baseline", action="store_true", help="skip the torch baseline")
+    b.add_argument("--layers", type=int, default=1,
+                   help="rotate the calls over this many copies of the layer's weights (a model's MoE "
+                        "layer count gives a real decode step's footprint)")
     b.add_argument("--plot", default=None, help="write a PNG: time against tokens with the roofline")
     b.set_defaults(fn=cmd_bench)
     pr = sub.add_parser("profile", help="time split and roofline verdict per token count")

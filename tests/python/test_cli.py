@@ -55,3 +55,5 @@ def test_bad_arguments_are_clear_errors():
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
     r = run("bench", "moe", "--model", "nope")
     assert r.returncode == 2 and "unknown model" in r.stderr
+    r = run("bench", "moe", "--layers", "0")
+    assert r.returncode == 2 and "--layers must be >= 1" in r.stderr
