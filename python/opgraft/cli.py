@@ -158,6 +158,11 @@ def cmd_bench(args) -> int:
     if args.layers < 1:
         print("error: --layers must be >= 1", file=sys.stderr)
         return 2
+    if args.max_tokens is not None:
+        if not 1 <= args.max_tokens <= 64:
+            print("error: --max-tokens must be in 1..64", file=sys.stderr)
+            return 2
+        os.environ["OPGRAFT_TUNE_MOE_MAX_TOKENS"] = str(args.max_tokens)
     try:
         shape = resolve(args.model).per_rank(args.tp)
     except ConfigError as e:
@@ -459,6 +464,9 @@ def main(argv=None) -> int:
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
     b.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
     b.add_argument("--no-baseline", action="store_true", help="skip the torch baseline")
+    b.add_argument("--max-tokens", type=int, default=None,
+                   help="time opgraft's kernel up to this many tokens although the shipped "
+                        "moe.max_tokens hands larger calls back to vLLM (OPGRAFT_TUNE_MOE_MAX_TOKENS)")
     b.add_argument("--layers", type=int, default=1,
                    help="rotate the calls over this many copies of the layer's weights (a model's MoE "
                         "layer count gives a real decode step's footprint)")

@@ -57,3 +57,5 @@ def test_bad_arguments_are_clear_errors():
     assert r.returncode == 2 and "unknown model" in r.stderr
     r = run("bench", "moe", "--layers", "0")
     assert r.returncode == 2 and "--layers must be >= 1" in r.stderr
+    r = run("bench", "moe", "--max-tokens", "65")
+    assert r.returncode == 2 and "--max-tokens must be in 1..64" in r.stderr

@@ -44,7 +44,9 @@ def test_struct_layout_matches_the_c_abi():
 
 def test_guard_reasons():
     shape = PRESETS["Qwen3-30B-A3B"]
-    assert cli.guard_decision(shape, 8, "bf16", 90) == (True, "")
+    assert cli.guard_decision(shape, 1, "bf16", 90) == (True, "")
+    ok, why = cli.guard_decision(shape, 2, "bf16", 90)  # shipped: T >= 2 back to vLLM (end-to-end runs)
+    assert not ok and "2 tokens > moe.max_tokens 1" in why
     ok, why = cli.guard_decision(shape, 1, "bf16", 75)
     assert not ok and "sm_75" in why
 
