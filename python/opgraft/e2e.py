@@ -4,6 +4,7 @@ kernel, same model, same prompts, one process per setting.
     python -m opgraft.e2e study --model Qwen3-30B-A3B --out-dir DIR
         [--modes disabled,opgraft,passthrough] [--batches 1,8,32] [--input-len 128]
         [--output-len 256] [--reps 5] [--mode-timeout 300] [--tp 2 [--expert-parallel]]
+        [--profile-steps 32] [--init-std 0.02]
     python -m opgraft.e2e run --mode opgraft --model Qwen3-30B-A3B --json FILE   (one setting)
     python -m opgraft.e2e compare DIR                                            (table again)
 
@@ -28,7 +29,10 @@ Timing: for each batch size B, `generate(B prompts, max_tokens=1)` and `generate
 max_tokens=N)` are timed back to back (greedy, ignore_eos); the difference is N-1 decode steps, so
 ITL = (t_N - t_1) / (N - 1) and decode tokens/s = B (N-1) / (t_N - t_1). Repeated --reps times;
 medians and spread are reported. A separate greedy run with logprobs gives the token ids and the
-chosen tokens' logprobs for the parity check between settings. The MoE counters of the engine's
+chosen tokens' logprobs for the parity check between settings. With --profile-steps N, a torch
+profiler in the worker records the GPU's kernels during a prefill alone and during the same
+prefill plus N decode steps; the difference is the GPU time of one decode step, kernel by kernel
+(CUDA-graph replays included), to set against the ITL. The MoE counters of the engine's
 worker process (opgraft.stats()) are read through vLLM's collective_rpc.
 """
 
@@ -207,6 +211,61 @@ def _worker_reinit(worker=None, std: float = 0.02) -> dict:
     return {"pid": os.getpid(), "params": n, "bytes": nbytes, "std": std}
 
 
+_PROFILER = None  # the worker process's running torch profiler (_worker_profile)
+
+
+def _worker_profile(worker=None, action: str = "start") -> dict:
+    """Runs in vLLM's worker process (collective_rpc). "start" starts a CUDA-activity torch
+    profiler; "stop" stops it and returns {kernel name: [launches, self device µs]} of everything
+    the GPU ran meanwhile, kernels inside CUDA-graph replays included."""
+    global _PROFILER
+    out: dict = {"pid": os.getpid()}
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if action == "start":
+            if _PROFILER is None:
+                _PROFILER = profile(activities=[ProfilerActivity.CUDA])
+                _PROFILER.start()
+            return out
+        if _PROFILER is None:
+            out["error"] = "profiler not started"
+            return out
+        prof, _PROFILER = _PROFILER, None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof.stop()
+        kernels = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "self_device_time_total", None)
+            if us is None:
+                us = getattr(ev, "self_cuda_time_total", 0.0)
+            if us > 0:
+                kernels[ev.key[:160]] = [int(ev.count), float(us)]
+        out["kernels"] = kernels
+    except Exception as e:  # a profiler that cannot run must not end the study
+        _PROFILER = None
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def profile_rows(prefill: dict, full: dict, steps: int, top: int = 25) -> dict:
+    """Per decode step: the kernels of `full` (prefill + `steps` decode steps) minus those of
+    `prefill` (the same prefill alone), by device time, with the step's total GPU time."""
+    if "error" in prefill or "error" in full:
+        return {"error": prefill.get("error") or full.get("error")}
+    rows = []
+    for name, (n, us) in full.get("kernels", {}).items():
+        n0, us0 = prefill.get("kernels", {}).get(name, (0, 0.0))
+        if us - us0 > 0:
+            rows.append({"kernel": name, "launches_per_step": round((n - n0) / steps, 2),
+                         "us_per_step": round((us - us0) / steps, 2)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+            "kernels": rows[:top]}
+
+
 def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values)}
@@ -279,6 +338,14 @@ def run(args) -> int:
             tns.append(round(tn, 4))
             itl.append((tn - t1) / (n - 1) * 1e3)
             tps.append(b * (n - 1) / (tn - t1))
+        prof = None
+        if args.profile_steps:  # GPU time per decode step, kernel by kernel (after the timed runs)
+            runs = []
+            for max_tokens in (1, args.profile_steps + 1):
+                llm.collective_rpc(_worker_profile, args=("start",))
+                llm.generate(tok[:b], sp(max_tokens), use_tqdm=False)
+                runs.append(llm.collective_rpc(_worker_profile, args=("stop",)))
+            prof = [profile_rows(p, f, args.profile_steps) for p, f in zip(*runs)]
         outs = llm.generate(tok[:b], sp(n, logprobs=0), use_tqdm=False)
         ids, lps = [], []
         for o in outs:
@@ -290,6 +357,8 @@ def run(args) -> int:
                                      "itl_ms_all": [round(x, 4) for x in itl],
                                      "t_1_s": t1s, "t_n_s": tns,
                                      "token_ids": ids, "logprobs": lps}
+        if prof is not None:
+            result["batches"][str(b)]["profile"] = prof
         save()
     try:
         result["workers"] = llm.collective_rpc(_worker_stats)
@@ -371,6 +440,18 @@ def compare(out_dir: str, modes=MODES) -> dict:
                   f"max|dlogprob| {v['max_abs_logprob_diff_on_common_prefix']:.4g}")
     for m, w in summary["workers"].items():
         print(f"workers {m}: {json.dumps(w)[:400]}")
+    for m, r in runs.items():  # --profile-steps: rank 0's GPU time per decode step against the ITL
+        for key, br in sorted(r.get("batches", {}).items(), key=lambda kv: int(kv[0])):
+            prof = (br.get("profile") or [None])[0]
+            if not prof:
+                continue
+            if "error" in prof:
+                print(f"profile {m} B={key}: {prof['error']}")
+                continue
+            print(f"profile {m} B={key}: GPU {prof['gpu_us_per_step'] / 1e3:.3f} ms per step "
+                  f"(ITL {br['itl_ms']['median']:.3f} ms)")
+            for k in prof["kernels"][:8]:
+                print(f"    {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
     return summary
 
 
@@ -433,6 +514,7 @@ def study(args) -> int:
                "--json", path, "--batches", ",".join(map(str, args.batches)),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                "--reps", str(args.reps), "--init-std", str(args.init_std),
+               "--profile-steps", str(args.profile_steps),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
         if args.expert_parallel:
             cmd.append("--expert-parallel")
@@ -465,6 +547,9 @@ def main(argv=None) -> int:
         p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
         p.add_argument("--expert-parallel", action="store_true",
                        help="vLLM enable_expert_parallel (experts split over the --tp ranks)")
+        p.add_argument("--profile-steps", type=int, default=0,
+                       help="after the timed runs, profile this many decode steps per batch size "
+                            "(GPU time per step, kernel by kernel; 0: off)")
         p.add_argument("--init-std", type=float, default=0.02,
                        help="re-initialize the dummy weights as N(0, std^2) (0: keep vLLM's)")
 
@@ -484,6 +569,8 @@ def main(argv=None) -> int:
     if args.cmd in ("run", "study"):
         if args.output_len < 2 or args.input_len < 1 or args.reps < 1 or args.tp < 1:
             ap.error("--output-len must be >= 2, --input-len, --reps and --tp >= 1")
+        if args.profile_steps < 0 or args.profile_steps >= args.output_len:
+            ap.error("--profile-steps must be in [0, --output-len)")
         if not 0 <= args.init_std < 1:
             ap.error("--init-std must be in [0, 1)")
         model_config(args.model)  # fail early on a bad --model

@@ -203,3 +203,35 @@ def test_model_dir_depends_only_on_the_config():
 def test_cli_rejects_a_bad_init_std():
     with pytest.raises(SystemExit):
         e2e.main(["run", "--mode", "opgraft", "--init-std", "-1"])
+
+
+def test_profile_rows_subtract_the_prefill_and_rank_by_time():
+    pre = {"kernels": {"fused_moe_kernel": [96, 500.0], "attn": [48, 100.0]}}
+    full = {"kernels": {"fused_moe_kernel": [96 + 960, 500.0 + 1300.0], "attn": [48 + 480, 100.0 + 400.0],
+                        "moe_gate_up_bf16": [480, 2000.0]}}
+    p = e2e.profile_rows(pre, full, steps=10)
+    assert [k["kernel"] for k in p["kernels"]] == ["moe_gate_up_bf16", "fused_moe_kernel", "attn"]
+    assert p["kernels"][1] == {"kernel": "fused_moe_kernel", "launches_per_step": 96.0, "us_per_step": 130.0}
+    assert p["gpu_us_per_step"] == 200.0 + 130.0 + 40.0
+    assert e2e.profile_rows({"error": "x"}, full, 10) == {"error": "x"}
+
+
+def test_worker_profile_stop_without_start_is_an_error_not_an_exception():
+    assert e2e._worker_profile(None, "stop")["error"] == "profiler not started"
+
+
+def test_compare_prints_the_profile(tmp_path, capsys):
+    prof = {"steps": 4, "gpu_us_per_step": 3500.0,
+            "kernels": [{"kernel": "moe_gate_up_bf16", "launches_per_step": 48.0, "us_per_step": 900.0}]}
+    run = {"mode": "opgraft", "batches": {"1": {"itl_ms": {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1},
+                                                "decode_tok_s": {"median": 250.0}, "token_ids": [[1]],
+                                                "logprobs": [[-1.0]], "profile": [prof]}}}
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run))
+    e2e.compare(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "profile opgraft B=1: GPU 3.500 ms per step (ITL 4.000 ms)" in out and "moe_gate_up_bf16" in out
+
+
+def test_cli_rejects_profile_steps_beyond_the_output():
+    with pytest.raises(SystemExit):
+        e2e.main(["run", "--mode", "opgraft", "--output-len", "16", "--profile-steps", "16"])
