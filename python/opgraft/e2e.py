@@ -342,9 +342,10 @@ def run(args) -> int:
         if args.profile_steps:  # GPU time per decode step, kernel by kernel (after the timed runs)
             runs = []
             for max_tokens in (1, args.profile_steps + 1):
-                llm.collective_rpc(_worker_profile, args=("start",))
+                started = llm.collective_rpc(_worker_profile, args=("start",))
                 llm.generate(tok[:b], sp(max_tokens), use_tqdm=False)
-                runs.append(llm.collective_rpc(_worker_profile, args=("stop",)))
+                stopped = llm.collective_rpc(_worker_profile, args=("stop",))
+                runs.append([a if "error" in a else z for a, z in zip(started, stopped)])
             prof = [profile_rows(p, f, args.profile_steps) for p, f in zip(*runs)]
         outs = llm.generate(tok[:b], sp(n, logprobs=0), use_tqdm=False)
         ids, lps = [], []
