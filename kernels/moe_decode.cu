@@ -10,7 +10,8 @@
 //     accumulator sums over experts directly, and the block sums the warps in a fixed order.
 // No atomics on data and fixed summation orders: the same inputs give the same bits every run.
 //
-// Compile-time constants (-D): OG_DTYPE (1 bf16, 2 fp16), OG_IDS64, OG_H, OG_I, OG_E, OG_K,
+// Compile-time constants (-D): OG_DTYPE (1 bf16, 2 fp16), OG_IDS64, OG_EMAP (expert_map),
+// OG_H, OG_I, OG_E, OG_K,
 // OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
 // block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
 // OG_PREFETCH (L2 prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size
@@ -27,6 +28,9 @@
 #ifndef OG_PREFETCH
 #define OG_PREFETCH 0
 #endif
+#ifndef OG_EMAP
+#define OG_EMAP 0
+#endif
 #ifndef OG_W2PF_BYTES
 #define OG_W2PF_BYTES 0
 #endif
@@ -41,15 +45,19 @@
 #error "H and I must be multiples of 32"
 #endif
 
+// The local expert of routing slot i, or -1 (out of range, or another rank's expert under
+// expert parallelism: OG_EMAP maps global ids through p.emap).
 __device__ __forceinline__ int og_load_id(const og_moe_params &p, int i) {
   const int t = i / OG_K, j = i - t * OG_K;
 #if OG_IDS64
-  const long long e = ((const long long *)p.topk_ids)[t * p.topk_ids_stride + j];
-  return (e >= 0 && e < OG_E) ? (int)e : -1;
+  long long e = ((const long long *)p.topk_ids)[t * p.topk_ids_stride + j];
 #else
-  const int e = ((const int *)p.topk_ids)[t * p.topk_ids_stride + j];
-  return (e >= 0 && e < OG_E) ? e : -1;
+  long long e = ((const int *)p.topk_ids)[t * p.topk_ids_stride + j];
 #endif
+#if OG_EMAP
+  e = (e >= 0 && e < p.emap_len) ? p.emap[e] : -1;
+#endif
+  return (e >= 0 && e < OG_E) ? (int)e : -1;
 }
 
 // Loads the routing ids into shared memory and marks the used experts in a bitmap.

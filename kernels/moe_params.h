@@ -13,13 +13,14 @@ typedef struct og_moe_params {
   void *act;            /* workspace [T*k, I]: silu(gate)*up, router weight applied */
   void *out;            /* [T, H] */
   unsigned *sync;       /* moe_fused's barrier counter (zeroed before each launch), or NULL */
+  const int *emap;      /* OG_EMAP: global expert id -> local id or -1, [emap_len] */
   long long x_stride;
   long long w13_estride, w13_rstride;
   long long w2_estride, w2_rstride;
   long long topk_w_stride, topk_ids_stride;
   long long out_stride;
   int T;
-  int reserved;
+  int emap_len;
 } og_moe_params;
 
 #endif

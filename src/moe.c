@@ -75,7 +75,10 @@ static int32_t check_static(const opgraft_moe_args *a, char *reason, size_t reas
   if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
     return OG_REASON("dtype %s (the kernel takes bf16 and fp16)", dtype_name(a->dtype));
   if (a->activation != OPGRAFT_ACT_SILU) return OG_REASON("activation %d is not SwiGLU (silu)", a->activation);
-  if (a->expert_map) return OG_REASON("expert_map is set (expert parallelism is handed back)");
+  if (a->expert_map && (a->expert_map_len < 1 || a->expert_map_len > OG_MAX_EXPERTS))
+    return OG_REASON("expert_map of %lld global experts (1..%d supported)", (long long)a->expert_map_len,
+                     OG_MAX_EXPERTS);
+  if (a->expert_map && ((uintptr_t)a->expert_map & 3u)) return OG_REASON("expert_map misaligned");
   if (a->topk_weights_dtype != OPGRAFT_DTYPE_FP32)
     return OG_REASON("topk_weights dtype %s (fp32 expected)", dtype_name(a->topk_weights_dtype));
   if (a->topk_ids_dtype != OPGRAFT_DTYPE_INT32 && a->topk_ids_dtype != OPGRAFT_DTYPE_INT64)
@@ -127,6 +130,8 @@ static int32_t check_device(const opgraft_moe_args *a, int32_t *arch_out, char *
   shape_key(a, shape, sizeof shape);
   const int64_t max_t = opgraft__tune_value("moe.max_tokens", arch, gpu && *gpu ? gpu : NULL, shape, (int32_t)T);
   if (T > max_t) return OG_REASON("%lld tokens > moe.max_tokens %lld", (long long)T, (long long)max_t);
+  if (a->expert_map && !opgraft__tune_value("moe.expert_map", arch, gpu && *gpu ? gpu : NULL, shape, (int32_t)T))
+    return OG_REASON("expert_map is set and moe.expert_map is 0 (expert parallelism is handed back)");
   if (arch_out) *arch_out = arch;
   return OPGRAFT_OK;
 }
@@ -164,6 +169,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
 #define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
   OG_OPT("-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
   OG_OPT("-DOG_IDS64=%d", a->topk_ids_dtype == OPGRAFT_DTYPE_INT64);
+  OG_OPT("-DOG_EMAP=%d", a->expert_map != NULL);
   OG_OPT("-DOG_H=%lld", (long long)a->hidden);
   OG_OPT("-DOG_I=%lld", (long long)a->inter);
   OG_OPT("-DOG_E=%lld", (long long)a->num_experts);
@@ -194,7 +200,7 @@ static void fn_names(const opgraft_moe_args *a, char names[OG_MOE_KERNELS][64]) 
  * lookups and the module search. Tunables are read at the first call of each shape. */
 typedef struct og_plan {
   og_CUcontext ctx;
-  int32_t dtype, ids64, on_input, arch_req, arch;
+  int32_t dtype, ids64, emap, on_input, arch_req, arch;
   uint32_t tune_gen;
   int64_t T, H, I, E, k;
   og_moe_cfg cfg;
@@ -207,7 +213,7 @@ static int nplans, next_evict;
 static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int plan_matches(const og_plan *p, const og_plan *q) {
-  return p->ctx == q->ctx && p->tune_gen == q->tune_gen && p->arch_req == q->arch_req && p->dtype == q->dtype && p->ids64 == q->ids64 && p->on_input == q->on_input &&
+  return p->ctx == q->ctx && p->tune_gen == q->tune_gen && p->arch_req == q->arch_req && p->dtype == q->dtype && p->ids64 == q->ids64 && p->emap == q->emap && p->on_input == q->on_input &&
          p->T == q->T && p->H == q->H && p->I == q->I && p->E == q->E && p->k == q->k;
 }
 
@@ -243,6 +249,7 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   memset(&key, 0, sizeof key);
   if (a && a->struct_size >= sizeof *a) {
     key.ctx = ctx, key.dtype = a->dtype, key.ids64 = a->topk_ids_dtype == OPGRAFT_DTYPE_INT64;
+    key.emap = a->expert_map != NULL;
     key.on_input = !!a->apply_router_weight_on_input, key.T = a->num_tokens, key.H = a->hidden;
     key.I = a->inter, key.E = a->num_experts, key.k = a->top_k, key.arch_req = a->arch;
     key.tune_gen = opgraft__tune_generation();
@@ -302,6 +309,7 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   p.topk_w_stride = a->topk_weights_stride[0], p.topk_ids_stride = a->topk_ids_stride[0];
   p.out_stride = a->out_stride[0];
   p.T = (int)a->num_tokens;
+  p.emap = (const int *)a->expert_map, p.emap_len = a->expert_map ? (int)a->expert_map_len : 0;
   void *params[] = {&p};
 
   const int64_t used_max = a->num_tokens * a->top_k < a->num_experts ? a->num_tokens * a->top_k : a->num_experts;

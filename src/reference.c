@@ -70,8 +70,9 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
   if (!a || a->struct_size < sizeof *a) return opgraft__fail(OPGRAFT_EINVAL, "bad arguments");
   if ((a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16) ||
       a->activation != OPGRAFT_ACT_SILU || a->topk_weights_dtype != OPGRAFT_DTYPE_FP32 ||
-      (a->topk_ids_dtype != OPGRAFT_DTYPE_INT32 && a->topk_ids_dtype != OPGRAFT_DTYPE_INT64) || a->expert_map)
-    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the reference covers bf16/fp16 SwiGLU without expert_map");
+      (a->topk_ids_dtype != OPGRAFT_DTYPE_INT32 && a->topk_ids_dtype != OPGRAFT_DTYPE_INT64))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the reference covers bf16/fp16 SwiGLU");
+  if (a->expert_map && a->expert_map_len < 1) return opgraft__fail(OPGRAFT_EINVAL, "expert_map without a length");
   const int64_t T = a->num_tokens, H = a->hidden, I = a->inter, E = a->num_experts, K = a->top_k;
   if (T < 0 || H < 1 || I < 1 || E < 1 || K < 1) return opgraft__fail(OPGRAFT_EINVAL, "bad sizes");
   if (T == 0) return OPGRAFT_OK;
@@ -87,7 +88,9 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
   for (int64_t t = 0; t < T; ++t) {
     memset(acc, 0, sizeof(double) * (size_t)H);
     for (int64_t j = 0; j < K; ++j) {
-      const int64_t e = load_id(a, t, j);
+      int64_t e = load_id(a, t, j);
+      if (a->expert_map) /* global id -> this rank's expert, or -1 */
+        e = (e >= 0 && e < a->expert_map_len) ? ((const int32_t *)a->expert_map)[e] : -1;
       if (e < 0 || e >= E) continue; /* not routed here */
       const double w = tw[t * a->topk_weights_stride[0] + j * a->topk_weights_stride[1]];
       const double xs = a->apply_router_weight_on_input ? w : 1.0;

@@ -24,7 +24,7 @@ extern "C" {
 #define OPGRAFT_VERSION_HEX                                                                        \
   ((OPGRAFT_VERSION_MAJOR << 16) | (OPGRAFT_VERSION_MINOR << 8) | OPGRAFT_VERSION_PATCH)
 /* Bumped whenever a struct or signature below changes incompatibly. */
-#define OPGRAFT_ABI_VERSION 1
+#define OPGRAFT_ABI_VERSION 2
 
 #if defined(_WIN32)
 #define OPGRAFT_EXTERN __declspec(dllexport)
@@ -164,12 +164,16 @@ typedef struct opgraft_moe_args {
   const void *topk_ids;
   int32_t topk_ids_dtype; /* OPGRAFT_DTYPE_INT32 or _INT64 */
   int64_t topk_ids_stride[2];
-  const void *expert_map; /* must be NULL: expert-parallel maps are handed back */
+  /* Expert parallelism (vLLM's expert_map): NULL, or an int32 device array [expert_map_len] that
+   * maps the global ids in topk_ids to this rank's experts (0..num_experts-1) or to -1 (another
+   * rank's expert: no contribution here). Taken only where the tunable moe.expert_map is 1. */
+  const void *expert_map;
   void *out;
   int64_t out_stride[2]; /* [T, H] */
   /* The GPU the call runs on, as major*10 + minor, and its name; 0 / NULL = the current device. */
   int32_t arch;
   const char *gpu_name;
+  int64_t expert_map_len; /* global experts: the length of expert_map (0 without one) */
 } opgraft_moe_args;
 
 /* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.

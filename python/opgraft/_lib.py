@@ -49,6 +49,7 @@ class MoeArgs(ctypes.Structure):
         ("out_stride", _I64_2),
         ("arch", ctypes.c_int32),
         ("gpu_name", ctypes.c_char_p),
+        ("expert_map_len", ctypes.c_int64),
     ]
 
 

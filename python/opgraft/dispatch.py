@@ -141,14 +141,15 @@ def _opgraft(call: ExpertsCall):
         _info_once(f"MoE call handed back to vLLM: {reason}")
         return call.delegate()
     try:
-        if call.output is None:
+        if call.output is None and call.expert_map is None:
             out = ops.moe_experts(call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids,
                                   call.apply_router_weight_on_input)
         else:
-            ops.moe_experts_into(call.output, call.hidden_states, call.w13, call.w2, call.topk_weights,
+            dst = call.output if call.output is not None else call.hidden_states.new_empty(call.hidden_states.shape)
+            ops.moe_experts_into(dst, call.hidden_states, call.w13, call.w2, call.topk_weights,
                                  call.topk_ids, call.apply_router_weight_on_input,
-                                 workspace=ops.usable_workspace(call.workspace))
-            out = None
+                                 workspace=ops.usable_workspace(call.workspace), expert_map=call.expert_map)
+            out = None if call.output is not None else dst
     except Exception as e:  # a kernel that cannot run (no NVRTC, compile error) must not stop vLLM
         STATS.delegate(f"kernel error: {type(e).__name__}")
         _warn_once(f"opgraft MoE kernel failed, handing calls back to vLLM: {e}")

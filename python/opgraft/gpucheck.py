@@ -21,9 +21,11 @@ from .presets import PRESETS, MoeShape
 
 
 def _case(name, shape, T, dtype="bf16", ids64=False, on_input=False, x_pad=0, out_pad=0, dup=False, invalid=False,
-          seed=0):
+          seed=0, ep=0):
+    """ep > 0: expert parallelism, shape's experts are a random subset of ep global experts, the
+    ids are global and an expert_map sends them to local ids or -1."""
     return dict(name=name, shape=shape, T=T, dtype=dtype, ids64=ids64, on_input=on_input, x_pad=x_pad,
-                out_pad=out_pad, dup=dup, invalid=invalid, seed=seed)
+                out_pad=out_pad, dup=dup, invalid=invalid, seed=seed, ep=ep)
 
 
 def correctness_cases() -> list[dict]:
@@ -42,6 +44,9 @@ def correctness_cases() -> list[dict]:
         _case("id -1 and E (not routed) T=4", small, 4, invalid=True),
         _case("odd dims E=7 H=96 I=160 k=3 T=10", odd, 10),
         _case("Qwen3-30B-A3B T=2", PRESETS["Qwen3-30B-A3B"], 2),
+        _case("expert_map: 16 of 32 experts T=1", small, 1, ep=32),
+        _case("expert_map: 16 of 64 experts T=9, int64 ids", small, 9, ids64=True, ep=64),
+        _case("expert_map: Qwen3-30B-A3B/ep2 T=4", MoeShape("Qwen3-30B-A3B/ep2", 64, 2048, 768, 8), 4, ep=128),
     ]
     return cases
 
@@ -51,8 +56,14 @@ def run_case(c: dict, device="cuda") -> dict:
     T, dtype = c["T"], c["dtype"]
     gen = torch.Generator(device=device).manual_seed(100 + c["seed"])
     w13, w2 = bench.make_weights(shape, dtype, device, seed=c["seed"])
-    tw, ids = bench.make_routing(T, shape.num_experts, shape.top_k, device, gen,
+    tw, ids = bench.make_routing(T, c["ep"] or shape.num_experts, shape.top_k, device, gen,
                                  ids_dtype=torch.int64 if c["ids64"] else torch.int32)
+    emap = None
+    if c["ep"]:  # this rank holds a random subset of the global experts
+        local = torch.randperm(c["ep"], generator=torch.Generator().manual_seed(c["seed"]))[: shape.num_experts]
+        emap = torch.full((c["ep"],), -1, dtype=torch.int32)
+        emap[local] = torch.arange(shape.num_experts, dtype=torch.int32)
+        emap = emap.to(device)
     if c["dup"]:
         ids[:, 1] = ids[:, 0]
     if c["invalid"]:
@@ -62,23 +73,24 @@ def run_case(c: dict, device="cuda") -> dict:
     x = xfull[:, : shape.hidden]
     ofull = torch.full((T, shape.hidden + c["out_pad"]), float("nan"), dtype=x.dtype, device=device)
     out = ofull[:, : shape.hidden]
-    ok, reason = ops.moe_supports(x, w13, w2, tw, ids, c["on_input"])
+    ok, reason = ops.moe_supports(x, w13, w2, tw, ids, c["on_input"], emap)
     res = {k: v for k, v in c.items() if k != "shape"}
     res.update(shape=shape.as_dict(), supported=ok, reason=reason)
     if not ok:
         res.update(passed=False)
         return res
-    ops.moe_experts_into(out, x, w13, w2, tw, ids, c["on_input"])
-    ref = bench.reference(x, w13, w2, tw, ids, c["on_input"])
+    ops.moe_experts_into(out, x, w13, w2, tw, ids, c["on_input"], expert_map=emap)
+    local_ids = ids if emap is None else emap[ids.long()].to(ids.dtype)  # -1: another rank's expert
+    ref = bench.reference(x, w13, w2, tw, local_ids, c["on_input"])
     err = bench.rel_err(out, ref)
     pad_ok = bool(torch.isnan(ofull[:, shape.hidden:]).all()) if c["out_pad"] else True
     again = torch.full_like(out, float("nan"))
-    ops.moe_experts_into(again, x, w13, w2, tw, ids, c["on_input"])
+    ops.moe_experts_into(again, x, w13, w2, tw, ids, c["on_input"], expert_map=emap)
     det = bool(torch.equal(out, again))
     tol = bench.TOLERANCE[dtype]
     res.update(rel_err=err, tolerance=tol, deterministic=det, padding_untouched=pad_ok)
     if shape.hidden * shape.inter * shape.num_experts <= 16 * 256 * 256 and T <= 16:
-        cref = ops.moe_reference_cpu(x, w13, w2, tw, ids, c["on_input"])
+        cref = ops.moe_reference_cpu(x, w13, w2, tw, ids, c["on_input"], emap)
         res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm())
     res["passed"] = bool(err <= tol and det and pad_ok and res.get("c_oracle_vs_torch_fp64", 0) < 1e-9)
     return res
@@ -99,6 +111,7 @@ def main(argv=None) -> int:
     torch.cuda.init()
     # The check covers the kernel's whole range; the shipped delegation threshold is a tunable.
     os.environ.setdefault("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64")
+    os.environ.setdefault("OPGRAFT_TUNE_MOE_EXPERT_MAP", "1")  # the expert-parallel path is checked here
     os.makedirs(args.out, exist_ok=True)
     facts = bench.gpu_facts()
     print("device:", facts, flush=True)

@@ -45,6 +45,8 @@ def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         and tuple(topk_ids.shape) == (T, k) and tuple(topk_weights.shape) == (T, k)
         and (out is None or tuple(out.shape) == (T, H))
         and all(t.device == hidden.device for t in (w13, w2, topk_weights, topk_ids))
+        and (expert_map is None or (expert_map.dtype == torch.int32 and expert_map.dim() == 1
+                                    and expert_map.is_contiguous() and expert_map.device == hidden.device))
     )
     if not consistent:
         a.dtype = -1  # the guard refuses with "dtype unknown"; the caller reports shapes
@@ -57,7 +59,8 @@ def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     a.topk_weights_stride = _strides(topk_weights, 2)
     a.topk_ids, a.topk_ids_dtype = topk_ids.data_ptr(), _dtype_code(topk_ids)
     a.topk_ids_stride = _strides(topk_ids, 2)
-    a.expert_map = expert_map.data_ptr() if expert_map is not None else None
+    if expert_map is not None:  # vLLM's expert parallelism: global id -> local id or -1
+        a.expert_map, a.expert_map_len = expert_map.data_ptr(), expert_map.numel()
     if out is not None:
         a.out, a.out_stride = out.data_ptr(), _strides(out, 2)
     else:  # the op allocates a contiguous output
@@ -98,10 +101,11 @@ def usable_workspace(t):
 
 
 def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
-                     workspace=None, stages: int = STAGE_ALL):
+                     workspace=None, stages: int = STAGE_ALL, expert_map=None):
     """Runs the kernel into out ([T, H], the hidden dtype). Raises OpgraftError if unsupported.
-    stages selects a part of the computation for profiling (the output is then incomplete)."""
-    a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input)
+    stages selects a part of the computation for profiling (the output is then incomplete).
+    expert_map (int32 [global experts]) maps topk_ids to the local experts of w13/w2 or -1."""
+    a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map)
     if a.dtype == -1:
         raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensor shapes or devices are not those of fused_experts")
     need = moe_workspace_bytes(a)
@@ -125,10 +129,12 @@ def _(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=Fals
     return hidden.new_empty((hidden.shape[0], hidden.shape[1]))
 
 
-def moe_reference_cpu(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False) -> torch.Tensor:
+def moe_reference_cpu(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
+                      expert_map=None) -> torch.Tensor:
     """The C fp64 oracle on CPU tensors; returns float64 [T, H]."""
     t = [x.cpu() for x in (hidden, w13, w2, topk_weights, topk_ids)]
-    a = moe_args(*t, None, apply_router_weight_on_input)
+    emap = expert_map.cpu() if expert_map is not None else None
+    a = moe_args(*t, None, apply_router_weight_on_input, emap)
     out = torch.empty((t[0].shape[0], t[0].shape[1]), dtype=torch.float64)
     ptr = ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))
     _lib.check(_lib.lib().opgraft_moe_reference(ctypes.byref(a), ptr))

@@ -220,6 +220,21 @@ static void test_max_tokens_tunable(void **state) {
   else expect_refusal(&a, "moe.max_tokens", "T=5 with the default moe.max_tokens");
 }
 
+static void test_expert_map(void **state) {
+  opgraft_moe_args a = valid_args(); /* this rank: 128 of 256 global experts */
+  a.expert_map = (const void *)0x400000, a.expert_map_len = 256;
+  expect_refusal(&a, "moe.expert_map is 0", "expert_map with the shipped tunables");
+  setenv("OPGRAFT_TUNE_MOE_EXPERT_MAP", "1", 1);
+  opgraft_tune_reload();
+  expect_ok(&a, "expert_map with moe.expert_map=1");
+  a.expert_map_len = 0;
+  expect_refusal(&a, "expert_map of 0 global experts", "expert_map without a length");
+  a.expert_map_len = 5000;
+  expect_refusal(&a, "expert_map of 5000 global experts", "expert_map too long");
+  a.expert_map_len = 256, a.expert_map = (const void *)0x400002;
+  expect_refusal(&a, "expert_map misaligned", "expert_map misaligned");
+}
+
 static void test_no_gpu_without_arch(void **state) {
   /* arch 0 means the current device; there is no CUDA context in this process. */
   opgraft_moe_args a = valid_args();
@@ -303,6 +318,7 @@ int main(void) {
       cmocka_unit_test(test_null_args),
       cmocka_unit_test_teardown(test_kernel_token_limit, reset_tunables),
       cmocka_unit_test_teardown(test_max_tokens_tunable, reset_tunables),
+      cmocka_unit_test_teardown(test_expert_map, reset_tunables),
       cmocka_unit_test(test_no_gpu_without_arch),
       cmocka_unit_test(test_workspace_size),
       cmocka_unit_test(test_run_without_gpu),

@@ -290,6 +290,41 @@ static void test_ids_outside_range(void **state) {
     }
 }
 
+/* Expert parallelism: this rank holds global experts 1, 3, 4 as local 0, 1, 2; the map sends the
+ * others to -1. The result must equal the global problem with the other ranks' slots removed. */
+static void test_expert_map(void **state) {
+  for (int d = 0; d < 2; ++d)
+    for (int ids64 = 0; ids64 < 2; ++ids64) {
+      problem p;
+      problem_init(&p, dtypes[d], ids64, d, 0, 20 + (uint64_t)(2 * d + ids64));
+      const int64_t ids[3][2] = {{1, 0}, {3, 4}, {2, 5}}; /* 5: outside the map */
+      memcpy(p.ids, ids, sizeof ids);
+      static const int32_t map[5] = {-1, 0, -1, 1, 2};
+      static const int64_t local[3] = {1, 3, 4};
+      const int64_t w13n = 2 * p.I * p.H, w2n = p.H * p.I;
+      uint16_t *w13 = malloc(sizeof(uint16_t) * (size_t)(3 * w13n)), *w2 = malloc(sizeof(uint16_t) * (size_t)(3 * w2n));
+      assert_true(w13 && w2);
+      for (int e = 0; e < 3; ++e) {
+        memcpy(w13 + e * w13n, p.w13 + local[e] * w13n, sizeof(uint16_t) * (size_t)w13n);
+        memcpy(w2 + e * w2n, p.w2 + local[e] * w2n, sizeof(uint16_t) * (size_t)w2n);
+      }
+      double got[3 * 32], want[3 * 32];
+      opgraft_moe_args a = problem_args(&p, NULL); /* the global ids, as vLLM passes them */
+      a.w13 = w13, a.w2 = w2, a.num_experts = 3;
+      a.w13_stride[0] = w13n, a.w2_stride[0] = w2n;
+      a.expert_map = map, a.expert_map_len = 5;
+      assert_int_equal(opgraft_moe_reference(&a, got), OPGRAFT_OK);
+      for (int i = 0; i < 6; ++i) /* the global problem without the other ranks' experts */
+        if (p.ids[i] >= 5 || map[p.ids[i]] < 0) p.ids[i] = -1;
+      check_problem(&p, want, "the global problem restricted to this rank's experts");
+      compare(&p, got, want, "expert_map");
+      a.expert_map_len = 0;
+      assert_int_equal(opgraft_moe_reference(&a, got), OPGRAFT_EINVAL);
+      free(w13), free(w2);
+      problem_free(&p);
+    }
+}
+
 static void test_duplicate_ids(void **state) {
   for (int d = 0; d < 2; ++d)
     for (int on_input = 0; on_input < 2; ++on_input) {
@@ -485,6 +520,7 @@ int main(void) {
       cmocka_unit_test(test_own_rounding),
       cmocka_unit_test(test_int32_ids),
       cmocka_unit_test(test_int64_ids),
+      cmocka_unit_test(test_expert_map),
       cmocka_unit_test(test_weight_on_input),
       cmocka_unit_test(test_noncontiguous_hidden),
       cmocka_unit_test(test_ids_outside_range),

@@ -105,3 +105,26 @@ def test_the_w2_prefetch_variant_compiles_without_spills(monkeypatch):
 
 def test_oracle_selfcheck_agrees_with_a_python_loop():
     assert cli.oracle_selfcheck(seed=3) < 1e-12
+
+
+def test_the_c_oracle_follows_an_expert_map():
+    torch = pytest.importorskip("torch")
+    from opgraft import ops
+
+    g = torch.Generator().manual_seed(5)
+    T, H, I, G, k = 4, 64, 32, 6, 2
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w13 = torch.randn(G, 2 * I, H, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(G, H, I, generator=g).to(torch.bfloat16)
+    tw = torch.rand(T, k, generator=g)
+    ids = torch.tensor([[0, 1], [4, 2], [5, 3], [1, 4]], dtype=torch.int32)
+    local = torch.tensor([1, 4])  # this rank holds global experts 1 and 4
+    emap = torch.full((G,), -1, dtype=torch.int32)
+    emap[local] = torch.arange(2, dtype=torch.int32)
+    got = ops.moe_reference_cpu(x, w13[local].contiguous(), w2[local].contiguous(), tw, ids, expert_map=emap)
+    only_local = torch.where((ids == 1) | (ids == 4), ids, torch.full_like(ids, -1))
+    want = ops.moe_reference_cpu(x, w13, w2, tw, only_local)
+    assert torch.equal(got, want) and want.abs().sum() > 0
+    # A map of the wrong dtype is not passed on: the guard refuses the call.
+    a = ops.moe_args(x, w13[local], w2[local], tw, ids, None, False, emap.long())
+    assert a.dtype == -1

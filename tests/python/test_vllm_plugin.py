@@ -251,13 +251,16 @@ def test_seam_level_refusals(clean, monkeypatch):
     rec = _Recorder()
     inst = _inst_without_attrs(monkeypatch)
     w = _wrapped(rec)
-    w(inst, **dict(_call_args(), expert_map=torch.arange(4, dtype=torch.int32)))
+    w(inst, **dict(_call_args(), expert_map=torch.arange(4, dtype=torch.int32), global_num_experts=8))
     w(inst, **dict(_call_args(), activation=MoEActivation.GELU))
     w(inst, **dict(_call_args(), global_num_experts=8))
+    # Expert parallelism with a consistent map reaches the guard (here: CPU tensors, so no).
+    w(inst, **dict(_call_args(), expert_map=torch.tensor([-1, 0, 1, -1, 2, 3, -1, -1], dtype=torch.int32),
+                   global_num_experts=8))
     reasons = dispatch.stats()["moe"]["delegated_by_reason"]
-    assert len(rec.calls) == 3
-    assert set(reasons) == {"expert_map is set (expert parallelism is handed back)", "activation gelu",
-                            "local experts differ from global experts"}
+    assert len(rec.calls) == 4
+    assert reasons == {"expert_map length differs from the global experts": 1, "activation gelu": 1,
+                       "local experts differ from global experts": 1, "tensors are not on a CUDA device": 1}
 
 
 def test_unknown_variant_falls_back_to_passthrough(clean, monkeypatch, caplog):

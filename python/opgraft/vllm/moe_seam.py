@@ -72,8 +72,6 @@ def _seam_reason(self, cls, hidden_states, activation, a1q_scale, expert_map) ->
     act = _activation_name(activation)
     if act != "silu":
         return f"activation {act}"
-    if expert_map is not None:
-        return "expert_map is set (expert parallelism is handed back)"
     return ""
 
 
@@ -87,8 +85,10 @@ def make_wrapper(cls, original):
                             expert_tokens_meta, apply_router_weight_on_input)
 
         reason = _seam_reason(self, cls, hidden_states, activation, a1q_scale, expert_map)
-        if not reason and w1.shape[0] != global_num_experts:
+        if not reason and expert_map is None and w1.shape[0] != global_num_experts:
             reason = "local experts differ from global experts"
+        if not reason and expert_map is not None and expert_map.numel() != global_num_experts:
+            reason = "expert_map length differs from the global experts"
         call = dispatch.ExpertsCall(
             hidden_states=hidden_states, w13=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
             activation="silu", apply_router_weight_on_input=bool(apply_router_weight_on_input),
