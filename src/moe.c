@@ -128,9 +128,10 @@ static int32_t check_device(const opgraft_moe_args *a, int32_t *arch_out, char *
   if (T > OG_MAX_TOKENS) return OG_REASON("%lld tokens > %d (kernel limit)", (long long)T, OG_MAX_TOKENS);
   char shape[128];
   shape_key(a, shape, sizeof shape);
-  const int64_t max_t = opgraft__tune_value("moe.max_tokens", arch, gpu && *gpu ? gpu : NULL, shape, (int32_t)T);
+  const char *g = gpu && *gpu ? gpu : NULL;
+  const int64_t max_t = opgraft__tune_value("moe.max_tokens", arch, g, shape, (int32_t)T);
   if (T > max_t) return OG_REASON("%lld tokens > moe.max_tokens %lld", (long long)T, (long long)max_t);
-  if (a->expert_map && !opgraft__tune_value("moe.expert_map", arch, gpu && *gpu ? gpu : NULL, shape, (int32_t)T))
+  if (a->expert_map && !opgraft__tune_value("moe.expert_map", arch, g, shape, (int32_t)T))
     return OG_REASON("expert_map is set and moe.expert_map is 0 (expert parallelism is handed back)");
   if (arch_out) *arch_out = arch;
   return OPGRAFT_OK;

@@ -5,7 +5,7 @@ How a number is taken (see the project's measuring rules): CUDA-graph replays ti
 after warm-up, the median of many; each replay makes one call per routing of a rotating set of
 random routings, so consecutive calls touch different experts and L2 (60 MB on an H200) does not
 hold the weights; inputs are random, never zeros; outputs are poisoned before each check.
-With layers > 1 the calls also rotate over that many distinct copies of the layer's weights, as
+With more than one layer (`opgraft bench --layers N`) the calls also rotate over that many distinct copies of the layer's weights, as
 a model's MoE layers do: a real decode step streams tens of GB of weights (48 layers x 0.6 GB
 for Qwen3-30B-A3B), far beyond what one layer's 0.6 GB exercises (address translation, DRAM
 page locality).
@@ -155,6 +155,13 @@ def measure_read_ceiling(device, gib: float = 4.0, reps: int = 20) -> float:
     return n / (us * 1e-6) / 1e12
 
 
+def measure_whole_token_range() -> None:
+    """Lets the kernel take every token count it supports in this process (unless the caller set
+    the threshold): measuring it is separate from the shipped delegation threshold
+    (moe.max_tokens), which comes from end-to-end runs."""
+    os.environ.setdefault("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64")
+
+
 def gpu_facts() -> dict:
     p = torch.cuda.get_device_properties(0)
     try:
@@ -187,15 +194,13 @@ def unique_expert_bytes(shape: MoeShape, routings, elem_bytes: int = 2) -> float
 
 def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device="cuda", n_routings: int = 16,
                 reps: int = 30, ceiling_tbps: float | None = None, baseline: bool = True, progress=None,
-                w13=None, w2=None, layers: int = 1, extra_layers=None) -> list[dict]:
+                w13=None, w2=None, extra_layers=()) -> list[dict]:
     """Rows for one model shape at each token count: opgraft, the torch baseline, checked vs fp64.
-    layers > 1: the timed calls rotate over that many weight copies (extra_layers, the copies
-    after (w13, w2), are made here when not given); correctness is checked on the first."""
+    extra_layers: more (w13, w2) copies; the timed calls rotate over (w13, w2) and these, as a
+    model's layers do. Correctness is checked on (w13, w2)."""
     if w13 is None:
         w13, w2 = make_weights(shape, dtype, device)
-    if layers > 1 and extra_layers is None:
-        extra_layers = [make_weights(shape, dtype, device, seed=1 + i) for i in range(layers - 1)]
-    weights = [(w13, w2)] + list(extra_layers or [])[:max(0, layers - 1)]
+    weights = [(w13, w2), *extra_layers]
     L = len(weights)
     gen = torch.Generator(device=device).manual_seed(1234)
     facts = gpu_facts()
@@ -211,7 +216,8 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
         xs = [make_x(T, shape.hidden, dtype, device, gen) for _ in range(n_routings)]
         routings = [make_routing(T, shape.num_experts, shape.top_k, device, gen) for _ in range(n_routings)]
         nbytes = unique_expert_bytes(shape, routings)
-        calls = max(n_routings, L)  # call c: routing c % n_routings on layer c % L
+        # call c: routing c % n_routings on layer c % L
+        schedule = [(c % n_routings, weights[c % L]) for c in range(max(n_routings, L))]
         ok, reason = ops.moe_supports(xs[0], w13, w2, *routings[0])
         results = {}
         # Correctness first: fresh inputs, poisoned outputs, against the fp64 oracle.
@@ -227,11 +233,10 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
             ws = torch.empty(1 << 24, dtype=torch.uint8, device=device)
 
             def step():
-                for c in range(calls):
-                    i = c % n_routings
-                    ops.moe_experts_into(outs[i], xs[i], *weights[c % L], *routings[i], workspace=ws)
+                for i, w in schedule:
+                    ops.moe_experts_into(outs[i], xs[i], *w, *routings[i], workspace=ws)
 
-            results["opgraft"] = (time_graph(step, calls, reps=reps), err, {"deterministic": deterministic})
+            results["opgraft"] = (time_graph(step, len(schedule), reps=reps), err, {"deterministic": deterministic})
         builtin, builtin_why = vllm_builtin()
         if builtin is not None:
             try:
@@ -239,11 +244,10 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
                 verr = rel_err(vout, ref)
 
                 def vstep():
-                    for c in range(calls):
-                        i = c % n_routings
-                        builtin(xs[i], *weights[c % L], *routings[i])
+                    for i, w in schedule:
+                        builtin(xs[i], *w, *routings[i])
 
-                results["vllm-builtin"] = (time_graph(vstep, calls, reps=reps), verr, {})
+                results["vllm-builtin"] = (time_graph(vstep, len(schedule), reps=reps), verr, {})
             except Exception as e:  # report, do not hide: the column says why it is missing
                 builtin_why = f"vLLM's fused_experts failed here ({type(e).__name__}: {str(e)[:80]})"
         gathered = T * shape.top_k * shape.expert_bytes()
@@ -252,11 +256,10 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
             berr = rel_err(bout, ref)
 
             def bstep():
-                for c in range(calls):
-                    i = c % n_routings
-                    torch_baseline(xs[i], *weights[c % L], *routings[i])
+                for i, w in schedule:
+                    torch_baseline(xs[i], *w, *routings[i])
 
-            results["torch-gather-bmm"] = (time_graph(bstep, calls, reps=max(5, reps // 3)), berr, {})
+            results["torch-gather-bmm"] = (time_graph(bstep, len(schedule), reps=max(5, reps // 3)), berr, {})
         base_impl = "vllm-builtin" if "vllm-builtin" in results else "torch-gather-bmm"
         base_us = results.get(base_impl, (None,))[0]
         for impl, (us, err, extra) in results.items():

@@ -186,7 +186,7 @@ def cmd_bench(args) -> int:
         for T in args.tokens:
             print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
             rows += bench.bench_shape(shape, [T], args.dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
-                                      baseline=not args.no_baseline, layers=args.layers, extra_layers=extra)
+                                      baseline=not args.no_baseline, extra_layers=extra)
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
     print(bench.format_table(rows))

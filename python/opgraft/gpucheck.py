@@ -109,8 +109,7 @@ def main(argv=None) -> int:
         print("no CUDA GPU: the GPU check needs one", file=sys.stderr)
         return 2
     torch.cuda.init()
-    # The check covers the kernel's whole range; the shipped delegation threshold is a tunable.
-    os.environ.setdefault("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64")
+    bench.measure_whole_token_range()
     os.environ.setdefault("OPGRAFT_TUNE_MOE_EXPERT_MAP", "1")  # the expert-parallel path is checked here
     os.makedirs(args.out, exist_ok=True)
     facts = bench.gpu_facts()

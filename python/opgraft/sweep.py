@@ -42,9 +42,7 @@ class Fixture:
 
     def __init__(self, shape, T, dtype="bf16", n_routings=16, w13=None, w2=None):
         self.shape, self.T, self.dtype = shape, T, dtype
-        # Tuning measures the kernel over its whole range; the shipped delegation threshold
-        # (moe.max_tokens) is a separate decision, taken from end-to-end runs.
-        os.environ.setdefault("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64")
+        bench.measure_whole_token_range()
         if w13 is None:
             w13, w2 = bench.make_weights(shape, dtype, "cuda")
         self.w13, self.w2 = w13, w2

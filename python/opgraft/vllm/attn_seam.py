@@ -1,8 +1,8 @@
 """Attention seam: the resolved platform's get_attn_backend_cls.
 
 What is patched: `get_attn_backend_cls` of the class of `vllm.platforms.current_platform` (vLLM
-0.26.0, the pinned release, and 0.33.0, the newest, both tested in CI: a classmethod, `(selected_backend, attn_selector_config, num_heads=None) -> str`, the
-class path of the backend). Why: it is the one place every attention layer's backend is chosen,
+0.26.0, the pinned release, and 0.33.0, the newest, both tested in CI: a classmethod,
+`(selected_backend, attn_selector_config, num_heads=None) -> str`, the class path of the backend). Why: it is the one place every attention layer's backend is chosen,
 and our decode-attention backend will plug in here while reusing vLLM's KV-cache layout. How: by
 default the wrapper returns exactly what vLLM chose; OPGRAFT_ATTN_BACKEND=module:Class makes it
 return that class instead. It must be installed before the first model is built (vLLM caches the
