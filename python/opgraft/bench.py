@@ -5,10 +5,10 @@ How a number is taken (see the project's measuring rules): CUDA-graph replays ti
 after warm-up, the median of many; each replay makes one call per routing of a rotating set of
 random routings, so consecutive calls touch different experts and L2 (60 MB on an H200) does not
 hold the weights; inputs are random, never zeros; outputs are poisoned before each check.
-With more than one layer (`opgraft bench --layers N`) the calls also rotate over that many distinct copies of the layer's weights, as
-a model's MoE layers do: a real decode step streams tens of GB of weights (48 layers x 0.6 GB
-for Qwen3-30B-A3B), far beyond what one layer's 0.6 GB exercises (address translation, DRAM
-page locality).
+With more than one layer (`opgraft bench --layers N`) the calls also rotate over that many
+copies of the layer's weights, as a model's MoE layers do: a real decode step streams tens of GB
+of weights (48 layers x 0.6 GB for Qwen3-30B-A3B), far beyond what one layer's 0.6 GB exercises
+(address translation, DRAM page locality).
 """
 
 from __future__ import annotations
