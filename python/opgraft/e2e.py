@@ -125,8 +125,10 @@ def model_dir_for(cfg: dict) -> str:
 def write_model_dir(cfg: dict, root: str) -> str:
     d = os.path.join(root, "model")
     os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "config.json"), "w") as f:
+    tmp = os.path.join(d, f".config.json.{os.getpid()}")  # two studies may start at once
+    with open(tmp, "w") as f:
         json.dump(cfg, f, indent=1)
+    os.replace(tmp, os.path.join(d, "config.json"))
     return d
 
 
@@ -486,9 +488,13 @@ def run_group(cmd: list[str], env: dict, out, timeout: float):
 
 
 def gpu_memory_used_mib() -> list[int] | None:
+    """Memory in use on each GPU this process may use (CUDA_VISIBLE_DEVICES, as indices)."""
+    cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").replace(" ", "")
+    if visible and all(v.isdigit() for v in visible.split(",")):
+        cmd.append(f"--id={visible}")
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
         return [int(x) for x in out.split()]
     except (OSError, ValueError, subprocess.SubprocessError):
         return None

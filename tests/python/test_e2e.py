@@ -235,3 +235,30 @@ def test_compare_prints_the_profile(tmp_path, capsys):
 def test_cli_rejects_profile_steps_beyond_the_output():
     with pytest.raises(SystemExit):
         e2e.main(["run", "--mode", "opgraft", "--output-len", "16", "--profile-steps", "16"])
+
+
+def test_write_model_dir_replaces_the_config_whole(tmp_path):
+    d = e2e.write_model_dir({"architectures": ["X"], "n": 1}, str(tmp_path))
+    d2 = e2e.write_model_dir({"architectures": ["X"], "n": 2}, str(tmp_path))
+    assert d == d2
+    assert json.load(open(tmp_path / "model" / "config.json"))["n"] == 2
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json"]
+
+
+def test_gpu_memory_asks_only_for_the_visible_gpus(monkeypatch):
+    calls = []
+
+    class R:
+        stdout = "100\n"
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return R()
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert e2e.gpu_memory_used_mib() == [100]
+    assert calls[-1][-1] == "--id=1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")  # UUIDs: ask for every GPU
+    e2e.gpu_memory_used_mib()
+    assert not any(a.startswith("--id") for a in calls[-1])
