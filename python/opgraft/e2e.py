@@ -220,21 +220,24 @@ def _worker_profile(worker=None, action: str = "start") -> dict:
     """Runs in vLLM's worker process (collective_rpc). "start" starts a CUDA-activity torch
     profiler; "stop" stops it and returns {kernel name: [launches, self device µs]} of everything
     the GPU ran meanwhile, kernels inside CUDA-graph replays included."""
-    global _PROFILER
+    # collective_rpc pickles this function by value when the study runs as __main__, and its
+    # globals with it: the running profiler lives in the importable module instead.
+    import opgraft.e2e as this
+
     out: dict = {"pid": os.getpid()}
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
         if action == "start":
-            if _PROFILER is None:
-                _PROFILER = profile(activities=[ProfilerActivity.CUDA])
-                _PROFILER.start()
+            if this._PROFILER is None:
+                this._PROFILER = profile(activities=[ProfilerActivity.CUDA])
+                this._PROFILER.start()
             return out
-        if _PROFILER is None:
+        if this._PROFILER is None:
             out["error"] = "profiler not started"
             return out
-        prof, _PROFILER = _PROFILER, None
+        prof, this._PROFILER = this._PROFILER, None
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         prof.stop()
@@ -247,7 +250,7 @@ def _worker_profile(worker=None, action: str = "start") -> dict:
                 kernels[ev.key[:160]] = [int(ev.count), float(us)]
         out["kernels"] = kernels
     except Exception as e:  # a profiler that cannot run must not end the study
-        _PROFILER = None
+        this._PROFILER = None
         out["error"] = f"{type(e).__name__}: {e}"
     return out
 
@@ -266,6 +269,17 @@ def profile_rows(prefill: dict, full: dict, steps: int, top: int = 25) -> dict:
     rows.sort(key=lambda r: -r["us_per_step"])
     return {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
             "kernels": rows[:top]}
+
+
+def compilation_config(capture: list[int], tp: int, env) -> dict:
+    """vLLM's compilation_config for a setting. With tensor parallelism on a host that turns NVLink
+    multicast off (NCCL_NVLS_ENABLE=0), vLLM's all-reduce + RMSNorm fusion is off too: it runs
+    FlashInfer's all-reduce, whose backend vLLM picks by itself and which on an H200 pair picked
+    a multicast one ("mnnvl") and failed with an illegal address. Same for every setting."""
+    cfg: dict = {"cudagraph_capture_sizes": capture}
+    if tp > 1 and env.get("NCCL_NVLS_ENABLE") == "0":
+        cfg["pass_config"] = {"fuse_allreduce_rms": False}
+    return cfg
 
 
 def summarize(values: list[float]) -> dict:
@@ -307,7 +321,7 @@ def run(args) -> int:
               max_num_seqs=max(batches), gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=False, tensor_parallel_size=args.tp,
               enable_expert_parallel=args.expert_parallel,
-              compilation_config={"cudagraph_capture_sizes": capture})
+              compilation_config=compilation_config(capture, args.tp, os.environ))
     result["startup_s"] = round(time.perf_counter() - t0, 1)
     result["status"] = "started"
     result["init_std"] = args.init_std

@@ -262,3 +262,10 @@ def test_gpu_memory_asks_only_for_the_visible_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")  # UUIDs: ask for every GPU
     e2e.gpu_memory_used_mib()
     assert not any(a.startswith("--id") for a in calls[-1])
+
+
+def test_compilation_config_turns_the_allreduce_fusion_off_only_for_tp_without_multicast():
+    assert e2e.compilation_config([1, 2], 1, {"NCCL_NVLS_ENABLE": "0"}) == {"cudagraph_capture_sizes": [1, 2]}
+    assert "pass_config" not in e2e.compilation_config([1], 2, {})
+    cfg = e2e.compilation_config([1], 2, {"NCCL_NVLS_ENABLE": "0"})
+    assert cfg["pass_config"] == {"fuse_allreduce_rms": False}
