@@ -166,7 +166,7 @@ typedef struct opgraft_moe_args {
   int64_t topk_ids_stride[2];
   /* Expert parallelism (vLLM's expert_map): NULL, or an int32 device array [expert_map_len] that
    * maps the global ids in topk_ids to this rank's experts (0..num_experts-1) or to -1 (another
-   * rank's expert: no contribution here). Taken only where the tunable moe.expert_map is 1. */
+   * rank's expert: no contribution here). Handed back where the tunable moe.expert_map is 0. */
   const void *expert_map;
   void *out;
   int64_t out_stride[2]; /* [T, H] */

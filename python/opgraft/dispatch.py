@@ -70,11 +70,13 @@ class _Stats:
     def __init__(self):
         self._lock = threading.Lock()
         self.taken = 0
+        self.taken_with_expert_map = 0  # of those, calls of an expert-parallel rank
         self.delegated: Counter = Counter()
 
-    def take(self):
+    def take(self, expert_map: bool = False):
         with self._lock:
             self.taken += 1
+            self.taken_with_expert_map += bool(expert_map)
 
     def delegate(self, reason: str):
         with self._lock:
@@ -82,12 +84,14 @@ class _Stats:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"moe": {"taken": self.taken, "delegated": sum(self.delegated.values()),
+            return {"moe": {"taken": self.taken, "taken_with_expert_map": self.taken_with_expert_map,
+                            "delegated": sum(self.delegated.values()),
                             "delegated_by_reason": dict(self.delegated)}}
 
     def reset(self):
         with self._lock:
             self.taken = 0
+            self.taken_with_expert_map = 0
             self.delegated.clear()
 
 
@@ -154,7 +158,7 @@ def _opgraft(call: ExpertsCall):
         STATS.delegate(f"kernel error: {type(e).__name__}")
         _warn_once(f"opgraft MoE kernel failed, handing calls back to vLLM: {e}")
         return call.delegate()
-    STATS.take()
+    STATS.take(expert_map=call.expert_map is not None)
     return out
 
 

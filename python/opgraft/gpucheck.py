@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         return 2
     torch.cuda.init()
     bench.measure_whole_token_range()
-    os.environ.setdefault("OPGRAFT_TUNE_MOE_EXPERT_MAP", "1")  # the expert-parallel path is checked here
+    os.environ["OPGRAFT_TUNE_MOE_EXPERT_MAP"] = "1"  # the expert-parallel path is checked, whatever the setting
     os.makedirs(args.out, exist_ok=True)
     facts = bench.gpu_facts()
     print("device:", facts, flush=True)

@@ -223,10 +223,12 @@ static void test_max_tokens_tunable(void **state) {
 static void test_expert_map(void **state) {
   opgraft_moe_args a = valid_args(); /* this rank: 128 of 256 global experts */
   a.expert_map = (const void *)0x400000, a.expert_map_len = 256;
-  expect_refusal(&a, "moe.expert_map is 0", "expert_map with the shipped tunables");
+  expect_ok(&a, "expert_map with the shipped tunables");
+  setenv("OPGRAFT_TUNE_MOE_EXPERT_MAP", "0", 1);
+  opgraft_tune_reload();
+  expect_refusal(&a, "moe.expert_map is 0", "expert_map with moe.expert_map=0");
   setenv("OPGRAFT_TUNE_MOE_EXPERT_MAP", "1", 1);
   opgraft_tune_reload();
-  expect_ok(&a, "expert_map with moe.expert_map=1");
   a.expert_map_len = 0;
   expect_refusal(&a, "expert_map of 0 global experts", "expert_map without a length");
   a.expert_map_len = 5000;

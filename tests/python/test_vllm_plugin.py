@@ -232,7 +232,7 @@ def test_passthrough_hands_vllm_the_identical_call(clean, monkeypatch):
     names = moe_seam._APPLY_PARAMS[1:]
     assert all(a is args[n] for a, n in zip(got_rest, names))
     assert torch.all(args["output"] == 7.0)
-    assert dispatch.stats()["moe"] == {"taken": 0, "delegated": 1,
+    assert dispatch.stats()["moe"] == {"taken": 0, "taken_with_expert_map": 0, "delegated": 1,
                                        "delegated_by_reason": {"passthrough variant": 1}}
 
 
