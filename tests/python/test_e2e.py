@@ -269,3 +269,9 @@ def test_compilation_config_turns_the_allreduce_fusion_off_only_for_tp_without_m
     assert "pass_config" not in e2e.compilation_config([1], 2, {})
     cfg = e2e.compilation_config([1], 2, {"NCCL_NVLS_ENABLE": "0"})
     assert cfg["pass_config"] == {"fuse_allreduce_rms": False}
+
+
+def test_itl_floor_ignores_a_stalled_run():
+    # reps: the one-token run of rep 0 and the full run of rep 2 stalled for seconds
+    t1s, tns = [3.36, 0.23, 0.21], [4.13, 2.54, 3.80]
+    assert e2e.itl_floor_ms(t1s, tns, 256) == round((2.54 - 0.21) / 255 * 1e3, 4)
