@@ -15,7 +15,13 @@
 // OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
 // block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
 // OG_PREFETCH (L2 prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size
-// hint, og_common.cuh), OG_W2PF_BYTES / OG_W2PF_LAST (below).
+// hint, og_common.cuh), OG_W2PF_BYTES / OG_W2PF_LAST (below), OG_PDL (below).
+//
+// OG_PDL (sm_90; the launcher sets the down launch's programmatic-serialization attribute):
+// gate_up lets moe_down start as soon as every gate_up block has started, so the down blocks
+// take the SMs that gate_up's tail frees, run their routing setup and (OG_PDL >= 2) request their
+// own W2 rows into L2, then wait for gate_up to finish before they read act or write out. The
+// down stage's launch and ramp hide behind gate_up's tail; the bytes read do not change.
 //
 // moe_fused_<dtype> does both stages in one cooperative launch: blocks loop over the gate_up tiles,
 // meet at a grid-wide barrier (a counter the launcher zeroes before the launch), then loop over
@@ -33,6 +39,9 @@
 #endif
 #ifndef OG_W2PF_BYTES
 #define OG_W2PF_BYTES 0
+#endif
+#ifndef OG_PDL
+#define OG_PDL 0
 #endif
 // From two token tiles on, the accumulators need more than 128 registers, and ptxas otherwise
 // aims at two blocks per SM and spills: one block per SM is enough for those (longer) calls.
@@ -402,6 +411,9 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
   __shared__ int s_pairs[OG_MAXPAIRS];
   __shared__ int s_npairs;
   __shared__ float s_red[OG_W1][OG_NT][2][4][32];
+#if OG_PDL
+  og_pdl_launch_dependents();  // moe_down may take the SMs of blocks that finish
+#endif
   og_routing_setup(p, r);
   og_prefetch_w2(p, r);
   const int tiles = OG_I / 16;
@@ -414,7 +426,24 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
     OG_SUFFIX(moe_down)(const og_moe_params p) {
   __shared__ og_routing r;
   __shared__ float s_red[OG_W2][OG_NT][4][32];
-  og_routing_setup(p, r);
+  og_routing_setup(p, r);  // the routing was written before gate_up started: safe to read here
+#if OG_PDL >= 2
+  {  // this block's W2 rows (16 of H, every used expert), one 128-byte line per request
+    const int lines = (2 * OG_I + 127) / 128 + 1;  // a row may straddle one more line
+    const int total = r.nused * 16 * lines;
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+      const int u = i / (16 * lines), rem = i - u * (16 * lines), row = rem / lines, l = rem - row * lines;
+      const unsigned long long start =
+          (unsigned long long)(const char *)p.w2 +
+          2ULL * (unsigned long long)(r.experts[u] * p.w2_estride + (long long)(blockIdx.x * 16 + row) * p.w2_rstride);
+      const unsigned long long line = (start & ~127ULL) + 128ULL * (unsigned long long)l;
+      if (line < start + 2ULL * OG_I) og_prefetch_l2((const void *)line);
+    }
+  }
+#endif
+#if OG_PDL
+  og_pdl_wait();  // gate_up has finished: act is complete and x (which out may alias) is read
+#endif
   og_down_tile<OG_W2>(p, r, blockIdx.x, s_red);
 }
 

@@ -42,6 +42,21 @@ __device__ __forceinline__ og_vec4 og_load_stream(const void *p) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops below). The primary kernel lets the next kernel
+// on the stream start while its own blocks still run; the next kernel waits, before it reads
+// anything the primary writes (or writes anything the primary may read), until the primary grid
+// has finished and its writes are visible.
+__device__ __forceinline__ void og_pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void og_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Asks L2 to start fetching a line that this thread will load a few iterations later.
 __device__ __forceinline__ void og_prefetch_l2(const void *p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

@@ -69,10 +69,11 @@ typedef struct og_CUlaunchAttribute {
   union {
     char bytes[64];
     int cooperative;
+    int programmatic_serialization;
     void *align;
   } value;
 } og_CUlaunchAttribute;
-enum { OG_LAUNCH_ATTRIBUTE_COOPERATIVE = 2 };
+enum { OG_LAUNCH_ATTRIBUTE_COOPERATIVE = 2, OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
 typedef struct og_CUlaunchConfig {
   unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
   og_CUstream stream;

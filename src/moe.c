@@ -35,6 +35,7 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 typedef struct og_moe_cfg {
   int nt, w1, u1, w2, u2, fused, prefetch, l2_fetch;
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
+  int pdl; /* programmatic dependent launch of moe_down (sm_90+): 1, 2 with its W2 rows into L2 */
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
@@ -55,6 +56,7 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
   c->w2pf_mb = (int)opgraft__tune_value("moe.w2_prefetch", arch, gpu, shape, T);
   c->w2pf_last = c->w2pf_mb > 0 && opgraft__tune_value("moe.w2_prefetch_last", arch, gpu, shape, T) != 0;
+  c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
@@ -185,6 +187,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_L2_FETCH=%d", c->l2_fetch);
   OG_OPT("-DOG_W2PF_BYTES=%lldLL", (long long)c->w2pf_mb << 20);
   OG_OPT("-DOG_W2PF_LAST=%d", c->w2pf_last);
+  OG_OPT("-DOG_PDL=%d", c->pdl);
 #undef OG_OPT
   return n;
 }
@@ -338,6 +341,17 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
                               "launch moe_gate_up")))
     return st;
   if (!(stages & OPGRAFT_MOE_STAGE_DOWN)) return OPGRAFT_OK;
+  if (plan.cfg.pdl && (stages & OPGRAFT_MOE_STAGE_GATE_UP)) {
+    /* moe_down may start while moe_gate_up's blocks still run; it waits (griddepcontrol.wait)
+     * before it touches what gate_up writes or reads. */
+    og_CUlaunchAttribute attr;
+    memset(&attr, 0, sizeof attr);
+    attr.id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmatic_serialization = 1;
+    og_CUlaunchConfig lc = {grid2, 1, 1, 32u * (unsigned)plan.cfg.w2, 1, 1, 0, s, &attr, 1};
+    return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan.fn[1], params, NULL),
+                             "launch moe_down (programmatic dependent launch)");
+  }
   return opgraft__cu_check(
       cu->cuLaunchKernel(plan.fn[1], grid2, 1, 1, 32u * (unsigned)plan.cfg.w2, 1, 1, 0, s, params, NULL),
       "launch moe_down");

@@ -166,6 +166,38 @@ static void test_no_spills(void **state) {
   if (bad) fail_msg("%d kernels spill registers", bad);
 }
 
+static void test_pdl_variants_compile(void **state) {
+  /* moe.pdl (programmatic dependent launch, off by default until measured) for sm_90, spill-free;
+   * sm_80 has no griddepcontrol and gets the plain kernels whatever the setting. */
+  need_nvrtc();
+  setenv("OPGRAFT_TUNE_MOE_PDL", "2", 1);
+  opgraft_tune_reload();
+  int bad = 0;
+  for (int s = 0; s < 2; ++s)
+    for (int t = 0; t < 2; ++t)
+      for (int ar = 0; ar < 2; ++ar) {
+        job j;
+        memset(&j, 0, sizeof j);
+        j.s = &shapes[s == 0 ? 0 : 6], j.dtype = OPGRAFT_DTYPE_BF16, j.arch = archs[ar], j.T = t ? 8 : 1;
+        run_job(&j);
+        char what[160];
+        describe(&j, what, sizeof what);
+        if (j.status != OPGRAFT_OK || j.count != 2) {
+          print_error("%s with moe.pdl=2: %s %.300s\n", what, opgraft_status_name(j.status), j.error);
+          ++bad;
+          continue;
+        }
+        for (int k = 0; k < 2; ++k)
+          if (j.info[k].spill_store_bytes > 0 || j.info[k].spill_load_bytes > 0) {
+            print_error("%s with moe.pdl=2: %s spills\n", what, j.info[k].name);
+            ++bad;
+          }
+      }
+  unsetenv("OPGRAFT_TUNE_MOE_PDL");
+  opgraft_tune_reload();
+  if (bad) fail_msg("%d problems with moe.pdl=2", bad);
+}
+
 static void test_real_log_parses(void **state) {
   /* The resource report of an actual compile parses. */
   need_nvrtc();
@@ -284,6 +316,7 @@ int main(void) {
       cmocka_unit_test(test_real_log_parses),
       cmocka_unit_test(test_every_variant_compiles),
       cmocka_unit_test(test_no_spills),
+      cmocka_unit_test(test_pdl_variants_compile),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
