@@ -25,6 +25,12 @@ const og_tune_entry opgraft__baked_table[] = {
     {90, NULL, "moe:bf16:E384:H7168:I256:k8", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Kimi-K2/tp8 T=1 38.2 -> 29.9 us, T=8 171.1 -> 155.9 us"},
     {90, NULL, "moe:bf16:E8:H4096:I1792:k2", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Mixtral-8x7B/tp8 T=1 31.0 -> 28.5 us, T=8 85.0 -> 80.0 us"},
     {90, NULL, "moe:bf16:E128:H2048:I96:k8", 1, 4, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Qwen3-30B-A3B/tp8 T=1 12.8 -> 11.2 us, T=4 18.0 -> 17.2 us (T=8 loses: 24.6 -> 27.1)"},
+    /* Programmatic dependent launch of the down stage (sm_90), bench with rotating weight copies,
+     * same run for on and off: a win where calls are small, a loss on Mixtral's large experts. */
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 2, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B T=1 25.1 -> 23.8 us, T=2 45.0 -> 43.9 us (T=8 126.5 -> 125.9)"},
+    {90, NULL, "moe:bf16:E128:H2048:I384:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B/tp2 T=1 17.9 -> 16.8 us (T=8 76.0 -> 75.7)"},
+    {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B/tp4 T=1 14.6 -> 13.2 us (T=8 loses: 46.7 -> 47.6)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-235B-A22B T=1 81.8 -> 80.4 us (T=8 466.6 -> 465.3)"},
     /* END TUNED ROWS */
 };
 const int opgraft__baked_table_len = (int)(sizeof opgraft__baked_table / sizeof *opgraft__baked_table);
