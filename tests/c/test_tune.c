@@ -180,6 +180,13 @@ static void test_baked_table(void **state) {
   char src[64];
   const opgraft_tune_query q = {"moe.down.warps", 90, NULL, "moe:bf16:E128:H2048:I768:k8", 1};
   assert_int_equal(opgraft__tune_value(q.key, q.arch, q.gpu, q.shape, q.tokens), baked_expect(&q, src, sizeof src));
+  /* The programmatic dependent launch: on for the small Qwen shapes it was measured on, sm_90
+   * only, off for Mixtral (measured slower) and for shapes nobody measured. */
+  assert_int_equal(opgraft__tune_value("moe.pdl", 90, NULL, "moe:bf16:E128:H2048:I768:k8", 1), 1);
+  assert_int_equal(opgraft__tune_value("moe.pdl", 90, NULL, "moe:bf16:E128:H2048:I768:k8", 8), 0);
+  assert_int_equal(opgraft__tune_value("moe.pdl", 80, NULL, "moe:bf16:E128:H2048:I768:k8", 1), 0);
+  assert_int_equal(opgraft__tune_value("moe.pdl", 90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1), 0);
+  assert_int_equal(opgraft__tune_value("moe.pdl", 90, NULL, "moe:bf16:E384:H7168:I2048:k8", 1), 0);
 }
 
 static void test_precedence(void **state) {
