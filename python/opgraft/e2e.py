@@ -255,7 +255,7 @@ def _worker_profile(worker=None, action: str = "start") -> dict:
     return out
 
 
-def profile_rows(prefill: dict, full: dict, steps: int, top: int = 25) -> dict:
+def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
     """Per decode step: the kernels of `full` (prefill + `steps` decode steps) minus those of
     `prefill` (the same prefill alone), by device time, with the step's total GPU time."""
     if "error" in prefill or "error" in full:
@@ -268,6 +268,24 @@ def profile_rows(prefill: dict, full: dict, steps: int, top: int = 25) -> dict:
                          "us_per_step": round((us - us0) / steps, 2)})
     rows.sort(key=lambda r: -r["us_per_step"])
     return {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+            "kernels_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
+            "kernels": rows[:top]}
+
+
+def profile_diff(base: dict, other: dict, top: int = 10) -> dict:
+    """Kernel by kernel, what `other` spends per decode step beyond `base` (profile_rows results):
+    the kernels whose time changed most, either way, and the totals."""
+    b = {k["kernel"]: k for k in base.get("kernels", [])}
+    o = {k["kernel"]: k for k in other.get("kernels", [])}
+    rows = []
+    for name in set(b) | set(o):
+        bu, ou = b.get(name, {}).get("us_per_step", 0.0), o.get(name, {}).get("us_per_step", 0.0)
+        rows.append({"kernel": name, "base_us": bu, "us": ou, "delta_us": round(ou - bu, 2),
+                     "base_launches": b.get(name, {}).get("launches_per_step", 0.0),
+                     "launches": o.get(name, {}).get("launches_per_step", 0.0)})
+    rows.sort(key=lambda r: -abs(r["delta_us"]))
+    return {"gpu_delta_us": round(other.get("gpu_us_per_step", 0.0) - base.get("gpu_us_per_step", 0.0), 1),
+            "kernels_delta": round(other.get("kernels_per_step", 0.0) - base.get("kernels_per_step", 0.0), 1),
             "kernels": rows[:top]}
 
 
@@ -479,6 +497,14 @@ def compare(out_dir: str, modes=MODES) -> dict:
                   f"(ITL {br['itl_ms']['median']:.3f} ms)")
             for k in prof["kernels"][:8]:
                 print(f"    {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
+            bprof = ((base or {}).get("batches", {}).get(key, {}).get("profile") or [None])[0]
+            if m != "disabled" and bprof and "error" not in bprof:
+                d = profile_diff(bprof, prof)
+                print(f"profile {m} vs disabled B={key}: GPU {d['gpu_delta_us']:+.1f} us per step, "
+                      f"kernels {d['kernels_delta']:+.1f} per step")
+                for k in d["kernels"][:8]:
+                    print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
+                          f"{k['base_launches']:.0f} -> {k['launches']:.0f}x)  {k['kernel'][:80]}")
     return summary
 
 

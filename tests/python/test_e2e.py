@@ -275,3 +275,28 @@ def test_itl_floor_ignores_a_stalled_run():
     # reps: the one-token run of rep 0 and the full run of rep 2 stalled for seconds
     t1s, tns = [3.36, 0.23, 0.21], [4.13, 2.54, 3.80]
     assert e2e.itl_floor_ms(t1s, tns, 256) == round((2.54 - 0.21) / 255 * 1e3, 4)
+
+
+def test_profile_diff_ranks_the_changes_and_counts_kernels():
+    base = e2e.profile_rows({"kernels": {}}, {"kernels": {"fused_moe_kernel": [96, 960.0], "act": [48, 72.0],
+                                                          "attn": [48, 400.0]}}, 1)
+    ours = e2e.profile_rows({"kernels": {}}, {"kernels": {"moe_gate_up_bf16": [48, 620.0],
+                                                          "moe_down_bf16": [48, 316.0], "attn": [48, 402.0]}}, 1)
+    assert base["kernels_per_step"] == 192 and ours["kernels_per_step"] == 144
+    d = e2e.profile_diff(base, ours)
+    assert d["gpu_delta_us"] == round(1338.0 - 1432.0, 1) and d["kernels_delta"] == -48
+    assert [k["kernel"] for k in d["kernels"][:2]] == ["fused_moe_kernel", "moe_gate_up_bf16"]
+    assert d["kernels"][0]["delta_us"] == -960.0 and d["kernels"][-1]["kernel"] == "attn"
+
+
+def test_compare_prints_the_profile_difference(tmp_path, capsys):
+    def run(mode, kernels):
+        prof = e2e.profile_rows({"kernels": {}}, {"kernels": kernels}, 1)
+        return {"mode": mode, "batches": {"8": {"itl_ms": {"median": 9.0, "min": 9.0, "max": 9.0, "n": 1},
+                                                "decode_tok_s": {"median": 800.0}, "token_ids": [[1]],
+                                                "logprobs": [[-1.0]], "profile": [prof]}}}
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps(run("disabled", {"fused_moe_kernel": [96, 3000.0]})))
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run("opgraft", {"moe_down_bf16": [48, 3500.0]})))
+    e2e.compare(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "profile opgraft vs disabled B=8: GPU +500.0 us per step, kernels -48.0 per step" in out
