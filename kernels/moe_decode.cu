@@ -19,9 +19,9 @@
 //
 // OG_PDL (sm_90; the launcher sets the down launch's programmatic-serialization attribute):
 // gate_up lets moe_down start as soon as every gate_up block has started, so the down blocks
-// take the SMs that gate_up's tail frees, run their routing setup and (OG_PDL >= 2) request their
-// own W2 rows into L2, then wait for gate_up to finish before they read act or write out. The
-// down stage's launch and ramp hide behind gate_up's tail; the bytes read do not change.
+// take the SMs that gate_up's tail frees, run their routing setup, then wait for gate_up to
+// finish before they read act or write out. The down stage's launch and ramp hide behind
+// gate_up's tail; the bytes read do not change.
 //
 // moe_fused_<dtype> does both stages in one cooperative launch: blocks loop over the gate_up tiles,
 // meet at a grid-wide barrier (a counter the launcher zeroes before the launch), then loop over
@@ -427,20 +427,6 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
   __shared__ og_routing r;
   __shared__ float s_red[OG_W2][OG_NT][4][32];
   og_routing_setup(p, r);  // the routing was written before gate_up started: safe to read here
-#if OG_PDL >= 2
-  {  // this block's W2 rows (16 of H, every used expert), one 128-byte line per request
-    const int lines = (2 * OG_I + 127) / 128 + 1;  // a row may straddle one more line
-    const int total = r.nused * 16 * lines;
-    for (int i = threadIdx.x; i < total; i += blockDim.x) {
-      const int u = i / (16 * lines), rem = i - u * (16 * lines), row = rem / lines, l = rem - row * lines;
-      const unsigned long long start =
-          (unsigned long long)(const char *)p.w2 +
-          2ULL * (unsigned long long)(r.experts[u] * p.w2_estride + (long long)(blockIdx.x * 16 + row) * p.w2_rstride);
-      const unsigned long long line = (start & ~127ULL) + 128ULL * (unsigned long long)l;
-      if (line < start + 2ULL * OG_I) og_prefetch_l2((const void *)line);
-    }
-  }
-#endif
 #if OG_PDL
   og_pdl_wait();  // gate_up has finished: act is complete and x (which out may alias) is read
 #endif

@@ -35,7 +35,7 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 typedef struct og_moe_cfg {
   int nt, w1, u1, w2, u2, fused, prefetch, l2_fetch;
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
-  int pdl; /* programmatic dependent launch of moe_down (sm_90+): 1, 2 with its W2 rows into L2 */
+  int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the

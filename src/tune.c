@@ -35,7 +35,7 @@ static const og_tunable tunables[] = {
     {"moe.w2_prefetch", 0, 1024, 0},
     {"moe.w2_prefetch_last", 0, 1, 0},
     {"moe.expert_map", 0, 1, 1},
-    {"moe.pdl", 0, 2, 0},
+    {"moe.pdl", 0, 1, 0},
 };
 #define OG_NTUNABLES ((int)(sizeof tunables / sizeof *tunables))
 

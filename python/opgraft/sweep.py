@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", action="store_true", help="sweep warps x unroll of each stage")
     ap.add_argument("--descent", action="store_true", help="coordinate descent over all tunables")
     ap.add_argument("--pdl", action="store_true",
-                    help="moe.pdl 1 and 2: moe_down launched while gate_up's tail runs (sm_90)")
+                    help="moe.pdl 1: moe_down launched while gate_up's tail runs (sm_90)")
     ap.add_argument("--w2pf", action="store_true",
                     help="the down stage's weights requested into L2 during gate_up: budgets x priority")
     ap.add_argument("--start", default=None, help="JSON object: the descent's starting configuration")
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             for w, u in itertools.product([2, 4, 8, 16], [1, 2, 4, 8]):
                 rows.append(measure(fx, {"moe.down.warps": w, "moe.down.unroll": u}, stages_all=True))
         if args.pdl:
-            rows += [measure(fx, {"moe.pdl": v}, stages_all=False) for v in (1, 2)]
+            rows.append(measure(fx, {"moe.pdl": 1}, stages_all=False))
         if args.w2pf:
             for mb, last in itertools.product([4, 8, 16, 24, 32, 48], [0, 1]):
                 rows.append(measure(fx, {"moe.w2_prefetch": mb, "moe.w2_prefetch_last": last}, stages_all=False))

@@ -23,7 +23,7 @@ MOE_SPACE = {
     "moe.fused": [0, 1],
     "moe.w2_prefetch": [0, 8, 16, 24, 32],
     "moe.w2_prefetch_last": [0, 1],
-    "moe.pdl": [0, 1, 2],
+    "moe.pdl": [0, 1],
 }
 
 
