@@ -132,6 +132,11 @@ def write_model_dir(cfg: dict, root: str) -> str:
     return d
 
 
+def _multicast_off(env) -> bool:
+    """The host turns NVLink multicast off for NCCL, and wants it off everywhere."""
+    return env.get("NCCL_NVLS_ENABLE") == "0"
+
+
 def mode_env(mode: str, base: dict | None = None) -> dict:
     """The environment a setting runs under."""
     env = dict(os.environ if base is None else base)
@@ -154,7 +159,7 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
     # A host that turns NVLink multicast off for NCCL (NCCL_NVLS_ENABLE=0) wants it off everywhere:
     # vLLM's symmetric-memory all-reduce (tensor parallelism) would use it, so keep that off too
     # (vLLM's custom all-reduce and NCCL remain). Same for every setting.
-    if env.get("NCCL_NVLS_ENABLE") == "0":
+    if _multicast_off(env):
         env.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     return env
 
@@ -277,12 +282,13 @@ def profile_diff(base: dict, other: dict, top: int = 10) -> dict:
     the kernels whose time changed most, either way, and the totals."""
     b = {k["kernel"]: k for k in base.get("kernels", [])}
     o = {k["kernel"]: k for k in other.get("kernels", [])}
+    none = {"us_per_step": 0.0, "launches_per_step": 0.0}
     rows = []
     for name in set(b) | set(o):
-        bu, ou = b.get(name, {}).get("us_per_step", 0.0), o.get(name, {}).get("us_per_step", 0.0)
-        rows.append({"kernel": name, "base_us": bu, "us": ou, "delta_us": round(ou - bu, 2),
-                     "base_launches": b.get(name, {}).get("launches_per_step", 0.0),
-                     "launches": o.get(name, {}).get("launches_per_step", 0.0)})
+        bk, ok = b.get(name, none), o.get(name, none)
+        rows.append({"kernel": name, "base_us": bk["us_per_step"], "us": ok["us_per_step"],
+                     "delta_us": round(ok["us_per_step"] - bk["us_per_step"], 2),
+                     "base_launches": bk["launches_per_step"], "launches": ok["launches_per_step"]})
     rows.sort(key=lambda r: -abs(r["delta_us"]))
     return {"gpu_delta_us": round(other.get("gpu_us_per_step", 0.0) - base.get("gpu_us_per_step", 0.0), 1),
             "kernels_delta": round(other.get("kernels_per_step", 0.0) - base.get("kernels_per_step", 0.0), 1),
@@ -295,7 +301,7 @@ def compilation_config(capture: list[int], tp: int, env) -> dict:
     FlashInfer's all-reduce, whose backend vLLM picks by itself and which on an H200 pair picked
     a multicast one ("mnnvl") and failed with an illegal address. Same for every setting."""
     cfg: dict = {"cudagraph_capture_sizes": capture}
-    if tp > 1 and env.get("NCCL_NVLS_ENABLE") == "0":
+    if tp > 1 and _multicast_off(env):
         cfg["pass_config"] = {"fuse_allreduce_rms": False}
     return cfg
 
@@ -442,6 +448,10 @@ def parity(a: dict, b: dict) -> dict:
     return out
 
 
+def _rank0_profile(batch_result: dict) -> dict | None:
+    return (batch_result.get("profile") or [None])[0]
+
+
 def compare(out_dir: str, modes=MODES) -> dict:
     runs = {}
     for m in modes:
@@ -487,7 +497,7 @@ def compare(out_dir: str, modes=MODES) -> dict:
         print(f"workers {m}: {json.dumps(w)[:400]}")
     for m, r in runs.items():  # --profile-steps: rank 0's GPU time per decode step against the ITL
         for key, br in sorted(r.get("batches", {}).items(), key=lambda kv: int(kv[0])):
-            prof = (br.get("profile") or [None])[0]
+            prof = _rank0_profile(br)
             if not prof:
                 continue
             if "error" in prof:
@@ -497,7 +507,7 @@ def compare(out_dir: str, modes=MODES) -> dict:
                   f"(ITL {br['itl_ms']['median']:.3f} ms)")
             for k in prof["kernels"][:8]:
                 print(f"    {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
-            bprof = ((base or {}).get("batches", {}).get(key, {}).get("profile") or [None])[0]
+            bprof = _rank0_profile((base or {}).get("batches", {}).get(key, {}))
             if m != "disabled" and bprof and "error" not in bprof:
                 d = profile_diff(bprof, prof)
                 print(f"profile {m} vs disabled B={key}: GPU {d['gpu_delta_us']:+.1f} us per step, "
