@@ -68,8 +68,7 @@ typedef struct og_CUlaunchAttribute {
   char pad[4];
   union {
     char bytes[64];
-    int cooperative;
-    int programmatic_serialization;
+    int flag; /* the int-valued attributes: cooperative, programmaticStreamSerializationAllowed */
     void *align;
   } value;
 } og_CUlaunchAttribute;

@@ -221,6 +221,18 @@ static int plan_matches(const og_plan *p, const og_plan *q) {
          p->T == q->T && p->H == q->H && p->I == q->I && p->E == q->E && p->k == q->k;
 }
 
+/* A 1-D launch with one int-valued launch attribute set to 1 (cooperative, programmatic
+ * stream serialization). */
+static int32_t launch_flagged(const og_cuda_api *cu, og_CUfunction fn, unsigned grid, unsigned threads,
+                              og_CUstream s, int attr_id, void **params, const char *what) {
+  og_CUlaunchAttribute attr;
+  memset(&attr, 0, sizeof attr);
+  attr.id = attr_id;
+  attr.value.flag = 1;
+  og_CUlaunchConfig lc = {grid, 1, 1, threads, 1, 1, 0, s, &attr, 1};
+  return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, fn, params, NULL), what);
+}
+
 /* How many blocks of the fused kernel can be resident at once: its cooperative grid. */
 static int32_t fused_capacity(const og_cuda_api *cu, og_CUfunction fn, int threads, unsigned *grid) {
   enum { OG_ATTR_SM_COUNT = 16 }; /* CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT */
@@ -326,14 +338,10 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     p.sync = (unsigned *)(uintptr_t)counter;
     const unsigned want = grid1 > grid2 ? grid1 : grid2;
     const unsigned grid = want < plan.fused_grid ? want : plan.fused_grid;
-    og_CUlaunchAttribute attr;
-    memset(&attr, 0, sizeof attr);
-    attr.id = OG_LAUNCH_ATTRIBUTE_COOPERATIVE;
-    attr.value.cooperative = 1;
-    og_CUlaunchConfig lc = {grid, 1, 1, 32u * (unsigned)plan.cfg.w1, 1, 1, 0, s, &attr, 1};
     if ((st = opgraft__cu_check(cu->cuMemsetD32Async(counter, 0u, 1, s), "cuMemsetD32Async (moe_fused counter)")))
       return st;
-    return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan.fn[2], params, NULL), "launch moe_fused (cooperative)");
+    return launch_flagged(cu, plan.fn[2], grid, 32u * (unsigned)plan.cfg.w1, s, OG_LAUNCH_ATTRIBUTE_COOPERATIVE,
+                          params, "launch moe_fused (cooperative)");
   }
   if ((stages & OPGRAFT_MOE_STAGE_GATE_UP) &&
       (st = opgraft__cu_check(cu->cuLaunchKernel(plan.fn[0], grid1, 1, 1, 32u * (unsigned)plan.cfg.w1, 1, 1, 0, s,
@@ -344,13 +352,9 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   if (plan.cfg.pdl && (stages & OPGRAFT_MOE_STAGE_GATE_UP)) {
     /* moe_down may start while moe_gate_up's blocks still run; it waits (griddepcontrol.wait)
      * before it touches what gate_up writes or reads. */
-    og_CUlaunchAttribute attr;
-    memset(&attr, 0, sizeof attr);
-    attr.id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmatic_serialization = 1;
-    og_CUlaunchConfig lc = {grid2, 1, 1, 32u * (unsigned)plan.cfg.w2, 1, 1, 0, s, &attr, 1};
-    return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan.fn[1], params, NULL),
-                             "launch moe_down (programmatic dependent launch)");
+    return launch_flagged(cu, plan.fn[1], grid2, 32u * (unsigned)plan.cfg.w2, s,
+                          OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, params,
+                          "launch moe_down (programmatic dependent launch)");
   }
   return opgraft__cu_check(
       cu->cuLaunchKernel(plan.fn[1], grid2, 1, 1, 32u * (unsigned)plan.cfg.w2, 1, 1, 0, s, params, NULL),
