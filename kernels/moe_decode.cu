@@ -217,10 +217,10 @@ __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og
         const int s = s0 + q;
         if (steps % (W * OG_U1) == 0 || s < steps) {
           const long long off = 2 * (long long)(s * 32 + c * 8);
-          ag[q] = og_load_stream(wg + off);
-          ag8[q] = og_load_stream(wg + row8 + off);
-          au[q] = og_load_stream(wg + up_off + off);
-          au8[q] = og_load_stream(wg + up_off + row8 + off);
+          ag[q] = og_load_stream<OG_LOAD>(wg + off);
+          ag8[q] = og_load_stream<OG_LOAD>(wg + row8 + off);
+          au[q] = og_load_stream<OG_LOAD>(wg + up_off + off);
+          au8[q] = og_load_stream<OG_LOAD>(wg + up_off + row8 + off);
 #pragma unroll
           for (int nt = 0; nt < OG_NT; ++nt)
             bx[q][nt] = xval[nt] ? og_load_shared_operand(xrow[nt] + off) : og_zero4();
@@ -342,8 +342,8 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
       const int s = ch * OG_U2 + q;
       if (steps % OG_U2 == 0 || s < steps) {
         const long long off = 2 * (long long)(s * 32 + c * 8);
-        a[q] = og_load_stream(wrow + off);
-        a8[q] = og_load_stream(wrow + row8 + off);
+        a[q] = og_load_stream<1>(wrow + off);
+        a8[q] = og_load_stream<1>(wrow + row8 + off);
 #pragma unroll
         for (int nt = 0; nt < OG_NT; ++nt)
           b[q][nt] = src0[nt] >= 0 ? og_load_coherent((const char *)p.act +

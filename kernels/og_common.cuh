@@ -9,12 +9,18 @@ struct __align__(16) og_vec4 {
   og_u32 x, y, z, w;
 };
 
-// Streaming 16-byte load for data read exactly once (expert weights): read-only path, not kept in
-// L1, and (OG_EVICT_FIRST) marked first for eviction from L2 so the re-read operands stay there.
+// Streaming 16-byte load for data read exactly once (expert weights). FORM picks how:
+//   1 read-only path, not kept in L1 (L1::no_allocate), first for eviction from L2 (evict_first);
+//   0 the same without the L2 hint;  2 the same with L2::evict_normal;
+//   3 a coherent load (no .nc), not kept in L1;  4 read-only path, no cache hints.
+// gate_up uses OG_LOAD (moe.load, default 4), down form 1. Measured on H200 (bench/NOTES.md, v9):
+// back to back, all forms but 2 run alike; after other kernels have filled L2 (as in a decode
+// step) the L1::no_allocate forms (0, 1, 3) run gate_up 25-35% slower and form 4 does not; down
+// (which follows gate_up) ran alike with 1 and 4.
 // OG_L2_FETCH (0, 128 or 256) asks L2 to fetch that many bytes around each miss: a lane reads 64
 // contiguous bytes of a row per instruction, so a larger fetch turns the next steps into hits.
-#ifndef OG_EVICT_FIRST
-#define OG_EVICT_FIRST 1
+#ifndef OG_LOAD
+#define OG_LOAD 4
 #endif
 #ifndef OG_L2_FETCH
 #define OG_L2_FETCH 0
@@ -26,19 +32,31 @@ struct __align__(16) og_vec4 {
 #else
 #define OG_L2_FETCH_Q ""
 #endif
+template <int FORM>
 __device__ __forceinline__ og_vec4 og_load_stream(const void *p) {
   og_vec4 v;
-#if OG_EVICT_FIRST
-  unsigned long long policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint" OG_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "l"(policy));
-#else
-  asm("ld.global.nc.L1::no_allocate" OG_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-#endif
+  if (FORM == 1 || FORM == 2) {
+    unsigned long long policy;
+    if (FORM == 1)
+      asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    else
+      asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint" OG_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(policy));
+  } else if (FORM == 3) {
+    asm volatile("ld.global.L1::no_allocate" OG_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  } else if (FORM == 4) {
+    asm("ld.global.nc" OG_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+  } else {
+    asm("ld.global.nc.L1::no_allocate" OG_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+  }
   return v;
 }
 

@@ -17,12 +17,12 @@ extern "C" __global__ void __launch_bounds__(512) stream_read_u128(const og_vec4
   for (; i + (OG_SR_UNROLL - 1) * stride < n; i += OG_SR_UNROLL * stride) {
     og_vec4 v[OG_SR_UNROLL];
 #pragma unroll
-    for (int u = 0; u < OG_SR_UNROLL; ++u) v[u] = og_load_stream(data + i + u * stride);
+    for (int u = 0; u < OG_SR_UNROLL; ++u) v[u] = og_load_stream<1>(data + i + u * stride);
 #pragma unroll
     for (int u = 0; u < OG_SR_UNROLL; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
   for (; i < n; i += stride) {
-    const og_vec4 v = og_load_stream(data + i);
+    const og_vec4 v = og_load_stream<1>(data + i);
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;

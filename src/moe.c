@@ -36,6 +36,7 @@ typedef struct og_moe_cfg {
   int nt, w1, u1, w2, u2, fused, prefetch, l2_fetch;
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
+  int load; /* the form of gate_up's weight loads (OG_LOAD, og_common.cuh) */
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
@@ -57,6 +58,7 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->w2pf_mb = (int)opgraft__tune_value("moe.w2_prefetch", arch, gpu, shape, T);
   c->w2pf_last = c->w2pf_mb > 0 && opgraft__tune_value("moe.w2_prefetch_last", arch, gpu, shape, T) != 0;
   c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
+  c->load = (int)opgraft__tune_value("moe.load", arch, gpu, shape, T);
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
@@ -188,6 +190,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_W2PF_BYTES=%lldLL", (long long)c->w2pf_mb << 20);
   OG_OPT("-DOG_W2PF_LAST=%d", c->w2pf_last);
   OG_OPT("-DOG_PDL=%d", c->pdl);
+  OG_OPT("-DOG_LOAD=%d", c->load);
 #undef OG_OPT
   return n;
 }
@@ -295,8 +298,8 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     plan = key;
     plan.arch = arch;
     moe_config(a, arch, gpu[0] ? gpu : NULL, &plan.cfg);
-    char buf[20][48];
-    const char *opts[20];
+    char buf[24][48];
+    const char *opts[24];
     const int nopts = moe_options(a, &plan.cfg, buf, opts);
     char names[OG_MOE_KERNELS][64];
     fn_names(a, names);
@@ -376,8 +379,8 @@ int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgr
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "shape outside the kernel's limits");
   og_moe_cfg cfg;
   moe_config(a, arch, a->gpu_name, &cfg);
-  char buf[20][48];
-  const char *opts[20];
+  char buf[24][48];
+  const char *opts[24];
   const int nopts = moe_options(a, &cfg, buf, opts);
   og_cubin cub;
   int32_t st = opgraft__compile("moe_decode.cu", opts, nopts, arch, &cub);

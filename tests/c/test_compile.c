@@ -166,36 +166,55 @@ static void test_no_spills(void **state) {
   if (bad) fail_msg("%d kernels spill registers", bad);
 }
 
-static void test_pdl_variants_compile(void **state) {
-  /* moe.pdl=1 (programmatic dependent launch), Qwen3-30B-A3B and its ep2 shape: sm_90 spill-free; sm_80 has no
-   * griddepcontrol and gets the plain kernels whatever the setting. */
-  need_nvrtc();
-  setenv("OPGRAFT_TUNE_MOE_PDL", "1", 1);
+/* Compiles shapes[shape_ids] at T=1 and 8 for both archs with one tunable set through its env var;
+ * returns the number of failed or spilling kernels. */
+static int variants_compile(const char *env, const char *value, const int *shape_ids, int nshapes) {
+  setenv(env, value, 1);
   opgraft_tune_reload();
   int bad = 0;
-  for (int s = 0; s < 2; ++s)
+  for (int s = 0; s < nshapes; ++s)
     for (int t = 0; t < 2; ++t)
       for (int ar = 0; ar < 2; ++ar) {
         job j;
         memset(&j, 0, sizeof j);
-        j.s = &shapes[s == 0 ? 0 : 6], j.dtype = OPGRAFT_DTYPE_BF16, j.arch = archs[ar], j.T = t ? 8 : 1;
+        j.s = &shapes[shape_ids[s]], j.dtype = OPGRAFT_DTYPE_BF16, j.arch = archs[ar], j.T = t ? 8 : 1;
         run_job(&j);
         char what[160];
         describe(&j, what, sizeof what);
         if (j.status != OPGRAFT_OK || j.count != 2) {
-          print_error("%s with moe.pdl=1: %s %.300s\n", what, opgraft_status_name(j.status), j.error);
+          print_error("%s with %s=%s: %s %.300s\n", what, env, value, opgraft_status_name(j.status), j.error);
           ++bad;
           continue;
         }
         for (int k = 0; k < 2; ++k)
           if (j.info[k].spill_store_bytes > 0 || j.info[k].spill_load_bytes > 0) {
-            print_error("%s with moe.pdl=1: %s spills\n", what, j.info[k].name);
+            print_error("%s with %s=%s: %s spills\n", what, env, value, j.info[k].name);
             ++bad;
           }
       }
-  unsetenv("OPGRAFT_TUNE_MOE_PDL");
+  unsetenv(env);
   opgraft_tune_reload();
+  return bad;
+}
+
+static void test_pdl_variants_compile(void **state) {
+  /* moe.pdl=1 (programmatic dependent launch), Qwen3-30B-A3B and its ep2 shape: sm_90 spill-free; sm_80 has no
+   * griddepcontrol and gets the plain kernels whatever the setting. */
+  need_nvrtc();
+  const int ids[] = {0, 6};
+  const int bad = variants_compile("OPGRAFT_TUNE_MOE_PDL", "1", ids, 2);
   if (bad) fail_msg("%d problems with moe.pdl=1", bad);
+}
+
+static void test_load_forms_compile(void **state) {
+  /* Every form of gate_up's weight loads (moe.load; 4, the default, is in test_no_spills) compiles
+   * spill-free, on Qwen3-30B-A3B and Mixtral-8x7B. */
+  need_nvrtc();
+  const int ids[] = {0, 2};
+  int bad = 0;
+  for (const char *const *v = (const char *const[]){"0", "1", "2", "3", NULL}; *v; ++v)
+    bad += variants_compile("OPGRAFT_TUNE_MOE_LOAD", *v, ids, 2);
+  if (bad) fail_msg("%d problems with the moe.load forms", bad);
 }
 
 static void test_real_log_parses(void **state) {
@@ -317,6 +336,7 @@ int main(void) {
       cmocka_unit_test(test_every_variant_compiles),
       cmocka_unit_test(test_no_spills),
       cmocka_unit_test(test_pdl_variants_compile),
+      cmocka_unit_test(test_load_forms_compile),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
