@@ -59,3 +59,13 @@ def test_bad_arguments_are_clear_errors():
     assert r.returncode == 2 and "--layers must be >= 1" in r.stderr
     r = run("bench", "moe", "--max-tokens", "65")
     assert r.returncode == 2 and "--max-tokens must be in 1..64" in r.stderr
+    r = run("bench", "moe", "--between-mib", "-1")
+    assert r.returncode == 2 and "--between-mib must be in 0..4096" in r.stderr
+
+
+@no_gpu_only
+def test_probe_without_gpu_says_so():
+    e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    r = subprocess.run([sys.executable, "-m", "opgraft.probe", "--tokens", "1"], capture_output=True, text=True,
+                       env=e, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and "no CUDA GPU" in r.stderr
