@@ -120,6 +120,43 @@ def vllm_builtin():
     return (lambda x, w13, w2, tw, ids: fused_experts(x, w13, w2, tw, ids)), ""
 
 
+# In a decode step the other layers' kernels (attention, the dense projections: ~38 MB of weights
+# per layer for Qwen3-30B-A3B) run between two MoE calls and leave L2 full of their lines. Kernels
+# can run slower after that than back to back (measured: bench/NOTES.md, v9), so by default the
+# bench reads this much other data before each call and times the call alone (call + read, minus
+# the read by itself).
+BETWEEN_MIB = 64
+
+
+def between_traffic(mib: int, device):
+    """A function that reads `mib` MiB of other data (a column sum), or None for mib <= 0."""
+    if mib <= 0:
+        return None
+    buf = torch.ones((mib << 9, 1024), dtype=torch.bfloat16, device=device)
+    sink = torch.empty(1024, dtype=torch.bfloat16, device=device)
+    return lambda: torch.sum(buf, dim=0, out=sink)
+
+
+def time_calls(call, schedule, between=None, reps: int = 30) -> float:
+    """Median µs per call of `call(i, w)` over the schedule, with `between()` before each call
+    (its own time, measured the same way, subtracted)."""
+    if between is None:
+        def step():
+            for i, w in schedule:
+                call(i, w)
+        return time_graph(step, len(schedule), reps=reps)
+
+    def step_with():
+        for i, w in schedule:
+            between()
+            call(i, w)
+
+    def step_alone():
+        for _ in schedule:
+            between()
+    return time_graph(step_with, len(schedule), reps=reps) - time_graph(step_alone, len(schedule), reps=reps)
+
+
 def time_graph(step, calls_per_replay: int, reps: int = 30, warmup: int = 3) -> float:
     """Median microseconds per call of `step` captured into a CUDA graph."""
     s = torch.cuda.Stream()
@@ -194,21 +231,24 @@ def unique_expert_bytes(shape: MoeShape, routings, elem_bytes: int = 2) -> float
 
 def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device="cuda", n_routings: int = 16,
                 reps: int = 30, ceiling_tbps: float | None = None, baseline: bool = True, progress=None,
-                w13=None, w2=None, extra_layers=()) -> list[dict]:
+                w13=None, w2=None, extra_layers=(), between_mib: int = BETWEEN_MIB) -> list[dict]:
     """Rows for one model shape at each token count: opgraft, the torch baseline, checked vs fp64.
     extra_layers: more (w13, w2) copies; the timed calls rotate over (w13, w2) and these, as a
-    model's layers do. Correctness is checked on (w13, w2)."""
+    model's layers do. Correctness is checked on (w13, w2).
+    between_mib: before each timed call, read this many MiB of other data (0: calls back to back);
+    see `between_traffic`."""
     if w13 is None:
         w13, w2 = make_weights(shape, dtype, device)
     weights = [(w13, w2), *extra_layers]
     L = len(weights)
     gen = torch.Generator(device=device).manual_seed(1234)
+    between = between_traffic(between_mib, device)
     facts = gpu_facts()
     base = {"gpu": facts["gpu"], "arch": facts["arch"], "driver": facts["driver"], "torch": facts["torch"],
             "vllm": facts.get("vllm"),
             "commit": commit_id(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "model": shape.name, "E": shape.num_experts, "H": shape.hidden, "I": shape.inter, "top_k": shape.top_k,
-            "dtype": dtype, "layers": L}
+            "dtype": dtype, "layers": L, "between_mib": max(between_mib, 0)}
     rows = []
     for T in tokens:
         if progress:
@@ -232,22 +272,20 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
             outs = [torch.empty_like(out) for _ in range(n_routings)]
             ws = torch.empty(1 << 24, dtype=torch.uint8, device=device)
 
-            def step():
-                for i, w in schedule:
-                    ops.moe_experts_into(outs[i], xs[i], *w, *routings[i], workspace=ws)
+            def call(i, w):
+                ops.moe_experts_into(outs[i], xs[i], *w, *routings[i], workspace=ws)
 
-            results["opgraft"] = (time_graph(step, len(schedule), reps=reps), err, {"deterministic": deterministic})
+            results["opgraft"] = (time_calls(call, schedule, between, reps), err, {"deterministic": deterministic})
         builtin, builtin_why = vllm_builtin()
         if builtin is not None:
             try:
                 vout = builtin(xs[0], w13, w2, *routings[0])
                 verr = rel_err(vout, ref)
 
-                def vstep():
-                    for i, w in schedule:
-                        builtin(xs[i], *w, *routings[i])
+                def vcall(i, w):
+                    builtin(xs[i], *w, *routings[i])
 
-                results["vllm-builtin"] = (time_graph(vstep, len(schedule), reps=reps), verr, {})
+                results["vllm-builtin"] = (time_calls(vcall, schedule, between, reps), verr, {})
             except Exception as e:  # report, do not hide: the column says why it is missing
                 builtin_why = f"vLLM's fused_experts failed here ({type(e).__name__}: {str(e)[:80]})"
         gathered = T * shape.top_k * shape.expert_bytes()
@@ -255,11 +293,10 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
             bout = torch_baseline(xs[0], w13, w2, *routings[0])
             berr = rel_err(bout, ref)
 
-            def bstep():
-                for i, w in schedule:
-                    torch_baseline(xs[i], *w, *routings[i])
+            def bcall(i, w):
+                torch_baseline(xs[i], *w, *routings[i])
 
-            results["torch-gather-bmm"] = (time_graph(bstep, len(schedule), reps=max(5, reps // 3)), berr, {})
+            results["torch-gather-bmm"] = (time_calls(bcall, schedule, between, max(5, reps // 3)), berr, {})
         base_impl = "vllm-builtin" if "vllm-builtin" in results else "torch-gather-bmm"
         base_us = results.get(base_impl, (None,))[0]
         for impl, (us, err, extra) in results.items():

@@ -158,6 +158,9 @@ def cmd_bench(args) -> int:
     if args.layers < 1:
         print("error: --layers must be >= 1", file=sys.stderr)
         return 2
+    if not 0 <= args.between_mib <= 4096:
+        print("error: --between-mib must be in 0..4096", file=sys.stderr)
+        return 2
     if args.max_tokens is not None:
         if not 1 <= args.max_tokens <= 64:
             print("error: --max-tokens must be in 1..64", file=sys.stderr)
@@ -186,7 +189,8 @@ def cmd_bench(args) -> int:
         for T in args.tokens:
             print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
             rows += bench.bench_shape(shape, [T], args.dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
-                                      baseline=not args.no_baseline, extra_layers=extra)
+                                      baseline=not args.no_baseline, extra_layers=extra,
+                                      between_mib=args.between_mib)
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
     print(bench.format_table(rows))
@@ -470,6 +474,9 @@ def main(argv=None) -> int:
     b.add_argument("--layers", type=int, default=1,
                    help="rotate the calls over this many copies of the layer's weights (a model's MoE "
                         "layer count gives a real decode step's footprint)")
+    b.add_argument("--between-mib", type=int, default=64,
+                   help="read this many MiB of other data before each timed call, as a decode step's "
+                        "other kernels do between two MoE layers (0: calls back to back)")
     b.add_argument("--plot", default=None, help="write a PNG: time against tokens with the roofline")
     b.set_defaults(fn=cmd_bench)
     pr = sub.add_parser("profile", help="time split and roofline verdict per token count")

@@ -53,6 +53,8 @@ class Fixture:
         self.ws = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
         self.ref = bench.reference(self.xs[0], w13, w2, *self.routings[0])
         self.bytes = bench.unique_expert_bytes(shape, self.routings)
+        # Timed as the bench times: other data read before each call (bench.BETWEEN_MIB).
+        self.between = bench.between_traffic(bench.BETWEEN_MIB, "cuda")
 
     def check(self) -> float:
         out = torch.full_like(self.xs[0], float("nan"))
@@ -60,14 +62,11 @@ class Fixture:
         return bench.rel_err(out, self.ref)
 
     def time(self, stages=ops.STAGE_ALL, reps=30) -> float:
-        n = len(self.xs)
+        def call(i, _):
+            ops.moe_experts_into(self.outs[i], self.xs[i], self.w13, self.w2, *self.routings[i],
+                                 workspace=self.ws, stages=stages)
 
-        def step():
-            for i in range(n):
-                ops.moe_experts_into(self.outs[i], self.xs[i], self.w13, self.w2, *self.routings[i],
-                                     workspace=self.ws, stages=stages)
-
-        return bench.time_graph(step, n, reps=reps)
+        return bench.time_calls(call, [(i, None) for i in range(len(self.xs))], self.between, reps)
 
 
 def measure(fx: Fixture, cfg: dict, stages_all=True) -> dict:
