@@ -5,7 +5,8 @@
 const og_tune_entry opgraft__baked_table[] = {
     /* BEGIN TUNED ROWS */
     /* Any arch: the sm_90 winners below, unmeasured elsewhere. */
-    {0, NULL, NULL, 0, 0, "moe.max_tokens", 1, "vLLM 0.26 end to end on H200, Qwen3-30B-A3B 2026-11-29: ITL at batch 1 -1.1..-1.9% (3 runs), at batch 2/4/8 +13/+10/+14% although the op-level bench wins 2-4% there (cause not found; not the weight footprint): T >= 2 goes back to vLLM until an end-to-end run shows a win"},
+    {0, NULL, NULL, 0, 0, "moe.max_tokens", 1, "vLLM 0.26 end to end on H200, Qwen3-30B-A3B 2026-11-29 (before moe.load 4): ITL at batch 1 -1.1..-1.9%, at batch 2/4/8 +10..+14%; other shapes not yet measured end to end with moe.load 4, so T >= 2 stays with vLLM there"},
+    {0, NULL, NULL, 0, 0, "moe.load", 4, "H200 2026-11-29: gate_up after 64 MiB of other reads (as in a decode step): Qwen3-30B-A3B T=8 112 -> 85 us, T=1 20.2 -> 16.4 us with form 4 instead of 1; back to back alike (bench/NOTES.md v9)"},
     {0, NULL, NULL, 0, 0, "moe.gate_up.warps", 8, "H200 coordinate descent 2026-11-29: 8 or 16 won on 3 of 4 presets"},
     {0, NULL, NULL, 0, 0, "moe.gate_up.unroll", 4, "H200 coordinate descent 2026-11-29: 4 won on every preset once L2 fetch was 128 B"},
     {0, NULL, NULL, 0, 0, "moe.down.warps", 8, "H200 coordinate descent 2026-11-29: 8 won on Mixtral, Qwen3-235B, Kimi T=1"},
@@ -14,6 +15,7 @@ const og_tune_entry opgraft__baked_table[] = {
     {0, NULL, NULL, 0, 0, "moe.prefetch", 0, "H200 coordinate descent 2026-11-29: explicit L2 prefetch never beat the fetch-size hint"},
     {0, NULL, NULL, 0, 0, "moe.fused", 0, "two kernels until the cooperative one is measured"},
     /* Per-model rows (bf16, H200). */
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on H200 2026-11-29 with moe.load 4, Qwen3-30B-A3B: ITL batch 1 4.115 -> 3.723 ms, batch 2 4.883 -> 4.844 (floor 4.954 -> 4.808), batch 8 floor 9.112 -> 8.904"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 4, "moe.gate_up.warps", 8, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=1 25.1 us"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 5, 64, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=8 124.8 us"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 0, 0, "moe.down.warps", 16, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B down 9.3 us (T=1), 41.0 us (T=8)"},
