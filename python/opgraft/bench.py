@@ -157,12 +157,13 @@ def time_calls(call, schedule, between=None, reps: int = 30) -> float:
     return time_graph(step_with, len(schedule), reps=reps) - time_graph(step_alone, len(schedule), reps=reps)
 
 
-def time_graph(step, calls_per_replay: int, reps: int = 30, warmup: int = 3) -> float:
-    """Median microseconds per call of `step` captured into a CUDA graph."""
+def capture(step, warmup: int = 3) -> "torch.cuda.CUDAGraph":
+    """`step` run once eagerly (compiles kernels, settles allocations), then captured into a CUDA
+    graph, replayed `warmup` times."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        step()  # warm-up outside capture: compiles kernels, settles allocations
+        step()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -171,6 +172,12 @@ def time_graph(step, calls_per_replay: int, reps: int = 30, warmup: int = 3) -> 
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(step, calls_per_replay: int, reps: int = 30, warmup: int = 3) -> float:
+    """Median microseconds per call of `step` captured into a CUDA graph."""
+    graph = capture(step, warmup)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -4,14 +4,18 @@ under contexts that add one difference of a real decode step at a time.
 
   python -m opgraft.probe [--model Qwen3-30B-A3B] [--tokens 1,2,8] [--layers 16] [--json FILE]
 
-Contexts (each a CUDA graph of one call per layer, over --layers weight copies):
+Contexts (each a CUDA graph of one call per layer, over --layers weight copies; all but bench
+use the router's routings):
   bench       routings drawn as `opgraft bench` does (uniform, k distinct experts per token), the
               MoE calls back to back;
   router      routings from a random-initialized router on the tokens' hidden states (top-k of
-              x @ Wr with Wr ~ N(0, 0.02), as vLLM's dummy weights), back to back;
-  step        the router routings with a decode step's other work between the MoE calls: the
-              attention projections of the layer (their own weights: qkv [H, 5120] and o [4096, H]
-              for Qwen3-30B-A3B's 32 query and 4 kv heads of 128), the router GEMM and its top-k.
+              x @ Wr, Wr ~ N(0, 0.02²) as the e2e study initializes it), back to back;
+  step        a decode step's other work between the MoE calls: the attention projections of the
+              layer (their own weights: qkv [H, 5120] and o [4096, H], Qwen3-30B-A3B's 32 query and
+              4 kv heads of 128), x written from their result, the router GEMM and its top-k;
+  gemm, write, route   one part of step alone;
+  flush, flush8        a 64 MiB (more than L2) or 8 MiB read;
+  pages       one 64-byte line in each 2 MiB page of 2 GiB (TLB reach, almost no bytes).
 Per context and token count: µs per call of each MoE kernel (mean over the graph's launches) and
 the unique experts per call.
 """
@@ -24,18 +28,34 @@ import sys
 import torch
 
 from . import ops
-from .bench import make_routing, make_weights, make_x
-from .presets import resolve
+from .bench import capture, make_routing, make_weights, make_x
+from .presets import ConfigError, resolve
 
 KERNELS = ("moe_gate_up", "moe_down", "moe_fused")
 # context: the work between two MoE calls ("uniform": bench's routings, else the router's)
 CONTEXTS = {
     "bench": {"uniform"}, "router": set(), "step": {"gemm", "write", "route"},
     "gemm": {"gemm"}, "write": {"write"}, "route": {"route"},
-    # other data read between the calls: 64 MiB (more than L2), 8 MiB (a sixth of it), and one
-    # 64-byte line in each 2 MiB page of 2 GiB (many pages, almost no bytes)
     "flush": {"flush"}, "flush8": {"flush8"}, "pages": {"pages"},
 }
+
+
+def _contexts(text: str) -> list[str]:
+    names = [c for c in text.split(",") if c]
+    bad = [c for c in names if c not in CONTEXTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"contexts are a comma-separated list of {', '.join(CONTEXTS)}")
+    return names
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        ts = [int(t) for t in text.split(",")]
+    except ValueError:
+        ts = []
+    if not ts or not all(1 <= t <= 64 for t in ts):
+        raise argparse.ArgumentTypeError("tokens are comma-separated integers in 1..64")
+    return ts
 
 
 def router_routing(x, wr, k):
@@ -48,18 +68,7 @@ def kernel_times(step, replays: int = 20) -> dict:
     """{kernel name: (launches per replay, mean µs per launch)} of `step` captured in a graph."""
     from torch.profiler import ProfilerActivity, profile
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
+    g = capture(step)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(replays):
@@ -84,15 +93,22 @@ def kernel_times(step, replays: int = 20) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="opgraft probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="Qwen3-30B-A3B")
-    ap.add_argument("--tokens", default="1,2,8")
+    ap.add_argument("--tokens", type=_tokens, default=[1, 2, 8])
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--contexts", default="bench,router,step")
+    ap.add_argument("--contexts", type=_contexts, default=["bench", "router", "step"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not 1 <= args.layers <= 256:
+        print("opgraft probe: --layers must be in 1..256", file=sys.stderr)
+        return 2
+    try:
+        shape = resolve(args.model)
+    except ConfigError as e:
+        print(f"opgraft probe: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("opgraft probe: no CUDA GPU here", file=sys.stderr)
         return 2
-    shape = resolve(args.model)
     dev = "cuda"
     H, E, k = shape.hidden, shape.num_experts, shape.top_k
     g = torch.Generator(device=dev).manual_seed(7)
@@ -101,19 +117,19 @@ def main(argv=None) -> int:
     qkv = [torch.randn((H, 5120), generator=g, device=dev).mul_(0.02).bfloat16() for _ in layers]
     o = [torch.randn((4096, H), generator=g, device=dev).mul_(0.02).bfloat16() for _ in layers]
     ws = torch.empty(1 << 24, dtype=torch.uint8, device=dev)
-    flush = torch.ones((1 << 15, 1024), dtype=torch.bfloat16, device=dev)  # 64 MiB, more than L2
+    used = set().union(*(CONTEXTS[c] for c in args.contexts))
     sink = torch.empty(1024, dtype=torch.bfloat16, device=dev)
-    pages = torch.ones((1024, 1 << 20), dtype=torch.bfloat16, device=dev)  # 1024 rows of 2 MiB
+    flush = torch.ones((1 << 15, 1024), dtype=torch.bfloat16, device=dev) if used & {"flush", "flush8"} else None
+    pages = torch.ones((1024, 1 << 20), dtype=torch.bfloat16, device=dev) if "pages" in used else None  # 2 MiB rows
     rows = []
-    for T in [int(t) for t in args.tokens.split(",")]:
+    for T in args.tokens:
         xs = [make_x(T, H, "bf16", dev, g) for _ in layers]
         outs = [torch.empty_like(x) for x in xs]
         uni = [make_routing(T, E, k, dev, g) for _ in layers]
         rtr = [router_routing(x, w, k) for x, w in zip(xs, wr)]
-        for ctx in args.contexts.split(","):
-            routs = uni if "uniform" in CONTEXTS[ctx] else rtr
-
+        for ctx in args.contexts:
             parts = CONTEXTS[ctx]
+            routs = uni if "uniform" in parts else rtr
 
             def step():
                 for i, (w13, w2) in enumerate(layers):

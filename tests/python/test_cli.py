@@ -63,9 +63,24 @@ def test_bad_arguments_are_clear_errors():
     assert r.returncode == 2 and "--between-mib must be in 0..4096" in r.stderr
 
 
+def probe(*args):
+    e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    return subprocess.run([sys.executable, "-m", "opgraft.probe", *args], capture_output=True, text=True,
+                          env=e, timeout=300, cwd=ROOT)
+
+
 @no_gpu_only
 def test_probe_without_gpu_says_so():
-    e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-    r = subprocess.run([sys.executable, "-m", "opgraft.probe", "--tokens", "1"], capture_output=True, text=True,
-                       env=e, timeout=300, cwd=ROOT)
+    r = probe("--tokens", "1")
     assert r.returncode == 2 and "no CUDA GPU" in r.stderr
+
+
+def test_probe_bad_arguments_are_clear_errors():
+    r = probe("--contexts", "bench,nope")
+    assert r.returncode == 2 and "comma-separated list of bench" in r.stderr
+    r = probe("--tokens", "0")
+    assert r.returncode == 2 and "integers in 1..64" in r.stderr
+    r = probe("--layers", "0")
+    assert r.returncode == 2 and "--layers must be in 1..256" in r.stderr
+    r = probe("--model", "nope")
+    assert r.returncode == 2 and "nope" in r.stderr
