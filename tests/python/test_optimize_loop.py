@@ -155,3 +155,25 @@ def test_vllm_builtin_is_found_where_vllm_imports():
         assert fn is None and "not importable" in why
     else:
         assert callable(fn) and why == ""
+
+
+def test_time_calls_subtracts_the_traffic_between_calls(monkeypatch):
+    """time_calls: with traffic between calls, the time of (traffic + call) minus the traffic
+    alone; without, the calls back to back. A fake time_graph charges 5 per call, 3 per read."""
+    from opgraft import bench
+
+    cost = {"call": 5.0, "read": 3.0}
+    log = []
+
+    def fake_time_graph(step, calls_per_replay, reps=30, warmup=3):
+        log.clear()
+        step()
+        return sum(cost[k] for k in log) / calls_per_replay
+
+    monkeypatch.setattr(bench, "time_graph", fake_time_graph)
+    schedule = [(i, None) for i in range(4)]
+    call = lambda i, w: log.append("call")  # noqa: E731
+    read = lambda: log.append("read")  # noqa: E731
+    assert bench.time_calls(call, schedule) == pytest.approx(5.0)
+    assert bench.time_calls(call, schedule, read) == pytest.approx(5.0)
+    assert bench.between_traffic(0, "cpu") is None
