@@ -168,7 +168,8 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
   return OPGRAFT_OK;
 }
 
-/* Compile options for one configuration; returns the number of options. */
+/* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
+enum { OG_MAX_OPTS = 24 };
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
@@ -298,8 +299,8 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     plan = key;
     plan.arch = arch;
     moe_config(a, arch, gpu[0] ? gpu : NULL, &plan.cfg);
-    char buf[24][48];
-    const char *opts[24];
+    char buf[OG_MAX_OPTS][48];
+    const char *opts[OG_MAX_OPTS];
     const int nopts = moe_options(a, &plan.cfg, buf, opts);
     char names[OG_MOE_KERNELS][64];
     fn_names(a, names);
@@ -379,8 +380,8 @@ int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgr
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "shape outside the kernel's limits");
   og_moe_cfg cfg;
   moe_config(a, arch, a->gpu_name, &cfg);
-  char buf[24][48];
-  const char *opts[24];
+  char buf[OG_MAX_OPTS][48];
+  const char *opts[OG_MAX_OPTS];
   const int nopts = moe_options(a, &cfg, buf, opts);
   og_cubin cub;
   int32_t st = opgraft__compile("moe_decode.cu", opts, nopts, arch, &cub);

@@ -157,6 +157,20 @@ def time_calls(call, schedule, between=None, reps: int = 30) -> float:
     return time_graph(step_with, len(schedule), reps=reps) - time_graph(step_alone, len(schedule), reps=reps)
 
 
+def profiler_kernels(prof) -> dict:
+    """{kernel name: (launches, self device µs)} of a stopped torch profiler, kernels inside
+    CUDA-graph replays included (torch names the time self_device_time_total, older releases
+    self_cuda_time_total)."""
+    out = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None)
+        if us is None:
+            us = getattr(ev, "self_cuda_time_total", 0.0)
+        if ev.count and us > 0:
+            out[ev.key] = (int(ev.count), float(us))
+    return out
+
+
 def capture(step, warmup: int = 3) -> "torch.cuda.CUDAGraph":
     """`step` run once eagerly (compiles kernels, settles allocations), then captured into a CUDA
     graph, replayed `warmup` times."""

@@ -246,14 +246,9 @@ def _worker_profile(worker=None, action: str = "start") -> dict:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         prof.stop()
-        kernels = {}
-        for ev in prof.key_averages():
-            us = getattr(ev, "self_device_time_total", None)
-            if us is None:
-                us = getattr(ev, "self_cuda_time_total", 0.0)
-            if us > 0:
-                kernels[ev.key[:160]] = [int(ev.count), float(us)]
-        out["kernels"] = kernels
+        from opgraft.bench import profiler_kernels
+
+        out["kernels"] = {k[:160]: [n, us] for k, (n, us) in profiler_kernels(prof).items()}
     except Exception as e:  # a profiler that cannot run must not end the study
         this._PROFILER = None
         out["error"] = f"{type(e).__name__}: {e}"

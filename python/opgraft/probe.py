@@ -28,7 +28,7 @@ import sys
 import torch
 
 from . import ops
-from .bench import capture, make_routing, make_weights, make_x
+from .bench import capture, make_routing, make_weights, make_x, profiler_kernels
 from .presets import ConfigError, resolve
 
 KERNELS = ("moe_gate_up", "moe_down", "moe_fused")
@@ -80,14 +80,8 @@ def kernel_times(step, replays: int = 20) -> dict:
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", None)
-        if us is None:
-            us = getattr(ev, "self_cuda_time_total", 0.0)
-        if ev.count and us:
-            out[ev.key] = (ev.count / replays, us / ev.count)
-    return {"replay_us": wall, "kernels": out}
+    kernels = {k: (n / replays, us / n) for k, (n, us) in profiler_kernels(prof).items()}
+    return {"replay_us": wall, "kernels": kernels}
 
 
 def main(argv=None) -> int:

@@ -177,3 +177,15 @@ def test_time_calls_subtracts_the_traffic_between_calls(monkeypatch):
     assert bench.time_calls(call, schedule) == pytest.approx(5.0)
     assert bench.time_calls(call, schedule, read) == pytest.approx(5.0)
     assert bench.between_traffic(0, "cpu") is None
+
+
+def test_profiler_kernels_reads_either_time_attribute():
+    from types import SimpleNamespace
+
+    from opgraft import bench
+
+    events = [SimpleNamespace(key="new", count=4, self_device_time_total=10.0),
+              SimpleNamespace(key="old", count=2, self_cuda_time_total=3.0),
+              SimpleNamespace(key="host only", count=5, self_device_time_total=0.0)]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    assert bench.profiler_kernels(prof) == {"new": (4, 10.0), "old": (2, 3.0)}
