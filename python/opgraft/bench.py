@@ -123,8 +123,8 @@ def vllm_builtin():
 # In a decode step the other layers' kernels (attention, the dense projections: ~38 MB of weights
 # per layer for Qwen3-30B-A3B) run between two MoE calls and leave L2 full of their lines. Kernels
 # can run slower after that than back to back (measured: bench/NOTES.md, v9), so by default the
-# bench reads this much other data before each call and times the call alone (call + read, minus
-# the read by itself).
+# bench reads this much other data before each call and times the call alone: from its kernels'
+# own start/end times (time_calls_span), or as (call + read) minus the read by itself.
 BETWEEN_MIB = 64
 
 
@@ -155,6 +155,81 @@ def time_calls(call, schedule, between=None, reps: int = 30) -> float:
         for _ in schedule:
             between()
     return time_graph(step_with, len(schedule), reps=reps) - time_graph(step_alone, len(schedule), reps=reps)
+
+
+class SpanError(RuntimeError):
+    """The profiler's kernel records could not be split into (traffic, call) groups."""
+
+
+def device_intervals(prof) -> list[tuple[int, int]]:
+    """(start ns, end ns) of every device activity (kernel, memset, memcpy) a stopped torch
+    profiler recorded, CUDA-graph replays included, sorted by start."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() != DeviceType.CUDA:
+            continue
+        annotation = getattr(ev, "is_user_annotation", None)
+        if annotation is not None and annotation():  # a named range over kernels, not a kernel
+            continue
+        start, dur = int(ev.start_ns()), int(ev.duration_ns())
+        if dur > 0:
+            out.append((start, start + dur))
+    return sorted(out)
+
+
+def call_spans(intervals, n_between: int, n_call: int) -> list[float]:
+    """µs each call adds to the stream, from the device intervals of replays of [traffic, call]*n:
+    per group of n_between + n_call activities (in start order), the end of the call's last
+    activity minus the end of the traffic's last one. Unlike a subtraction of two timings, this
+    charges the call only for itself, overlaps with its neighbours (PDL) included."""
+    g = n_between + n_call
+    if n_between < 1 or n_call < 1 or not intervals or len(intervals) % g:
+        raise SpanError(f"{len(intervals)} device activities do not split into groups of "
+                        f"{n_between} + {n_call}")
+    spans = []
+    for i in range(0, len(intervals), g):
+        grp = intervals[i:i + g]
+        spans.append((max(e for _, e in grp[n_between:]) - max(e for _, e in grp[:n_between])) / 1e3)
+    return spans
+
+
+def _profiled_intervals(graph, replays: int) -> list[tuple[int, int]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return device_intervals(prof)
+
+
+def time_calls_span(call, schedule, between, reps: int = 30) -> float:
+    """Median µs per call of `call(i, w)` with `between()` before each, from the kernels' own
+    start/end times (torch profiler over graph replays; see call_spans). Raises SpanError
+    when the records cannot be grouped (a call whose kernel count varies, a profiler without
+    device records)."""
+    n = len(schedule)
+
+    def step_with():
+        for i, w in schedule:
+            between()
+            call(i, w)
+
+    def step_alone():
+        for _ in schedule:
+            between()
+    replays = max(2, min(reps, 10))
+    alone = _profiled_intervals(capture(step_alone), replays)
+    if not alone or len(alone) % (n * replays):
+        raise SpanError(f"traffic alone: {len(alone)} device activities in {n * replays} reads")
+    n_between = len(alone) // (n * replays)
+    both = _profiled_intervals(capture(step_with), replays)
+    if len(both) % (n * replays):
+        raise SpanError(f"{len(both)} device activities in {n * replays} calls")
+    n_call = len(both) // (n * replays) - n_between
+    return statistics.median(call_spans(both, n_between, n_call))
 
 
 def profiler_kernels(prof) -> dict:
@@ -252,18 +327,38 @@ def unique_expert_bytes(shape: MoeShape, routings, elem_bytes: int = 2) -> float
 
 def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device="cuda", n_routings: int = 16,
                 reps: int = 30, ceiling_tbps: float | None = None, baseline: bool = True, progress=None,
-                w13=None, w2=None, extra_layers=(), between_mib: int = BETWEEN_MIB) -> list[dict]:
+                w13=None, w2=None, extra_layers=(), between_mib: int = BETWEEN_MIB,
+                timing: str = "span") -> list[dict]:
     """Rows for one model shape at each token count: opgraft, the torch baseline, checked vs fp64.
     extra_layers: more (w13, w2) copies; the timed calls rotate over (w13, w2) and these, as a
     model's layers do. Correctness is checked on (w13, w2).
     between_mib: before each timed call, read this many MiB of other data (0: calls back to back);
-    see `between_traffic`."""
+    see `between_traffic`.
+    timing: with traffic, "span" charges each call from its kernels' own start/end times
+    (`time_calls_span`; the subtraction's figure is kept as median_us_subtract), "subtract" takes
+    (traffic + call) minus traffic alone."""
+    if timing not in ("span", "subtract"):
+        raise ValueError(f"timing must be 'span' or 'subtract', not {timing!r}")
     if w13 is None:
         w13, w2 = make_weights(shape, dtype, device)
     weights = [(w13, w2), *extra_layers]
     L = len(weights)
     gen = torch.Generator(device=device).manual_seed(1234)
     between = between_traffic(between_mib, device)
+
+    def timed(fn, schedule, n_reps):
+        """(µs, extra row fields) of fn over the schedule, by the chosen timing."""
+        sub = time_calls(fn, schedule, between, n_reps)
+        if between is None:
+            return sub, {"timing": "back-to-back"}
+        if timing == "subtract":
+            return sub, {"timing": "subtract"}
+        try:
+            return time_calls_span(fn, schedule, between, n_reps), {"timing": "span",
+                                                                    "median_us_subtract": round(sub, 2)}
+        except SpanError as e:
+            return sub, {"timing": "subtract", "span_error": str(e)}
+
     facts = gpu_facts()
     base = {"gpu": facts["gpu"], "arch": facts["arch"], "driver": facts["driver"], "torch": facts["torch"],
             "vllm": facts.get("vllm"),
@@ -296,7 +391,8 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
             def call(i, w):
                 ops.moe_experts_into(outs[i], xs[i], *w, *routings[i], workspace=ws)
 
-            results["opgraft"] = (time_calls(call, schedule, between, reps), err, {"deterministic": deterministic})
+            us, how = timed(call, schedule, reps)
+            results["opgraft"] = (us, err, {"deterministic": deterministic, **how})
         builtin, builtin_why = vllm_builtin()
         if builtin is not None:
             try:
@@ -306,7 +402,8 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
                 def vcall(i, w):
                     builtin(xs[i], *w, *routings[i])
 
-                results["vllm-builtin"] = (time_calls(vcall, schedule, between, reps), verr, {})
+                us, how = timed(vcall, schedule, reps)
+                results["vllm-builtin"] = (us, verr, how)
             except Exception as e:  # report, do not hide: the column says why it is missing
                 builtin_why = f"vLLM's fused_experts failed here ({type(e).__name__}: {str(e)[:80]})"
         gathered = T * shape.top_k * shape.expert_bytes()
@@ -317,7 +414,8 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
             def bcall(i, w):
                 torch_baseline(xs[i], *w, *routings[i])
 
-            results["torch-gather-bmm"] = (time_calls(bcall, schedule, between, max(5, reps // 3)), berr, {})
+            us, how = timed(bcall, schedule, max(5, reps // 3))
+            results["torch-gather-bmm"] = (us, berr, how)
         base_impl = "vllm-builtin" if "vllm-builtin" in results else "torch-gather-bmm"
         base_us = results.get(base_impl, (None,))[0]
         for impl, (us, err, extra) in results.items():

@@ -190,7 +190,7 @@ def cmd_bench(args) -> int:
             print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
             rows += bench.bench_shape(shape, [T], args.dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
                                       baseline=not args.no_baseline, extra_layers=extra,
-                                      between_mib=args.between_mib)
+                                      between_mib=args.between_mib, timing=args.timing)
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
     print(bench.format_table(rows))
@@ -477,6 +477,9 @@ def main(argv=None) -> int:
     b.add_argument("--between-mib", type=int, default=64,
                    help="read this many MiB of other data before each timed call, as a decode step's "
                         "other kernels do between two MoE layers (0: calls back to back)")
+    b.add_argument("--timing", choices=["span", "subtract"], default="span",
+                   help="with --between-mib: charge each call from its kernels' start/end times "
+                        "(span, torch profiler) or as (read + call) minus the read alone (subtract)")
     b.add_argument("--plot", default=None, help="write a PNG: time against tokens with the roofline")
     b.set_defaults(fn=cmd_bench)
     pr = sub.add_parser("profile", help="time split and roofline verdict per token count")

@@ -179,6 +179,52 @@ def test_time_calls_subtracts_the_traffic_between_calls(monkeypatch):
     assert bench.between_traffic(0, "cpu") is None
 
 
+def test_call_spans_charge_each_call_from_the_end_of_the_traffic():
+    """call_spans: per [traffic, call] group, the end of the call's last activity minus the end
+    of the traffic's; a call kernel that starts before the traffic ends (PDL) is charged only
+    from that end; records that do not split into groups raise SpanError."""
+    from opgraft import bench
+
+    # two groups: traffic 0..100, call kernels 98..120 and 121..130 (starts early: PDL overlap);
+    # traffic 130..230, call 231..260 and 240..250 (overlapping kernels).
+    iv = [(0, 100_000), (98_000, 120_000), (121_000, 130_000),
+          (130_000, 230_000), (231_000, 260_000), (240_000, 250_000)]
+    assert bench.call_spans(iv, 1, 2) == pytest.approx([30.0, 30.0])
+    with pytest.raises(bench.SpanError):
+        bench.call_spans(iv[:5], 1, 2)
+    with pytest.raises(bench.SpanError):
+        bench.call_spans(iv, 0, 3)
+    with pytest.raises(bench.SpanError):
+        bench.call_spans([], 1, 1)
+
+
+def test_device_intervals_keeps_device_records_in_start_order():
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from opgraft import bench
+
+    def ev(dev, start, dur, annotation=False):
+        return SimpleNamespace(device_type=lambda: dev, start_ns=lambda: start, duration_ns=lambda: dur,
+                               is_user_annotation=lambda: annotation)
+
+    events = [ev(DeviceType.CUDA, 500, 10), ev(DeviceType.CPU, 0, 1000), ev(DeviceType.CUDA, 100, 50),
+              ev(DeviceType.CUDA, 200, 0), ev(DeviceType.CUDA, 90, 600, annotation=True)]
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events)))
+    assert bench.device_intervals(prof) == [(100, 150), (500, 510)]
+
+
+def test_bench_shape_rejects_an_unknown_timing():
+    pytest.importorskip("torch")
+    from opgraft import bench
+    from opgraft.presets import resolve
+
+    with pytest.raises(ValueError, match="timing"):
+        bench.bench_shape(resolve("Qwen3-30B-A3B"), [1], timing="events", device="cpu")
+
+
 def test_profiler_kernels_reads_either_time_attribute():
     from types import SimpleNamespace
 
