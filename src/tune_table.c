@@ -16,6 +16,9 @@ const og_tune_entry opgraft__baked_table[] = {
     {0, NULL, NULL, 0, 0, "moe.fused", 0, "two kernels until the cooperative one is measured"},
     /* Per-model rows (bf16, H200). */
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on H200 2026-11-29 with moe.load 4, Qwen3-30B-A3B: ITL batch 1 4.115 -> 3.723 ms, batch 2 4.883 -> 4.844 (floor 4.954 -> 4.808), batch 8 floor 9.112 -> 8.904"},
+    {90, NULL, "moe:bf16:E128:H2048:I384:k8", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on 2 H200 2026-11-29 with moe.load 4, Qwen3-30B-A3B tensor_parallel_size 2 (this is one rank's shape): ITL batch 1 3.963 -> 3.530 ms, batch 2 4.231 -> 4.122, batch 8 6.476 -> 6.407"},
+    {90, NULL, "moe:bf16:E64:H2048:I768:k8", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on 2 H200 2026-11-29 with moe.load 4, Qwen3-30B-A3B tensor_parallel_size 2 + expert parallel (one rank's 64 experts): ITL batch 1 4.336 -> 3.680 ms, batch 2 5.303 -> 4.275, batch 8 7.117 -> 6.724"},
+    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 0, 0, "moe.max_tokens", 1, "vLLM 0.26 end to end on H200 2026-11-29 with moe.load 4, Mixtral-8x7B: ITL batch 1 7.993 -> 7.698 ms, batch 2 11.797 -> 11.708 (our kernels 9587 us a step vs vLLM's 9229), batch 8 21.105 -> 21.468: T >= 2 stays with vLLM"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 4, "moe.gate_up.warps", 8, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=1 25.1 us"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 5, 64, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=8 124.8 us"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 0, 0, "moe.down.warps", 16, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B down 9.3 us (T=1), 41.0 us (T=8)"},
