@@ -5,7 +5,7 @@
 const og_tune_entry opgraft__baked_table[] = {
     /* BEGIN TUNED ROWS */
     /* Any arch: the sm_90 winners below, unmeasured elsewhere. */
-    {0, NULL, NULL, 0, 0, "moe.max_tokens", 1, "vLLM 0.26 end to end on H200, Qwen3-30B-A3B 2026-11-29 (before moe.load 4): ITL at batch 1 -1.1..-1.9%, at batch 2/4/8 +10..+14%; other shapes not yet measured end to end with moe.load 4, so T >= 2 stays with vLLM there"},
+    {0, NULL, NULL, 0, 0, "moe.max_tokens", 1, "vLLM 0.26 end to end on H200, Qwen3-30B-A3B 2026-11-29 (before moe.load 4): ITL at batch 1 -1.1..-1.9%, at batch 2/4/8 +10..+14%; shapes measured since with moe.load 4 have their own rows below; the others hand T >= 2 to vLLM until measured"},
     {0, NULL, NULL, 0, 0, "moe.load", 4, "H200 2026-11-29: gate_up after 64 MiB of other reads (as in a decode step): Qwen3-30B-A3B T=8 112 -> 85 us, T=1 20.2 -> 16.4 us with form 4 instead of 1; back to back alike (bench/NOTES.md v9)"},
     {0, NULL, NULL, 0, 0, "moe.gate_up.warps", 8, "H200 coordinate descent 2026-11-29: 8 or 16 won on 3 of 4 presets"},
     {0, NULL, NULL, 0, 0, "moe.gate_up.unroll", 4, "H200 coordinate descent 2026-11-29: 4 won on every preset once L2 fetch was 128 B"},

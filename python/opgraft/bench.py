@@ -325,6 +325,22 @@ def unique_expert_bytes(shape: MoeShape, routings, elem_bytes: int = 2) -> float
     return statistics.mean(counts) * shape.expert_bytes(elem_bytes)
 
 
+def timed_calls(call, schedule, between=None, reps: int = 30, timing: str = "span") -> tuple[float, dict]:
+    """(µs per call, how it was timed) of `call(i, w)` over the schedule: back to back without
+    traffic; with it, by span (the subtraction's figure kept as median_us_subtract; the
+    subtraction alone where the profiler's records cannot be grouped) or by subtraction."""
+    sub = time_calls(call, schedule, between, reps)
+    if between is None:
+        return sub, {"timing": "back-to-back"}
+    if timing == "subtract":
+        return sub, {"timing": "subtract"}
+    try:
+        return time_calls_span(call, schedule, between, reps), {"timing": "span",
+                                                                "median_us_subtract": round(sub, 2)}
+    except SpanError as e:
+        return sub, {"timing": "subtract", "span_error": str(e)}
+
+
 def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device="cuda", n_routings: int = 16,
                 reps: int = 30, ceiling_tbps: float | None = None, baseline: bool = True, progress=None,
                 w13=None, w2=None, extra_layers=(), between_mib: int = BETWEEN_MIB,
@@ -347,17 +363,7 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
     between = between_traffic(between_mib, device)
 
     def timed(fn, schedule, n_reps):
-        """(µs, extra row fields) of fn over the schedule, by the chosen timing."""
-        sub = time_calls(fn, schedule, between, n_reps)
-        if between is None:
-            return sub, {"timing": "back-to-back"}
-        if timing == "subtract":
-            return sub, {"timing": "subtract"}
-        try:
-            return time_calls_span(fn, schedule, between, n_reps), {"timing": "span",
-                                                                    "median_us_subtract": round(sub, 2)}
-        except SpanError as e:
-            return sub, {"timing": "subtract", "span_error": str(e)}
+        return timed_calls(fn, schedule, between, n_reps, timing)
 
     facts = gpu_facts()
     base = {"gpu": facts["gpu"], "arch": facts["arch"], "driver": facts["driver"], "torch": facts["torch"],

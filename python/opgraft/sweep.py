@@ -66,7 +66,7 @@ class Fixture:
             ops.moe_experts_into(self.outs[i], self.xs[i], self.w13, self.w2, *self.routings[i],
                                  workspace=self.ws, stages=stages)
 
-        return bench.time_calls(call, [(i, None) for i in range(len(self.xs))], self.between, reps)
+        return bench.timed_calls(call, [(i, None) for i in range(len(self.xs))], self.between, reps)[0]
 
 
 def measure(fx: Fixture, cfg: dict, stages_all=True) -> dict:

@@ -198,6 +198,25 @@ def test_call_spans_charge_each_call_from_the_end_of_the_traffic():
         bench.call_spans([], 1, 1)
 
 
+def test_timed_calls_picks_the_timing_and_says_which(monkeypatch):
+    """timed_calls: back to back without traffic; span with traffic (the subtraction kept
+    beside it); the subtraction, with the reason, when the span cannot be taken."""
+    from opgraft import bench
+
+    monkeypatch.setattr(bench, "time_calls", lambda call, sched, between, reps: 30.0 if between else 24.0)
+    monkeypatch.setattr(bench, "time_calls_span", lambda call, sched, between, reps: 25.0)
+    read = object()
+    assert bench.timed_calls(None, [], None) == (24.0, {"timing": "back-to-back"})
+    assert bench.timed_calls(None, [], read) == (25.0, {"timing": "span", "median_us_subtract": 30.0})
+    assert bench.timed_calls(None, [], read, timing="subtract") == (30.0, {"timing": "subtract"})
+
+    def no_span(*a):
+        raise bench.SpanError("7 device activities do not split")
+    monkeypatch.setattr(bench, "time_calls_span", no_span)
+    us, how = bench.timed_calls(None, [], read)
+    assert us == 30.0 and how["timing"] == "subtract" and "do not split" in how["span_error"]
+
+
 def test_device_intervals_keeps_device_records_in_start_order():
     pytest.importorskip("torch")
     from types import SimpleNamespace
