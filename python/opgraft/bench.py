@@ -145,7 +145,12 @@ def time_calls(call, schedule, between=None, reps: int = 30) -> float:
             for i, w in schedule:
                 call(i, w)
         return time_graph(step, len(schedule), reps=reps)
+    step_with, step_alone = _traffic_steps(call, schedule, between)
+    return time_graph(step_with, len(schedule), reps=reps) - time_graph(step_alone, len(schedule), reps=reps)
 
+
+def _traffic_steps(call, schedule, between):
+    """Two steps over the schedule: [between(), call(i, w)] each, and between() alone each."""
     def step_with():
         for i, w in schedule:
             between()
@@ -154,7 +159,7 @@ def time_calls(call, schedule, between=None, reps: int = 30) -> float:
     def step_alone():
         for _ in schedule:
             between()
-    return time_graph(step_with, len(schedule), reps=reps) - time_graph(step_alone, len(schedule), reps=reps)
+    return step_with, step_alone
 
 
 class SpanError(RuntimeError):
@@ -211,15 +216,7 @@ def time_calls_span(call, schedule, between, reps: int = 30) -> float:
     when the records cannot be grouped (a call whose kernel count varies, a profiler without
     device records)."""
     n = len(schedule)
-
-    def step_with():
-        for i, w in schedule:
-            between()
-            call(i, w)
-
-    def step_alone():
-        for _ in schedule:
-            between()
+    step_with, step_alone = _traffic_steps(call, schedule, between)
     replays = max(2, min(reps, 10))
     alone = _profiled_intervals(capture(step_alone), replays)
     if not alone or len(alone) % (n * replays):
