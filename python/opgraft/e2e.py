@@ -10,7 +10,11 @@ kernel, same model, same prompts, one process per setting.
 
 Settings ("modes"): `disabled` runs with OPGRAFT_DISABLE=1 (the plugin patches nothing: stock
 vLLM); `passthrough` installs the seams but hands every call back (OPGRAFT_MOE_EXPERTS=passthrough);
-`opgraft` takes the MoE calls our guard accepts (the default variant). Each runs in its own
+`opgraft` takes the MoE calls our guard accepts (the default variant); `disabled-again` is stock
+vLLM a second time, so the parity table shows how far stock agrees with itself (with random
+weights greedy margins are small, and vLLM's batched decode is not run-to-run deterministic:
+a difference between stock and opgraft means little where stock differs from stock as much).
+Each runs in its own
 process because the plugin is installed when vLLM starts and CUDA graphs fix the kernels at
 capture time.
 
@@ -47,7 +51,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("disabled", "passthrough", "opgraft")
+MODES = ("disabled", "passthrough", "opgraft", "disabled-again")
 
 # Public config.json values (Hugging Face model cards: Qwen/Qwen3-30B-A3B,
 # mistralai/Mixtral-8x7B-v0.1). Only the architecture matters: weights are random.
@@ -142,7 +146,7 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     for k in ("OPGRAFT_DISABLE", "OPGRAFT_MOE_EXPERTS"):
         env.pop(k, None)
-    if mode == "disabled":
+    if mode in ("disabled", "disabled-again"):
         env["OPGRAFT_DISABLE"] = "1"
     elif mode == "passthrough":
         env["OPGRAFT_MOE_EXPERTS"] = "passthrough"

@@ -11,6 +11,8 @@ from opgraft import e2e
 def test_mode_env_sets_exactly_one_switch():
     base = {"OPGRAFT_DISABLE": "1", "OPGRAFT_MOE_EXPERTS": "x", "KEEP": "1"}
     assert e2e.mode_env("disabled", base)["OPGRAFT_DISABLE"] == "1"
+    # stock a second time: the same environment as the first
+    assert e2e.mode_env("disabled-again", base) == e2e.mode_env("disabled", base)
     p = e2e.mode_env("passthrough", base)
     assert "OPGRAFT_DISABLE" not in p and p["OPGRAFT_MOE_EXPERTS"] == "passthrough"
     o = e2e.mode_env("opgraft", base)
@@ -80,7 +82,8 @@ def test_parity_counts_positions_and_compares_logprobs_only_on_the_common_prefix
 def test_compare_writes_summary_with_ratios(tmp_path, capsys):
     runs = {"disabled": _run("disabled", [[1, 2]], [[-1.0, -1.0]], [2.0, 2.2, 1.8]),
             "opgraft": _run("opgraft", [[1, 2]], [[-1.0, -1.01]], [1.5, 1.6, 1.4]),
-            "passthrough": _run("passthrough", [[1, 2]], [[-1.0, -1.0]], [2.0, 2.0, 2.0])}
+            "passthrough": _run("passthrough", [[1, 2]], [[-1.0, -1.0]], [2.0, 2.0, 2.0]),
+            "disabled-again": _run("disabled-again", [[1, 3]], [[-1.0, -1.2]], [2.0, 2.1, 1.9])}
     for m, r in runs.items():
         (tmp_path / f"e2e-{m}.json").write_text(json.dumps(r))
     s = e2e.compare(str(tmp_path))
@@ -88,6 +91,8 @@ def test_compare_writes_summary_with_ratios(tmp_path, capsys):
     assert rows["opgraft"]["itl_vs_disabled"] == pytest.approx(0.75)
     assert rows["disabled"]["itl_ms_min"] == 1.8 and rows["disabled"]["itl_ms_max"] == 2.2
     assert s["parity_vs_disabled"]["passthrough"]["1"]["identical"] is True
+    # stock against itself: the yardstick for the other settings' parity
+    assert s["parity_vs_disabled"]["disabled-again"]["1"]["same_position_fraction"] == 0.5
     assert json.loads((tmp_path / "e2e-summary.json").read_text())["rows"] == s["rows"]
     assert "opgraft" in capsys.readouterr().out
 
