@@ -23,6 +23,13 @@
 // finish before they read act or write out. The down stage's launch and ramp hide behind
 // gate_up's tail; the bytes read do not change.
 //
+// OG_DOWN_PF_BYTES (with OG_PDL): before it waits for gate_up, each down block asks L2 for its own
+// weights (its 16 rows of H of every used expert, in the order it will read them, at most
+// OG_DOWN_PF_BYTES / (H/16) bytes a block). They do not depend on gate_up's output, so the blocks
+// that start in gate_up's tail stream them while DRAM is no longer busy with gate_up, instead of
+// after it. Unlike OG_W2PF_BYTES (gate_up asks for them at its start) nothing competes with
+// gate_up's own stream until its blocks retire.
+//
 // moe_fused_<dtype> does both stages in one cooperative launch: blocks loop over the gate_up tiles,
 // meet at a grid-wide barrier (a counter the launcher zeroes before the launch), then loop over
 // the down tiles. It pays one launch and one routing setup instead of two, which matters for small
@@ -42,6 +49,9 @@
 #endif
 #ifndef OG_PDL
 #define OG_PDL 0
+#endif
+#ifndef OG_DOWN_PF_BYTES
+#define OG_DOWN_PF_BYTES 0
 #endif
 // From two token tiles on, the accumulators need more than 128 registers, and ptxas otherwise
 // aims at two blocks per SM and spills: one block per SM is enough for those (longer) calls.
@@ -151,6 +161,31 @@ __device__ __forceinline__ void og_prefetch_w2(const og_moe_params &p, const og_
                                      2ULL * (unsigned long long)(r.experts[u] * p.w2_estride + run * p.w2_rstride);
     const unsigned long long line = (start & ~127ULL) + 128ULL * (unsigned long long)l;
     if (line < start + (unsigned long long)span) og_prefetch_l2_keep((const void *)line);
+  }
+#endif
+}
+
+// The L2 requests of one down block for its weights (OG_DOWN_PF_BYTES above): line by line, used
+// expert by used expert, each expert's 16 rows as one run when the rows are dense.
+__device__ __forceinline__ void og_down_prefetch(const og_moe_params &p, const og_routing &r, int htile) {
+#if OG_DOWN_PF_BYTES > 0
+  const int h0 = htile * 16;
+  const bool dense = p.w2_rstride == OG_I;
+  const long long span = dense ? 2LL * 16 * OG_I : 2LL * OG_I;  // bytes per run
+  const int runs = dense ? 1 : 16;                               // runs per expert
+  const int run_lines = (int)(span / 128) + 2;  // upper bound: a run may straddle one more line
+  const long long cap = (long long)OG_DOWN_PF_BYTES / (OG_H / 16) / 128 + 1;
+  long long total = (long long)r.nused * runs * run_lines;
+  if (total > cap) total = cap;
+  for (long long i = threadIdx.x; i < total; i += blockDim.x) {
+    const int per_exp = runs * run_lines;
+    const int u = (int)(i / per_exp), rem = (int)(i - (long long)u * per_exp);
+    const int run = rem / run_lines, l = rem - run * run_lines;
+    const unsigned long long start =
+        (unsigned long long)(const char *)p.w2 +
+        2ULL * (unsigned long long)(r.experts[u] * p.w2_estride + (long long)(h0 + run) * p.w2_rstride);
+    const unsigned long long line = (start & ~127ULL) + 128ULL * (unsigned long long)l;
+    if (line < start + (unsigned long long)span) og_prefetch_l2((const void *)line);
   }
 #endif
 }
@@ -428,6 +463,7 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
   __shared__ float s_red[OG_W2][OG_NT][4][32];
   og_routing_setup(p, r);  // the routing was written before gate_up started: safe to read here
 #if OG_PDL
+  og_down_prefetch(p, r, blockIdx.x);
   og_pdl_wait();  // gate_up has finished: act is complete and x (which out may alias) is read
 #endif
   og_down_tile<OG_W2>(p, r, blockIdx.x, s_red);

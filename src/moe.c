@@ -37,6 +37,7 @@ typedef struct og_moe_cfg {
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
   int load; /* the form of gate_up's weight loads (OG_LOAD, og_common.cuh) */
+  int down_pf_mb; /* W2 bytes (MiB, whole grid) each down block requests before it waits (PDL) */
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
@@ -59,6 +60,8 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->w2pf_last = c->w2pf_mb > 0 && opgraft__tune_value("moe.w2_prefetch_last", arch, gpu, shape, T) != 0;
   c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
   c->load = (int)opgraft__tune_value("moe.load", arch, gpu, shape, T);
+  /* Only the programmatic launch gives down blocks a wait to fill. */
+  c->down_pf_mb = c->pdl ? (int)opgraft__tune_value("moe.down_prefetch", arch, gpu, shape, T) : 0;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
@@ -192,6 +195,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_W2PF_LAST=%d", c->w2pf_last);
   OG_OPT("-DOG_PDL=%d", c->pdl);
   OG_OPT("-DOG_LOAD=%d", c->load);
+  OG_OPT("-DOG_DOWN_PF_BYTES=%lldLL", (long long)c->down_pf_mb << 20);
 #undef OG_OPT
   return n;
 }

@@ -93,6 +93,9 @@ def main(argv=None) -> int:
                     help="moe.pdl 1: moe_down launched while gate_up's tail runs (sm_90)")
     ap.add_argument("--w2pf", action="store_true",
                     help="the down stage's weights requested into L2 during gate_up: budgets x priority")
+    ap.add_argument("--downpf", action="store_true",
+                    help="with moe.pdl 1: each down block requests its weights into L2 before it "
+                         "waits for gate_up (moe.down_prefetch budgets in MiB)")
     ap.add_argument("--start", default=None, help="JSON object: the descent's starting configuration")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -115,6 +118,9 @@ def main(argv=None) -> int:
         if args.w2pf:
             for mb, last in itertools.product([4, 8, 16, 24, 32, 48], [0, 1]):
                 rows.append(measure(fx, {"moe.w2_prefetch": mb, "moe.w2_prefetch_last": last}, stages_all=False))
+        if args.downpf:
+            for mb in (8, 16, 24, 32, 48, 96):
+                rows.append(measure(fx, {"moe.pdl": 1, "moe.down_prefetch": mb}, stages_all=False))
         if args.descent:
             apply_config({})
             start = {k: _lib.tune_get(k, 90, None, None, T)[0] for k in MOE_SPACE}

@@ -217,6 +217,19 @@ static void test_load_forms_compile(void **state) {
   if (bad) fail_msg("%d problems with the moe.load forms", bad);
 }
 
+static void test_down_prefetch_variants_compile(void **state) {
+  /* moe.down_prefetch (down blocks request their weights into L2 before the PDL wait): with
+   * moe.pdl=1, Qwen3-30B-A3B, Mixtral-8x7B and the ep2 shape compile spill-free (sm_80 has no PDL
+   * and gets the plain kernels). */
+  need_nvrtc();
+  setenv("OPGRAFT_TUNE_MOE_PDL", "1", 1);
+  const int ids[] = {0, 2, 6};
+  const int bad = variants_compile("OPGRAFT_TUNE_MOE_DOWN_PREFETCH", "24", ids, 3);
+  unsetenv("OPGRAFT_TUNE_MOE_PDL");
+  opgraft_tune_reload();
+  if (bad) fail_msg("%d problems with moe.down_prefetch=24", bad);
+}
+
 static void test_real_log_parses(void **state) {
   /* The resource report of an actual compile parses. */
   need_nvrtc();
@@ -337,6 +350,7 @@ int main(void) {
       cmocka_unit_test(test_no_spills),
       cmocka_unit_test(test_pdl_variants_compile),
       cmocka_unit_test(test_load_forms_compile),
+      cmocka_unit_test(test_down_prefetch_variants_compile),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
