@@ -18,14 +18,16 @@ import torch
 
 from . import _lib, bench, ops
 from .presets import PRESETS, MoeShape
+from .sweep import apply_config
 
 
 def _case(name, shape, T, dtype="bf16", ids64=False, on_input=False, x_pad=0, out_pad=0, dup=False, invalid=False,
-          seed=0, ep=0):
+          seed=0, ep=0, tunables=None):
     """ep > 0: expert parallelism, shape's experts are a random subset of ep global experts, the
-    ids are global and an expert_map sends them to local ids or -1."""
+    ids are global and an expert_map sends them to local ids or -1. tunables: {key: value} set
+    for this case only (through their env vars)."""
     return dict(name=name, shape=shape, T=T, dtype=dtype, ids64=ids64, on_input=on_input, x_pad=x_pad,
-                out_pad=out_pad, dup=dup, invalid=invalid, seed=seed, ep=ep)
+                out_pad=out_pad, dup=dup, invalid=invalid, seed=seed, ep=ep, tunables=tunables or {})
 
 
 def correctness_cases() -> list[dict]:
@@ -47,6 +49,12 @@ def correctness_cases() -> list[dict]:
         _case("expert_map: 16 of 32 experts T=1", small, 1, ep=32),
         _case("expert_map: 16 of 64 experts T=9, int64 ids", small, 9, ids64=True, ep=64),
         _case("expert_map: Qwen3-30B-A3B/ep2 T=4", MoeShape("Qwen3-30B-A3B/ep2", 64, 2048, 768, 8), 4, ep=128),
+    ]
+    down_pf = {"moe.pdl": 1, "moe.down_prefetch": 24}  # sm_90: down's weights asked for before its wait
+    cases += [
+        _case("down prefetch: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1, tunables=down_pf),
+        _case("down prefetch: small T=13, duplicate ids", small, 13, dup=True, tunables=down_pf),
+        _case("down prefetch: expert_map 16 of 64 T=9", small, 9, ep=64, tunables=down_pf),
     ]
     return cases
 
@@ -73,6 +81,16 @@ def run_case(c: dict, device="cuda") -> dict:
     x = xfull[:, : shape.hidden]
     ofull = torch.full((T, shape.hidden + c["out_pad"]), float("nan"), dtype=x.dtype, device=device)
     out = ofull[:, : shape.hidden]
+    if c["tunables"]:
+        apply_config(c["tunables"])
+    try:
+        return _check(c, shape, T, dtype, x, w13, w2, tw, ids, emap, ofull, out)
+    finally:
+        if c["tunables"]:
+            apply_config({})
+
+
+def _check(c, shape, T, dtype, x, w13, w2, tw, ids, emap, ofull, out) -> dict:
     ok, reason = ops.moe_supports(x, w13, w2, tw, ids, c["on_input"], emap)
     res = {k: v for k, v in c.items() if k != "shape"}
     res.update(shape=shape.as_dict(), supported=ok, reason=reason)

@@ -141,3 +141,14 @@ def test_the_c_oracle_follows_an_expert_map():
     # A map of the wrong dtype is not passed on: the guard refuses the call.
     a = ops.moe_args(x, w13[local], w2[local], tw, ids, None, False, emap.long())
     assert a.dtype == -1
+
+
+def test_gpu_check_cases_set_only_known_tunables():
+    pytest.importorskip("torch")
+    from opgraft import gpucheck
+
+    keys = set(_lib.tune_keys())
+    cases = [c for c in gpucheck.correctness_cases() if c["tunables"]]
+    assert cases, "the GPU check has cases for non-default tunables"
+    for c in cases:
+        assert set(c["tunables"]) <= keys, c["name"]
