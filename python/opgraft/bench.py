@@ -322,20 +322,23 @@ def unique_expert_bytes(shape: MoeShape, routings, elem_bytes: int = 2) -> float
     return statistics.mean(counts) * shape.expert_bytes(elem_bytes)
 
 
-def timed_calls(call, schedule, between=None, reps: int = 30, timing: str = "span") -> tuple[float, dict]:
+def timed_calls(call, schedule, between=None, reps: int = 30, timing: str = "span",
+                cross_check: bool = True) -> tuple[float, dict]:
     """(µs per call, how it was timed) of `call(i, w)` over the schedule: back to back without
-    traffic; with it, by span (the subtraction's figure kept as median_us_subtract; the
-    subtraction alone where the profiler's records cannot be grouped) or by subtraction."""
-    sub = time_calls(call, schedule, between, reps)
+    traffic; with it, by span (cross_check: the subtraction's figure too, as median_us_subtract;
+    the subtraction alone where the profiler's records cannot be grouped) or by subtraction."""
     if between is None:
-        return sub, {"timing": "back-to-back"}
+        return time_calls(call, schedule, None, reps), {"timing": "back-to-back"}
     if timing == "subtract":
-        return sub, {"timing": "subtract"}
+        return time_calls(call, schedule, between, reps), {"timing": "subtract"}
     try:
-        return time_calls_span(call, schedule, between, reps), {"timing": "span",
-                                                                "median_us_subtract": round(sub, 2)}
+        us = time_calls_span(call, schedule, between, reps)
     except SpanError as e:
-        return sub, {"timing": "subtract", "span_error": str(e)}
+        return time_calls(call, schedule, between, reps), {"timing": "subtract", "span_error": str(e)}
+    how = {"timing": "span"}
+    if cross_check:
+        how["median_us_subtract"] = round(time_calls(call, schedule, between, reps), 2)
+    return us, how
 
 
 def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device="cuda", n_routings: int = 16,

@@ -18,7 +18,7 @@ import torch
 
 from . import _lib, bench, ops
 from .presets import PRESETS, MoeShape
-from .sweep import apply_config
+from .sweep import tunables_set
 
 
 def _case(name, shape, T, dtype="bf16", ids64=False, on_input=False, x_pad=0, out_pad=0, dup=False, invalid=False,
@@ -81,13 +81,8 @@ def run_case(c: dict, device="cuda") -> dict:
     x = xfull[:, : shape.hidden]
     ofull = torch.full((T, shape.hidden + c["out_pad"]), float("nan"), dtype=x.dtype, device=device)
     out = ofull[:, : shape.hidden]
-    if c["tunables"]:
-        apply_config(c["tunables"])
-    try:
+    with tunables_set(c["tunables"]):
         return _check(c, shape, T, dtype, x, w13, w2, tw, ids, emap, ofull, out)
-    finally:
-        if c["tunables"]:
-            apply_config({})
 
 
 def _check(c, shape, T, dtype, x, w13, w2, tw, ids, emap, ofull, out) -> dict:

@@ -10,6 +10,7 @@ routings) for the gate/up stage alone, the down stage alone, and both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -27,6 +28,25 @@ _KEYS = list(MOE_SPACE)
 
 def env_name(key: str) -> str:
     return "OPGRAFT_TUNE_" + key.upper().replace(".", "_")
+
+
+@contextlib.contextmanager
+def tunables_set(cfg: dict):
+    """cfg's tunables set through their env vars inside the block; each variable is put back as it
+    was (set or not) afterwards."""
+    saved = {k: os.environ.get(env_name(k)) for k in cfg}
+    try:
+        for k, v in cfg.items():
+            os.environ[env_name(k)] = str(v)
+        _lib.lib().opgraft_tune_reload()
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(env_name(k), None)
+            else:
+                os.environ[env_name(k)] = v
+        _lib.lib().opgraft_tune_reload()
 
 
 def apply_config(cfg: dict) -> None:
@@ -66,7 +86,8 @@ class Fixture:
             ops.moe_experts_into(self.outs[i], self.xs[i], self.w13, self.w2, *self.routings[i],
                                  workspace=self.ws, stages=stages)
 
-        return bench.timed_calls(call, [(i, None) for i in range(len(self.xs))], self.between, reps)[0]
+        return bench.timed_calls(call, [(i, None) for i in range(len(self.xs))], self.between, reps,
+                                 cross_check=False)[0]
 
 
 def measure(fx: Fixture, cfg: dict, stages_all=True) -> dict:

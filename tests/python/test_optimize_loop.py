@@ -209,6 +209,7 @@ def test_timed_calls_picks_the_timing_and_says_which(monkeypatch):
     assert bench.timed_calls(None, [], None) == (24.0, {"timing": "back-to-back"})
     assert bench.timed_calls(None, [], read) == (25.0, {"timing": "span", "median_us_subtract": 30.0})
     assert bench.timed_calls(None, [], read, timing="subtract") == (30.0, {"timing": "subtract"})
+    assert bench.timed_calls(None, [], read, cross_check=False) == (25.0, {"timing": "span"})
 
     def no_span(*a):
         raise bench.SpanError("7 device activities do not split")
@@ -254,3 +255,18 @@ def test_profiler_kernels_reads_either_time_attribute():
               SimpleNamespace(key="host only", count=5, self_device_time_total=0.0)]
     prof = SimpleNamespace(key_averages=lambda: events)
     assert bench.profiler_kernels(prof) == {"new": (4, 10.0), "old": (2, 3.0)}
+
+
+def test_tunables_set_puts_every_variable_back(monkeypatch):
+    pytest.importorskip("torch")
+    from opgraft import _lib
+    from opgraft.sweep import tunables_set
+
+    monkeypatch.setenv("OPGRAFT_TUNE_MOE_PDL", "0")
+    monkeypatch.delenv("OPGRAFT_TUNE_MOE_DOWN_PREFETCH", raising=False)
+    with tunables_set({"moe.pdl": 1, "moe.down_prefetch": 24}):
+        assert _lib.tune_get("moe.down_prefetch", 90)[0] == 24
+        assert _lib.tune_get("moe.pdl", 90)[0] == 1
+    assert os.environ["OPGRAFT_TUNE_MOE_PDL"] == "0"
+    assert "OPGRAFT_TUNE_MOE_DOWN_PREFETCH" not in os.environ
+    assert _lib.tune_get("moe.pdl", 90) == (0, "env:OPGRAFT_TUNE_MOE_PDL")
