@@ -15,7 +15,7 @@
 // OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
 // block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
 // OG_PREFETCH (L2 prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size
-// hint, og_common.cuh), OG_W2PF_BYTES / OG_W2PF_LAST (below), OG_PDL (below).
+// hint, og_common.cuh), OG_LOAD / OG_DOWN_LOAD (the weight loads' form per stage, og_common.cuh), OG_W2PF_BYTES / OG_W2PF_LAST (below), OG_PDL (below).
 //
 // OG_PDL (sm_90; the launcher sets the down launch's programmatic-serialization attribute):
 // gate_up lets moe_down start as soon as every gate_up block has started, so the down blocks
@@ -377,8 +377,8 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
       const int s = ch * OG_U2 + q;
       if (steps % OG_U2 == 0 || s < steps) {
         const long long off = 2 * (long long)(s * 32 + c * 8);
-        a[q] = og_load_stream<1>(wrow + off);
-        a8[q] = og_load_stream<1>(wrow + row8 + off);
+        a[q] = og_load_stream<OG_DOWN_LOAD>(wrow + off);
+        a8[q] = og_load_stream<OG_DOWN_LOAD>(wrow + row8 + off);
 #pragma unroll
         for (int nt = 0; nt < OG_NT; ++nt)
           b[q][nt] = src0[nt] >= 0 ? og_load_coherent((const char *)p.act +

@@ -13,7 +13,9 @@ struct __align__(16) og_vec4 {
 //   1 read-only path, not kept in L1 (L1::no_allocate), first for eviction from L2 (evict_first);
 //   0 the same without the L2 hint;  2 the same with L2::evict_normal;
 //   3 a coherent load (no .nc), not kept in L1;  4 read-only path, no cache hints.
-// gate_up uses OG_LOAD (moe.load, default 4), down form 1. Measured on H200 (bench/NOTES.md, v9):
+// gate_up uses OG_LOAD (moe.load, default 4), down OG_DOWN_LOAD (moe.down_load, default 1; sm_90
+// only: forms 0, 3 and 4 make Mixtral-8x7B's down spill on sm_80).
+// Measured on H200 (bench/NOTES.md, v9):
 // back to back, all forms but 2 run alike; after other kernels have filled L2 (as in a decode
 // step) the L1::no_allocate forms (0, 1, 3) run gate_up 25-35% slower and form 4 does not; down
 // (which follows gate_up) ran alike with 1 and 4.
@@ -21,6 +23,9 @@ struct __align__(16) og_vec4 {
 // contiguous bytes of a row per instruction, so a larger fetch turns the next steps into hits.
 #ifndef OG_LOAD
 #define OG_LOAD 4
+#endif
+#ifndef OG_DOWN_LOAD
+#define OG_DOWN_LOAD 1
 #endif
 #ifndef OG_L2_FETCH
 #define OG_L2_FETCH 0

@@ -36,7 +36,7 @@ typedef struct og_moe_cfg {
   int nt, w1, u1, w2, u2, fused, prefetch, l2_fetch;
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
-  int load; /* the form of gate_up's weight loads (OG_LOAD, og_common.cuh) */
+  int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
   int down_pf_mb; /* W2 bytes (MiB, whole grid) each down block requests before it waits (PDL) */
 } og_moe_cfg;
 
@@ -60,6 +60,9 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->w2pf_last = c->w2pf_mb > 0 && opgraft__tune_value("moe.w2_prefetch_last", arch, gpu, shape, T) != 0;
   c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
   c->load = (int)opgraft__tune_value("moe.load", arch, gpu, shape, T);
+  /* sm_90 only: on sm_80 the forms without an L2 policy (0, 3, 4) make Mixtral-8x7B's down spill
+   * (test_compile), so down keeps form 1 there. */
+  c->down_load = arch >= 90 ? (int)opgraft__tune_value("moe.down_load", arch, gpu, shape, T) : 1;
   /* Only the programmatic launch gives down blocks a wait to fill. */
   c->down_pf_mb = c->pdl ? (int)opgraft__tune_value("moe.down_prefetch", arch, gpu, shape, T) : 0;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
@@ -172,7 +175,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 24 };
+enum { OG_MAX_OPTS = 32 }; /* 22 used */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
@@ -195,6 +198,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_W2PF_LAST=%d", c->w2pf_last);
   OG_OPT("-DOG_PDL=%d", c->pdl);
   OG_OPT("-DOG_LOAD=%d", c->load);
+  OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
   OG_OPT("-DOG_DOWN_PF_BYTES=%lldLL", (long long)c->down_pf_mb << 20);
 #undef OG_OPT
   return n;

@@ -55,6 +55,7 @@ def correctness_cases() -> list[dict]:
         _case("down prefetch: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1, tunables=down_pf),
         _case("down prefetch: small T=13, duplicate ids", small, 13, dup=True, tunables=down_pf),
         _case("down prefetch: expert_map 16 of 64 T=9", small, 9, ep=64, tunables=down_pf),
+        _case("down loads form 4: small T=13", small, 13, tunables={"moe.down_load": 4}),
     ]
     return cases
 

@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--downpf", action="store_true",
                     help="with moe.pdl 1: each down block requests its weights into L2 before it "
                          "waits for gate_up (moe.down_prefetch budgets in MiB)")
+    ap.add_argument("--loads", action="store_true",
+                    help="the weight loads' form per stage: moe.load x moe.down_load in {1, 4}")
     ap.add_argument("--start", default=None, help="JSON object: the descent's starting configuration")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -142,6 +144,9 @@ def main(argv=None) -> int:
         if args.downpf:
             for mb in (8, 16, 24, 32, 48, 96):
                 rows.append(measure(fx, {"moe.pdl": 1, "moe.down_prefetch": mb}, stages_all=False))
+        if args.loads:
+            for a, b in itertools.product([4, 1], [1, 4]):
+                rows.append(measure(fx, {"moe.load": a, "moe.down_load": b}, stages_all=True))
         if args.descent:
             apply_config({})
             start = {k: _lib.tune_get(k, 90, None, None, T)[0] for k in MOE_SPACE}

@@ -25,6 +25,7 @@ MOE_SPACE = {
     "moe.w2_prefetch_last": [0, 1],
     "moe.pdl": [0, 1],
     "moe.load": [4, 1],
+    "moe.down_load": [1, 4],
     "moe.down_prefetch": [0, 8, 24, 48],
 }
 

@@ -207,14 +207,17 @@ static void test_pdl_variants_compile(void **state) {
 }
 
 static void test_load_forms_compile(void **state) {
-  /* Every form of gate_up's weight loads (moe.load; 4, the default, is in test_no_spills) compiles
-   * spill-free, on Qwen3-30B-A3B and Mixtral-8x7B. */
+  /* Every form of gate_up's and down's weight loads (moe.load, moe.down_load) compiles spill-free,
+   * on Qwen3-30B-A3B and Mixtral-8x7B. */
   need_nvrtc();
   const int ids[] = {0, 2};
   int bad = 0;
   for (const char *const *v = (const char *const[]){"0", "1", "2", "3", NULL}; *v; ++v)
     bad += variants_compile("OPGRAFT_TUNE_MOE_LOAD", *v, ids, 2);
-  if (bad) fail_msg("%d problems with the moe.load forms", bad);
+  /* down's loads (moe.down_load, sm_90 only; 1, the default, is in test_no_spills) */
+  for (const char *const *v = (const char *const[]){"0", "2", "3", "4", NULL}; *v; ++v)
+    bad += variants_compile("OPGRAFT_TUNE_MOE_DOWN_LOAD", *v, ids, 2);
+  if (bad) fail_msg("%d problems with the moe.load / moe.down_load forms", bad);
 }
 
 static void test_down_prefetch_variants_compile(void **state) {
