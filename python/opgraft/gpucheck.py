@@ -61,6 +61,12 @@ def correctness_cases() -> list[dict]:
 
 
 def run_case(c: dict, device="cuda") -> dict:
+    """One correctness case, with its tunables (if any) set while it runs."""
+    with tunables_set(c["tunables"]):
+        return _run_case(c, device)
+
+
+def _run_case(c: dict, device) -> dict:
     shape: MoeShape = c["shape"]
     T, dtype = c["T"], c["dtype"]
     gen = torch.Generator(device=device).manual_seed(100 + c["seed"])
@@ -82,11 +88,6 @@ def run_case(c: dict, device="cuda") -> dict:
     x = xfull[:, : shape.hidden]
     ofull = torch.full((T, shape.hidden + c["out_pad"]), float("nan"), dtype=x.dtype, device=device)
     out = ofull[:, : shape.hidden]
-    with tunables_set(c["tunables"]):
-        return _check(c, shape, T, dtype, x, w13, w2, tw, ids, emap, ofull, out)
-
-
-def _check(c, shape, T, dtype, x, w13, w2, tw, ids, emap, ofull, out) -> dict:
     ok, reason = ops.moe_supports(x, w13, w2, tw, ids, c["on_input"], emap)
     res = {k: v for k, v in c.items() if k != "shape"}
     res.update(shape=shape.as_dict(), supported=ok, reason=reason)
