@@ -15,20 +15,14 @@
 // OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
 // block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
 // OG_PREFETCH (L2 prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size
-// hint, og_common.cuh), OG_LOAD / OG_DOWN_LOAD (the weight loads' form per stage, og_common.cuh), OG_W2PF_BYTES / OG_W2PF_LAST (below), OG_PDL (below).
+// hint, og_common.cuh), OG_LOAD / OG_DOWN_LOAD (the weight loads' form per stage, og_common.cuh),
+// OG_W2PF_BYTES / OG_W2PF_LAST (below), OG_PDL (below).
 //
 // OG_PDL (sm_90; the launcher sets the down launch's programmatic-serialization attribute):
 // gate_up lets moe_down start as soon as every gate_up block has started, so the down blocks
 // take the SMs that gate_up's tail frees, run their routing setup, then wait for gate_up to
 // finish before they read act or write out. The down stage's launch and ramp hide behind
 // gate_up's tail; the bytes read do not change.
-//
-// OG_DOWN_PF_BYTES (with OG_PDL): before it waits for gate_up, each down block asks L2 for its own
-// weights (its 16 rows of H of every used expert, in the order it will read them, at most
-// OG_DOWN_PF_BYTES / (H/16) bytes a block). They do not depend on gate_up's output, so the blocks
-// that start in gate_up's tail stream them while DRAM is no longer busy with gate_up, instead of
-// after it. Unlike OG_W2PF_BYTES (gate_up asks for them at its start) nothing competes with
-// gate_up's own stream until its blocks retire.
 //
 // moe_fused_<dtype> does both stages in one cooperative launch: blocks loop over the gate_up tiles,
 // meet at a grid-wide barrier (a counter the launcher zeroes before the launch), then loop over
@@ -49,9 +43,6 @@
 #endif
 #ifndef OG_PDL
 #define OG_PDL 0
-#endif
-#ifndef OG_DOWN_PF_BYTES
-#define OG_DOWN_PF_BYTES 0
 #endif
 // From two token tiles on, the accumulators need more than 128 registers, and ptxas otherwise
 // aims at two blocks per SM and spills: one block per SM is enough for those (longer) calls.
@@ -175,18 +166,6 @@ __device__ __forceinline__ void og_prefetch_w2(const og_moe_params &p, const og_
   const long long nthreads = (long long)gridDim.x * blockDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += nthreads)
     if (const void *line = og_w2_line(p, r, 0, OG_H, i)) og_prefetch_l2_keep(line);
-#endif
-}
-
-// The L2 requests of one down block for its weights (OG_DOWN_PF_BYTES above): its 16 rows of every
-// used expert, in the order og_w2_line walks them.
-__device__ __forceinline__ void og_down_prefetch(const og_moe_params &p, const og_routing &r, int htile) {
-#if OG_DOWN_PF_BYTES > 0
-  long long total = og_w2_lines(p, r, 16);
-  const long long cap = (long long)OG_DOWN_PF_BYTES / (OG_H / 16) / 128 + 1;
-  if (total > cap) total = cap;
-  for (long long i = threadIdx.x; i < total; i += blockDim.x)
-    if (const void *line = og_w2_line(p, r, htile * 16, 16, i)) og_prefetch_l2(line);
 #endif
 }
 
@@ -463,7 +442,6 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
   __shared__ float s_red[OG_W2][OG_NT][4][32];
   og_routing_setup(p, r);  // the routing was written before gate_up started: safe to read here
 #if OG_PDL
-  og_down_prefetch(p, r, blockIdx.x);
   og_pdl_wait();  // gate_up has finished: act is complete and x (which out may alias) is read
 #endif
   og_down_tile<OG_W2>(p, r, blockIdx.x, s_red);

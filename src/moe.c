@@ -37,7 +37,6 @@ typedef struct og_moe_cfg {
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
   int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
-  int down_pf_mb; /* W2 bytes (MiB, whole grid) each down block requests before it waits (PDL) */
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
@@ -63,8 +62,6 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   /* sm_90 only: on sm_80 the forms without an L2 policy (0, 3, 4) make Mixtral-8x7B's down spill
    * (test_compile), so down keeps form 1 there. */
   c->down_load = arch >= 90 ? (int)opgraft__tune_value("moe.down_load", arch, gpu, shape, T) : 1;
-  /* Only the programmatic launch gives down blocks a wait to fill. */
-  c->down_pf_mb = c->pdl ? (int)opgraft__tune_value("moe.down_prefetch", arch, gpu, shape, T) : 0;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
@@ -175,7 +172,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 32 }; /* 22 used */
+enum { OG_MAX_OPTS = 32 }; /* 21 used */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
@@ -199,7 +196,6 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_PDL=%d", c->pdl);
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
-  OG_OPT("-DOG_DOWN_PF_BYTES=%lldLL", (long long)c->down_pf_mb << 20);
 #undef OG_OPT
   return n;
 }

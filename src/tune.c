@@ -38,7 +38,6 @@ static const og_tunable tunables[] = {
     {"moe.pdl", 0, 1, 0},
     {"moe.load", 0, 4, 4},
     {"moe.down_load", 0, 4, 1},
-    {"moe.down_prefetch", 0, 1024, 0},
 };
 #define OG_NTUNABLES ((int)(sizeof tunables / sizeof *tunables))
 

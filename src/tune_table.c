@@ -25,11 +25,21 @@ const og_tune_entry opgraft__baked_table[] = {
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 0, 0, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Mixtral-8x7B T=1 175.0 us, T=8 593.8 us"},
     {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 4, "moe.gate_up.warps", 16, "H200 coordinate descent 2026-11-29: Qwen3-235B-A22B T=1 79.8 us"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 0, 0, "moe.gate_up.warps", 16, "H200 coordinate descent 2026-11-29: Kimi-K2 T=1 175.6 us, T=8 1222.7 us"},
-    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 5, 64, "moe.down.warps", 4, "H200 coordinate descent 2026-11-29: Kimi-K2 T=8 down 395.6 us"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 0, 0, "moe.down.warps", 4, "H200 2026-11-30, after 64 MiB of other reads: Kimi-K2 T=1 down 65.9 -> 57.0 us (all 184.0 -> 174.8), T=8 down 459.1 -> 396.8 us with 4 warps instead of 8"},
     /* Per-rank shapes under tensor parallelism 8: one cooperative kernel wins where calls are small. */
     {90, NULL, "moe:bf16:E384:H7168:I256:k8", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Kimi-K2/tp8 T=1 38.2 -> 29.9 us, T=8 171.1 -> 155.9 us"},
     {90, NULL, "moe:bf16:E8:H4096:I1792:k2", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Mixtral-8x7B/tp8 T=1 31.0 -> 28.5 us, T=8 85.0 -> 80.0 us"},
     {90, NULL, "moe:bf16:E128:H2048:I96:k8", 1, 4, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Qwen3-30B-A3B/tp8 T=1 12.8 -> 11.2 us, T=4 18.0 -> 17.2 us (T=8 loses: 24.6 -> 27.1)"},
+    /* Large experts after 64 MiB of other reads (coordinate descent 2026-11-30,
+     * bench/results/2026-11-30-h200-v12-tuning/). Mixtral-8x7B up to 8 tokens: the cooperative
+     * kernel with 8 warps (measured at T = 1, 2, 8); at 9..16 tokens two kernels, 1 warp for gate_up
+     * and down unroll 2; Kimi-K2 at 9..16 tokens: gate_up 1 warp, down 2 warps. */
+    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1, 8, "moe.fused", 1, "H200 2026-11-30 descent, 64 MiB between calls: Mixtral-8x7B T=1 176.8 -> 172.5 us, T=2 332.4 -> 325.0, T=8 568.3 -> 560.6 (two kernels -> fused, 8 warps)"},
+    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1, 8, "moe.gate_up.warps", 8, "H200 2026-11-30: with moe.fused 1 at T=1, 8 warps 172.5 us, 4 warps 182.7, 16 warps 172.5"},
+    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.gate_up.warps", 1, "H200 2026-11-30 descent: Mixtral-8x7B T=16 675.8 -> 666.1 us with gate_up 1 warp (4 warps ties) and down unroll 2"},
+    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.down.unroll", 2, "H200 2026-11-30 descent: Mixtral-8x7B T=16 down unroll 4 -> 2: 675.7 -> 665.8 us"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.gate_up.warps", 1, "H200 2026-11-30 descent: Kimi-K2 T=16 2599.2 -> 2352.7 us with gate_up 1 warp and down 2 warps"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.warps", 2, "H200 2026-11-30 descent: Kimi-K2 T=16 down 8 -> 2 warps (gate_up 1 warp): 2445.3 -> 2351.0 us"},
     /* Programmatic dependent launch of the down stage (sm_90), bench with rotating weight copies,
      * same run for on and off: a win where calls are small, a loss on Mixtral's large experts. */
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 2, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B T=1 25.1 -> 23.8 us, T=2 45.0 -> 43.9 us (T=8 126.5 -> 125.9)"},

@@ -49,13 +49,9 @@ def correctness_cases() -> list[dict]:
         _case("expert_map: 16 of 32 experts T=1", small, 1, ep=32),
         _case("expert_map: 16 of 64 experts T=9, int64 ids", small, 9, ids64=True, ep=64),
         _case("expert_map: Qwen3-30B-A3B/ep2 T=4", MoeShape("Qwen3-30B-A3B/ep2", 64, 2048, 768, 8), 4, ep=128),
-    ]
-    down_pf = {"moe.pdl": 1, "moe.down_prefetch": 24}  # sm_90: down's weights asked for before its wait
-    cases += [
-        _case("down prefetch: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1, tunables=down_pf),
-        _case("down prefetch: small T=13, duplicate ids", small, 13, dup=True, tunables=down_pf),
-        _case("down prefetch: expert_map 16 of 64 T=9", small, 9, ep=64, tunables=down_pf),
         _case("down loads form 4: small T=13", small, 13, tunables={"moe.down_load": 4}),
+        _case("fused: small T=13, duplicate ids", small, 13, dup=True, tunables={"moe.fused": 1}),
+        _case("fused: odd dims T=3", odd, 3, tunables={"moe.fused": 1}),
     ]
     return cases
 

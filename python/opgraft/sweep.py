@@ -111,12 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", action="store_true", help="sweep warps x unroll of each stage")
     ap.add_argument("--descent", action="store_true", help="coordinate descent over all tunables")
     ap.add_argument("--pdl", action="store_true",
-                    help="moe.pdl 1: moe_down launched while gate_up's tail runs (sm_90)")
+                    help="moe.pdl 1 and 0: moe_down launched while gate_up's tail runs (sm_90)")
     ap.add_argument("--w2pf", action="store_true",
                     help="the down stage's weights requested into L2 during gate_up: budgets x priority")
-    ap.add_argument("--downpf", action="store_true",
-                    help="with moe.pdl 1: each down block requests its weights into L2 before it "
-                         "waits for gate_up (moe.down_prefetch budgets in MiB)")
     ap.add_argument("--loads", action="store_true",
                     help="the weight loads' form per stage: moe.load x moe.down_load in {1, 4}")
     ap.add_argument("--start", default=None, help="JSON object: the descent's starting configuration")
@@ -137,13 +134,11 @@ def main(argv=None) -> int:
             for w, u in itertools.product([2, 4, 8, 16], [1, 2, 4, 8]):
                 rows.append(measure(fx, {"moe.down.warps": w, "moe.down.unroll": u}, stages_all=True))
         if args.pdl:
-            rows.append(measure(fx, {"moe.pdl": 1}, stages_all=False))
+            for cfg in ({"moe.pdl": 1}, {"moe.pdl": 0}):
+                rows.append(measure(fx, cfg, stages_all=False))
         if args.w2pf:
             for mb, last in itertools.product([4, 8, 16, 24, 32, 48], [0, 1]):
                 rows.append(measure(fx, {"moe.w2_prefetch": mb, "moe.w2_prefetch_last": last}, stages_all=False))
-        if args.downpf:
-            for mb in (8, 16, 24, 32, 48, 96):
-                rows.append(measure(fx, {"moe.pdl": 1, "moe.down_prefetch": mb}, stages_all=False))
         if args.loads:
             for a, b in itertools.product([4, 1], [1, 4]):
                 rows.append(measure(fx, {"moe.load": a, "moe.down_load": b}, stages_all=True))

@@ -26,7 +26,6 @@ MOE_SPACE = {
     "moe.pdl": [0, 1],
     "moe.load": [4, 1],
     "moe.down_load": [1, 4],
-    "moe.down_prefetch": [0, 8, 24, 48],
 }
 
 

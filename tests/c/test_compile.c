@@ -27,7 +27,7 @@ typedef struct job {
   const shape *s;
   int32_t dtype, arch, T;
   int32_t status, count;
-  opgraft_kernel_info info[2];
+  opgraft_kernel_info info[3]; /* gate_up, down, and fused when the configuration selects it */
   char error[512];
 } job;
 
@@ -57,7 +57,7 @@ static void run_job(job *j) {
   if (j->s->global_experts) /* the compile looks at whether there is a map, never at its data */
     a.expert_map = (const void *)0x1000, a.expert_map_len = j->s->global_experts;
   j->count = -1;
-  j->status = opgraft_moe_compile_report(&a, j->arch, j->info, 2, &j->count);
+  j->status = opgraft_moe_compile_report(&a, j->arch, j->info, 3, &j->count);
   opgraft__copy(j->error, sizeof j->error, j->status ? opgraft_last_error() : "");
 }
 
@@ -122,21 +122,22 @@ static void test_every_variant_compiles(void **state) {
   int bad = 0;
   for (int i = 0; i < n_jobs; ++i) {
     const job *j = &jobs[i];
-    char what[160], names[2][64];
+    char what[160], names[3][64];
     describe(j, what, sizeof what);
     snprintf(names[0], sizeof names[0], "moe_gate_up_%s", dtype_str(j->dtype));
     snprintf(names[1], sizeof names[1], "moe_down_%s", dtype_str(j->dtype));
+    snprintf(names[2], sizeof names[2], "moe_fused_%s", dtype_str(j->dtype));
     if (j->status != OPGRAFT_OK) {
       print_error("%s: %s: %.400s\n", what, opgraft_status_name(j->status), j->error);
       ++bad;
       continue;
     }
-    if (j->count != 2) {
-      print_error("%s: %d kernels reported, expected 2\n", what, j->count);
+    if (j->count != 2 && j->count != 3) {
+      print_error("%s: %d kernels reported, expected 2 (3 with moe.fused)\n", what, j->count);
       ++bad;
       continue;
     }
-    for (int k = 0; k < 2; ++k)
+    for (int k = 0; k < j->count; ++k)
       if (strcmp(j->info[k].name, names[k]) != 0 || j->info[k].registers <= 0) {
         print_error("%s: kernel %d is \"%s\" with %d registers, expected %s with some\n", what, k, j->info[k].name,
                     j->info[k].registers, names[k]);
@@ -152,7 +153,7 @@ static void test_no_spills(void **state) {
   for (int i = 0; i < n_jobs; ++i) {
     const job *j = &jobs[i];
     if (j->status != OPGRAFT_OK) continue; /* reported by test_every_variant_compiles */
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < j->count && k < 3; ++k) {
       const opgraft_kernel_info *ki = &j->info[k];
       if (ki->spill_store_bytes > 0 || ki->spill_load_bytes > 0) {
         char what[160];
@@ -181,12 +182,12 @@ static int variants_compile(const char *env, const char *value, const int *shape
         run_job(&j);
         char what[160];
         describe(&j, what, sizeof what);
-        if (j.status != OPGRAFT_OK || j.count != 2) {
+        if (j.status != OPGRAFT_OK || j.count < 2 || j.count > 3) {
           print_error("%s with %s=%s: %s %.300s\n", what, env, value, opgraft_status_name(j.status), j.error);
           ++bad;
           continue;
         }
-        for (int k = 0; k < 2; ++k)
+        for (int k = 0; k < j.count; ++k)
           if (j.info[k].spill_store_bytes > 0 || j.info[k].spill_load_bytes > 0) {
             print_error("%s with %s=%s: %s spills\n", what, env, value, j.info[k].name);
             ++bad;
@@ -206,6 +207,15 @@ static void test_pdl_variants_compile(void **state) {
   if (bad) fail_msg("%d problems with moe.pdl=1", bad);
 }
 
+static void test_fused_variants_compile(void **state) {
+  /* moe.fused 1 (one cooperative kernel) on Qwen3-30B-A3B, Mixtral-8x7B, Kimi-K2, the odd shape
+   * and the ep2 shape, at T=1 and 8 for sm_80 and sm_90: all three kernels compile spill-free. */
+  need_nvrtc();
+  const int ids[] = {0, 2, 4, 5, 6};
+  const int bad = variants_compile("OPGRAFT_TUNE_MOE_FUSED", "1", ids, 5);
+  if (bad) fail_msg("%d problems with moe.fused", bad);
+}
+
 static void test_load_forms_compile(void **state) {
   /* Every form of gate_up's and down's weight loads (moe.load, moe.down_load) compiles spill-free,
    * on Qwen3-30B-A3B and Mixtral-8x7B. */
@@ -218,19 +228,6 @@ static void test_load_forms_compile(void **state) {
   for (const char *const *v = (const char *const[]){"0", "2", "3", "4", NULL}; *v; ++v)
     bad += variants_compile("OPGRAFT_TUNE_MOE_DOWN_LOAD", *v, ids, 2);
   if (bad) fail_msg("%d problems with the moe.load / moe.down_load forms", bad);
-}
-
-static void test_down_prefetch_variants_compile(void **state) {
-  /* moe.down_prefetch (down blocks request their weights into L2 before the PDL wait): with
-   * moe.pdl=1, Qwen3-30B-A3B, Mixtral-8x7B and the ep2 shape compile spill-free (sm_80 has no PDL
-   * and gets the plain kernels). */
-  need_nvrtc();
-  setenv("OPGRAFT_TUNE_MOE_PDL", "1", 1);
-  const int ids[] = {0, 2, 6};
-  const int bad = variants_compile("OPGRAFT_TUNE_MOE_DOWN_PREFETCH", "24", ids, 3);
-  unsetenv("OPGRAFT_TUNE_MOE_PDL");
-  opgraft_tune_reload();
-  if (bad) fail_msg("%d problems with moe.down_prefetch=24", bad);
 }
 
 static void test_real_log_parses(void **state) {
@@ -352,8 +349,8 @@ int main(void) {
       cmocka_unit_test(test_every_variant_compiles),
       cmocka_unit_test(test_no_spills),
       cmocka_unit_test(test_pdl_variants_compile),
+      cmocka_unit_test(test_fused_variants_compile),
       cmocka_unit_test(test_load_forms_compile),
-      cmocka_unit_test(test_down_prefetch_variants_compile),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

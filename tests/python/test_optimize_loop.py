@@ -263,10 +263,10 @@ def test_tunables_set_puts_every_variable_back(monkeypatch):
     from opgraft.sweep import tunables_set
 
     monkeypatch.setenv("OPGRAFT_TUNE_MOE_PDL", "0")
-    monkeypatch.delenv("OPGRAFT_TUNE_MOE_DOWN_PREFETCH", raising=False)
-    with tunables_set({"moe.pdl": 1, "moe.down_prefetch": 24}):
-        assert _lib.tune_get("moe.down_prefetch", 90)[0] == 24
+    monkeypatch.delenv("OPGRAFT_TUNE_MOE_DOWN_LOAD", raising=False)
+    with tunables_set({"moe.pdl": 1, "moe.down_load": 4}):
+        assert _lib.tune_get("moe.down_load", 90)[0] == 4
         assert _lib.tune_get("moe.pdl", 90)[0] == 1
     assert os.environ["OPGRAFT_TUNE_MOE_PDL"] == "0"
-    assert "OPGRAFT_TUNE_MOE_DOWN_PREFETCH" not in os.environ
+    assert "OPGRAFT_TUNE_MOE_DOWN_LOAD" not in os.environ
     assert _lib.tune_get("moe.pdl", 90) == (0, "env:OPGRAFT_TUNE_MOE_PDL")
