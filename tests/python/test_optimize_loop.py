@@ -179,6 +179,22 @@ def test_time_calls_subtracts_the_traffic_between_calls(monkeypatch):
     assert bench.between_traffic(0, "cpu") is None
 
 
+def test_per_call_time_averages_each_calls_median():
+    """Two calls of different sizes (10 and 20 us) over three replays, one replay of the first
+    call stalled: each call's median over the replays, then their mean (15), where a median over
+    all six spans would give the time of neither call's mean."""
+    pytest.importorskip("torch")
+    from opgraft import bench
+
+    spans = [10.0, 20.0, 10.0, 20.0, 90.0, 20.0]
+    assert bench.per_call_time(spans, 2) == pytest.approx(15.0)
+    assert bench.per_call_time([10.0, 20.0, 20.0, 20.0], 2) == pytest.approx(17.5)
+    with pytest.raises(bench.SpanError):
+        bench.per_call_time(spans[:5], 2)
+    with pytest.raises(bench.SpanError):
+        bench.per_call_time([], 1)
+
+
 def test_call_spans_charge_each_call_from_the_end_of_the_traffic():
     """call_spans: per [traffic, call] group, the end of the call's last activity minus the end
     of the traffic's; a call kernel that starts before the traffic ends (PDL) is charged only
@@ -207,9 +223,10 @@ def test_timed_calls_picks_the_timing_and_says_which(monkeypatch):
     monkeypatch.setattr(bench, "time_calls_span", lambda call, sched, between, reps: 25.0)
     read = object()
     assert bench.timed_calls(None, [], None) == (24.0, {"timing": "back-to-back"})
-    assert bench.timed_calls(None, [], read) == (25.0, {"timing": "span", "median_us_subtract": 30.0})
+    stat = {"statistic": "mean over the schedule's calls of each call's median"}
+    assert bench.timed_calls(None, [], read) == (25.0, {"timing": "span", **stat, "median_us_subtract": 30.0})
     assert bench.timed_calls(None, [], read, timing="subtract") == (30.0, {"timing": "subtract"})
-    assert bench.timed_calls(None, [], read, cross_check=False) == (25.0, {"timing": "span"})
+    assert bench.timed_calls(None, [], read, cross_check=False) == (25.0, {"timing": "span", **stat})
 
     def no_span(*a):
         raise bench.SpanError("7 device activities do not split")
