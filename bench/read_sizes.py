@@ -9,7 +9,6 @@ result is the time a call that only had to read those bytes would take, launch a
 included: the floor for a small MoE call of the same bytes.
 """
 import argparse
-import json
 import sys
 
 import torch
@@ -45,10 +44,9 @@ def main(argv=None) -> int:
             r = rows[-1]
             print(f"{mb:7.1f} MB  {r['blocks_per_sm']} blocks/SM  {us:8.2f} us  {r['tbps']:.2f} TB/s  "
                   f"{r['fraction_of_ceiling']:.3f} of {ceiling:.2f}", flush=True)
-        del bufs
+        bufs = None  # free this size before allocating the next
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": bench.gpu_facts(), "ceiling_tbps": ceiling, "rows": rows}, f, indent=1)
+        bench.write_rows(args.json, ceiling, rows)
     return 0
 
 

@@ -14,6 +14,7 @@ of weights (48 layers x 0.6 GB for Qwen3-30B-A3B), far beyond what one layer's 0
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import statistics
 import subprocess
@@ -314,6 +315,12 @@ def gpu_facts() -> dict:
 
     return {"gpu": p.name, "arch": f"sm_{p.major}{p.minor}", "sms": p.multi_processor_count, "driver": drv,
             "torch": torch.__version__, "vllm": vllm_version() or None}
+
+
+def write_rows(path: str, ceiling_tbps: float, rows: list[dict], facts: dict | None = None) -> None:
+    """One GPU run's JSON: the device, the read ceiling measured in the run, and its rows."""
+    with open(path, "w") as f:
+        json.dump({"device": facts or gpu_facts(), "ceiling_tbps": ceiling_tbps, "rows": rows}, f, indent=1)
 
 
 def commit_id() -> str:

@@ -152,8 +152,7 @@ def main(argv=None) -> int:
                                       progress=lambda m: print("  bench", m, flush=True))
             del w13, w2
             torch.cuda.empty_cache()
-            with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
-                json.dump({"device": facts, "ceiling_tbps": ceiling, "rows": rows}, f, indent=1)
+            bench.write_rows(os.path.join(args.out, "moe_bench.json"), ceiling, rows, facts)
     print(bench.format_table(rows))
     print(f"read ceiling {ceiling:.3f} TB/s; correctness {len(checks) - len(failed)}/{len(checks)} passed")
     return 1 if failed else 0

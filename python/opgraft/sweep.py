@@ -167,8 +167,7 @@ def main(argv=None) -> int:
         results += rows
     apply_config({})
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": bench.gpu_facts(), "ceiling_tbps": ceiling, "rows": results}, f, indent=1)
+        bench.write_rows(args.json, ceiling, results)
     return 0
 
 

@@ -287,3 +287,15 @@ def test_tunables_set_puts_every_variable_back(monkeypatch):
     assert os.environ["OPGRAFT_TUNE_MOE_PDL"] == "0"
     assert "OPGRAFT_TUNE_MOE_DOWN_LOAD" not in os.environ
     assert _lib.tune_get("moe.pdl", 90) == (0, "env:OPGRAFT_TUNE_MOE_PDL")
+
+
+def test_write_rows_keeps_device_ceiling_and_rows(tmp_path):
+    pytest.importorskip("torch")
+    import json
+
+    from opgraft import bench
+
+    path = tmp_path / "run.json"
+    bench.write_rows(str(path), 4.5, [{"tokens": 1, "median_us": 25.0}], facts={"gpu": "test"})
+    assert json.loads(path.read_text()) == {"device": {"gpu": "test"}, "ceiling_tbps": 4.5,
+                                            "rows": [{"tokens": 1, "median_us": 25.0}]}
