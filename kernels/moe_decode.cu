@@ -47,6 +47,15 @@
 // From two token tiles on, the accumulators need more than 128 registers, and ptxas otherwise
 // aims at two blocks per SM and spills: one block per SM is enough for those (longer) calls.
 #define OG_MIN_BLOCKS (OG_NT >= 2 ? 1 : 0)
+// gate_up's own minimum (OG_GU_MIN_BLOCKS, moe.gate_up.min_blocks; 0 = OG_MIN_BLOCKS). Without one,
+// ptxas compiles Qwen3-30B-A3B's one-tile gate_up to 64 registers and moves each weight load down
+// to the MMA that uses it, so a warp has about one k-step of loads in flight instead of OG_U1;
+// with a minimum of 1 or 2 blocks per SM it keeps all 4*OG_U1 loads ahead of the MMAs (118-120
+// registers). Which of the two streams faster is for the GPU to say (bench/NOTES.md, v13).
+#ifndef OG_GU_MIN_BLOCKS
+#define OG_GU_MIN_BLOCKS 0
+#endif
+#define OG_GU_MIN (OG_GU_MIN_BLOCKS > 0 ? OG_GU_MIN_BLOCKS : OG_MIN_BLOCKS)
 #define OG_EWORDS ((OG_E + 31) / 32)
 #define OG_MAXPAIRS (8 * OG_NT * OG_K)
 #define OG_PMAX (8 * OG_NT)
@@ -419,7 +428,7 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
   __syncthreads();  // s_red is reused by the next tile
 }
 
-extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
     OG_SUFFIX(moe_gate_up)(const og_moe_params p) {
   __shared__ og_routing r;
   __shared__ int s_pairs[OG_MAXPAIRS];

@@ -37,6 +37,7 @@ typedef struct og_moe_cfg {
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
   int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
+  int gu_min_blocks; /* gate_up's __launch_bounds__ minimum blocks per SM (0: the default rule) */
 } og_moe_cfg;
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
@@ -68,6 +69,9 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   if ((c->nt >= 2 || c->fused) && c->w1 > 8) c->w1 = 8; /* fused: one block of <= 256 threads */
   if (c->nt >= 2 && c->w2 > 8) c->w2 = 8;
   while (c->u1 > 1 && c->u1 * (4 + c->nt) > 24) c->u1--; /* 16-byte operands per k-step group */
+  /* One token tile only (more need the registers), and at least 128 registers a thread. */
+  c->gu_min_blocks = c->nt == 1 ? (int)opgraft__tune_value("moe.gate_up.min_blocks", arch, gpu, shape, T) : 0;
+  while (c->gu_min_blocks > 1 && c->gu_min_blocks * c->w1 > 16) c->gu_min_blocks--;
   while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
 }
 
@@ -172,7 +176,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 32 }; /* 21 used */
+enum { OG_MAX_OPTS = 32 }; /* 22 used */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
@@ -196,6 +200,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_PDL=%d", c->pdl);
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
+  OG_OPT("-DOG_GU_MIN_BLOCKS=%d", c->gu_min_blocks);
 #undef OG_OPT
   return n;
 }

@@ -52,6 +52,8 @@ def correctness_cases() -> list[dict]:
         _case("down loads form 4: small T=13", small, 13, tunables={"moe.down_load": 4}),
         _case("fused: small T=13, duplicate ids", small, 13, dup=True, tunables={"moe.fused": 1}),
         _case("fused: odd dims T=3", odd, 3, tunables={"moe.fused": 1}),
+        _case("gate_up min blocks 2: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1,
+              tunables={"moe.gate_up.min_blocks": 2}),
     ]
     return cases
 

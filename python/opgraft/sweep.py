@@ -114,6 +114,8 @@ def main(argv=None) -> int:
                     help="moe.pdl 1 and 0: moe_down launched while gate_up's tail runs (sm_90)")
     ap.add_argument("--w2pf", action="store_true",
                     help="the down stage's weights requested into L2 during gate_up: budgets x priority")
+    ap.add_argument("--min-blocks", action="store_true",
+                    help="moe.gate_up.min_blocks 1, 2: gate_up's launch bounds (its loads issued together)")
     ap.add_argument("--loads", action="store_true",
                     help="the weight loads' form per stage: moe.load x moe.down_load in {1, 4}")
     ap.add_argument("--start", default=None, help="JSON object: the descent's starting configuration")
@@ -139,6 +141,9 @@ def main(argv=None) -> int:
         if args.w2pf:
             for mb, last in itertools.product([4, 8, 16, 24, 32, 48], [0, 1]):
                 rows.append(measure(fx, {"moe.w2_prefetch": mb, "moe.w2_prefetch_last": last}, stages_all=False))
+        if args.min_blocks:
+            for mb in (1, 2):
+                rows.append(measure(fx, {"moe.gate_up.min_blocks": mb}, stages_all=True))
         if args.loads:
             for a, b in itertools.product([4, 1], [1, 4]):
                 rows.append(measure(fx, {"moe.load": a, "moe.down_load": b}, stages_all=True))

@@ -216,6 +216,16 @@ static void test_fused_variants_compile(void **state) {
   if (bad) fail_msg("%d problems with moe.fused", bad);
 }
 
+static void test_gate_up_min_blocks_compile(void **state) {
+  /* moe.gate_up.min_blocks 1 and 2 (gate_up's launch bounds; clamped to 128 registers a thread):
+   * Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B, Kimi-K2 and the odd shape compile spill-free. */
+  need_nvrtc();
+  const int ids[] = {0, 1, 2, 4, 5};
+  int bad = variants_compile("OPGRAFT_TUNE_MOE_GATE_UP_MIN_BLOCKS", "1", ids, 5);
+  bad += variants_compile("OPGRAFT_TUNE_MOE_GATE_UP_MIN_BLOCKS", "2", ids, 5);
+  if (bad) fail_msg("%d problems with moe.gate_up.min_blocks", bad);
+}
+
 static void test_load_forms_compile(void **state) {
   /* Every form of gate_up's and down's weight loads (moe.load, moe.down_load) compiles spill-free,
    * on Qwen3-30B-A3B and Mixtral-8x7B. */
@@ -350,6 +360,7 @@ int main(void) {
       cmocka_unit_test(test_no_spills),
       cmocka_unit_test(test_pdl_variants_compile),
       cmocka_unit_test(test_fused_variants_compile),
+      cmocka_unit_test(test_gate_up_min_blocks_compile),
       cmocka_unit_test(test_load_forms_compile),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
