@@ -136,30 +136,6 @@ __device__ __forceinline__ void og_routing_setup(const og_moe_params &p, og_rout
   __syncthreads();
 }
 
-// A walk over the 128-byte lines of rows [row0, row0 + R) of every used expert's W2, used expert
-// by used expert (the order the down stage reads them): one run of lines per expert when the rows
-// are dense, else one run per row; a run may straddle one line more than its bytes fill.
-// og_w2_lines is the walk's length; og_w2_line gives step i's line, or NULL for a run's slack.
-__device__ __forceinline__ long long og_w2_lines(const og_moe_params &p, const og_routing &r, int R) {
-  const bool dense = p.w2_rstride == OG_I;
-  const long long span = dense ? 2LL * R * OG_I : 2LL * OG_I;  // bytes per run
-  return (long long)r.nused * (dense ? 1 : R) * (span / 128 + 2);
-}
-
-__device__ __forceinline__ const void *og_w2_line(const og_moe_params &p, const og_routing &r, int row0, int R,
-                                                  long long i) {
-  const bool dense = p.w2_rstride == OG_I;
-  const long long span = dense ? 2LL * R * OG_I : 2LL * OG_I;
-  const long long run_lines = span / 128 + 2, per_exp = (dense ? 1 : R) * run_lines;
-  const long long u = i / per_exp, rem = i - u * per_exp;
-  const long long run = rem / run_lines, l = rem - run * run_lines;
-  const unsigned long long start =
-      (unsigned long long)(const char *)p.w2 +
-      2ULL * (unsigned long long)(r.experts[u] * p.w2_estride + (row0 + run) * p.w2_rstride);
-  const unsigned long long line = (start & ~127ULL) + 128ULL * (unsigned long long)l;
-  return line < start + (unsigned long long)span ? (const void *)line : nullptr;
-}
-
 // The down stage's weights, requested into L2 while gate_up streams its own (OG_W2PF_BYTES > 0):
 // the first OG_W2PF_BYTES of them in the order the down stage reads them (used experts in
 // increasing order, rows in order), spread over every thread of the grid, one 128-byte line per
@@ -169,12 +145,23 @@ __device__ __forceinline__ const void *og_w2_line(const og_moe_params &p, const 
 // until the down stage reads it, which bounds the useful budget by the L2 size.
 __device__ __forceinline__ void og_prefetch_w2(const og_moe_params &p, const og_routing &r) {
 #if OG_W2PF_BYTES > 0
-  long long total = og_w2_lines(p, r, OG_H);
+  const bool dense = p.w2_rstride == OG_I;  // each expert's [H, I] is one contiguous slab
+  const long long span = dense ? 2LL * OG_H * OG_I : 2LL * OG_I;  // bytes per run of lines
+  const long long runs = dense ? 1 : OG_H;                        // runs per expert
+  const long long run_lines = span / 128 + 2;  // upper bound: a run may straddle one more line
+  long long total = (long long)r.nused * runs * run_lines;
   const long long cap = (OG_W2PF_BYTES + 127) / 128;
   if (total > cap) total = cap;
   const long long nthreads = (long long)gridDim.x * blockDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += nthreads)
-    if (const void *line = og_w2_line(p, r, 0, OG_H, i)) og_prefetch_l2_keep(line);
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += nthreads) {
+    const long long per_exp = runs * run_lines;
+    const long long u = i / per_exp, rem = i - u * per_exp;
+    const long long run = rem / run_lines, l = rem - run * run_lines;
+    const unsigned long long start = (unsigned long long)(const char *)p.w2 +
+                                     2ULL * (unsigned long long)(r.experts[u] * p.w2_estride + run * p.w2_rstride);
+    const unsigned long long line = (start & ~127ULL) + 128ULL * (unsigned long long)l;
+    if (line < start + (unsigned long long)span) og_prefetch_l2_keep((const void *)line);
+  }
 #endif
 }
 
