@@ -14,28 +14,29 @@ const og_tune_entry opgraft__baked_table[] = {
     {0, NULL, NULL, 0, 0, "moe.l2_fetch", 128, "H200 coordinate descent 2026-11-29: 128 B fetch: Kimi T=8 1590 -> 1223 us, Mixtral T=1 234 -> 175 us"},
     {0, NULL, NULL, 0, 0, "moe.prefetch", 0, "H200 coordinate descent 2026-11-29: explicit L2 prefetch never beat the fetch-size hint"},
     {0, NULL, NULL, 0, 0, "moe.fused", 0, "two kernels until the cooperative one is measured"},
+    {0, NULL, NULL, 0, 0, "moe.gate_up.min_blocks", 4, "H200 2026-11-30 (v13): gate_up's launch-bounds minimum, clamped to 16 warps an SM (8 warps: 2, 4 warps: 4); never lost at T <= 8 on 7 shapes: Kimi-K2 T=8 1236.0 -> 1167.8 us, Qwen3-235B-A22B T=4 282.5 -> 260.2, Qwen3-30B-A3B/tp4 T=1 14.4 -> 11.7"},
     /* Per-model rows (bf16, H200). */
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on H200 2026-11-29 with moe.load 4, Qwen3-30B-A3B: ITL batch 1 4.115 -> 3.723 ms, batch 2 4.883 -> 4.844 (floor 4.954 -> 4.808), batch 8 floor 9.112 -> 8.904"},
     {90, NULL, "moe:bf16:E128:H2048:I384:k8", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on 2 H200 2026-11-29 with moe.load 4, Qwen3-30B-A3B tensor_parallel_size 2 (this is one rank's shape): ITL batch 1 3.963 -> 3.530 ms, batch 2 4.231 -> 4.122, batch 8 6.476 -> 6.407"},
     {90, NULL, "moe:bf16:E64:H2048:I768:k8", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on 2 H200 2026-11-29 with moe.load 4, Qwen3-30B-A3B tensor_parallel_size 2 + expert parallel (one rank's 64 experts): ITL batch 1 4.336 -> 3.680 ms, batch 2 5.303 -> 4.275, batch 8 7.117 -> 6.724"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 0, 0, "moe.max_tokens", 1, "vLLM 0.26 end to end on H200 2026-11-29 with moe.load 4, Mixtral-8x7B: ITL batch 1 7.993 -> 7.698 ms, batch 2 11.797 -> 11.708 (our kernels 9587 us a step vs vLLM's 9229), batch 8 21.105 -> 21.468: T >= 2 stays with vLLM"},
-    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 4, "moe.gate_up.warps", 8, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=1 25.1 us"},
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 4, "moe.gate_up.warps", 4, "H200 2026-11-30 with gate_up min blocks 4: Qwen3-30B-A3B T=1 25.0 -> 24.1 us, T=2 45.6 -> 42.1 (8 warps, min blocks 2: 25.0, 43.0)"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 5, 64, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=8 124.8 us"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 0, 0, "moe.down.warps", 16, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B down 9.3 us (T=1), 41.0 us (T=8)"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 0, 0, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Mixtral-8x7B T=1 175.0 us, T=8 593.8 us"},
-    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 4, "moe.gate_up.warps", 16, "H200 coordinate descent 2026-11-29: Qwen3-235B-A22B T=1 79.8 us"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 4, "moe.gate_up.warps", 8, "H200 2026-11-30 with gate_up min blocks 2: Qwen3-235B-A22B T=1 82.5 -> 77.9 us, T=2 155.9 -> 143.9, T=4 282.5 -> 260.2 (16 warps before)"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 0, 0, "moe.gate_up.warps", 16, "H200 coordinate descent 2026-11-29: Kimi-K2 T=1 175.6 us, T=8 1222.7 us"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 1, 8, "moe.gate_up.warps", 8, "H200 2026-11-30 with gate_up min blocks 2, after 64 MiB of other reads: Kimi-K2 T=1 176.8 -> 168.8 us, T=2 334.4 -> 319.8, T=4 644.7 -> 611.4, T=8 1236.0 -> 1167.8 (16 warps before; 4 warps min blocks 4 within 1%)"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 0, 0, "moe.down.warps", 4, "H200 2026-11-30, after 64 MiB of other reads: Kimi-K2 T=1 down 65.9 -> 57.0 us (all 184.0 -> 174.8), T=8 down 459.1 -> 396.8 us with 4 warps instead of 8"},
     /* Per-rank shapes under tensor parallelism 8: one cooperative kernel wins where calls are small. */
     {90, NULL, "moe:bf16:E384:H7168:I256:k8", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Kimi-K2/tp8 T=1 38.2 -> 29.9 us, T=8 171.1 -> 155.9 us"},
     {90, NULL, "moe:bf16:E8:H4096:I1792:k2", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Mixtral-8x7B/tp8 T=1 31.0 -> 28.5 us, T=8 85.0 -> 80.0 us"},
     {90, NULL, "moe:bf16:E128:H2048:I96:k8", 1, 4, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Qwen3-30B-A3B/tp8 T=1 12.8 -> 11.2 us, T=4 18.0 -> 17.2 us (T=8 loses: 24.6 -> 27.1)"},
     /* Large experts after 64 MiB of other reads (coordinate descent 2026-11-30,
-     * bench/results/2026-11-30-h200-v12-tuning/). Mixtral-8x7B up to 8 tokens: the cooperative
-     * kernel with 8 warps (measured at T = 1, 2, 8); at 9..16 tokens two kernels, 1 warp for gate_up
-     * and down unroll 2; Kimi-K2 at 9..16 tokens: gate_up 1 warp, down 2 warps. */
-    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1, 8, "moe.fused", 1, "H200 2026-11-30 descent, 64 MiB between calls: Mixtral-8x7B T=1 176.8 -> 172.5 us, T=2 332.4 -> 325.0, T=8 568.3 -> 560.6 (two kernels -> fused, 8 warps)"},
-    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1, 8, "moe.gate_up.warps", 8, "H200 2026-11-30: with moe.fused 1 at T=1, 8 warps 172.5 us, 4 warps 182.7, 16 warps 172.5"},
+     * bench/results/2026-11-30-h200-v12-tuning/, -v13-min-blocks/). Mixtral-8x7B up to 8 tokens:
+     * gate_up 8 warps, two blocks an SM (v13; the cooperative kernel before); at 9..16 tokens 1 warp
+     * for gate_up and down unroll 2; Kimi-K2 at 9..16 tokens: gate_up 1 warp, down 2 warps. */
+    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1, 8, "moe.gate_up.warps", 8, "H200 2026-11-30, two kernels with gate_up 8 warps and min blocks 2 against the cooperative kernel (the v12 row): Mixtral-8x7B T=1 173.0 -> 169.2 us, T=2 302.7 -> 297.3, T=4 435.2 -> 434.4, T=8 584.9 -> 579.5"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.gate_up.warps", 1, "H200 2026-11-30 descent: Mixtral-8x7B T=16 675.8 -> 666.1 us with gate_up 1 warp (4 warps ties) and down unroll 2"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.down.unroll", 2, "H200 2026-11-30 descent: Mixtral-8x7B T=16 down unroll 4 -> 2: 675.7 -> 665.8 us"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.gate_up.warps", 1, "H200 2026-11-30 descent: Kimi-K2 T=16 2599.2 -> 2352.7 us with gate_up 1 warp and down 2 warps"},

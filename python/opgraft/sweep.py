@@ -1,6 +1,7 @@
 """Measures the MoE kernels' time split and sweeps their tunables at one shape (GPU only).
 
-    python -m opgraft.sweep --model Mixtral-8x7B --tokens 1,8 [--grid] [--pdl] [--w2pf] [--descent] [--json FILE]
+    python -m opgraft.sweep --model Mixtral-8x7B --tokens 1,8 [--grid] [--pdl] [--min-blocks] [--loads]
+        [--configs JSON] [--descent] [--json FILE]
 
 Each configuration is set through the tunables' environment variables, re-resolved with
 opgraft_tune_reload(), checked against the fp64 oracle, then timed (CUDA-graph replays, rotating
@@ -23,7 +24,6 @@ from .presets import resolve
 
 from .tune import MOE_SPACE, coordinate_descent
 
-_KEYS = list(MOE_SPACE)
 
 
 def env_name(key: str) -> str:
@@ -50,8 +50,9 @@ def tunables_set(cfg: dict):
 
 
 def apply_config(cfg: dict) -> None:
-    for k in _KEYS:
-        os.environ.pop(env_name(k), None)
+    """Only cfg's tunables set through the environment: every other moe tunable variable is cleared."""
+    for name in [n for n in os.environ if n.startswith("OPGRAFT_TUNE_MOE_")]:
+        del os.environ[name]
     for k, v in cfg.items():
         os.environ[env_name(k)] = str(v)
     _lib.lib().opgraft_tune_reload()
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m opgraft.sweep")
     ap.add_argument("--model", default="Mixtral-8x7B")
     ap.add_argument("--tokens", default="1")
+    ap.add_argument("--tp", type=int, default=1, help="one rank's shape under tensor parallelism")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--grid", action="store_true", help="sweep warps x unroll of each stage")
     ap.add_argument("--descent", action="store_true", help="coordinate descent over all tunables")
@@ -118,11 +120,13 @@ def main(argv=None) -> int:
                     help="moe.gate_up.min_blocks 1, 2: gate_up's launch bounds (its loads issued together)")
     ap.add_argument("--loads", action="store_true",
                     help="the weight loads' form per stage: moe.load x moe.down_load in {1, 4}")
+    ap.add_argument("--configs", default=None,
+                    help='JSON list of configurations to measure, e.g. [{"moe.gate_up.warps": 8}]')
     ap.add_argument("--start", default=None, help="JSON object: the descent's starting configuration")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    shape = resolve(args.model)
+    shape = resolve(args.model).per_rank(args.tp)
     ceiling = bench.measure_read_ceiling("cuda")
     w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
     results = []
@@ -147,6 +151,10 @@ def main(argv=None) -> int:
         if args.loads:
             for a, b in itertools.product([4, 1], [1, 4]):
                 rows.append(measure(fx, {"moe.load": a, "moe.down_load": b}, stages_all=True))
+        for cfg in json.loads(args.configs) if args.configs else []:
+            # one launch for both stages (fused, stream): the per-stage times would be other kernels'
+            one = bool(cfg.get("moe.fused") or cfg.get("moe.stream"))
+            rows.append(measure(fx, cfg, stages_all=not one))
         if args.descent:
             apply_config({})
             start = {k: _lib.tune_get(k, 90, None, None, T)[0] for k in MOE_SPACE}

@@ -217,12 +217,13 @@ static void test_fused_variants_compile(void **state) {
 }
 
 static void test_gate_up_min_blocks_compile(void **state) {
-  /* moe.gate_up.min_blocks 1 and 2 (gate_up's launch bounds; clamped to 128 registers a thread):
+  /* moe.gate_up.min_blocks 1, 2 and 4 (gate_up's launch bounds; clamped to 128 registers a thread):
    * Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B, Kimi-K2 and the odd shape compile spill-free. */
   need_nvrtc();
   const int ids[] = {0, 1, 2, 4, 5};
   int bad = variants_compile("OPGRAFT_TUNE_MOE_GATE_UP_MIN_BLOCKS", "1", ids, 5);
   bad += variants_compile("OPGRAFT_TUNE_MOE_GATE_UP_MIN_BLOCKS", "2", ids, 5);
+  bad += variants_compile("OPGRAFT_TUNE_MOE_GATE_UP_MIN_BLOCKS", "4", ids, 5);
   if (bad) fail_msg("%d problems with moe.gate_up.min_blocks", bad);
 }
 
