@@ -471,3 +471,351 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, 1)
   for (int h = blockIdx.x; h < OG_H / 16; h += gridDim.x)
     og_down_tile<OG_W1>(p, r, h, reinterpret_cast<float (*)[OG_NT][4][32]>(s_red));
 }
+
+// ---------------------------------------------------------------------------------------------
+// moe_stream_<dtype> (OG_STREAM, sm_90): both stages in one persistent cooperative launch whose
+// weight stream never stops. One producer warp per block copies weight chunks into a ring of
+// OG_SS shared-memory slots with bulk asynchronous copies (cp.async.bulk, one row chunk a lane,
+// completion counted in bytes on the slot's "full" mbarrier); OG_SW consumer warps multiply a
+// slot's rows out of shared memory and release it on its "empty" mbarrier. The producer walks the
+// block's gate_up tiles and then, without waiting for anything but free slots, its down tiles:
+// W2 does not depend on gate_up, so the ring fills with down's weights while the consumers finish
+// gate_up and meet the other blocks at the grid barrier (act must be complete before down reads
+// it). Tiles go to blocks round-robin; every sum keeps a fixed order, so the output is
+// deterministic.
+//   A slot holds 16 rows x OG_KC elements (moe.stream.kc): 16 gate rows or 16 up rows of a gate_up
+//   tile (a chunk of H), or 16 rows of W2 for one used expert (a chunk of I). One bulk copy per
+//   row: the copies' count, not their bytes, bounds what one SM's copy engine delivers (H200: a
+//   16 KB slot in 512-byte copies streamed at ~17 GB/s an SM, in 1 KB copies at ~29), so chunks
+//   are long. Rows are padded by 64 bytes so the consumers' 16-byte reads (8 rows x 64 bytes a
+//   quarter-warp) hit distinct banks.
+// OG_SPT: 8-pair tiles of a gate_up tile's (token, slot) pairs, ceil(T*K/8) <= 8, all in one pass.
+// The consumers' other operand sits in shared memory too (a global load per slot would put an L2
+// round trip on every slot's path): x's T rows, copied in at the start, then, after the grid
+// barrier, act's T*K rows in the same place. Rows are padded by 64 bytes, as the ring's.
+// Dynamic shared memory: the ring, the warps' reduction buffers, the operand rows (OG_OPB bytes),
+// then the 2*OG_SS mbarriers.
+#if OG_STREAM
+#ifndef OG_SW
+#define OG_SW 4
+#endif
+#ifndef OG_SS
+#define OG_SS 8
+#endif
+#ifndef OG_SPT
+#define OG_SPT 1
+#endif
+#ifndef OG_KC
+#define OG_KC 1024
+#endif
+#define OG_RS (2 * OG_KC + 64)
+#define OG_SLOT (16 * OG_RS)
+#define OG_RED_FLOATS (OG_SW * (OG_SPT > OG_NT ? OG_SPT : OG_NT) * 2 * 4 * 32)
+#define OG_XS (2 * OG_H + 64)
+#define OG_AS (2 * OG_I + 64)
+#ifndef OG_OPB
+#define OG_OPB 16
+#endif
+
+__device__ __forceinline__ unsigned og_smem_addr(const void *p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void og_mbar_init(unsigned long long *b, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(og_smem_addr(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void og_mbar_expect_tx(unsigned long long *b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(og_smem_addr(b)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void og_mbar_arrive(unsigned long long *b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(og_smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void og_mbar_wait(unsigned long long *b, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      "W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra W;\n}" ::"r"(og_smem_addr(b)),
+      "r"(parity)
+      : "memory");
+}
+// One bulk copy global -> shared of `bytes` (a multiple of 16; both addresses 16-byte aligned),
+// counted on mbarrier b.
+__device__ __forceinline__ void og_bulk_copy(void *dst, const void *src, unsigned bytes, unsigned long long *b) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          og_smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(og_smem_addr(b))
+      : "memory");
+}
+__device__ __forceinline__ og_vec4 og_lds128(const unsigned char *p) { return *(const og_vec4 *)p; }
+// Barrier of the consumer warps only (the producer never joins it).
+__device__ __forceinline__ void og_consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(OG_SW * 32) : "memory");
+}
+
+// The producer's walk: every slot this block fills, in order.
+__device__ __forceinline__ void og_stream_produce(const og_moe_params &p, const og_routing &r, unsigned char *ring,
+                                                  unsigned long long *full, unsigned long long *empty) {
+  const int lane = threadIdx.x & 31;
+  const int tiles1 = OG_I / 16, ntiles1 = r.nused * tiles1;
+  unsigned it = 0;
+  auto acquire = [&](unsigned bytes) -> unsigned char * {
+    const unsigned slot = it % OG_SS;
+    if (it >= OG_SS) og_mbar_wait(&empty[slot], ((it / OG_SS) - 1) & 1);
+    if (lane == 0) og_mbar_expect_tx(&full[slot], bytes);
+    __syncwarp();
+    return ring + slot * OG_SLOT;
+  };
+  for (int t = blockIdx.x; t < ntiles1; t += gridDim.x) {
+    const int u = t / tiles1, tile = t - u * tiles1;
+    const int e = r.experts[u];
+    const char *src = (const char *)p.w13 + 2 * (e * p.w13_estride + (long long)(tile * 16 + (lane & 15)) * p.w13_rstride);
+    for (int k0 = 0; k0 < OG_H; k0 += OG_KC) {
+      const unsigned len = 2u * (unsigned)(OG_H - k0 < OG_KC ? OG_H - k0 : OG_KC);
+      for (int half = 0; half < 2; ++half) {  // the gate rows' chunk, then the up rows'
+        unsigned char *slot = acquire(16u * len);
+        if (lane < 16)
+          og_bulk_copy(slot + lane * OG_RS, src + 2 * (half * (long long)OG_I * p.w13_rstride + k0), len,
+                       &full[it % OG_SS]);
+        ++it;
+      }
+    }
+  }
+  for (int h = blockIdx.x; h < OG_H / 16; h += gridDim.x) {
+    for (int uu = 0; uu < r.nused; ++uu) {
+      const char *src = (const char *)p.w2 + 2 * (r.experts[uu] * p.w2_estride + (long long)(h * 16 + (lane & 15)) * p.w2_rstride);
+      for (int k0 = 0; k0 < OG_I; k0 += OG_KC) {
+        const unsigned len = 2u * (unsigned)(OG_I - k0 < OG_KC ? OG_I - k0 : OG_KC);
+        unsigned char *slot = acquire(16u * len);
+        if (lane < 16) og_bulk_copy(slot + lane * OG_RS, src + 2 * k0, len, &full[it % OG_SS]);
+        ++it;
+      }
+    }
+  }
+}
+
+// Copies `rows` rows of `bytes` each (16-byte multiples, 16-byte aligned) from global memory into
+// shared memory with row pitch `pitch`, with the consumer warps; plain loads, many in flight.
+__device__ __forceinline__ void og_rows_to_shared(unsigned char *dst, int pitch, const char *src, long long src_pitch,
+                                                  int rows, int bytes) {
+  const int per_row = bytes / 16, n = rows * per_row;
+  for (int i = threadIdx.x; i < n; i += OG_SW * 32) {
+    const int rr = i / per_row, cc = i - rr * per_row;
+    *(og_vec4 *)(dst + rr * pitch + cc * 16) = og_load_coherent(src + rr * src_pitch + cc * 16);
+  }
+}
+
+__device__ __forceinline__ void og_stream_consume(const og_moe_params &p, const og_routing &r, unsigned char *ring,
+                                                  float *red, unsigned char *opr, unsigned long long *full,
+                                                  unsigned long long *empty, int *s_pairs, int &s_npairs) {
+  const int lane = threadIdx.x & 31, cw = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int tiles1 = OG_I / 16, ntiles1 = r.nused * tiles1;
+  const int nk = p.T * OG_K;
+  unsigned it = 0;
+  auto take = [&]() -> const unsigned char * {
+    const unsigned slot = it % OG_SS;
+    og_mbar_wait(&full[slot], (it / OG_SS) & 1);
+    return ring + slot * OG_SLOT;
+  };
+  auto release = [&]() {
+    __syncwarp();
+    if (lane == 0) og_mbar_arrive(&empty[it % OG_SS]);
+    ++it;
+  };
+  float(*s_red1)[OG_SPT][2][4][32] = reinterpret_cast<float(*)[OG_SPT][2][4][32]>(red);
+  og_rows_to_shared(opr, OG_XS, (const char *)p.x, 2 * p.x_stride, p.T, 2 * OG_H);
+  og_consumers_sync();
+
+  // gate_up
+  for (int t = blockIdx.x; t < ntiles1; t += gridDim.x) {
+    const int u = t / tiles1, tile = t - u * tiles1;
+    const int e = r.experts[u];
+    if (cw == 0) {
+      int n = 0;
+      for (int i0 = 0; i0 < nk; i0 += 32) {
+        const int i = i0 + lane;
+        const bool m = i < nk && r.ids[i] == e;
+        const og_u32 b = __ballot_sync(OG_FULL, m);
+        if (m) s_pairs[n + __popc(b & ((1u << lane) - 1u))] = i;
+        n += __popc(b);
+      }
+      if (lane == 0) s_npairs = n;
+    }
+    og_consumers_sync();
+    const int npairs = s_npairs;
+    const unsigned char *xrow[OG_SPT];
+    bool xval[OG_SPT];
+#pragma unroll
+    for (int pt = 0; pt < OG_SPT; ++pt) {
+      const int n = pt * 8 + g;
+      xval[pt] = n < npairs;
+      xrow[pt] = opr + (xval[pt] ? s_pairs[n] / OG_K : 0) * OG_XS + c * 16;
+    }
+    float acc_g[OG_SPT][4], acc_u[OG_SPT][4];
+#pragma unroll
+    for (int pt = 0; pt < OG_SPT; ++pt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc_g[pt][q] = acc_u[pt][q] = 0.f;
+    for (int k0 = 0; k0 < OG_H; k0 += OG_KC) {
+      const int steps = (OG_H - k0 < OG_KC ? OG_H - k0 : OG_KC) / 32;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // the gate rows' slot, then the up rows'
+        const unsigned char *slot = take();
+        for (int s = cw; s < steps; s += OG_SW) {
+          og_vec4 bx[OG_SPT];
+#pragma unroll
+          for (int pt = 0; pt < OG_SPT; ++pt) bx[pt] = xval[pt] ? og_lds128(xrow[pt] + 2 * (k0 + s * 32)) : og_zero4();
+          const int off = s * 64 + c * 16;
+          const og_vec4 a = og_lds128(slot + g * OG_RS + off), a8 = og_lds128(slot + (g + 8) * OG_RS + off);
+#pragma unroll
+          for (int pt = 0; pt < OG_SPT; ++pt)
+            if (pt * 8 < npairs) og_mma_k32(half ? acc_u[pt] : acc_g[pt], a, a8, bx[pt]);
+        }
+        release();
+      }
+    }
+#pragma unroll
+    for (int pt = 0; pt < OG_SPT; ++pt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        s_red1[cw][pt][0][q][lane] = acc_g[pt][q];
+        s_red1[cw][pt][1][q][lane] = acc_u[pt][q];
+      }
+    og_consumers_sync();
+    for (int idx = threadIdx.x; idx < OG_SPT * 4 * 32; idx += OG_SW * 32) {
+      const int pt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
+      const int n = pt * 8 + (l & 3) * 2 + (q & 1);
+      if (n >= npairs) continue;
+      float gs = 0.f, us = 0.f;
+#pragma unroll
+      for (int w = 0; w < OG_SW; ++w) {
+        gs += s_red1[w][pt][0][q][l];
+        us += s_red1[w][pt][1][q][l];
+      }
+      const int i = s_pairs[n];
+      const int tt = i / OG_K, j = i - tt * OG_K;
+      const float rw = p.topk_w[tt * p.topk_w_stride + j];
+#if OG_ON_INPUT
+      const float a = og_silu(gs * rw) * (us * rw);
+#else
+      const float a = og_silu(gs) * us * rw;
+#endif
+      const int row = tile * 16 + (l >> 2) + (q >> 1) * 8;
+      ((og_u16 *)p.act)[(long long)i * OG_I + row] = og_from_float(a);
+    }
+    og_consumers_sync();  // s_red and s_pairs are reused by the next tile
+  }
+
+  // Every block's act is written before any block's down reads it. The producer does not wait
+  // here: its down slots fill meanwhile. Then act's rows replace x's in shared memory.
+  og_consumers_sync();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(p.sync, 1u);
+    while (*(volatile unsigned *)p.sync < gridDim.x) __nanosleep(32);
+    __threadfence();
+  }
+  og_consumers_sync();
+  og_rows_to_shared(opr, OG_AS, (const char *)p.act, 2LL * OG_I, p.T * OG_K, 2 * OG_I);
+  og_consumers_sync();
+
+  // down
+  float(*s_red2)[OG_NT][4][32] = reinterpret_cast<float(*)[OG_NT][4][32]>(red);
+  const int T = p.T;
+  for (int h = blockIdx.x; h < OG_H / 16; h += gridDim.x) {
+    float acc[OG_NT][4];
+#pragma unroll
+    for (int nt = 0; nt < OG_NT; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
+    for (int uu = 0; uu < r.nused; ++uu) {
+      const int e = r.experts[uu];
+      int src0[OG_NT], src1[OG_NT];
+#pragma unroll
+      for (int nt = 0; nt < OG_NT; ++nt) {
+        const int t = nt * 8 + g;
+        src0[nt] = src1[nt] = -1;
+        if (t < T) {
+          for (int j = 0; j < OG_K; ++j) {
+            if (r.ids[t * OG_K + j] == e) {
+              if (src0[nt] < 0) src0[nt] = t * OG_K + j;
+              else src1[nt] = -2;  // two or more copies: summed below
+            }
+          }
+        }
+      }
+      for (int k0 = 0; k0 < OG_I; k0 += OG_KC) {
+        const int steps = (OG_I - k0 < OG_KC ? OG_I - k0 : OG_KC) / 32;
+        const unsigned char *slot = take();
+        for (int s = cw; s < steps; s += OG_SW) {
+          const int koff = 2 * (k0 + s * 32 + c * 8);
+          og_vec4 b[OG_NT];
+#pragma unroll
+          for (int nt = 0; nt < OG_NT; ++nt) {
+            if (src1[nt] == -1) {
+              b[nt] = src0[nt] >= 0 ? og_lds128(opr + src0[nt] * OG_AS + koff) : og_zero4();
+            } else {  // rare: a token routed to this expert more than once
+              const int t = nt * 8 + g;
+              float v[8];
+              for (int z = 0; z < 8; ++z) v[z] = 0.f;
+              for (int j = 0; j < OG_K; ++j) {
+                if (r.ids[t * OG_K + j] != e) continue;
+                const og_vec4 rr = og_lds128(opr + (t * OG_K + j) * OG_AS + koff);
+                v[0] += og_lo(rr.x), v[1] += og_hi(rr.x), v[2] += og_lo(rr.y), v[3] += og_hi(rr.y);
+                v[4] += og_lo(rr.z), v[5] += og_hi(rr.z), v[6] += og_lo(rr.w), v[7] += og_hi(rr.w);
+              }
+              b[nt].x = og_pack2(v[0], v[1]), b[nt].y = og_pack2(v[2], v[3]);
+              b[nt].z = og_pack2(v[4], v[5]), b[nt].w = og_pack2(v[6], v[7]);
+            }
+          }
+          const int off = s * 64 + c * 16;
+          const og_vec4 a = og_lds128(slot + g * OG_RS + off), a8 = og_lds128(slot + (g + 8) * OG_RS + off);
+#pragma unroll
+          for (int nt = 0; nt < OG_NT; ++nt)
+            if (nt * 8 < T) og_mma_k32(acc[nt], a, a8, b[nt]);
+        }
+        release();
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < OG_NT; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) s_red2[cw][nt][q][lane] = acc[nt][q];
+    og_consumers_sync();
+    for (int idx = threadIdx.x; idx < OG_NT * 4 * 32; idx += OG_SW * 32) {
+      const int nt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
+      const int t = nt * 8 + (l & 3) * 2 + (q & 1);
+      if (t >= T) continue;
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < OG_SW; ++w) sum += s_red2[w][nt][q][l];
+      const int hh = h * 16 + (l >> 2) + (q >> 1) * 8;
+      ((og_u16 *)p.out)[(long long)t * p.out_stride + hh] = og_from_float(sum);
+    }
+    og_consumers_sync();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__((OG_SW + 1) * 32, 1) OG_SUFFIX(moe_stream)(const og_moe_params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char og_dyn[];
+  __shared__ og_routing r;
+  __shared__ int s_pairs[OG_SPT * 8];
+  __shared__ int s_npairs;
+  unsigned char *ring = og_dyn;
+  float *red = (float *)(og_dyn + OG_SS * OG_SLOT);
+  unsigned char *opr = (unsigned char *)(red + OG_RED_FLOATS);
+  unsigned long long *full = (unsigned long long *)(opr + OG_OPB), *empty = full + OG_SS;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < OG_SS; ++i) og_mbar_init(&full[i], 1), og_mbar_init(&empty[i], OG_SW);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  og_routing_setup(p, r);  // its __syncthreads also publishes the mbarriers' initialisation
+  if ((int)(threadIdx.x >> 5) == OG_SW)
+    og_stream_produce(p, r, ring, full, empty);
+  else
+    og_stream_consume(p, r, ring, red, opr, full, empty, s_pairs, s_npairs);
+#endif
+}
+#endif

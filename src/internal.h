@@ -60,6 +60,7 @@ typedef struct og_cuda_api {
   og_CUresult (*cuLaunchKernelEx)(const struct og_CUlaunchConfig *, og_CUfunction, void **, void **);
   og_CUresult (*cuMemsetD32Async)(unsigned long long, unsigned int, size_t, og_CUstream);
   og_CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int *, og_CUfunction, int, size_t);
+  og_CUresult (*cuFuncSetAttribute)(og_CUfunction, int, int);
 } og_cuda_api;
 
 /* CUlaunchAttribute / CUlaunchConfig as documented in the driver API (cuda.h, CUDA 12 and 13). */

@@ -38,7 +38,18 @@ typedef struct og_moe_cfg {
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
   int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
   int gu_min_blocks; /* gate_up's __launch_bounds__ minimum blocks per SM (0: the default rule) */
+  int stream, sw, ss, spt, kc; /* moe_stream (sm_90): on, consumer warps, ring slots, 8-pair tiles, chunk */
+  int opb;                 /* moe_stream: bytes of shared memory for x's or act's rows */
 } og_moe_cfg;
+
+/* moe_stream's shared memory (kernels/moe_decode.cu): OG_SS ring slots, the consumer warps'
+ * reduction buffers, x's or act's rows, 2*OG_SS mbarriers. */
+#define OG_STREAM_SMEM_CAP (227 * 1024) /* opt-in shared memory of a block on sm_90 */
+static unsigned stream_smem(const og_moe_cfg *c) {
+  const int tiles = c->spt > c->nt ? c->spt : c->nt;
+  const int slot = 16 * (2 * c->kc + 64); /* 16 rows of kc elements, padded by 64 bytes */
+  return (unsigned)(c->ss * slot + c->sw * tiles * 2 * 4 * 32 * 4 + c->opb + 2 * c->ss * 8);
+}
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
  * operand registers of one k-step group under what compiles without spills (checked by the
@@ -73,6 +84,24 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->gu_min_blocks = c->nt == 1 ? (int)opgraft__tune_value("moe.gate_up.min_blocks", arch, gpu, shape, T) : 0;
   while (c->gu_min_blocks > 1 && c->gu_min_blocks * c->w1 > 16) c->gu_min_blocks--;
   while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
+  /* moe_stream: bulk copies need sm_90; every (token, slot) pair of a tile in one pass of at most
+   * 8 MMA tiles. The ring shrinks to what fits in a block's shared memory. */
+  c->stream = arch >= 90 && c->nt == 1 && (int64_t)T * a->top_k <= 64 &&
+              opgraft__tune_value("moe.stream", arch, gpu, shape, T) != 0;
+  c->sw = c->stream ? (int)opgraft__tune_value("moe.stream.warps", arch, gpu, shape, T) : 0;
+  c->ss = c->stream ? (int)opgraft__tune_value("moe.stream.slots", arch, gpu, shape, T) : 0;
+  c->spt = c->stream ? (int)((T * a->top_k + 7) / 8) : 0;
+  c->kc = c->stream ? (int)opgraft__tune_value("moe.stream.kc", arch, gpu, shape, T) : 0;
+  if (c->stream) c->kc = c->kc >= 2048 ? 2048 : c->kc >= 1024 ? 1024 : c->kc >= 512 ? 512 : 256;
+  if (c->spt < 1 && c->stream) c->spt = 1;
+  if (c->stream) { /* x's T rows, later act's T*k rows, padded by 64 bytes: at most 64 KB */
+    const int64_t xb = (int64_t)T * (2 * a->hidden + 64), ab = (int64_t)T * a->top_k * (2 * a->inter + 64);
+    const int64_t opb = ((xb > ab ? xb : ab) + 15) & ~(int64_t)15;
+    c->opb = (int)(opb > 0 ? opb : 16);
+    if (opb > 64 * 1024) c->stream = c->sw = c->ss = c->spt = c->opb = c->kc = 0;
+  }
+  while (c->stream && c->ss > 2 && stream_smem(c) > OG_STREAM_SMEM_CAP) c->ss--;
+  while (c->stream && c->sw > 1 && stream_smem(c) > OG_STREAM_SMEM_CAP) c->sw--;
 }
 
 #define OG_REASON(...) (snprintf(reason, reason_len, __VA_ARGS__), OPGRAFT_EUNSUPPORTED)
@@ -176,7 +205,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 32 }; /* 22 used */
+enum { OG_MAX_OPTS = 32 }; /* 27 used */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
@@ -201,16 +230,25 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
   OG_OPT("-DOG_GU_MIN_BLOCKS=%d", c->gu_min_blocks);
+  if (c->stream) {
+    OG_OPT("-DOG_STREAM=1");
+    OG_OPT("-DOG_SW=%d", c->sw);
+    OG_OPT("-DOG_SS=%d", c->ss);
+    OG_OPT("-DOG_SPT=%d", c->spt);
+    OG_OPT("-DOG_OPB=%d", c->opb);
+    OG_OPT("-DOG_KC=%d", c->kc);
+  }
 #undef OG_OPT
   return n;
 }
 
-#define OG_MOE_KERNELS 3
+#define OG_MOE_KERNELS 4 /* moe_stream exists in the module only when OG_STREAM is set */
 static void fn_names(const opgraft_moe_args *a, char names[OG_MOE_KERNELS][64]) {
   const char *sfx = a->dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16";
   snprintf(names[0], 64, "moe_gate_up_%s", sfx);
   snprintf(names[1], 64, "moe_down_%s", sfx);
   snprintf(names[2], 64, "moe_fused_%s", sfx);
+  snprintf(names[3], 64, "moe_stream_%s", sfx);
 }
 
 /* Launch plans by (context, arguments that shape the kernels): repeated calls skip the tunable
@@ -223,6 +261,7 @@ typedef struct og_plan {
   og_moe_cfg cfg;
   og_CUfunction fn[OG_MOE_KERNELS];
   unsigned fused_grid; /* blocks of moe_fused that fit on the GPU at once (cooperative launch) */
+  unsigned stream_grid, stream_smem; /* moe_stream's cooperative grid and dynamic shared memory */
 } og_plan;
 #define OG_PLANS 128
 static og_plan plans[OG_PLANS];
@@ -237,27 +276,27 @@ static int plan_matches(const og_plan *p, const og_plan *q) {
 /* A 1-D launch with one int-valued launch attribute set to 1 (cooperative, programmatic
  * stream serialization). */
 static int32_t launch_flagged(const og_cuda_api *cu, og_CUfunction fn, unsigned grid, unsigned threads,
-                              og_CUstream s, int attr_id, void **params, const char *what) {
+                              unsigned smem, og_CUstream s, int attr_id, void **params, const char *what) {
   og_CUlaunchAttribute attr;
   memset(&attr, 0, sizeof attr);
   attr.id = attr_id;
   attr.value.flag = 1;
-  og_CUlaunchConfig lc = {grid, 1, 1, threads, 1, 1, 0, s, &attr, 1};
+  og_CUlaunchConfig lc = {grid, 1, 1, threads, 1, 1, smem, s, &attr, 1};
   return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, fn, params, NULL), what);
 }
 
-/* How many blocks of the fused kernel can be resident at once: its cooperative grid. */
-static int32_t fused_capacity(const og_cuda_api *cu, og_CUfunction fn, int threads, unsigned *grid) {
+/* How many blocks of a cooperative kernel can be resident at once: its grid. */
+static int32_t fused_capacity(const og_cuda_api *cu, og_CUfunction fn, int threads, size_t smem, unsigned *grid) {
   enum { OG_ATTR_SM_COUNT = 16 }; /* CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT */
   og_CUdevice dev = 0;
   int per_sm = 0, sms = 0;
   int32_t st = opgraft__cu_check(cu->cuCtxGetDevice(&dev), "cuCtxGetDevice");
   if (!st) st = opgraft__cu_check(cu->cuDeviceGetAttribute(&sms, OG_ATTR_SM_COUNT, dev), "cuDeviceGetAttribute");
   if (!st)
-    st = opgraft__cu_check(cu->cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, 0),
+    st = opgraft__cu_check(cu->cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, smem),
                            "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   if (st) return st;
-  if (per_sm < 1) return opgraft__fail(OPGRAFT_ECUDA, "moe_fused cannot be resident on this GPU");
+  if (per_sm < 1) return opgraft__fail(OPGRAFT_ECUDA, "a cooperative MoE kernel cannot be resident on this GPU");
   *grid = (unsigned)(per_sm * sms);
   return OPGRAFT_OK;
 }
@@ -313,10 +352,20 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     const int nopts = moe_options(a, &plan.cfg, buf, opts);
     char names[OG_MOE_KERNELS][64];
     fn_names(a, names);
-    const char *np[OG_MOE_KERNELS] = {names[0], names[1], names[2]};
-    if ((st = opgraft__get_functions("moe_decode.cu", opts, nopts, arch, np, OG_MOE_KERNELS, plan.fn))) return st;
-    plan.fused_grid = 0;
-    if (plan.cfg.fused && (st = fused_capacity(cu, plan.fn[2], 32 * plan.cfg.w1, &plan.fused_grid))) return st;
+    const char *np[OG_MOE_KERNELS] = {names[0], names[1], names[2], names[3]};
+    if ((st = opgraft__get_functions("moe_decode.cu", opts, nopts, arch, np, plan.cfg.stream ? 4 : 3, plan.fn)))
+      return st;
+    plan.fused_grid = plan.stream_grid = plan.stream_smem = 0;
+    if (plan.cfg.fused && (st = fused_capacity(cu, plan.fn[2], 32 * plan.cfg.w1, 0, &plan.fused_grid))) return st;
+    if (plan.cfg.stream) {
+      enum { OG_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8 };
+      plan.stream_smem = stream_smem(&plan.cfg);
+      st = opgraft__cu_check(cu->cuFuncSetAttribute(plan.fn[3], OG_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                    (int)plan.stream_smem),
+                             "cuFuncSetAttribute (moe_stream shared memory)");
+      if (!st) st = fused_capacity(cu, plan.fn[3], 32 * (plan.cfg.sw + 1), plan.stream_smem, &plan.stream_grid);
+      if (st) return st;
+    }
     pthread_mutex_lock(&plan_lock);
     if (nplans < OG_PLANS) {
       plans[nplans++] = plan;
@@ -345,6 +394,15 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   const unsigned grid1 = (unsigned)(used_max * (a->inter / 16));
   const unsigned grid2 = (unsigned)(a->hidden / 16);
   og_CUstream s = (og_CUstream)stream;
+  if (plan.cfg.stream && stages == OPGRAFT_MOE_STAGE_ALL) {
+    /* One cooperative launch (its grid barrier needs every block resident), one block an SM. */
+    const unsigned long long counter = (unsigned long long)(uintptr_t)workspace + act_bytes(a);
+    p.sync = (unsigned *)(uintptr_t)counter;
+    if ((st = opgraft__cu_check(cu->cuMemsetD32Async(counter, 0u, 1, s), "cuMemsetD32Async (moe_stream counter)")))
+      return st;
+    return launch_flagged(cu, plan.fn[3], plan.stream_grid, 32u * (unsigned)(plan.cfg.sw + 1), plan.stream_smem, s,
+                          OG_LAUNCH_ATTRIBUTE_COOPERATIVE, params, "launch moe_stream (cooperative)");
+  }
   if (plan.cfg.fused && stages == OPGRAFT_MOE_STAGE_ALL) {
     /* One cooperative launch: every block is resident, so the grid-wide barrier cannot hang. */
     const unsigned long long counter = (unsigned long long)(uintptr_t)workspace + act_bytes(a);
@@ -353,7 +411,7 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     const unsigned grid = want < plan.fused_grid ? want : plan.fused_grid;
     if ((st = opgraft__cu_check(cu->cuMemsetD32Async(counter, 0u, 1, s), "cuMemsetD32Async (moe_fused counter)")))
       return st;
-    return launch_flagged(cu, plan.fn[2], grid, 32u * (unsigned)plan.cfg.w1, s, OG_LAUNCH_ATTRIBUTE_COOPERATIVE,
+    return launch_flagged(cu, plan.fn[2], grid, 32u * (unsigned)plan.cfg.w1, 0, s, OG_LAUNCH_ATTRIBUTE_COOPERATIVE,
                           params, "launch moe_fused (cooperative)");
   }
   if ((stages & OPGRAFT_MOE_STAGE_GATE_UP) &&
@@ -365,7 +423,7 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   if (plan.cfg.pdl && (stages & OPGRAFT_MOE_STAGE_GATE_UP)) {
     /* moe_down may start while moe_gate_up's blocks still run; it waits (griddepcontrol.wait)
      * before it touches what gate_up writes or reads. */
-    return launch_flagged(cu, plan.fn[1], grid2, 32u * (unsigned)plan.cfg.w2, s,
+    return launch_flagged(cu, plan.fn[1], grid2, 32u * (unsigned)plan.cfg.w2, 0, s,
                           OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, params,
                           "launch moe_down (programmatic dependent launch)");
   }
@@ -397,8 +455,9 @@ int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgr
   if (st) return st;
   char names[OG_MOE_KERNELS][64];
   fn_names(a, names);
-  /* The fused kernel is reported only when the configuration selects it. */
-  const int n = cfg.fused ? OG_MOE_KERNELS : 2;
+  /* The fused or stream kernel is reported (third) only when the configuration selects it. */
+  if (cfg.stream) memcpy(names[2], names[3], sizeof names[2]);
+  const int n = cfg.fused || cfg.stream ? 3 : 2;
   *count = n;
   for (int i = 0; i < n && i < cap && st == OPGRAFT_OK; ++i) st = opgraft__parse_resources(cub.log, names[i], &out[i]);
   opgraft__cubin_free(&cub);

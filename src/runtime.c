@@ -70,7 +70,7 @@ static const char *const cuda_names[] = {
     "cuInit",          "cuDriverGetVersion",  "cuCtxGetCurrent", "cuCtxGetDevice",
     "cuDeviceGetAttribute", "cuDeviceGetName", "cuModuleLoadData", "cuModuleGetFunction",
     "cuLaunchKernel",  "cuGetErrorString", "cuLaunchKernelEx", "cuMemsetD32Async",
-    "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor", "cuFuncSetAttribute",
 };
 
 static void load_cuda_locked(void) {

@@ -39,6 +39,10 @@ static const og_tunable tunables[] = {
     {"moe.pdl", 0, 1, 0},
     {"moe.load", 0, 4, 4},
     {"moe.down_load", 0, 4, 1},
+    {"moe.stream", 0, 1, 0},
+    {"moe.stream.warps", 1, 16, 4},
+    {"moe.stream.slots", 2, 16, 6},
+    {"moe.stream.kc", 256, 2048, 1024},
 };
 #define OG_NTUNABLES ((int)(sizeof tunables / sizeof *tunables))
 

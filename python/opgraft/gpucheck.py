@@ -55,6 +55,20 @@ def correctness_cases() -> list[dict]:
         _case("gate_up min blocks 2: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1,
               tunables={"moe.gate_up.min_blocks": 2}),
     ]
+    # moe_stream (sm_90: bulk copies into a shared-memory ring, one persistent launch)
+    st = {"moe.stream": 1}
+    cases += [
+        _case("stream: small T=1", small, 1, tunables=st),
+        _case("stream: small T=8, duplicate ids", small, 8, dup=True, tunables=st),
+        _case("stream: odd dims T=3", odd, 3, tunables=st),
+        _case("stream: fp16, router weight on input T=2", small, 2, dtype="fp16", on_input=True, tunables=st),
+        _case("stream: int64 ids, id -1 and E T=4", small, 4, ids64=True, invalid=True, tunables=st),
+        _case("stream: strided x and out T=5", small, 5, x_pad=64, out_pad=32, tunables=st),
+        _case("stream: expert_map 16 of 32 experts T=2", small, 2, ep=32, tunables=st),
+        _case("stream: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1, tunables=st),
+        _case("stream: Qwen3-30B-A3B T=4, 8 warps, 4 slots", PRESETS["Qwen3-30B-A3B"], 4,
+              tunables={"moe.stream": 1, "moe.stream.warps": 8, "moe.stream.slots": 4}),
+    ]
     return cases
 
 

@@ -27,6 +27,7 @@ MOE_SPACE = {
     "moe.pdl": [0, 1],
     "moe.load": [4, 1],
     "moe.down_load": [1, 4],
+    "moe.stream": [0, 1],
 }
 
 
