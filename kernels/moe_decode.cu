@@ -165,6 +165,104 @@ __device__ __forceinline__ void og_prefetch_w2(const og_moe_params &p, const og_
 #endif
 }
 
+// Warp-wide (one warp): the routing slots i = t*K + j that picked expert e, in increasing order,
+// into s_pairs; lane 0 stores their count in s_npairs.
+__device__ __forceinline__ void og_pairs_of(const og_routing &r, int nk, int e, int lane, int *s_pairs,
+                                            int &s_npairs) {
+  int n = 0;
+  for (int i0 = 0; i0 < nk; i0 += 32) {
+    const int i = i0 + lane;
+    const bool m = i < nk && r.ids[i] == e;
+    const og_u32 b = __ballot_sync(OG_FULL, m);
+    if (m) s_pairs[n + __popc(b & ((1u << lane) - 1u))] = i;
+    n += __popc(b);
+  }
+  if (lane == 0) s_npairs = n;
+}
+
+// gate_up's epilogue for pairs p0.. of one tile: sums the W warps' gate and up partials in warp
+// order and writes act = w * silu(gate) * up (or with the router weight on the input) for each
+// pair. Threads tid, tid + nthreads, ... share the work.
+template <int W, int NP>
+__device__ __forceinline__ void og_write_act(const og_moe_params &p, const float (*s_red)[NP][2][4][32],
+                                             const int *s_pairs, int npairs, int p0, int tile, int tid,
+                                             int nthreads) {
+  for (int idx = tid; idx < NP * 4 * 32; idx += nthreads) {
+    const int pt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
+    const int n = p0 + pt * 8 + (l & 3) * 2 + (q & 1);
+    if (n >= npairs) continue;
+    float gs = 0.f, us = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      gs += s_red[w][pt][0][q][l];
+      us += s_red[w][pt][1][q][l];
+    }
+    const int i = s_pairs[n];
+    const int t = i / OG_K, j = i - t * OG_K;
+    const float rw = p.topk_w[t * p.topk_w_stride + j];
+#if OG_ON_INPUT
+    const float a = og_silu(gs * rw) * (us * rw);
+#else
+    const float a = og_silu(gs) * us * rw;
+#endif
+    const int row = tile * 16 + (l >> 2) + (q >> 1) * 8;
+    ((og_u16 *)p.act)[(long long)i * OG_I + row] = og_from_float(a);
+  }
+}
+
+// down: for each token tile, the workspace row of this lane's token (nt*8 + g) for expert e, or
+// -1; src1 != -1 where the token lists e more than once (its rows are summed, og_sum_copies).
+__device__ __forceinline__ void og_act_sources(const og_routing &r, int T, int e, int g, int (&src0)[OG_NT],
+                                               int (&src1)[OG_NT]) {
+#pragma unroll
+  for (int nt = 0; nt < OG_NT; ++nt) {
+    const int t = nt * 8 + g;
+    src0[nt] = src1[nt] = -1;
+    if (t < T) {
+      for (int j = 0; j < OG_K; ++j) {
+        if (r.ids[t * OG_K + j] == e) {
+          if (src0[nt] < 0) src0[nt] = t * OG_K + j;
+          else src1[nt] = -2;
+        }
+      }
+    }
+  }
+}
+
+// The sum of token t's act rows for expert e (a token routed to it more than once), 8 elements at
+// one k offset; load(i) returns workspace row i's 16 bytes there.
+template <class L>
+__device__ __forceinline__ og_vec4 og_sum_copies(const og_routing &r, int t, int e, L load) {
+  float v[8];
+  for (int z = 0; z < 8; ++z) v[z] = 0.f;
+  for (int j = 0; j < OG_K; ++j) {
+    if (r.ids[t * OG_K + j] != e) continue;
+    const og_vec4 x = load(t * OG_K + j);
+    v[0] += og_lo(x.x), v[1] += og_hi(x.x), v[2] += og_lo(x.y), v[3] += og_hi(x.y);
+    v[4] += og_lo(x.z), v[5] += og_hi(x.z), v[6] += og_lo(x.w), v[7] += og_hi(x.w);
+  }
+  og_vec4 b;
+  b.x = og_pack2(v[0], v[1]), b.y = og_pack2(v[2], v[3]);
+  b.z = og_pack2(v[4], v[5]), b.w = og_pack2(v[6], v[7]);
+  return b;
+}
+
+// down's epilogue for rows h0..h0+15: sums the W warps' partials in warp order, writes out.
+template <int W>
+__device__ __forceinline__ void og_write_out(const og_moe_params &p, const float (*s_red)[OG_NT][4][32], int h0,
+                                             int tid, int nthreads) {
+  for (int idx = tid; idx < OG_NT * 4 * 32; idx += nthreads) {
+    const int nt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
+    const int t = nt * 8 + (l & 3) * 2 + (q & 1);
+    if (t >= p.T) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) sum += s_red[w][nt][q][l];
+    const int h = h0 + (l >> 2) + (q >> 1) * 8;
+    ((og_u16 *)p.out)[(long long)t * p.out_stride + h] = og_from_float(sum);
+  }
+}
+
 // gate_up for one tile: 16 rows of I of used expert number u, for every token routed to it.
 template <int W>
 __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og_routing &r, int u, int tile,
@@ -173,17 +271,7 @@ __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og
   const int g = lane >> 2, c = lane & 3;
   const int nk = p.T * OG_K;
   const int e = r.experts[u];
-  if (warp == 0) {
-    int n = 0;
-    for (int i0 = 0; i0 < nk; i0 += 32) {
-      const int i = i0 + lane;
-      const bool m = i < nk && r.ids[i] == e;
-      const og_u32 b = __ballot_sync(OG_FULL, m);
-      if (m) s_pairs[n + __popc(b & ((1u << lane) - 1u))] = i;
-      n += __popc(b);
-    }
-    if (lane == 0) s_npairs = n;
-  }
+  if (warp == 0) og_pairs_of(r, nk, e, lane, s_pairs, s_npairs);
   __syncthreads();
   const int npairs = s_npairs;
 
@@ -259,27 +347,7 @@ __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og
         s_red[warp][nt][1][q][lane] = acc_u[nt][q];
       }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < OG_NT * 4 * 32; idx += blockDim.x) {
-      const int nt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
-      const int n = p0 + nt * 8 + (l & 3) * 2 + (q & 1);
-      if (n >= npairs) continue;
-      float gs = 0.f, us = 0.f;
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        gs += s_red[w][nt][0][q][l];
-        us += s_red[w][nt][1][q][l];
-      }
-      const int i = s_pairs[n];
-      const int t = i / OG_K, j = i - t * OG_K;
-      const float rw = p.topk_w[t * p.topk_w_stride + j];
-#if OG_ON_INPUT
-      const float a = og_silu(gs * rw) * (us * rw);
-#else
-      const float a = og_silu(gs) * us * rw;
-#endif
-      const int row = tile * 16 + (l >> 2) + (q >> 1) * 8;
-      ((og_u16 *)p.act)[(long long)i * OG_I + row] = og_from_float(a);
-    }
+    og_write_act<W, OG_NT>(p, s_red, s_pairs, npairs, p0, tile, threadIdx.x, blockDim.x);
     __syncthreads();
   }
 }
@@ -306,8 +374,8 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
 
   int cur_u = -1;
   const char *wrow = 0;
-  // For each token tile: the workspace rows of this lane's token for the current expert (the
-  // second one only if a token lists the same expert twice), or -1.
+  // For each token tile: the workspace row of this lane's token for the current expert, or -1
+  // (og_act_sources).
   int src0[OG_NT], src1[OG_NT];
   for (int it = warp; it < items; it += W) {
     const int uu = it / nchunks, ch = it - uu * nchunks;
@@ -315,22 +383,7 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
       cur_u = uu;
       const int e = r.experts[uu];
       wrow = (const char *)p.w2 + 2 * (e * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
-#pragma unroll
-      for (int nt = 0; nt < OG_NT; ++nt) {
-        const int t = nt * 8 + g;
-        src0[nt] = src1[nt] = -1;
-        if (t < T) {
-          for (int j = 0; j < OG_K; ++j) {
-            if (r.ids[t * OG_K + j] == e) {
-              if (src0[nt] < 0) src0[nt] = t * OG_K + j;
-              else if (src1[nt] < 0) src1[nt] = t * OG_K + j;
-              else {  // three or more copies: fold them in one by one below
-                src1[nt] = -2;
-              }
-            }
-          }
-        }
-      }
+      og_act_sources(r, T, e, g, src0, src1);
     }
 #if OG_PREFETCH
     {  // L2 prefetch of the work item OG_PREFETCH items ahead
@@ -371,17 +424,9 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
           const int s = ch * OG_U2 + q;
           if (steps % OG_U2 == 0 || s < steps) {
             const long long off = 2 * (long long)(s * 32 + c * 8);
-            float v[8];
-            for (int z = 0; z < 8; ++z) v[z] = 0.f;
-            for (int j = 0; j < OG_K; ++j) {
-              if (r.ids[t * OG_K + j] != e) continue;
-              const og_vec4 r = og_load_coherent((const char *)p.act +
-                                                 2 * ((long long)(t * OG_K + j) * OG_I) + off);
-              v[0] += og_lo(r.x), v[1] += og_hi(r.x), v[2] += og_lo(r.y), v[3] += og_hi(r.y);
-              v[4] += og_lo(r.z), v[5] += og_hi(r.z), v[6] += og_lo(r.w), v[7] += og_hi(r.w);
-            }
-            b[q][nt].x = og_pack2(v[0], v[1]), b[q][nt].y = og_pack2(v[2], v[3]);
-            b[q][nt].z = og_pack2(v[4], v[5]), b[q][nt].w = og_pack2(v[6], v[7]);
+            b[q][nt] = og_sum_copies(r, t, e, [&](int i) {
+              return og_load_coherent((const char *)p.act + 2 * ((long long)i * OG_I) + off);
+            });
           }
         }
       }
@@ -402,16 +447,7 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
 #pragma unroll
     for (int q = 0; q < 4; ++q) s_red[warp][nt][q][lane] = acc[nt][q];
   __syncthreads();
-  for (int idx = threadIdx.x; idx < OG_NT * 4 * 32; idx += blockDim.x) {
-    const int nt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
-    const int t = nt * 8 + (l & 3) * 2 + (q & 1);
-    if (t >= T) continue;
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) sum += s_red[w][nt][q][l];
-    const int h = h0 + (l >> 2) + (q >> 1) * 8;
-    ((og_u16 *)p.out)[(long long)t * p.out_stride + h] = og_from_float(sum);
-  }
+  og_write_out<W>(p, s_red, h0, threadIdx.x, blockDim.x);
   __syncthreads();  // s_red is reused by the next tile
 }
 
@@ -631,17 +667,7 @@ __device__ __forceinline__ void og_stream_consume(const og_moe_params &p, const 
   for (int t = blockIdx.x; t < ntiles1; t += gridDim.x) {
     const int u = t / tiles1, tile = t - u * tiles1;
     const int e = r.experts[u];
-    if (cw == 0) {
-      int n = 0;
-      for (int i0 = 0; i0 < nk; i0 += 32) {
-        const int i = i0 + lane;
-        const bool m = i < nk && r.ids[i] == e;
-        const og_u32 b = __ballot_sync(OG_FULL, m);
-        if (m) s_pairs[n + __popc(b & ((1u << lane) - 1u))] = i;
-        n += __popc(b);
-      }
-      if (lane == 0) s_npairs = n;
-    }
+    if (cw == 0) og_pairs_of(r, nk, e, lane, s_pairs, s_npairs);
     og_consumers_sync();
     const int npairs = s_npairs;
     const unsigned char *xrow[OG_SPT];
@@ -683,27 +709,7 @@ __device__ __forceinline__ void og_stream_consume(const og_moe_params &p, const 
         s_red1[cw][pt][1][q][lane] = acc_u[pt][q];
       }
     og_consumers_sync();
-    for (int idx = threadIdx.x; idx < OG_SPT * 4 * 32; idx += OG_SW * 32) {
-      const int pt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
-      const int n = pt * 8 + (l & 3) * 2 + (q & 1);
-      if (n >= npairs) continue;
-      float gs = 0.f, us = 0.f;
-#pragma unroll
-      for (int w = 0; w < OG_SW; ++w) {
-        gs += s_red1[w][pt][0][q][l];
-        us += s_red1[w][pt][1][q][l];
-      }
-      const int i = s_pairs[n];
-      const int tt = i / OG_K, j = i - tt * OG_K;
-      const float rw = p.topk_w[tt * p.topk_w_stride + j];
-#if OG_ON_INPUT
-      const float a = og_silu(gs * rw) * (us * rw);
-#else
-      const float a = og_silu(gs) * us * rw;
-#endif
-      const int row = tile * 16 + (l >> 2) + (q >> 1) * 8;
-      ((og_u16 *)p.act)[(long long)i * OG_I + row] = og_from_float(a);
-    }
+    og_write_act<OG_SW, OG_SPT>(p, s_red1, s_pairs, npairs, 0, tile, threadIdx.x, OG_SW * 32);
     og_consumers_sync();  // s_red and s_pairs are reused by the next tile
   }
 
@@ -732,19 +738,7 @@ __device__ __forceinline__ void og_stream_consume(const og_moe_params &p, const 
     for (int uu = 0; uu < r.nused; ++uu) {
       const int e = r.experts[uu];
       int src0[OG_NT], src1[OG_NT];
-#pragma unroll
-      for (int nt = 0; nt < OG_NT; ++nt) {
-        const int t = nt * 8 + g;
-        src0[nt] = src1[nt] = -1;
-        if (t < T) {
-          for (int j = 0; j < OG_K; ++j) {
-            if (r.ids[t * OG_K + j] == e) {
-              if (src0[nt] < 0) src0[nt] = t * OG_K + j;
-              else src1[nt] = -2;  // two or more copies: summed below
-            }
-          }
-        }
-      }
+      og_act_sources(r, T, e, g, src0, src1);
       for (int k0 = 0; k0 < OG_I; k0 += OG_KC) {
         const int steps = (OG_I - k0 < OG_KC ? OG_I - k0 : OG_KC) / 32;
         const unsigned char *slot = take();
@@ -756,17 +750,7 @@ __device__ __forceinline__ void og_stream_consume(const og_moe_params &p, const 
             if (src1[nt] == -1) {
               b[nt] = src0[nt] >= 0 ? og_lds128(opr + src0[nt] * OG_AS + koff) : og_zero4();
             } else {  // rare: a token routed to this expert more than once
-              const int t = nt * 8 + g;
-              float v[8];
-              for (int z = 0; z < 8; ++z) v[z] = 0.f;
-              for (int j = 0; j < OG_K; ++j) {
-                if (r.ids[t * OG_K + j] != e) continue;
-                const og_vec4 rr = og_lds128(opr + (t * OG_K + j) * OG_AS + koff);
-                v[0] += og_lo(rr.x), v[1] += og_hi(rr.x), v[2] += og_lo(rr.y), v[3] += og_hi(rr.y);
-                v[4] += og_lo(rr.z), v[5] += og_hi(rr.z), v[6] += og_lo(rr.w), v[7] += og_hi(rr.w);
-              }
-              b[nt].x = og_pack2(v[0], v[1]), b[nt].y = og_pack2(v[2], v[3]);
-              b[nt].z = og_pack2(v[4], v[5]), b[nt].w = og_pack2(v[6], v[7]);
+              b[nt] = og_sum_copies(r, nt * 8 + g, e, [&](int i) { return og_lds128(opr + i * OG_AS + koff); });
             }
           }
           const int off = s * 64 + c * 16;
@@ -783,16 +767,7 @@ __device__ __forceinline__ void og_stream_consume(const og_moe_params &p, const 
 #pragma unroll
       for (int q = 0; q < 4; ++q) s_red2[cw][nt][q][lane] = acc[nt][q];
     og_consumers_sync();
-    for (int idx = threadIdx.x; idx < OG_NT * 4 * 32; idx += OG_SW * 32) {
-      const int nt = idx / 128, q = (idx / 32) & 3, l = idx & 31;
-      const int t = nt * 8 + (l & 3) * 2 + (q & 1);
-      if (t >= T) continue;
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < OG_SW; ++w) sum += s_red2[w][nt][q][l];
-      const int hh = h * 16 + (l >> 2) + (q >> 1) * 8;
-      ((og_u16 *)p.out)[(long long)t * p.out_stride + hh] = og_from_float(sum);
-    }
+    og_write_out<OG_SW>(p, s_red2, h * 16, threadIdx.x, OG_SW * 32);
     og_consumers_sync();
   }
 }

@@ -40,6 +40,7 @@ typedef struct og_moe_cfg {
   int gu_min_blocks; /* gate_up's __launch_bounds__ minimum blocks per SM (0: the default rule) */
   int stream, sw, ss, spt, kc; /* moe_stream (sm_90): on, consumer warps, ring slots, 8-pair tiles, chunk */
   int opb;                 /* moe_stream: bytes of shared memory for x's or act's rows */
+  int stream_blocks;       /* moe_stream: at most this many blocks (0: as many as fit) */
 } og_moe_cfg;
 
 /* moe_stream's shared memory (kernels/moe_decode.cu): OG_SS ring slots, the consumer warps'
@@ -84,14 +85,16 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->gu_min_blocks = c->nt == 1 ? (int)opgraft__tune_value("moe.gate_up.min_blocks", arch, gpu, shape, T) : 0;
   while (c->gu_min_blocks > 1 && c->gu_min_blocks * c->w1 > 16) c->gu_min_blocks--;
   while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
-  /* moe_stream: bulk copies need sm_90; every (token, slot) pair of a tile in one pass of at most
-   * 8 MMA tiles. The ring shrinks to what fits in a block's shared memory. */
-  c->stream = arch >= 90 && c->nt == 1 && (int64_t)T * a->top_k <= 64 &&
+  /* moe_stream: bulk copies need sm_90, and the ring is sized for sm_90's 227 KB of shared memory
+   * a block (later archs differ: sm_120 has ~100 KB), so sm_90 only; every (token, slot) pair of
+   * a tile in one pass of at most 8 MMA tiles. The ring shrinks to what fits. */
+  c->stream = arch == 90 && c->nt == 1 && (int64_t)T * a->top_k <= 64 &&
               opgraft__tune_value("moe.stream", arch, gpu, shape, T) != 0;
   c->sw = c->stream ? (int)opgraft__tune_value("moe.stream.warps", arch, gpu, shape, T) : 0;
   c->ss = c->stream ? (int)opgraft__tune_value("moe.stream.slots", arch, gpu, shape, T) : 0;
   c->spt = c->stream ? (int)((T * a->top_k + 7) / 8) : 0;
   c->kc = c->stream ? (int)opgraft__tune_value("moe.stream.kc", arch, gpu, shape, T) : 0;
+  c->stream_blocks = c->stream ? (int)opgraft__tune_value("moe.stream.blocks", arch, gpu, shape, T) : 0;
   if (c->stream) c->kc = c->kc >= 2048 ? 2048 : c->kc >= 1024 ? 1024 : c->kc >= 512 ? 512 : 256;
   if (c->spt < 1 && c->stream) c->spt = 1;
   if (c->stream) { /* x's T rows, later act's T*k rows, padded by 64 bytes: at most 64 KB */
@@ -365,6 +368,8 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
                              "cuFuncSetAttribute (moe_stream shared memory)");
       if (!st) st = fused_capacity(cu, plan.fn[3], 32 * (plan.cfg.sw + 1), plan.stream_smem, &plan.stream_grid);
       if (st) return st;
+      if (plan.cfg.stream_blocks > 0 && (unsigned)plan.cfg.stream_blocks < plan.stream_grid)
+        plan.stream_grid = (unsigned)plan.cfg.stream_blocks;
     }
     pthread_mutex_lock(&plan_lock);
     if (nplans < OG_PLANS) {

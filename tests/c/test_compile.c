@@ -27,7 +27,7 @@ typedef struct job {
   const shape *s;
   int32_t dtype, arch, T;
   int32_t status, count;
-  opgraft_kernel_info info[3]; /* gate_up, down, and fused when the configuration selects it */
+  opgraft_kernel_info info[3]; /* gate_up, down, and fused or stream when the configuration selects one */
   char error[512];
 } job;
 
@@ -227,6 +227,60 @@ static void test_gate_up_min_blocks_compile(void **state) {
   if (bad) fail_msg("%d problems with moe.gate_up.min_blocks", bad);
 }
 
+static void test_stream_variants_compile(void **state) {
+  /* moe.stream 1 (moe_stream: bulk copies into a shared-memory ring, sm_90): at T=1 and 2 on sm_90
+   * the configuration reports moe_stream as its third kernel, spill-free, for every preset (and
+   * with the ring's other chunk sizes and warp counts on Qwen3-30B-A3B and the odd shape); on
+   * sm_80, and where x's or act's rows would need more than 64 KB (Qwen3-30B-A3B T=8), the two
+   * kernels stay. */
+  need_nvrtc();
+  static const char *const settings[][2] = {{NULL, NULL},
+                                            {"OPGRAFT_TUNE_MOE_STREAM_KC", "256"},
+                                            {"OPGRAFT_TUNE_MOE_STREAM_KC", "2048"},
+                                            {"OPGRAFT_TUNE_MOE_STREAM_WARPS", "8"}};
+  int bad = 0;
+  setenv("OPGRAFT_TUNE_MOE_STREAM", "1", 1);
+  for (size_t v = 0; v < sizeof settings / sizeof *settings; ++v) {
+    if (settings[v][0]) setenv(settings[v][0], settings[v][1], 1);
+    opgraft_tune_reload();
+    for (size_t si = 0; si < N_SHAPES; ++si) {
+      if (v > 0 && si != 0 && si != 5) continue; /* other chunks and warps: Qwen3-30B-A3B, odd */
+      for (int32_t T = 1; T <= 8; T = T == 2 ? 8 : T + 1)
+        for (int ar = 0; ar < 2; ++ar) {
+          job j;
+          memset(&j, 0, sizeof j);
+          j.s = &shapes[si], j.dtype = OPGRAFT_DTYPE_BF16, j.arch = archs[ar], j.T = T;
+          run_job(&j);
+          char what[160];
+          describe(&j, what, sizeof what);
+          const int opb_fits = (long long)T * j.s->k * (2 * j.s->I + 64) <= 64 * 1024 &&
+                               (long long)T * (2 * j.s->H + 64) <= 64 * 1024;
+          const int want = j.arch == 90 && opb_fits ? 3 : 2;
+          if (j.status != OPGRAFT_OK || j.count != want) {
+            print_error("%s, moe.stream 1 %s=%s: %s, %d kernels (expected %d) %.300s\n", what,
+                        settings[v][0] ? settings[v][0] : "", settings[v][1] ? settings[v][1] : "",
+                        opgraft_status_name(j.status), j.count, want, j.error);
+            ++bad;
+            continue;
+          }
+          if (want == 3 && strcmp(j.info[2].name, "moe_stream_bf16") != 0) {
+            print_error("%s: third kernel %s, expected moe_stream_bf16\n", what, j.info[2].name);
+            ++bad;
+          }
+          for (int k = 0; k < j.count; ++k)
+            if (j.info[k].spill_store_bytes > 0 || j.info[k].spill_load_bytes > 0) {
+              print_error("%s, moe.stream 1: %s spills\n", what, j.info[k].name);
+              ++bad;
+            }
+        }
+    }
+    if (settings[v][0]) unsetenv(settings[v][0]);
+  }
+  unsetenv("OPGRAFT_TUNE_MOE_STREAM");
+  opgraft_tune_reload();
+  if (bad) fail_msg("%d problems with moe.stream", bad);
+}
+
 static void test_load_forms_compile(void **state) {
   /* Every form of gate_up's and down's weight loads (moe.load, moe.down_load) compiles spill-free,
    * on Qwen3-30B-A3B and Mixtral-8x7B. */
@@ -363,6 +417,7 @@ int main(void) {
       cmocka_unit_test(test_fused_variants_compile),
       cmocka_unit_test(test_gate_up_min_blocks_compile),
       cmocka_unit_test(test_load_forms_compile),
+      cmocka_unit_test(test_stream_variants_compile),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
