@@ -22,6 +22,7 @@ const og_tune_entry opgraft__baked_table[] = {
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 0, 0, "moe.max_tokens", 1, "vLLM 0.26 end to end on H200 2026-11-29 with moe.load 4, Mixtral-8x7B: ITL batch 1 7.993 -> 7.698 ms, batch 2 11.797 -> 11.708 (our kernels 9587 us a step vs vLLM's 9229), batch 8 21.105 -> 21.468: T >= 2 stays with vLLM"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 4, "moe.gate_up.warps", 4, "H200 2026-11-30 with gate_up min blocks 4: Qwen3-30B-A3B T=1 25.0 -> 24.1 us, T=2 45.6 -> 42.1 (8 warps, min blocks 2: 25.0, 43.0)"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 5, 64, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=8 124.8 us"},
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 1, "moe.load", 1, "H200 2026-11-30 descent from the shipped rows (gate_up 4 warps, min blocks 4), 64 MiB between calls: Qwen3-30B-A3B T=1 24.0 -> 23.6 us with load form 1 instead of 4"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 0, 0, "moe.down.warps", 16, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B down 9.3 us (T=1), 41.0 us (T=8)"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 0, 0, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Mixtral-8x7B T=1 175.0 us, T=8 593.8 us"},
     {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 4, "moe.gate_up.warps", 8, "H200 2026-11-30 with gate_up min blocks 2: Qwen3-235B-A22B T=1 82.5 -> 77.9 us, T=2 155.9 -> 143.9, T=4 282.5 -> 260.2 (16 warps before)"},
@@ -35,11 +36,11 @@ const og_tune_entry opgraft__baked_table[] = {
     /* Large experts after 64 MiB of other reads (coordinate descent 2026-11-30,
      * bench/results/2026-11-30-h200-v12-tuning/, -v13-min-blocks/). Mixtral-8x7B up to 8 tokens:
      * gate_up 8 warps, two blocks an SM (v13; the cooperative kernel before); at 9..16 tokens 1 warp
-     * for gate_up and down unroll 2; Kimi-K2 at 9..16 tokens: gate_up 1 warp, down 2 warps. */
+     * for gate_up and down unroll 2; Kimi-K2 at 9..16 tokens: gate_up 4 warps, down 2 warps. */
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1, 8, "moe.gate_up.warps", 8, "H200 2026-11-30, two kernels with gate_up 8 warps and min blocks 2 against the cooperative kernel (the v12 row): Mixtral-8x7B T=1 173.0 -> 169.2 us, T=2 302.7 -> 297.3, T=4 435.2 -> 434.4, T=8 584.9 -> 579.5"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.gate_up.warps", 1, "H200 2026-11-30 descent: Mixtral-8x7B T=16 675.8 -> 666.1 us with gate_up 1 warp (4 warps ties) and down unroll 2"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.down.unroll", 2, "H200 2026-11-30 descent: Mixtral-8x7B T=16 down unroll 4 -> 2: 675.7 -> 665.8 us"},
-    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.gate_up.warps", 1, "H200 2026-11-30 descent: Kimi-K2 T=16 2599.2 -> 2352.7 us with gate_up 1 warp and down 2 warps"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.gate_up.warps", 4, "H200 2026-11-30 descents: Kimi-K2 T=16 2599.2 -> 2352.7 us with gate_up 1 warp and down 2 warps; then, from that row, 2401.7 -> 2373.2 us with 4 warps (2: 2386.0)"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.warps", 2, "H200 2026-11-30 descent: Kimi-K2 T=16 down 8 -> 2 warps (gate_up 1 warp): 2445.3 -> 2351.0 us"},
     /* Programmatic dependent launch of the down stage (sm_90), bench with rotating weight copies,
      * same run for on and off: a win where calls are small, a loss on Mixtral's large experts. */

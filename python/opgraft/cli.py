@@ -331,7 +331,7 @@ def cmd_tune(args) -> int:
         return 2
     p = torch.cuda.get_device_properties(0)
     arch, gpu = p.major * 10 + p.minor, p.name
-    sk = f"moe:{args.dtype}:E{shape.num_experts}:H{shape.hidden}:I{shape.inter}:k{shape.top_k}"
+    sk = shape.tune_key(args.dtype)
     w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
     winners = []
     date = datetime.date.today().isoformat()

@@ -22,6 +22,10 @@ class MoeShape:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def tune_key(self, dtype: str = "bf16") -> str:
+        """The shape field of tunable rows and tune-file entries (as the library builds it)."""
+        return f"moe:{dtype}:E{self.num_experts}:H{self.hidden}:I{self.inter}:k{self.top_k}"
+
     def per_rank(self, tp: int = 1) -> "MoeShape":
         """The shape one rank sees under vLLM's tensor parallelism: each expert's I split tp ways."""
         if tp == 1:

@@ -50,8 +50,10 @@ def tunables_set(cfg: dict):
 
 
 def apply_config(cfg: dict) -> None:
-    """Only cfg's tunables set through the environment: every other moe tunable variable is cleared."""
-    for name in [n for n in os.environ if n.startswith("OPGRAFT_TUNE_MOE_")]:
+    """Only cfg's tunables set through the environment: every other moe kernel tunable's variable
+    is cleared (moe.max_tokens, which decides what is measured at all, is left as it is)."""
+    keep = env_name("moe.max_tokens")
+    for name in [n for n in os.environ if n.startswith("OPGRAFT_TUNE_MOE_") and n != keep]:
         del os.environ[name]
     for k, v in cfg.items():
         os.environ[env_name(k)] = str(v)
@@ -157,7 +159,9 @@ def main(argv=None) -> int:
             rows.append(measure(fx, cfg, stages_all=not one))
         if args.descent:
             apply_config({})
-            start = {k: _lib.tune_get(k, 90, None, None, T)[0] for k in MOE_SPACE}
+            props = torch.cuda.get_device_properties(0)
+            arch = props.major * 10 + props.minor
+            start = {k: _lib.tune_get(k, arch, props.name, shape.tune_key(args.dtype), T)[0] for k in MOE_SPACE}
             start.update(json.loads(args.start) if args.start else {})
 
             def cost(cfg):

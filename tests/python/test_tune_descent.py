@@ -1,4 +1,5 @@
 import math
+import os
 
 import pytest
 
@@ -51,3 +52,28 @@ def test_the_moe_space_names_real_tunables():
 
     keys = set(_lib.tune_keys())
     assert set(MOE_SPACE) <= keys
+
+
+def test_a_presets_tune_key_selects_its_baked_rows():
+    # the key format must be the library's: Kimi-K2's sm_90 row sets 8 gate_up warps at T=1..8
+    from opgraft import _lib
+    from opgraft.presets import PRESETS
+
+    key = PRESETS["Kimi-K2"].tune_key()
+    assert key == "moe:bf16:E384:H7168:I2048:k8"
+    assert _lib.tune_get("moe.gate_up.warps", 90, None, key, 1) == (8, "baked:sm_90")
+    assert _lib.tune_get("moe.gate_up.warps", 90, None, key, 12)[0] == 1
+
+
+def test_sweep_configs_clear_other_tunables_but_keep_the_token_threshold(monkeypatch):
+    pytest.importorskip("torch")
+    from opgraft import sweep
+
+    monkeypatch.setenv("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64")
+    monkeypatch.setenv("OPGRAFT_TUNE_MOE_STREAM", "1")
+    sweep.apply_config({"moe.gate_up.warps": 2})
+    assert os.environ["OPGRAFT_TUNE_MOE_MAX_TOKENS"] == "64"
+    assert "OPGRAFT_TUNE_MOE_STREAM" not in os.environ
+    assert os.environ["OPGRAFT_TUNE_MOE_GATE_UP_WARPS"] == "2"
+    sweep.apply_config({})
+    assert "OPGRAFT_TUNE_MOE_GATE_UP_WARPS" not in os.environ
