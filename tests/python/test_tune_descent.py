@@ -55,14 +55,16 @@ def test_the_moe_space_names_real_tunables():
 
 
 def test_a_presets_tune_key_selects_its_baked_rows():
-    # the key format must be the library's: Kimi-K2's sm_90 row sets 8 gate_up warps at T=1..8
+    # the key format must be the library's: Kimi-K2's sm_90 rows set gate_up's warps per token range
     from opgraft import _lib
     from opgraft.presets import PRESETS
 
     key = PRESETS["Kimi-K2"].tune_key()
     assert key == "moe:bf16:E384:H7168:I2048:k8"
     assert _lib.tune_get("moe.gate_up.warps", 90, None, key, 1) == (8, "baked:sm_90")
-    assert _lib.tune_get("moe.gate_up.warps", 90, None, key, 12)[0] == 1
+    assert _lib.tune_get("moe.gate_up.warps", 90, None, key, 12)[0] == 4
+    assert _lib.tune_get("moe.gate_up.warps", 90, None, key, 40)[0] == 16
+    assert _lib.tune_get("moe.gate_up.warps", 90, None, "moe:bf16:E1:H64:I64:k1", 1) == (8, "baked:any")
 
 
 def test_sweep_configs_clear_other_tunables_but_keep_the_token_threshold(monkeypatch):
