@@ -575,13 +575,27 @@ __device__ __forceinline__ void og_mbar_wait(unsigned long long *b, unsigned par
       : "memory");
 }
 // One bulk copy global -> shared of `bytes` (a multiple of 16; both addresses 16-byte aligned),
-// counted on mbarrier b.
+// counted on mbarrier b. OG_STREAM_EF (moe.stream.evict_first) marks the lines first for eviction
+// from L2, as the register path's down loads do.
+#ifndef OG_STREAM_EF
+#define OG_STREAM_EF 0
+#endif
 __device__ __forceinline__ void og_bulk_copy(void *dst, const void *src, unsigned bytes, unsigned long long *b) {
+#if OG_STREAM_EF
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          og_smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(og_smem_addr(b)), "l"(policy)
+      : "memory");
+#else
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           og_smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(og_smem_addr(b))
       : "memory");
+#endif
 }
 __device__ __forceinline__ og_vec4 og_lds128(const unsigned char *p) { return *(const og_vec4 *)p; }
 // Barrier of the consumer warps only (the producer never joins it).

@@ -41,6 +41,7 @@ typedef struct og_moe_cfg {
   int stream, sw, ss, spt, kc; /* moe_stream (sm_90): on, consumer warps, ring slots, 8-pair tiles, chunk */
   int opb;                 /* moe_stream: bytes of shared memory for x's or act's rows */
   int stream_blocks;       /* moe_stream: at most this many blocks (0: as many as fit) */
+  int stream_ef;           /* moe_stream: the copies' lines first for eviction from L2 */
 } og_moe_cfg;
 
 /* moe_stream's shared memory (kernels/moe_decode.cu): OG_SS ring slots, the consumer warps'
@@ -95,13 +96,14 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->spt = c->stream ? (int)((T * a->top_k + 7) / 8) : 0;
   c->kc = c->stream ? (int)opgraft__tune_value("moe.stream.kc", arch, gpu, shape, T) : 0;
   c->stream_blocks = c->stream ? (int)opgraft__tune_value("moe.stream.blocks", arch, gpu, shape, T) : 0;
+  c->stream_ef = c->stream && opgraft__tune_value("moe.stream.evict_first", arch, gpu, shape, T) != 0;
   if (c->stream) c->kc = c->kc >= 2048 ? 2048 : c->kc >= 1024 ? 1024 : c->kc >= 512 ? 512 : 256;
   if (c->spt < 1 && c->stream) c->spt = 1;
   if (c->stream) { /* x's T rows, later act's T*k rows, padded by 64 bytes: at most 64 KB */
     const int64_t xb = (int64_t)T * (2 * a->hidden + 64), ab = (int64_t)T * a->top_k * (2 * a->inter + 64);
     const int64_t opb = ((xb > ab ? xb : ab) + 15) & ~(int64_t)15;
     c->opb = (int)(opb > 0 ? opb : 16);
-    if (opb > 64 * 1024) c->stream = c->sw = c->ss = c->spt = c->opb = c->kc = 0;
+    if (opb > 64 * 1024) c->stream = c->sw = c->ss = c->spt = c->opb = c->kc = c->stream_blocks = c->stream_ef = 0;
   }
   while (c->stream && c->ss > 2 && stream_smem(c) > OG_STREAM_SMEM_CAP) c->ss--;
   while (c->stream && c->sw > 1 && stream_smem(c) > OG_STREAM_SMEM_CAP) c->sw--;
@@ -208,7 +210,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 32 }; /* 27 used */
+enum { OG_MAX_OPTS = 32 }; /* 28 used */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
@@ -240,6 +242,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
     OG_OPT("-DOG_SPT=%d", c->spt);
     OG_OPT("-DOG_OPB=%d", c->opb);
     OG_OPT("-DOG_KC=%d", c->kc);
+    OG_OPT("-DOG_STREAM_EF=%d", c->stream_ef);
   }
 #undef OG_OPT
   return n;

@@ -44,6 +44,7 @@ static const og_tunable tunables[] = {
     {"moe.stream.slots", 2, 16, 6},
     {"moe.stream.kc", 256, 2048, 1024},
     {"moe.stream.blocks", 0, 4096, 0},
+    {"moe.stream.evict_first", 0, 1, 0},
 };
 #define OG_NTUNABLES ((int)(sizeof tunables / sizeof *tunables))
 

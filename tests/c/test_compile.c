@@ -230,14 +230,15 @@ static void test_gate_up_min_blocks_compile(void **state) {
 static void test_stream_variants_compile(void **state) {
   /* moe.stream 1 (moe_stream: bulk copies into a shared-memory ring, sm_90): at T=1 and 2 on sm_90
    * the configuration reports moe_stream as its third kernel, spill-free, for every preset (and
-   * with the ring's other chunk sizes and warp counts on Qwen3-30B-A3B and the odd shape); on
-   * sm_80, and where x's or act's rows would need more than 64 KB (Qwen3-30B-A3B T=8), the two
-   * kernels stay. */
+   * with the ring's other chunk sizes, warp counts and the copies' L2 policy on Qwen3-30B-A3B and
+   * the odd shape); on sm_80, and where x's or act's rows would need more than 64 KB
+   * (Qwen3-30B-A3B T=8), the two kernels stay. */
   need_nvrtc();
   static const char *const settings[][2] = {{NULL, NULL},
                                             {"OPGRAFT_TUNE_MOE_STREAM_KC", "256"},
                                             {"OPGRAFT_TUNE_MOE_STREAM_KC", "2048"},
-                                            {"OPGRAFT_TUNE_MOE_STREAM_WARPS", "8"}};
+                                            {"OPGRAFT_TUNE_MOE_STREAM_WARPS", "8"},
+                                            {"OPGRAFT_TUNE_MOE_STREAM_EVICT_FIRST", "1"}};
   int bad = 0;
   setenv("OPGRAFT_TUNE_MOE_STREAM", "1", 1);
   for (size_t v = 0; v < sizeof settings / sizeof *settings; ++v) {

@@ -15,6 +15,7 @@ static const struct {
     {"moe.w2_prefetch", 0}, {"moe.w2_prefetch_last", 0}, {"moe.expert_map", 1}, {"moe.pdl", 0},
     {"moe.load", 4},        {"moe.down_load", 1},   {"moe.stream", 0},      {"moe.stream.warps", 4},
     {"moe.stream.slots", 6}, {"moe.stream.kc", 1024}, {"moe.stream.blocks", 0},
+    {"moe.stream.evict_first", 0},
 };
 #define N_KEYS ((int)(sizeof defaults / sizeof *defaults))
 
