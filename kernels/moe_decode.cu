@@ -509,22 +509,21 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// moe_stream_<dtype> (OG_STREAM, sm_90): both stages in one persistent cooperative launch whose
-// weight stream never stops. One producer warp per block copies weight chunks into a ring of
-// OG_SS shared-memory slots with bulk asynchronous copies (cp.async.bulk, one row chunk a lane,
-// completion counted in bytes on the slot's "full" mbarrier); OG_SW consumer warps multiply a
-// slot's rows out of shared memory and release it on its "empty" mbarrier. The producer walks the
-// block's gate_up tiles and then, without waiting for anything but free slots, its down tiles:
-// W2 does not depend on gate_up, so the ring fills with down's weights while the consumers finish
-// gate_up and meet the other blocks at the grid barrier (act must be complete before down reads
-// it). Tiles go to blocks round-robin; every sum keeps a fixed order, so the output is
-// deterministic.
-//   A slot holds 16 rows x OG_KC elements (moe.stream.kc): 16 gate rows or 16 up rows of a gate_up
-//   tile (a chunk of H), or 16 rows of W2 for one used expert (a chunk of I). One bulk copy per
-//   row: the copies' count, not their bytes, bounds what one SM's copy engine delivers (H200: a
-//   16 KB slot in 512-byte copies streamed at ~17 GB/s an SM, in 1 KB copies at ~29), so chunks
-//   are long. Rows are padded by 64 bytes so the consumers' 16-byte reads (8 rows x 64 bytes a
-//   quarter-warp) hit distinct banks.
+// moe_stream_<dtype> (OG_STREAM, sm_90; opt-in, slower than the two kernels so far, NOTES v14):
+// both stages in one persistent cooperative launch whose weight stream is meant never to stop.
+// One producer warp per block copies weight chunks into a ring of OG_SS shared-memory slots with
+// bulk asynchronous copies (cp.async.bulk, one row chunk a lane, completion counted in bytes on
+// the slot's "full" mbarrier); OG_SW consumer warps multiply a slot's rows out of shared memory
+// and release it on its "empty" mbarrier. The producer walks the block's gate_up tiles and then,
+// without waiting for anything but free slots, its down tiles: W2 does not depend on gate_up, so
+// the ring fills with down's weights while the consumers finish gate_up and meet the other
+// blocks at the grid barrier (act must be complete before down reads it). Tiles go to blocks
+// round-robin; every sum keeps a fixed order, so the output is deterministic.
+//   A slot holds 16 rows x OG_KC elements (moe.stream.kc): 16 gate rows or 16 up rows of a
+//   gate_up tile (a chunk of H), or 16 rows of W2 for one used expert (a chunk of I). One bulk
+//   copy per row, and long rows: the number of copies bounded the first versions (H200: 512-byte
+//   copies streamed ~17 GB/s an SM, 1 KB copies ~29). Rows are padded by 64 bytes so the
+//   consumers' 16-byte reads (8 rows x 64 bytes a quarter-warp) hit distinct banks.
 // OG_SPT: 8-pair tiles of a gate_up tile's (token, slot) pairs, ceil(T*K/8) <= 8, all in one pass.
 // The consumers' other operand sits in shared memory too (a global load per slot would put an L2
 // round trip on every slot's path): x's T rows, copied in at the start, then, after the grid
@@ -536,7 +535,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, 1)
 #define OG_SW 4
 #endif
 #ifndef OG_SS
-#define OG_SS 8
+#define OG_SS 6
 #endif
 #ifndef OG_SPT
 #define OG_SPT 1
