@@ -180,6 +180,19 @@ __device__ __forceinline__ void og_pairs_of(const og_routing &r, int nk, int e, 
   if (lane == 0) s_npairs = n;
 }
 
+// A warp's gate and up partials of one tile, into its row of the block's reduction buffer.
+template <int NP>
+__device__ __forceinline__ void og_stash_gate_up(float (*s_red_w)[2][4][32], const float (&acc_g)[NP][4],
+                                                 const float (&acc_u)[NP][4], int lane) {
+#pragma unroll
+  for (int pt = 0; pt < NP; ++pt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      s_red_w[pt][0][q][lane] = acc_g[pt][q];
+      s_red_w[pt][1][q][lane] = acc_u[pt][q];
+    }
+}
+
 // gate_up's epilogue for pairs p0.. of one tile: sums the W warps' gate and up partials in warp
 // order and writes act = w * silu(gate) * up (or with the router weight on the input) for each
 // pair. Threads tid, tid + nthreads, ... share the work.
@@ -339,13 +352,7 @@ __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og
       }
     }
 
-#pragma unroll
-    for (int nt = 0; nt < OG_NT; ++nt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        s_red[warp][nt][0][q][lane] = acc_g[nt][q];
-        s_red[warp][nt][1][q][lane] = acc_u[nt][q];
-      }
+    og_stash_gate_up<OG_NT>(s_red[warp], acc_g, acc_u, lane);
     __syncthreads();
     og_write_act<W, OG_NT>(p, s_red, s_pairs, npairs, p0, tile, threadIdx.x, blockDim.x);
     __syncthreads();
@@ -714,13 +721,7 @@ __device__ __forceinline__ void og_stream_consume(const og_moe_params &p, const 
         release();
       }
     }
-#pragma unroll
-    for (int pt = 0; pt < OG_SPT; ++pt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        s_red1[cw][pt][0][q][lane] = acc_g[pt][q];
-        s_red1[cw][pt][1][q][lane] = acc_u[pt][q];
-      }
+    og_stash_gate_up<OG_SPT>(s_red1[cw], acc_g, acc_u, lane);
     og_consumers_sync();
     og_write_act<OG_SW, OG_SPT>(p, s_red1, s_pairs, npairs, 0, tile, threadIdx.x, OG_SW * 32);
     og_consumers_sync();  // s_red and s_pairs are reused by the next tile

@@ -88,25 +88,24 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
   /* moe_stream: bulk copies need sm_90, and the ring is sized for sm_90's 227 KB of shared memory
    * a block (later archs differ: sm_120 has ~100 KB), so sm_90 only; every (token, slot) pair of
-   * a tile in one pass of at most 8 MMA tiles. The ring shrinks to what fits. */
-  c->stream = arch == 90 && c->nt == 1 && (int64_t)T * a->top_k <= 64 &&
+   * a tile in one pass of at most 8 MMA tiles; x's T rows, later act's T*k rows (padded by 64
+   * bytes) in at most 64 KB. The ring shrinks to what fits. */
+  const int64_t xb = (int64_t)T * (2 * a->hidden + 64), ab = (int64_t)T * a->top_k * (2 * a->inter + 64);
+  const int64_t opb = ((xb > ab ? xb : ab) + 15) & ~(int64_t)15;
+  c->stream = arch == 90 && T >= 1 && c->nt == 1 && (int64_t)T * a->top_k <= 64 && opb <= 64 * 1024 &&
               opgraft__tune_value("moe.stream", arch, gpu, shape, T) != 0;
-  c->sw = c->stream ? (int)opgraft__tune_value("moe.stream.warps", arch, gpu, shape, T) : 0;
-  c->ss = c->stream ? (int)opgraft__tune_value("moe.stream.slots", arch, gpu, shape, T) : 0;
-  c->spt = c->stream ? (int)((T * a->top_k + 7) / 8) : 0;
-  c->kc = c->stream ? (int)opgraft__tune_value("moe.stream.kc", arch, gpu, shape, T) : 0;
-  c->stream_blocks = c->stream ? (int)opgraft__tune_value("moe.stream.blocks", arch, gpu, shape, T) : 0;
-  c->stream_ef = c->stream && opgraft__tune_value("moe.stream.evict_first", arch, gpu, shape, T) != 0;
-  if (c->stream) c->kc = c->kc >= 2048 ? 2048 : c->kc >= 1024 ? 1024 : c->kc >= 512 ? 512 : 256;
-  if (c->spt < 1 && c->stream) c->spt = 1;
-  if (c->stream) { /* x's T rows, later act's T*k rows, padded by 64 bytes: at most 64 KB */
-    const int64_t xb = (int64_t)T * (2 * a->hidden + 64), ab = (int64_t)T * a->top_k * (2 * a->inter + 64);
-    const int64_t opb = ((xb > ab ? xb : ab) + 15) & ~(int64_t)15;
-    c->opb = (int)(opb > 0 ? opb : 16);
-    if (opb > 64 * 1024) c->stream = c->sw = c->ss = c->spt = c->opb = c->kc = c->stream_blocks = c->stream_ef = 0;
-  }
-  while (c->stream && c->ss > 2 && stream_smem(c) > OG_STREAM_SMEM_CAP) c->ss--;
-  while (c->stream && c->sw > 1 && stream_smem(c) > OG_STREAM_SMEM_CAP) c->sw--;
+  c->sw = c->ss = c->spt = c->kc = c->opb = c->stream_blocks = c->stream_ef = 0;
+  if (!c->stream) return;
+  c->sw = (int)opgraft__tune_value("moe.stream.warps", arch, gpu, shape, T);
+  c->ss = (int)opgraft__tune_value("moe.stream.slots", arch, gpu, shape, T);
+  c->spt = (int)((T * a->top_k + 7) / 8);
+  c->opb = (int)opb;
+  const int64_t kc = opgraft__tune_value("moe.stream.kc", arch, gpu, shape, T);
+  c->kc = kc >= 2048 ? 2048 : kc >= 1024 ? 1024 : kc >= 512 ? 512 : 256;
+  c->stream_blocks = (int)opgraft__tune_value("moe.stream.blocks", arch, gpu, shape, T);
+  c->stream_ef = opgraft__tune_value("moe.stream.evict_first", arch, gpu, shape, T) != 0;
+  while (c->ss > 2 && stream_smem(c) > OG_STREAM_SMEM_CAP) c->ss--;
+  while (c->sw > 1 && stream_smem(c) > OG_STREAM_SMEM_CAP) c->sw--;
 }
 
 #define OG_REASON(...) (snprintf(reason, reason_len, __VA_ARGS__), OPGRAFT_EUNSUPPORTED)

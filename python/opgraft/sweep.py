@@ -25,7 +25,6 @@ from .presets import resolve
 from .tune import MOE_SPACE, coordinate_descent
 
 
-
 def env_name(key: str) -> str:
     return "OPGRAFT_TUNE_" + key.upper().replace(".", "_")
 
