@@ -12,7 +12,7 @@
 //
 // Compile-time constants (-D): OG_DTYPE (1 bf16, 2 fp16), OG_IDS64, OG_EMAP (expert_map),
 // OG_H, OG_I, OG_E, OG_K,
-// OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
+// OG_NT (8-token tiles: the kernels take T <= 8*OG_NT), OG_GU_NT (gate_up's, below), OG_W1/OG_U1 and OG_W2/OG_U2 (warps per
 // block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
 // OG_PREFETCH (L2 prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size
 // hint, og_common.cuh), OG_LOAD / OG_DOWN_LOAD (the weight loads' form per stage, og_common.cuh),
@@ -55,10 +55,21 @@
 #ifndef OG_GU_MIN_BLOCKS
 #define OG_GU_MIN_BLOCKS 0
 #endif
-#define OG_GU_MIN (OG_GU_MIN_BLOCKS > 0 ? OG_GU_MIN_BLOCKS : OG_MIN_BLOCKS)
+// gate_up's single-pass token tiles (OG_GU_NT, moe.gate_up.nt; 1..OG_NT, default OG_NT). gate_up's
+// token dimension is a tile's (token, slot) pairs for its one expert, not the call's tokens: at 16
+// tokens over many experts an expert rarely has more than 8 pairs, so one 8-pair MMA tile per pass
+// keeps one tile's registers (and the launch-bounds minimum) at two tiles' token count. A tile
+// whose expert has more pairs takes a second path with all OG_NT tiles in one pass and one k-step
+// in flight per warp: every weight byte is still read once.
+#ifndef OG_GU_NT
+#define OG_GU_NT OG_NT
+#endif
+#if OG_GU_NT < 1 || OG_GU_NT > OG_NT
+#error "OG_GU_NT must be in 1..OG_NT"
+#endif
+#define OG_GU_MIN (OG_GU_MIN_BLOCKS > 0 ? OG_GU_MIN_BLOCKS : (OG_GU_NT >= 2 ? 1 : 0))
 #define OG_EWORDS ((OG_E + 31) / 32)
 #define OG_MAXPAIRS (8 * OG_NT * OG_K)
-#define OG_PMAX (8 * OG_NT)
 
 #if OG_H % 32 != 0 || OG_I % 32 != 0
 #error "H and I must be multiples of 32"
@@ -196,8 +207,8 @@ __device__ __forceinline__ void og_stash_gate_up(float (*s_red_w)[2][4][32], con
 // gate_up's epilogue for pairs p0.. of one tile: sums the W warps' gate and up partials in warp
 // order and writes act = w * silu(gate) * up (or with the router weight on the input) for each
 // pair. Threads tid, tid + nthreads, ... share the work.
-template <int W, int NP>
-__device__ __forceinline__ void og_write_act(const og_moe_params &p, const float (*s_red)[NP][2][4][32],
+template <int W, int NP, int NB = NP>
+__device__ __forceinline__ void og_write_act(const og_moe_params &p, const float (*s_red)[NB][2][4][32],
                                              const int *s_pairs, int npairs, int p0, int tile, int tid,
                                              int nthreads) {
   for (int idx = tid; idx < NP * 4 * 32; idx += nthreads) {
@@ -276,43 +287,38 @@ __device__ __forceinline__ void og_write_out(const og_moe_params &p, const float
   }
 }
 
-// gate_up for one tile: 16 rows of I of used expert number u, for every token routed to it.
-template <int W>
-__device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og_routing &r, int u, int tile,
-                                                int *s_pairs, int &s_npairs, float (*s_red)[OG_NT][2][4][32]) {
+// gate_up's passes over one tile's npairs (token, slot) pairs: NT 8-pair MMA tiles a pass, U k-steps
+// of loads in flight per warp; s_red is the block's reduction buffer (NB >= NT tiles a warp).
+template <int W, int NT, int U, int NB>
+__device__ __forceinline__ void og_gate_up_passes(const og_moe_params &p, int e, int tile, const int *s_pairs,
+                                                  int npairs, float (*s_red)[NB][2][4][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int nk = p.T * OG_K;
-  const int e = r.experts[u];
-  if (warp == 0) og_pairs_of(r, nk, e, lane, s_pairs, s_npairs);
-  __syncthreads();
-  const int npairs = s_npairs;
-
   const char *wg = (const char *)p.w13 +
                    2 * (e * p.w13_estride + (long long)(tile * 16 + g) * p.w13_rstride);
   const long long row8 = 2 * 8 * p.w13_rstride, up_off = 2 * (long long)OG_I * p.w13_rstride;
   const int steps = OG_H / 32;
 
-  for (int p0 = 0; p0 < npairs; p0 += OG_PMAX) {
-    const char *xrow[OG_NT];
-    bool xval[OG_NT];
+  for (int p0 = 0; p0 < npairs; p0 += 8 * NT) {
+    const char *xrow[NT];
+    bool xval[NT];
 #pragma unroll
-    for (int nt = 0; nt < OG_NT; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
       const int n = p0 + nt * 8 + g;
       xval[nt] = n < npairs;
       const int t = xval[nt] ? s_pairs[n] / OG_K : 0;
       xrow[nt] = (const char *)p.x + 2 * (long long)t * p.x_stride;
     }
-    float acc_g[OG_NT][4], acc_u[OG_NT][4];
+    float acc_g[NT][4], acc_u[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < OG_NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc_g[nt][q] = acc_u[nt][q] = 0.f;
 
-    for (int s0 = warp * OG_U1; s0 < steps; s0 += W * OG_U1) {
+    for (int s0 = warp * U; s0 < steps; s0 += W * U) {
 #if OG_PREFETCH
       {  // L2 prefetch of this lane's rows OG_PREFETCH iterations ahead
-        const int sp = s0 + OG_PREFETCH * W * OG_U1;
+        const int sp = s0 + OG_PREFETCH * W * U;
         if (sp < steps) {
           const long long off = 2 * (long long)(sp * 32 + c * 8);
           og_prefetch_l2(wg + off);
@@ -322,27 +328,27 @@ __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og
         }
       }
 #endif
-      og_vec4 ag[OG_U1], ag8[OG_U1], au[OG_U1], au8[OG_U1], bx[OG_U1][OG_NT];
+      og_vec4 ag[U], ag8[U], au[U], au8[U], bx[U][NT];
 #pragma unroll
-      for (int q = 0; q < OG_U1; ++q) {
+      for (int q = 0; q < U; ++q) {
         const int s = s0 + q;
-        if (steps % (W * OG_U1) == 0 || s < steps) {
+        if (steps % (W * U) == 0 || s < steps) {
           const long long off = 2 * (long long)(s * 32 + c * 8);
           ag[q] = og_load_stream<OG_LOAD>(wg + off);
           ag8[q] = og_load_stream<OG_LOAD>(wg + row8 + off);
           au[q] = og_load_stream<OG_LOAD>(wg + up_off + off);
           au8[q] = og_load_stream<OG_LOAD>(wg + up_off + row8 + off);
 #pragma unroll
-          for (int nt = 0; nt < OG_NT; ++nt)
+          for (int nt = 0; nt < NT; ++nt)
             bx[q][nt] = xval[nt] ? og_load_shared_operand(xrow[nt] + off) : og_zero4();
         }
       }
 #pragma unroll
-      for (int q = 0; q < OG_U1; ++q) {
+      for (int q = 0; q < U; ++q) {
         const int s = s0 + q;
-        if (steps % (W * OG_U1) == 0 || s < steps) {
+        if (steps % (W * U) == 0 || s < steps) {
 #pragma unroll
-          for (int nt = 0; nt < OG_NT; ++nt) {
+          for (int nt = 0; nt < NT; ++nt) {
             if (p0 + nt * 8 < npairs) {
               og_mma_k32(acc_g[nt], ag[q], ag8[q], bx[q][nt]);
               og_mma_k32(acc_u[nt], au[q], au8[q], bx[q][nt]);
@@ -352,11 +358,30 @@ __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og
       }
     }
 
-    og_stash_gate_up<OG_NT>(s_red[warp], acc_g, acc_u, lane);
+    og_stash_gate_up<NT>(s_red[warp], acc_g, acc_u, lane);
     __syncthreads();
-    og_write_act<W, OG_NT>(p, s_red, s_pairs, npairs, p0, tile, threadIdx.x, blockDim.x);
+    og_write_act<W, NT, NB>(p, s_red, s_pairs, npairs, p0, tile, threadIdx.x, blockDim.x);
     __syncthreads();
   }
+}
+
+// gate_up for one tile: 16 rows of I of used expert number u, for every token routed to it.
+template <int W>
+__device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og_routing &r, int u, int tile,
+                                                int *s_pairs, int &s_npairs, float (*s_red)[OG_NT][2][4][32]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nk = p.T * OG_K;
+  const int e = r.experts[u];
+  if (warp == 0) og_pairs_of(r, nk, e, lane, s_pairs, s_npairs);
+  __syncthreads();
+  const int npairs = s_npairs;
+#if OG_GU_NT < OG_NT
+  if (npairs > 8 * OG_GU_NT) {  // more pairs than one pass of the hot path holds (rare; see OG_GU_NT)
+    og_gate_up_passes<W, OG_NT, 1, OG_NT>(p, e, tile, s_pairs, npairs, s_red);
+    return;
+  }
+#endif
+  og_gate_up_passes<W, OG_GU_NT, OG_U1, OG_NT>(p, e, tile, s_pairs, npairs, s_red);
 }
 
 // down for one tile: 16 rows of H, summed over every used expert and token.

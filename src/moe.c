@@ -34,6 +34,7 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 typedef struct og_moe_cfg {
   int nt, w1, u1, w2, u2, fused, prefetch, l2_fetch;
+  int gu_nt; /* gate_up's 8-pair tiles in its one-pass path (OG_GU_NT, 1..nt) */
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
   int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
@@ -76,14 +77,21 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   /* sm_90 only: on sm_80 the forms without an L2 policy (0, 3, 4) make Mixtral-8x7B's down spill
    * (test_compile), so down keeps form 1 there. */
   c->down_load = arch >= 90 ? (int)opgraft__tune_value("moe.down_load", arch, gpu, shape, T) : 1;
+  /* gate_up's one-pass token tiles: fewer than the call's only for the two kernels (the fused
+   * kernel's stages share one reduction buffer and one register budget). */
+  const int64_t gnt = opgraft__tune_value("moe.gate_up.nt", arch, gpu, shape, T);
+  c->gu_nt = !c->fused && gnt >= 1 && gnt < c->nt ? (int)gnt : c->nt;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
-  if ((c->nt >= 2 || c->fused) && c->w1 > 8) c->w1 = 8; /* fused: one block of <= 256 threads */
+  if ((c->gu_nt >= 2 || c->fused) && c->w1 > 8) c->w1 = 8; /* fused: one block of <= 256 threads */
   if (c->nt >= 2 && c->w2 > 8) c->w2 = 8;
-  while (c->u1 > 1 && c->u1 * (4 + c->nt) > 24) c->u1--; /* 16-byte operands per k-step group */
-  /* One token tile only (more need the registers), and at least 128 registers a thread. */
-  c->gu_min_blocks = c->nt == 1 ? (int)opgraft__tune_value("moe.gate_up.min_blocks", arch, gpu, shape, T) : 0;
+  while (c->u1 > 1 && c->u1 * (4 + c->gu_nt) > 24) c->u1--; /* 16-byte operands per k-step group */
+  /* One token tile only (more need the registers), and at least 128 registers a thread; with
+   * gate_up.nt 1 at up to 16 tokens the second path (two tiles, one k-step) fits in those too. */
+  c->gu_min_blocks = c->gu_nt == 1 && c->nt <= 2
+                         ? (int)opgraft__tune_value("moe.gate_up.min_blocks", arch, gpu, shape, T)
+                         : 0;
   while (c->gu_min_blocks > 1 && c->gu_min_blocks * c->w1 > 16) c->gu_min_blocks--;
   while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
   /* moe_stream: bulk copies need sm_90, and the ring is sized for sm_90's 227 KB of shared memory
@@ -209,7 +217,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 32 }; /* 28 used */
+enum { OG_MAX_OPTS = 32 }; /* 29 used */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
@@ -221,6 +229,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_E=%lld", (long long)a->num_experts);
   OG_OPT("-DOG_K=%lld", (long long)a->top_k);
   OG_OPT("-DOG_NT=%d", c->nt);
+  OG_OPT("-DOG_GU_NT=%d", c->gu_nt);
   OG_OPT("-DOG_W1=%d", c->w1);
   OG_OPT("-DOG_U1=%d", c->u1);
   OG_OPT("-DOG_W2=%d", c->w2);

@@ -28,6 +28,7 @@ static const og_tunable tunables[] = {
     {"moe.gate_up.warps", 1, 16, 4},
     {"moe.gate_up.unroll", 1, 8, 4},
     {"moe.gate_up.min_blocks", 0, 4, 0},
+    {"moe.gate_up.nt", 0, 8, 0},
     {"moe.down.warps", 1, 16, 8},
     {"moe.down.unroll", 1, 8, 4},
     {"moe.fused", 0, 1, 0},

@@ -22,12 +22,12 @@ from .sweep import tunables_set
 
 
 def _case(name, shape, T, dtype="bf16", ids64=False, on_input=False, x_pad=0, out_pad=0, dup=False, invalid=False,
-          seed=0, ep=0, tunables=None):
+          seed=0, ep=0, tunables=None, hot=False):
     """ep > 0: expert parallelism, shape's experts are a random subset of ep global experts, the
-    ids are global and an expert_map sends them to local ids or -1. tunables: {key: value} set
-    for this case only (through their env vars)."""
+    ids are global and an expert_map sends them to local ids or -1. hot: every token's first
+    choice is expert 0. tunables: {key: value} set for this case only (through their env vars)."""
     return dict(name=name, shape=shape, T=T, dtype=dtype, ids64=ids64, on_input=on_input, x_pad=x_pad,
-                out_pad=out_pad, dup=dup, invalid=invalid, seed=seed, ep=ep, tunables=tunables or {})
+                out_pad=out_pad, dup=dup, invalid=invalid, seed=seed, ep=ep, tunables=tunables or {}, hot=hot)
 
 
 def correctness_cases() -> list[dict]:
@@ -54,6 +54,13 @@ def correctness_cases() -> list[dict]:
         _case("fused: odd dims T=3", odd, 3, tunables={"moe.fused": 1}),
         _case("gate_up min blocks 2: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1,
               tunables={"moe.gate_up.min_blocks": 2}),
+        # gate_up's one-tile pass; an expert with more than 8 pairs takes the two-tile path
+        _case("gate_up one tile a pass: small T=16, expert 0 in every token", small, 16, hot=True,
+              tunables={"moe.gate_up.nt": 1}),
+        _case("gate_up one tile a pass: small T=13, duplicate ids", small, 13, dup=True,
+              tunables={"moe.gate_up.nt": 1}),
+        _case("gate_up one tile a pass: Qwen3-30B-A3B T=16, 16 warps", PRESETS["Qwen3-30B-A3B"], 16,
+              tunables={"moe.gate_up.nt": 1, "moe.gate_up.warps": 16}),
     ]
     # moe_stream (sm_90: bulk copies into a shared-memory ring, one persistent launch)
     st = {"moe.stream": 1}
@@ -93,6 +100,8 @@ def _run_case(c: dict, device) -> dict:
         emap = emap.to(device)
     if c["dup"]:
         ids[:, 1] = ids[:, 0]
+    if c["hot"]:
+        ids[:, 0] = 0
     if c["invalid"]:
         ids[0, 0] = -1
         ids[-1, -1] = shape.num_experts

@@ -17,6 +17,7 @@ MOE_SPACE = {
     "moe.gate_up.warps": [1, 2, 4, 8, 16],
     "moe.gate_up.unroll": [1, 2, 4],
     "moe.gate_up.min_blocks": [0, 1, 2, 4],
+    "moe.gate_up.nt": [0, 1],
     "moe.down.warps": [2, 4, 8, 16],
     "moe.down.unroll": [1, 2, 4, 8],
     "moe.l2_fetch": [0, 128, 256],

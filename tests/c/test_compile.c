@@ -167,18 +167,19 @@ static void test_no_spills(void **state) {
   if (bad) fail_msg("%d kernels spill registers", bad);
 }
 
-/* Compiles shapes[shape_ids] at T=1 and 8 for both archs with one tunable set through its env var;
- * returns the number of failed or spilling kernels. */
-static int variants_compile(const char *env, const char *value, const int *shape_ids, int nshapes) {
+/* Compiles shapes[shape_ids] at the token counts tokens[0..ntokens) for both archs with one tunable
+ * set through its env var; returns the number of failed or spilling kernels. */
+static int variants_compile_at(const char *env, const char *value, const int *shape_ids, int nshapes,
+                               const int32_t *tokens, int ntokens) {
   setenv(env, value, 1);
   opgraft_tune_reload();
   int bad = 0;
   for (int s = 0; s < nshapes; ++s)
-    for (int t = 0; t < 2; ++t)
+    for (int t = 0; t < ntokens; ++t)
       for (int ar = 0; ar < 2; ++ar) {
         job j;
         memset(&j, 0, sizeof j);
-        j.s = &shapes[shape_ids[s]], j.dtype = OPGRAFT_DTYPE_BF16, j.arch = archs[ar], j.T = t ? 8 : 1;
+        j.s = &shapes[shape_ids[s]], j.dtype = OPGRAFT_DTYPE_BF16, j.arch = archs[ar], j.T = tokens[t];
         run_job(&j);
         char what[160];
         describe(&j, what, sizeof what);
@@ -196,6 +197,12 @@ static int variants_compile(const char *env, const char *value, const int *shape
   unsetenv(env);
   opgraft_tune_reload();
   return bad;
+}
+
+/* The same at T=1 and 8. */
+static int variants_compile(const char *env, const char *value, const int *shape_ids, int nshapes) {
+  static const int32_t tokens[] = {1, 8};
+  return variants_compile_at(env, value, shape_ids, nshapes, tokens, 2);
 }
 
 static void test_pdl_variants_compile(void **state) {
@@ -225,6 +232,22 @@ static void test_gate_up_min_blocks_compile(void **state) {
   bad += variants_compile("OPGRAFT_TUNE_MOE_GATE_UP_MIN_BLOCKS", "2", ids, 5);
   bad += variants_compile("OPGRAFT_TUNE_MOE_GATE_UP_MIN_BLOCKS", "4", ids, 5);
   if (bad) fail_msg("%d problems with moe.gate_up.min_blocks", bad);
+}
+
+static void test_gate_up_nt_compile(void **state) {
+  /* moe.gate_up.nt 1 (gate_up's one-pass path with one 8-pair tile, the second path with all of
+   * them) at 16 and 33 tokens, with the shipped warps and with 16 (allowed at 16 tokens: one
+   * tile's registers), on Qwen3-30B-A3B, Qwen3-235B-A22B, Mixtral-8x7B, Kimi-K2 and the odd
+   * shape: spill-free. */
+  need_nvrtc();
+  const int ids[] = {0, 1, 2, 4, 5};
+  static const int32_t tokens[] = {16, 33};
+  int bad = variants_compile_at("OPGRAFT_TUNE_MOE_GATE_UP_NT", "1", ids, 5, tokens, 2);
+  setenv("OPGRAFT_TUNE_MOE_GATE_UP_WARPS", "16", 1);
+  bad += variants_compile_at("OPGRAFT_TUNE_MOE_GATE_UP_NT", "1", ids, 5, tokens, 2);
+  unsetenv("OPGRAFT_TUNE_MOE_GATE_UP_WARPS");
+  opgraft_tune_reload();
+  if (bad) fail_msg("%d problems with moe.gate_up.nt", bad);
 }
 
 static void test_stream_variants_compile(void **state) {
@@ -417,6 +440,7 @@ int main(void) {
       cmocka_unit_test(test_pdl_variants_compile),
       cmocka_unit_test(test_fused_variants_compile),
       cmocka_unit_test(test_gate_up_min_blocks_compile),
+      cmocka_unit_test(test_gate_up_nt_compile),
       cmocka_unit_test(test_load_forms_compile),
       cmocka_unit_test(test_stream_variants_compile),
   };
