@@ -16,7 +16,7 @@
 // block and 32-wide k steps in flight per warp), OG_ON_INPUT (apply_router_weight_on_input),
 // OG_PREFETCH (L2 prefetch distance in loop iterations, 0 = off), OG_L2_FETCH (L2 fetch size
 // hint, og_common.cuh), OG_LOAD / OG_DOWN_LOAD (the weight loads' form per stage, og_common.cuh),
-// OG_W2PF_BYTES / OG_W2PF_LAST (below), OG_PDL (below).
+// OG_W2PF_BYTES / OG_W2PF_LAST (below), OG_PDL (below), OG_GU_MIN_BLOCKS / OG_DOWN_MIN_BLOCKS (below).
 //
 // OG_PDL (sm_90; the launcher sets the down launch's programmatic-serialization attribute):
 // gate_up lets moe_down start as soon as every gate_up block has started, so the down blocks
@@ -68,6 +68,12 @@
 #error "OG_GU_NT must be in 1..OG_NT"
 #endif
 #define OG_GU_MIN (OG_GU_MIN_BLOCKS > 0 ? OG_GU_MIN_BLOCKS : (OG_GU_NT >= 2 ? 1 : 0))
+// down's own minimum (OG_DOWN_MIN_BLOCKS, moe.down.min_blocks; 0 = OG_MIN_BLOCKS). At two token
+// tiles ptxas otherwise takes ~200 registers a thread, so only 2 blocks of 4 warps fit an SM.
+#ifndef OG_DOWN_MIN_BLOCKS
+#define OG_DOWN_MIN_BLOCKS 0
+#endif
+#define OG_DOWN_MIN (OG_DOWN_MIN_BLOCKS > 0 ? OG_DOWN_MIN_BLOCKS : OG_MIN_BLOCKS)
 #define OG_EWORDS ((OG_E + 31) / 32)
 #define OG_MAXPAIRS (8 * OG_NT * OG_K)
 
@@ -500,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
   og_gate_up_tile<OG_W1>(p, r, u, blockIdx.x - u * tiles, s_pairs, s_npairs, s_red);
 }
 
-extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
     OG_SUFFIX(moe_down)(const og_moe_params p) {
   __shared__ og_routing r;
   __shared__ float s_red[OG_W2][OG_NT][4][32];

@@ -39,6 +39,7 @@ typedef struct og_moe_cfg {
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
   int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
   int gu_min_blocks; /* gate_up's __launch_bounds__ minimum blocks per SM (0: the default rule) */
+  int down_min_blocks; /* down's, likewise */
   int stream, sw, ss, spt, kc; /* moe_stream (sm_90): on, consumer warps, ring slots, 8-pair tiles, chunk */
   int opb;                 /* moe_stream: bytes of shared memory for x's or act's rows */
   int stream_blocks;       /* moe_stream: at most this many blocks (0: as many as fit) */
@@ -94,6 +95,10 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
                          : 0;
   while (c->gu_min_blocks > 1 && c->gu_min_blocks * c->w1 > 16) c->gu_min_blocks--;
   while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
+  /* down's minimum: at least 128 registers a thread (16 warps an SM), up to two token tiles. */
+  c->down_min_blocks = c->nt <= 2 ? (int)opgraft__tune_value("moe.down.min_blocks", arch, gpu, shape, T) : 0;
+  while (c->down_min_blocks > 1 && c->down_min_blocks * c->w2 > 16) c->down_min_blocks--;
+  if (c->down_min_blocks < 2) c->down_min_blocks = 0; /* one block an SM is the default rule's */
   /* moe_stream: bulk copies need sm_90, and the ring is sized for sm_90's 227 KB of shared memory
    * a block (later archs differ: sm_120 has ~100 KB), so sm_90 only; every (token, slot) pair of
    * a tile in one pass of at most 8 MMA tiles; x's T rows, later act's T*k rows (padded by 64
@@ -217,7 +222,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 32 }; /* 29 used */
+enum { OG_MAX_OPTS = 32 }; /* 30 used */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
@@ -243,6 +248,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
   OG_OPT("-DOG_GU_MIN_BLOCKS=%d", c->gu_min_blocks);
+  OG_OPT("-DOG_DOWN_MIN_BLOCKS=%d", c->down_min_blocks);
   if (c->stream) {
     OG_OPT("-DOG_STREAM=1");
     OG_OPT("-DOG_SW=%d", c->sw);

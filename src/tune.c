@@ -31,6 +31,7 @@ static const og_tunable tunables[] = {
     {"moe.gate_up.nt", 0, 8, 0},
     {"moe.down.warps", 1, 16, 8},
     {"moe.down.unroll", 1, 8, 4},
+    {"moe.down.min_blocks", 0, 4, 0},
     {"moe.fused", 0, 1, 0},
     {"moe.prefetch", 0, 8, 0},
     {"moe.l2_fetch", 0, 256, 0},

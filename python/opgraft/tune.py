@@ -20,6 +20,7 @@ MOE_SPACE = {
     "moe.gate_up.nt": [0, 1],
     "moe.down.warps": [2, 4, 8, 16],
     "moe.down.unroll": [1, 2, 4, 8],
+    "moe.down.min_blocks": [0, 2, 4],
     "moe.l2_fetch": [0, 128, 256],
     "moe.prefetch": [0, 1, 2, 4],
     "moe.fused": [0, 1],
