@@ -41,7 +41,17 @@ const og_tune_entry opgraft__baked_table[] = {
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.gate_up.warps", 1, "H200 2026-11-30 descent: Mixtral-8x7B T=16 675.8 -> 666.1 us with gate_up 1 warp (4 warps ties) and down unroll 2"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.down.unroll", 2, "H200 2026-11-30 descent: Mixtral-8x7B T=16 down unroll 4 -> 2: 675.7 -> 665.8 us"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.gate_up.warps", 4, "H200 2026-11-30 descents: Kimi-K2 T=16 2599.2 -> 2352.7 us with gate_up 1 warp and down 2 warps; then, from that row, 2401.7 -> 2373.2 us with 4 warps (2: 2386.0)"},
-    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.warps", 2, "H200 2026-11-30 descent: Kimi-K2 T=16 down 8 -> 2 warps (gate_up 1 warp): 2445.3 -> 2351.0 us"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.warps", 4, "H200 2026-11-30 (v15), 64 MiB between calls: Kimi-K2 T=16 down 927.0 -> 853.9 us, all 2331.4 -> 2256.4 (0.906 -> 0.937 of the ceiling) with 4 warps, min blocks 4, unroll 3 instead of 2 warps (which fit all 448 blocks at ~200 registers)"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.min_blocks", 4, "H200 2026-11-30 (v15): with down 4 warps and unroll 3, 112 registers, all 448 blocks resident (see moe.down.warps)"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.unroll", 3, "H200 2026-11-30 (v15): Kimi-K2 T=16 down unroll 3 853.9 us, 2 882.1, 4 1015.7 (4 warps, min blocks 4; 4 spills at 128 registers)"},
+    /* 9..16 tokens, measured at 16 (v15): gate_up's one-pass path with one 8-pair tile, as at <= 8
+     * tokens (an expert of these shapes rarely has more than 8 of a call's pairs). */
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 9, 16, "moe.gate_up.nt", 1, "H200 2026-11-30 (v15), 64 MiB between calls: Qwen3-235B-A22B T=16 gate_up 619.8 -> 461.6 us (2 warps), all 918.9 -> 763.0; then down 8 warps, min blocks 2, unroll 2: 736.3 (0.732 -> 0.913 of the ceiling)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 9, 16, "moe.gate_up.warps", 2, "H200 2026-11-30 (v15) with gate_up.nt 1: Qwen3-235B-A22B T=16 2 warps 763.0 us, 4 764.8, 1 769.1, 8 793.5, 16 862.4"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 9, 16, "moe.down.min_blocks", 2, "H200 2026-11-30 (v15): Qwen3-235B-A22B T=16 down 302.8 -> 276.1 us with 8 warps, min blocks 2, unroll 2 (4 warps, min blocks 4: 424.6)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 9, 16, "moe.down.unroll", 2, "H200 2026-11-30 (v15): see moe.down.min_blocks"},
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 9, 16, "moe.gate_up.nt", 1, "H200 2026-11-30 (v15), 64 MiB between calls: Qwen3-30B-A3B T=16 216.1 -> 207.8 us with 2 warps (218.0 -> 210.3 in an earlier lease; 4 warps 209.0; down 8 warps min blocks 2: 244.4)"},
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 9, 16, "moe.gate_up.warps", 2, "H200 2026-11-30 (v15): see moe.gate_up.nt"},
     /* Programmatic dependent launch of the down stage (sm_90), bench with rotating weight copies,
      * same run for on and off: a win where calls are small, a loss on Mixtral's large experts. */
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 2, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B T=1 25.1 -> 23.8 us, T=2 45.0 -> 43.9 us (T=8 126.5 -> 125.9)"},
