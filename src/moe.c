@@ -407,7 +407,7 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     if (plan.cfg.fused) {
       enum { OG_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8 };
       const unsigned smem = fused_smem(&plan.cfg);
-      if (smem > 48u * 1024u)
+      if (smem > 0) /* static + dynamic over 48 KB needs the opt-in, whatever the dynamic part */
         st = opgraft__cu_check(cu->cuFuncSetAttribute(plan.fn[2], OG_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                       (int)smem),
                                "cuFuncSetAttribute (moe_fused shared memory)");
