@@ -44,6 +44,9 @@
 #ifndef OG_PDL
 #define OG_PDL 0
 #endif
+#ifndef OG_DOWN_EARLY
+#define OG_DOWN_EARLY 0
+#endif
 // From two token tiles on, the accumulators need more than 128 registers, and ptxas otherwise
 // aims at two blocks per SM and spills: one block per SM is enough for those (longer) calls.
 #define OG_MIN_BLOCKS (OG_NT >= 2 ? 1 : 0)
@@ -390,8 +393,11 @@ __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og
   og_gate_up_passes<W, OG_GU_NT, OG_U1, OG_NT>(p, e, tile, s_pairs, npairs, s_red);
 }
 
-// down for one tile: 16 rows of H, summed over every used expert and token.
-template <int W>
+// down for one tile: 16 rows of H, summed over every used expert and token. EARLY (moe_down under
+// programmatic dependent launch with OG_DOWN_EARLY): each warp issues its first work item's weight
+// loads, which depend on nothing gate_up writes, before it waits for gate_up's grid; act is read
+// and out written only after the wait.
+template <int W, bool EARLY = false>
 __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_routing &r, int htile,
                                              float (*s_red)[OG_NT][4][32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -445,6 +451,14 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
         const long long off = 2 * (long long)(s * 32 + c * 8);
         a[q] = og_load_stream<OG_DOWN_LOAD>(wrow + off);
         a8[q] = og_load_stream<OG_DOWN_LOAD>(wrow + row8 + off);
+      }
+    }
+    if (EARLY && it == warp) og_pdl_wait();
+#pragma unroll
+    for (int q = 0; q < OG_U2; ++q) {
+      const int s = ch * OG_U2 + q;
+      if (steps % OG_U2 == 0 || s < steps) {
+        const long long off = 2 * (long long)(s * 32 + c * 8);
 #pragma unroll
         for (int nt = 0; nt < OG_NT; ++nt)
           b[q][nt] = src0[nt] >= 0 ? og_load_coherent((const char *)p.act +
@@ -480,6 +494,7 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
     }
   }
 
+  if (EARLY) og_pdl_wait();  // warps without items: out may alias x, which gate_up reads
 #pragma unroll
   for (int nt = 0; nt < OG_NT; ++nt)
 #pragma unroll
@@ -511,10 +526,14 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
   __shared__ og_routing r;
   __shared__ float s_red[OG_W2][OG_NT][4][32];
   og_routing_setup(p, r);  // the routing was written before gate_up started: safe to read here
+#if OG_PDL && OG_DOWN_EARLY
+  og_down_tile<OG_W2, true>(p, r, blockIdx.x, s_red);  // waits after its first weight loads
+#else
 #if OG_PDL
   og_pdl_wait();  // gate_up has finished: act is complete and x (which out may alias) is read
 #endif
   og_down_tile<OG_W2>(p, r, blockIdx.x, s_red);
+#endif
 }
 
 // Grid-wide barrier for a cooperative launch: one arrival per block on a zeroed counter.

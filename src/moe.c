@@ -38,6 +38,7 @@ typedef struct og_moe_cfg {
   int fsplit, fu; /* moe_fused: down's expert groups (0: off) and k-steps a warp copies ahead */
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
+  int down_early; /* with pdl: down's first weight loads before its wait */
   int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
   int gu_min_blocks; /* gate_up's __launch_bounds__ minimum blocks per SM (0: the default rule) */
   int down_min_blocks; /* down's, likewise */
@@ -79,6 +80,7 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->w2pf_mb = (int)opgraft__tune_value("moe.w2_prefetch", arch, gpu, shape, T);
   c->w2pf_last = c->w2pf_mb > 0 && opgraft__tune_value("moe.w2_prefetch_last", arch, gpu, shape, T) != 0;
   c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
+  c->down_early = c->pdl && opgraft__tune_value("moe.down.early", arch, gpu, shape, T) != 0;
   c->load = (int)opgraft__tune_value("moe.load", arch, gpu, shape, T);
   /* sm_90 only: on sm_80 the forms without an L2 policy (0, 3, 4) make Mixtral-8x7B's down spill
    * (test_compile), so down keeps form 1 there. */
@@ -246,10 +248,10 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 32 }; /* 30 used, 2 more with a split moe_fused */
+enum { OG_MAX_OPTS = 40 }; /* 24 always, 7 more for moe_stream, 2 for a split moe_fused */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
-#define OG_OPT(...) (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n)
+#define OG_OPT(...) (n < OG_MAX_OPTS ? (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n) : n)
   OG_OPT("-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
   OG_OPT("-DOG_IDS64=%d", a->topk_ids_dtype == OPGRAFT_DTYPE_INT64);
   OG_OPT("-DOG_EMAP=%d", a->expert_map != NULL);
@@ -269,6 +271,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_W2PF_BYTES=%lldLL", (long long)c->w2pf_mb << 20);
   OG_OPT("-DOG_W2PF_LAST=%d", c->w2pf_last);
   OG_OPT("-DOG_PDL=%d", c->pdl);
+  OG_OPT("-DOG_DOWN_EARLY=%d", c->down_early);
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
   OG_OPT("-DOG_GU_MIN_BLOCKS=%d", c->gu_min_blocks);

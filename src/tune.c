@@ -41,6 +41,7 @@ static const og_tunable tunables[] = {
     {"moe.w2_prefetch_last", 0, 1, 0},
     {"moe.expert_map", 0, 1, 1},
     {"moe.pdl", 0, 1, 0},
+    {"moe.down.early", 0, 1, 0},
     {"moe.load", 0, 4, 4},
     {"moe.down_load", 0, 4, 1},
     {"moe.stream", 0, 1, 0},

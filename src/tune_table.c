@@ -58,6 +58,13 @@ const og_tune_entry opgraft__baked_table[] = {
     {90, NULL, "moe:bf16:E128:H2048:I384:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B/tp2 T=1 17.9 -> 16.8 us (T=8 76.0 -> 75.7)"},
     {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B/tp4 T=1 14.6 -> 13.2 us (T=8 loses: 46.7 -> 47.6)"},
     {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-235B-A22B T=1 81.8 -> 80.4 us (T=8 466.6 -> 465.3)"},
+    /* down's first weight loads before its wait for gate_up (v16), where moe.pdl is 1; 64 MiB of
+     * other reads between calls, the same lease for on and off. */
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 2, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-30B-A3B T=1 23.5 -> 23.0 us (two runs), T=2 41.3 -> 40.5"},
+    {90, NULL, "moe:bf16:E128:H2048:I384:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-30B-A3B/tp2 T=1 16.1 -> 15.6 us"},
+    {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-30B-A3B/tp4 T=1 11.6 -> 11.1 us; with down unroll 6 10.3"},
+    {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.down.unroll", 6, "H200 2026-11-30 (v16) with moe.down.early 1: Qwen3-30B-A3B/tp4 T=1 11.1 -> 10.3 us (8: 10.4; 2: 11.3)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-235B-A22B T=1 76.1 -> 75.1 us"},
     /* END TUNED ROWS */
 };
 const int opgraft__baked_table_len = (int)(sizeof opgraft__baked_table / sizeof *opgraft__baked_table);

@@ -54,6 +54,11 @@ def correctness_cases() -> list[dict]:
         _case("fused: odd dims T=3", odd, 3, tunables={"moe.fused": 1}),
         _case("gate_up min blocks 2: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1,
               tunables={"moe.gate_up.min_blocks": 2}),
+        # down's first weight loads before its wait for gate_up (programmatic dependent launch, sm_90)
+        _case("down early: small T=3, duplicate ids", small, 3, dup=True, tunables={"moe.pdl": 1, "moe.down.early": 1}),
+        _case("down early: odd dims T=2, strided x and out", odd, 2, x_pad=64, out_pad=32,
+              tunables={"moe.pdl": 1, "moe.down.early": 1}),
+        _case("down early: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1, tunables={"moe.pdl": 1, "moe.down.early": 1}),
         # gate_up's one-tile pass; an expert with more than 8 pairs takes the two-tile path
         _case("gate_up one tile a pass: small T=16, expert 0 in every token", small, 16, hot=True,
               tunables={"moe.gate_up.nt": 1}),

@@ -28,6 +28,7 @@ MOE_SPACE = {
     "moe.w2_prefetch": [0, 8, 16, 24, 32],
     "moe.w2_prefetch_last": [0, 1],
     "moe.pdl": [0, 1],
+    "moe.down.early": [0, 1],
     "moe.load": [4, 1],
     "moe.down_load": [1, 4],
     "moe.stream": [0, 1],

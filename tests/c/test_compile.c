@@ -210,8 +210,12 @@ static void test_pdl_variants_compile(void **state) {
    * griddepcontrol and gets the plain kernels whatever the setting. */
   need_nvrtc();
   const int ids[] = {0, 6};
-  const int bad = variants_compile("OPGRAFT_TUNE_MOE_PDL", "1", ids, 2);
-  if (bad) fail_msg("%d problems with moe.pdl=1", bad);
+  int bad = variants_compile("OPGRAFT_TUNE_MOE_PDL", "1", ids, 2);
+  setenv("OPGRAFT_TUNE_MOE_DOWN_EARLY", "1", 1); /* down's first loads before its wait */
+  bad += variants_compile("OPGRAFT_TUNE_MOE_PDL", "1", ids, 2);
+  unsetenv("OPGRAFT_TUNE_MOE_DOWN_EARLY");
+  opgraft_tune_reload();
+  if (bad) fail_msg("%d problems with moe.pdl=1 (and moe.down.early=1)", bad);
 }
 
 static void test_fused_variants_compile(void **state) {
