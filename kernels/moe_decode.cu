@@ -548,151 +548,7 @@ __device__ __forceinline__ void og_grid_barrier(unsigned *counter) {
   __syncthreads();
 }
 
-// moe_fused with OG_FSPLIT = S >= 2 (moe.fused.split; one token tile): down's work is cut into units
-// of 16 rows of H x one of S groups of the used experts (contiguous ranks), so a small call has as
-// many down units as the grid has blocks. Before the grid barrier each block copies its first
-// unit's W2 into shared memory (cp.async, 16 bytes a lane, each lane its own MMA operands: the
-// first OG_FU k-steps of its warp's first work item, which is the whole unit when the unit's items
-// are no more than the warps), so the down stage's bytes stream while gate_up's last tiles drain
-// and the barrier is met. A unit's warps' sums go to the workspace (fp32, in warp order); the last
-// of a row tile's S units to finish adds the S partials in group order and writes out.
-// Workspace after act (p.sync): the barrier counter, at +256 a counter per row tile, then the
-// partials [H/16][S][8][16] fp32. The launcher zeroes both counters before each launch.
-#ifndef OG_FSPLIT
-#define OG_FSPLIT 0
-#endif
-#ifndef OG_FU
-#define OG_FU 12
-#endif
-#define OG_FUSED_MIN (OG_FSPLIT > 1 ? OG_GU_MIN : 1)
-#if OG_FSPLIT > 1
-#if OG_NT != 1
-#error "moe.fused.split needs one token tile"
-#endif
-#define OG_TILE_CNT_OFF 256
-#define OG_PART_OFF (OG_TILE_CNT_OFF + ((4 * (OG_H / 16) + 255) / 256) * 256)
-
-__device__ __forceinline__ void og_cp_async16(void *smem, const void *gmem) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global" OG_L2_FETCH_Q " [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-
-// The used-expert ranks [lo, hi) of group s, and a unit's work items: (rank, chunk of OG_FU k-steps).
-__device__ __forceinline__ void og_unit_range(const og_routing &r, int s, int &lo, int &hi) {
-  lo = s * r.nused / OG_FSPLIT;
-  hi = (s + 1) * r.nused / OG_FSPLIT;
-}
-#define OG_FCH ((OG_I / 32 + OG_FU - 1) / OG_FU)
-
-// Warp-wide: the W2 operands of this warp's first item of unit v into sw (OG_FU x 2 x 32 vectors).
-__device__ __forceinline__ void og_unit_prefetch(const og_moe_params &p, const og_routing &r, int v, og_vec4 *sw) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int h0 = (v / OG_FSPLIT) * 16;
-  int lo, hi;
-  og_unit_range(r, v % OG_FSPLIT, lo, hi);
-  const int it = warp;
-  if (it < (hi - lo) * OG_FCH) {
-    const int uu = lo + it / OG_FCH, ch = it - (it / OG_FCH) * OG_FCH;
-    const char *wrow = (const char *)p.w2 + 2 * (r.experts[uu] * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
-    const long long row8 = 2 * 8 * p.w2_rstride;
-#pragma unroll
-    for (int q = 0; q < OG_FU; ++q) {
-      const int s = ch * OG_FU + q;
-      if ((OG_I / 32) % OG_FU == 0 || s < OG_I / 32) {
-        const long long off = 2 * (long long)(s * 32 + c * 8);
-        og_cp_async16(&sw[(q * 2) * 32 + lane], wrow + off);
-        og_cp_async16(&sw[(q * 2 + 1) * 32 + lane], wrow + row8 + off);
-      }
-    }
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// Down unit v: its items' products (the first from sw when pre), the block's sum into the
-// workspace, and for the row tile's last unit the sum of the S partials into out.
-template <int W>
-__device__ __forceinline__ void og_down_unit(const og_moe_params &p, const og_routing &r, int v, const og_vec4 *sw,
-                                             bool pre, float (*s_red)[4][32]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, c = lane & 3;
-  const int T = p.T;
-  const int htile = v / OG_FSPLIT, grp = v - htile * OG_FSPLIT;
-  const int h0 = htile * 16;
-  const int steps = OG_I / 32;
-  const long long row8 = 2 * 8 * p.w2_rstride;
-  int lo, hi;
-  og_unit_range(r, grp, lo, hi);
-  const int items = (hi - lo) * OG_FCH;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int it = warp; it < items; it += W) {
-    const int uu = lo + it / OG_FCH, ch = it - (it / OG_FCH) * OG_FCH;
-    const int e = r.experts[uu];
-    const char *wrow = (const char *)p.w2 + 2 * (e * p.w2_estride + (long long)(h0 + g) * p.w2_rstride);
-    int src0[1], src1[1];
-    og_act_sources(r, T, e, g, src0, src1);
-    const bool from_smem = pre && it == warp;
-#pragma unroll
-    for (int q = 0; q < OG_FU; ++q) {
-      const int s = ch * OG_FU + q;
-      if ((OG_I / 32) % OG_FU == 0 || s < steps) {
-        const long long off = 2 * (long long)(s * 32 + c * 8);
-        og_vec4 a, a8, b;
-        if (from_smem) {
-          a = sw[(q * 2) * 32 + lane];
-          a8 = sw[(q * 2 + 1) * 32 + lane];
-        } else {
-          a = og_load_stream<OG_DOWN_LOAD>(wrow + off);
-          a8 = og_load_stream<OG_DOWN_LOAD>(wrow + row8 + off);
-        }
-        if (src1[0] != -1)
-          b = og_sum_copies(r, g, e, [&](int i) { return og_load_coherent((const char *)p.act + 2 * ((long long)i * OG_I) + off); });
-        else
-          b = src0[0] >= 0 ? og_load_coherent((const char *)p.act + 2 * ((long long)src0[0] * OG_I) + off) : og_zero4();
-        og_mma_k32(acc, a, a8, b);
-      }
-    }
-  }
-#pragma unroll
-  for (int q = 0; q < 4; ++q) s_red[warp][q][lane] = acc[q];
-  __syncthreads();
-  // The unit's sum for (token t, row) in warp order, into its partial slot.
-  float *part = (float *)((char *)p.sync + OG_PART_OFF) + (long long)v * 8 * 16;
-  for (int idx = threadIdx.x; idx < 128; idx += blockDim.x) {
-    const int q = idx >> 5, l = idx & 31;
-    const int t = (l & 3) * 2 + (q & 1), row = (l >> 2) + (q >> 1) * 8;
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) sum += s_red[w][q][l];
-    part[t * 16 + row] = sum;
-  }
-  __shared__ int s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned *cnt = (unsigned *)((char *)p.sync + OG_TILE_CNT_OFF) + htile;
-    s_last = atomicAdd(cnt, 1u) == OG_FSPLIT - 1;
-  }
-  __syncthreads();
-  if (s_last) {
-    __threadfence();
-    const float *tp = (const float *)((char *)p.sync + OG_PART_OFF) + (long long)htile * OG_FSPLIT * 8 * 16;
-    for (int idx = threadIdx.x; idx < T * 16; idx += blockDim.x) {
-      const int t = idx >> 4, row = idx & 15;
-      float sum = 0.f;
-      for (int s = 0; s < OG_FSPLIT; ++s) {
-        float v2;
-        asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v2) : "l"(tp + (s * 8 + t) * 16 + row));
-        sum += v2;
-      }
-      ((og_u16 *)p.out)[(long long)t * p.out_stride + h0 + row] = og_from_float(sum);
-    }
-  }
-  __syncthreads();  // s_red and s_last are reused by the block's next unit
-}
-#endif
-
-extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_FUSED_MIN)
+extern "C" __global__ void __launch_bounds__(OG_W1 * 32, 1)
     OG_SUFFIX(moe_fused)(const og_moe_params p) {
   __shared__ og_routing r;
   __shared__ int s_pairs[OG_MAXPAIRS];
@@ -704,20 +560,9 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_FUSED_MIN)
   for (int t = blockIdx.x; t < r.nused * tiles; t += gridDim.x)
     og_gate_up_tile<OG_W1>(p, r, t / tiles, t % tiles, s_pairs, s_npairs,
                            reinterpret_cast<float (*)[OG_NT][2][4][32]>(s_red));
-#if OG_FSPLIT > 1
-  extern __shared__ og_vec4 s_w2[];  // [W1][OG_FU][2][32]: each warp's first item of the first unit
-  const int units = (OG_H / 16) * OG_FSPLIT;
-  og_vec4 *sw = s_w2 + (threadIdx.x >> 5) * OG_FU * 64;
-  if ((int)blockIdx.x < units) og_unit_prefetch(p, r, blockIdx.x, sw);
-  og_grid_barrier(p.sync);
-  asm volatile("cp.async.wait_all;" ::: "memory");  // each lane reads back only what it copied
-  for (int v = blockIdx.x; v < units; v += gridDim.x)
-    og_down_unit<OG_W1>(p, r, v, sw, v == (int)blockIdx.x, reinterpret_cast<float (*)[4][32]>(s_red));
-#else
   og_grid_barrier(p.sync);
   for (int h = blockIdx.x; h < OG_H / 16; h += gridDim.x)
     og_down_tile<OG_W1>(p, r, h, reinterpret_cast<float (*)[OG_NT][4][32]>(s_red));
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 typedef struct og_moe_cfg {
   int nt, w1, u1, w2, u2, fused, prefetch, l2_fetch;
   int gu_nt; /* gate_up's 8-pair tiles in its one-pass path (OG_GU_NT, 1..nt) */
-  int fsplit, fu; /* moe_fused: down's expert groups (0: off) and k-steps a warp copies ahead */
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
   int down_early; /* with pdl: down's first weight loads before its wait */
@@ -56,10 +55,6 @@ static unsigned stream_smem(const og_moe_cfg *c) {
   const int slot = 16 * (2 * c->kc + 64); /* 16 rows of kc elements, padded by 64 bytes */
   return (unsigned)(c->ss * slot + c->sw * tiles * 2 * 4 * 32 * 4 + c->opb + 2 * c->ss * 8);
 }
-
-/* moe_fused's dynamic shared memory with a split down stage: each warp's copies, 1 KB a k-step. */
-#define OG_FUSED_SMEM_CAP (160 * 1024)
-static unsigned fused_smem(const og_moe_cfg *c) { return c->fsplit ? (unsigned)(c->w1 * c->fu * 1024) : 0u; }
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
  * operand registers of one k-step group under what compiles without spills (checked by the
@@ -89,17 +84,6 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
    * kernel's stages share one reduction buffer and one register budget). */
   const int64_t gnt = opgraft__tune_value("moe.gate_up.nt", arch, gpu, shape, T);
   c->gu_nt = !c->fused && gnt >= 1 && gnt < c->nt ? (int)gnt : c->nt;
-  /* moe_fused's split down stage: one token tile; its shared memory (a warp's copies, 1 KB a
-   * k-step) within sm_80's 163 KB a block, and at most the k-steps of a row. */
-  c->fsplit = c->fu = 0;
-  if (c->fused && c->nt == 1) {
-    const int64_t sp = opgraft__tune_value("moe.fused.split", arch, gpu, shape, T);
-    if (sp >= 2) {
-      c->fsplit = (int)sp;
-      c->fu = (int)opgraft__tune_value("moe.fused.unroll", arch, gpu, shape, T);
-      if (c->fu > a->inter / 32) c->fu = (int)(a->inter / 32);
-    }
-  }
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
@@ -112,7 +96,6 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
                          ? (int)opgraft__tune_value("moe.gate_up.min_blocks", arch, gpu, shape, T)
                          : 0;
   while (c->gu_min_blocks > 1 && c->gu_min_blocks * c->w1 > 16) c->gu_min_blocks--;
-  while (c->fsplit && c->fu > 1 && fused_smem(c) > OG_FUSED_SMEM_CAP) c->fu--;
   while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
   /* down's minimum: at least 128 registers a thread (16 warps an SM), up to two token tiles. */
   c->down_min_blocks = c->nt <= 2 ? (int)opgraft__tune_value("moe.down.min_blocks", arch, gpu, shape, T) : 0;
@@ -224,12 +207,6 @@ int32_t opgraft_moe_supports(const opgraft_moe_args *args, char *reason, size_t 
   return st;
 }
 
-static size_t fused_split_bytes(const opgraft_moe_args *a) {
-  if (a->num_tokens < 1 || a->num_tokens > 8 || a->hidden <= 0) return 0;
-  const size_t tiles = (size_t)a->hidden / 16u;
-  return ((4u * tiles + 255u) & ~(size_t)255u) + tiles * 8u * 8u * 16u * 4u;
-}
-
 static size_t act_bytes(const opgraft_moe_args *a) {
   const size_t n = (size_t)a->num_tokens * (size_t)a->top_k * (size_t)a->inter * 2u;
   return (n + 255u) & ~(size_t)255u;
@@ -241,14 +218,13 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
   if (a->num_tokens < 0 || a->top_k < 0 || a->inter < 0)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: negative size");
   /* act: [T*k, I] in the activation dtype, padded to 256 bytes, then 256 bytes for the fused
-   * kernel's barrier counter; up to 8 tokens also moe_fused's split down stage: a counter per 16
-   * rows of H (padded to 256 bytes) and its partial sums, [H/16][8 groups][8][16] fp32. */
-  *bytes = act_bytes(a) + 256u + fused_split_bytes(a);
+   * kernel's barrier counter. */
+  *bytes = act_bytes(a) + 256u;
   return OPGRAFT_OK;
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 40 }; /* 24 always, 7 more for moe_stream, 2 for a split moe_fused */
+enum { OG_MAX_OPTS = 40 }; /* 24 always, 7 more for moe_stream */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (n < OG_MAX_OPTS ? (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n) : n)
@@ -276,10 +252,6 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
   OG_OPT("-DOG_GU_MIN_BLOCKS=%d", c->gu_min_blocks);
   OG_OPT("-DOG_DOWN_MIN_BLOCKS=%d", c->down_min_blocks);
-  if (c->fsplit) {
-    OG_OPT("-DOG_FSPLIT=%d", c->fsplit);
-    OG_OPT("-DOG_FU=%d", c->fu);
-  }
   if (c->stream) {
     OG_OPT("-DOG_STREAM=1");
     OG_OPT("-DOG_SW=%d", c->sw);
@@ -407,16 +379,7 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     if ((st = opgraft__get_functions("moe_decode.cu", opts, nopts, arch, np, plan.cfg.stream ? 4 : 3, plan.fn)))
       return st;
     plan.fused_grid = plan.stream_grid = plan.stream_smem = 0;
-    if (plan.cfg.fused) {
-      enum { OG_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8 };
-      const unsigned smem = fused_smem(&plan.cfg);
-      if (smem > 0) /* static + dynamic over 48 KB needs the opt-in, whatever the dynamic part */
-        st = opgraft__cu_check(cu->cuFuncSetAttribute(plan.fn[2], OG_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                      (int)smem),
-                               "cuFuncSetAttribute (moe_fused shared memory)");
-      if (!st) st = fused_capacity(cu, plan.fn[2], 32 * plan.cfg.w1, smem, &plan.fused_grid);
-      if (st) return st;
-    }
+    if (plan.cfg.fused && (st = fused_capacity(cu, plan.fn[2], 32 * plan.cfg.w1, 0, &plan.fused_grid))) return st;
     if (plan.cfg.stream) {
       enum { OG_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8 };
       plan.stream_smem = stream_smem(&plan.cfg);
@@ -469,15 +432,12 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     /* One cooperative launch: every block is resident, so the grid-wide barrier cannot hang. */
     const unsigned long long counter = (unsigned long long)(uintptr_t)workspace + act_bytes(a);
     p.sync = (unsigned *)(uintptr_t)counter;
-    const unsigned units = plan.cfg.fsplit ? grid2 * (unsigned)plan.cfg.fsplit : grid2;
-    const unsigned want = grid1 > units ? grid1 : units;
+    const unsigned want = grid1 > grid2 ? grid1 : grid2;
     const unsigned grid = want < plan.fused_grid ? want : plan.fused_grid;
-    /* the barrier counter and, split, the row tiles' counters (256 bytes on) */
-    const size_t words = plan.cfg.fsplit ? 64u + grid2 : 1u;
-    if ((st = opgraft__cu_check(cu->cuMemsetD32Async(counter, 0u, words, s), "cuMemsetD32Async (moe_fused counters)")))
+    if ((st = opgraft__cu_check(cu->cuMemsetD32Async(counter, 0u, 1, s), "cuMemsetD32Async (moe_fused counter)")))
       return st;
-    return launch_flagged(cu, plan.fn[2], grid, 32u * (unsigned)plan.cfg.w1, fused_smem(&plan.cfg), s,
-                          OG_LAUNCH_ATTRIBUTE_COOPERATIVE, params, "launch moe_fused (cooperative)");
+    return launch_flagged(cu, plan.fn[2], grid, 32u * (unsigned)plan.cfg.w1, 0, s, OG_LAUNCH_ATTRIBUTE_COOPERATIVE,
+                          params, "launch moe_fused (cooperative)");
   }
   if ((stages & OPGRAFT_MOE_STAGE_GATE_UP) &&
       (st = opgraft__cu_check(cu->cuLaunchKernel(plan.fn[0], grid1, 1, 1, 32u * (unsigned)plan.cfg.w1, 1, 1, 0, s,

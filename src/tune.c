@@ -33,8 +33,6 @@ static const og_tunable tunables[] = {
     {"moe.down.unroll", 1, 8, 4},
     {"moe.down.min_blocks", 0, 4, 0},
     {"moe.fused", 0, 1, 0},
-    {"moe.fused.split", 0, 8, 0},
-    {"moe.fused.unroll", 1, 24, 12},
     {"moe.prefetch", 0, 8, 0},
     {"moe.l2_fetch", 0, 256, 0},
     {"moe.w2_prefetch", 0, 1024, 0},

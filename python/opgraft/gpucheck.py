@@ -67,20 +67,6 @@ def correctness_cases() -> list[dict]:
         _case("gate_up one tile a pass: Qwen3-30B-A3B T=16, 16 warps", PRESETS["Qwen3-30B-A3B"], 16,
               tunables={"moe.gate_up.nt": 1, "moe.gate_up.warps": 16}),
     ]
-    # moe_fused with a split down stage (W2 copied into shared memory before the grid barrier)
-    fs = {"moe.fused": 1, "moe.fused.split": 4}
-    cases += [
-        _case("fused split: small T=1", small, 1, tunables=fs),
-        _case("fused split: small T=8, duplicate ids", small, 8, dup=True, tunables=fs),
-        _case("fused split: odd dims T=3", odd, 3, tunables={"moe.fused": 1, "moe.fused.split": 3}),
-        _case("fused split: fp16, router weight on input T=2", small, 2, dtype="fp16", on_input=True, tunables=fs),
-        _case("fused split: int64 ids, id -1 and E T=4", small, 4, ids64=True, invalid=True, tunables=fs),
-        _case("fused split: strided x and out T=5", small, 5, x_pad=64, out_pad=32, tunables=fs),
-        _case("fused split: expert_map 16 of 32 experts T=2", small, 2, ep=32, tunables=fs),
-        _case("fused split: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1, tunables=fs),
-        _case("fused split: Qwen3-30B-A3B T=8, 8 groups, 5 k-steps", PRESETS["Qwen3-30B-A3B"], 8,
-              tunables={"moe.fused": 1, "moe.fused.split": 8, "moe.fused.unroll": 5}),
-    ]
     # moe_stream (sm_90: bulk copies into a shared-memory ring, one persistent launch)
     st = {"moe.stream": 1}
     cases += [

@@ -24,7 +24,6 @@ MOE_SPACE = {
     "moe.l2_fetch": [0, 128, 256],
     "moe.prefetch": [0, 1, 2, 4],
     "moe.fused": [0, 1],
-    "moe.fused.split": [0, 2, 4, 8],
     "moe.w2_prefetch": [0, 8, 16, 24, 32],
     "moe.w2_prefetch_last": [0, 1],
     "moe.pdl": [0, 1],

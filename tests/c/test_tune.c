@@ -11,7 +11,7 @@ static const struct {
   int64_t fallback;
 } defaults[] = {
     {"moe.max_tokens", 8}, {"moe.gate_up.warps", 4}, {"moe.gate_up.unroll", 4}, {"moe.gate_up.min_blocks", 0}, {"moe.gate_up.nt", 0}, {"moe.down.warps", 8},
-    {"moe.down.unroll", 4}, {"moe.down.min_blocks", 0}, {"moe.fused", 0}, {"moe.fused.split", 0}, {"moe.fused.unroll", 12},          {"moe.prefetch", 0},       {"moe.l2_fetch", 0},
+    {"moe.down.unroll", 4}, {"moe.down.min_blocks", 0}, {"moe.fused", 0},          {"moe.prefetch", 0},       {"moe.l2_fetch", 0},
     {"moe.w2_prefetch", 0}, {"moe.w2_prefetch_last", 0}, {"moe.expert_map", 1}, {"moe.pdl", 0}, {"moe.down.early", 0},
     {"moe.load", 4},        {"moe.down_load", 1},   {"moe.stream", 0},      {"moe.stream.warps", 4},
     {"moe.stream.slots", 6}, {"moe.stream.kc", 1024}, {"moe.stream.blocks", 0},
