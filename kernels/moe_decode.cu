@@ -32,6 +32,27 @@
 #include "moe_params.h"
 
 #define OG_FULL 0xffffffffu
+// OG_TRACE (OPGRAFT_TRACE=1, a diagnostic): thread 0 of each block records %globaltimer at phase
+// boundaries into p.trace[kernel][block][slot]: kernel 0 gate_up, 1 down, 2 fused; slot 0 start,
+// 1 routing set up, 2 gate_up's tiles done, 3 released (down: after its wait for gate_up; fused:
+// after the grid barrier), 7 end.
+#ifndef OG_TRACE
+#define OG_TRACE 0
+#endif
+#if OG_TRACE
+#define OG_TS(kern, slot)                                                                       \
+  do {                                                                                         \
+    if (threadIdx.x == 0 && p.trace && (int)blockIdx.x < p.trace_blocks) {                     \
+      unsigned long long t_;                                                                   \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                   \
+      p.trace[((long long)(kern) * p.trace_blocks + blockIdx.x) * 8 + (slot)] = t_;            \
+    }                                                                                          \
+  } while (0)
+#else
+#define OG_TS(kern, slot) \
+  do {                    \
+  } while (0)
+#endif
 #ifndef OG_PREFETCH
 #define OG_PREFETCH 0
 #endif
@@ -453,7 +474,10 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
         a8[q] = og_load_stream<OG_DOWN_LOAD>(wrow + row8 + off);
       }
     }
-    if (EARLY && it == warp) og_pdl_wait();
+    if (EARLY && it == warp) {
+      og_pdl_wait();
+      OG_TS(1, 3);
+    }
 #pragma unroll
     for (int q = 0; q < OG_U2; ++q) {
       const int s = ch * OG_U2 + q;
@@ -510,30 +534,37 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
   __shared__ int s_pairs[OG_MAXPAIRS];
   __shared__ int s_npairs;
   __shared__ float s_red[OG_W1][OG_NT][2][4][32];
+  OG_TS(0, 0);
 #if OG_PDL
   og_pdl_launch_dependents();  // moe_down may take the SMs of blocks that finish
 #endif
   og_routing_setup(p, r);
   og_prefetch_w2(p, r);
+  OG_TS(0, 1);
   const int tiles = OG_I / 16;
   const int u = blockIdx.x / tiles;
   if (u >= r.nused) return;  // fewer used experts than the grid allows for: nothing to do
   og_gate_up_tile<OG_W1>(p, r, u, blockIdx.x - u * tiles, s_pairs, s_npairs, s_red);
+  OG_TS(0, 7);
 }
 
 extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
     OG_SUFFIX(moe_down)(const og_moe_params p) {
   __shared__ og_routing r;
   __shared__ float s_red[OG_W2][OG_NT][4][32];
+  OG_TS(1, 0);
   og_routing_setup(p, r);  // the routing was written before gate_up started: safe to read here
+  OG_TS(1, 1);
 #if OG_PDL && OG_DOWN_EARLY
   og_down_tile<OG_W2, true>(p, r, blockIdx.x, s_red);  // waits after its first weight loads
 #else
 #if OG_PDL
   og_pdl_wait();  // gate_up has finished: act is complete and x (which out may alias) is read
 #endif
+  OG_TS(1, 3);
   og_down_tile<OG_W2>(p, r, blockIdx.x, s_red);
 #endif
+  OG_TS(1, 7);
 }
 
 // Grid-wide barrier for a cooperative launch: one arrival per block on a zeroed counter.
@@ -554,15 +585,20 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, 1)
   __shared__ int s_pairs[OG_MAXPAIRS];
   __shared__ int s_npairs;
   __shared__ float s_red[OG_W1 * OG_NT * 2 * 4 * 32];
+  OG_TS(2, 0);
   og_routing_setup(p, r);
   og_prefetch_w2(p, r);
+  OG_TS(2, 1);
   const int tiles = OG_I / 16;
   for (int t = blockIdx.x; t < r.nused * tiles; t += gridDim.x)
     og_gate_up_tile<OG_W1>(p, r, t / tiles, t % tiles, s_pairs, s_npairs,
                            reinterpret_cast<float (*)[OG_NT][2][4][32]>(s_red));
+  OG_TS(2, 2);
   og_grid_barrier(p.sync);
+  OG_TS(2, 3);
   for (int h = blockIdx.x; h < OG_H / 16; h += gridDim.x)
     og_down_tile<OG_W1>(p, r, h, reinterpret_cast<float (*)[OG_NT][4][32]>(s_red));
+  OG_TS(2, 7);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ typedef struct og_moe_params {
   long long out_stride;
   int T;
   int emap_len;
+  unsigned long long *trace; /* OG_TRACE: per-block phase times, [3 kernels][trace_blocks][8], or NULL */
+  int trace_blocks;
 } og_moe_params;
 
 #endif

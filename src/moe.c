@@ -32,12 +32,30 @@ static void shape_key(const opgraft_moe_args *a, char *buf, size_t len) {
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
+/* OPGRAFT_TRACE set (and not "0"): the kernels are compiled with OG_TRACE and record per-block
+ * phase times (kernels/moe_decode.cu) after the workspace's counter area: [3][blocks][8] u64,
+ * blocks = the larger of the two stages' grids, at least 4096 (the cooperative grid). Read when a
+ * shape's plan is made and by opgraft_moe_workspace_size; a plan with tracing writes only into a
+ * workspace that has room for it. */
+static int trace_on(void) {
+  const char *v = getenv("OPGRAFT_TRACE");
+  return v && *v && strcmp(v, "0") != 0;
+}
+static int64_t trace_blocks(const opgraft_moe_args *a) {
+  const int64_t used = a->num_tokens * a->top_k < a->num_experts ? a->num_tokens * a->top_k : a->num_experts;
+  int64_t b = used * (a->inter / 16);
+  if (a->hidden / 16 > b) b = a->hidden / 16;
+  return b > 4096 ? b : 4096;
+}
+static size_t trace_bytes(const opgraft_moe_args *a) { return (size_t)(3 * trace_blocks(a) * 8 * 8); }
+
 typedef struct og_moe_cfg {
   int nt, w1, u1, w2, u2, fused, prefetch, l2_fetch;
   int gu_nt; /* gate_up's 8-pair tiles in its one-pass path (OG_GU_NT, 1..nt) */
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
   int down_early; /* with pdl: down's first weight loads before its wait */
+  int trace; /* OPGRAFT_TRACE: per-block phase times into the workspace (a diagnostic) */
   int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
   int gu_min_blocks; /* gate_up's __launch_bounds__ minimum blocks per SM (0: the default rule) */
   int down_min_blocks; /* down's, likewise */
@@ -76,6 +94,7 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->w2pf_last = c->w2pf_mb > 0 && opgraft__tune_value("moe.w2_prefetch_last", arch, gpu, shape, T) != 0;
   c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
   c->down_early = c->pdl && opgraft__tune_value("moe.down.early", arch, gpu, shape, T) != 0;
+  c->trace = trace_on();
   c->load = (int)opgraft__tune_value("moe.load", arch, gpu, shape, T);
   /* sm_90 only: on sm_80 the forms without an L2 policy (0, 3, 4) make Mixtral-8x7B's down spill
    * (test_compile), so down keeps form 1 there. */
@@ -219,12 +238,12 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: negative size");
   /* act: [T*k, I] in the activation dtype, padded to 256 bytes, then 256 bytes for the fused
    * kernel's barrier counter. */
-  *bytes = act_bytes(a) + 256u;
+  *bytes = act_bytes(a) + 256u + (trace_on() ? trace_bytes(a) : 0u);
   return OPGRAFT_OK;
 }
 
 /* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
-enum { OG_MAX_OPTS = 40 }; /* 24 always, 7 more for moe_stream */
+enum { OG_MAX_OPTS = 40 }; /* 24 always, 7 more for moe_stream, 1 for OPGRAFT_TRACE */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (n < OG_MAX_OPTS ? (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n) : n)
@@ -248,6 +267,7 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_W2PF_LAST=%d", c->w2pf_last);
   OG_OPT("-DOG_PDL=%d", c->pdl);
   OG_OPT("-DOG_DOWN_EARLY=%d", c->down_early);
+  if (c->trace) OG_OPT("-DOG_TRACE=1");
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
   OG_OPT("-DOG_GU_MIN_BLOCKS=%d", c->gu_min_blocks);
@@ -413,6 +433,10 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   p.out_stride = a->out_stride[0];
   p.T = (int)a->num_tokens;
   p.emap = (const int *)a->expert_map, p.emap_len = a->expert_map ? (int)a->expert_map_len : 0;
+  if (plan.cfg.trace && workspace_bytes >= act_bytes(a) + 256u + trace_bytes(a)) {
+    p.trace = (unsigned long long *)((char *)workspace + act_bytes(a) + 256u);
+    p.trace_blocks = (int)trace_blocks(a);
+  }
   void *params[] = {&p};
 
   const int64_t used_max = a->num_tokens * a->top_k < a->num_experts ? a->num_tokens * a->top_k : a->num_experts;

@@ -254,6 +254,19 @@ static void test_gate_up_nt_compile(void **state) {
   if (bad) fail_msg("%d problems with moe.gate_up.nt", bad);
 }
 
+static void test_trace_variants_compile(void **state) {
+  /* OPGRAFT_TRACE=1 (per-block phase times, a diagnostic): the two kernels and the cooperative one
+   * compile spill-free with the timer stores, on Qwen3-30B-A3B, Kimi-K2 and the odd shape. */
+  need_nvrtc();
+  const int ids[] = {0, 4, 5};
+  int bad = variants_compile("OPGRAFT_TRACE", "1", ids, 3);
+  setenv("OPGRAFT_TUNE_MOE_FUSED", "1", 1);
+  bad += variants_compile("OPGRAFT_TRACE", "1", ids, 3);
+  unsetenv("OPGRAFT_TUNE_MOE_FUSED");
+  opgraft_tune_reload();
+  if (bad) fail_msg("%d problems with OPGRAFT_TRACE=1", bad);
+}
+
 static void test_stream_variants_compile(void **state) {
   /* moe.stream 1 (moe_stream: bulk copies into a shared-memory ring, sm_90): at T=1 and 2 on sm_90
    * the configuration reports moe_stream as its third kernel, spill-free, for every preset (and
@@ -445,6 +458,7 @@ int main(void) {
       cmocka_unit_test(test_fused_variants_compile),
       cmocka_unit_test(test_gate_up_min_blocks_compile),
       cmocka_unit_test(test_gate_up_nt_compile),
+      cmocka_unit_test(test_trace_variants_compile),
       cmocka_unit_test(test_load_forms_compile),
       cmocka_unit_test(test_stream_variants_compile),
   };

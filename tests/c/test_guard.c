@@ -262,6 +262,21 @@ static void test_workspace_size(void **state) {
     assert_int_equal(bytes % 256, 0);
     assert_true(bytes >= raw + 256 && bytes < raw + 512);
   }
+  /* OPGRAFT_TRACE=1: the per-block phase times after that, [3][blocks][8] u64 with blocks the
+   * larger stage grid but at least 4096 (here T=7 k=3 I=160, H=2048: 4096). "0" is off. */
+  setenv("OPGRAFT_TRACE", "1", 1);
+  assert_int_equal(opgraft_moe_workspace_size(&a, &bytes), OPGRAFT_OK);
+  assert_int_equal(bytes, (7 * 3 * 160 * 2 + 255) / 256 * 256 + 256 + 3 * 4096 * 64);
+  set_shape(&a, 8, 2048, 768, 128, 8); /* 64 experts x 48 tiles = 3072 < 4096; Kimi-like below */
+  assert_int_equal(opgraft_moe_workspace_size(&a, &bytes), OPGRAFT_OK);
+  assert_int_equal(bytes, 8 * 8 * 768 * 2 + 256 + 3 * 4096 * 64);
+  set_shape(&a, 16, 7168, 2048, 384, 8); /* 128 experts x 128 tiles */
+  assert_int_equal(opgraft_moe_workspace_size(&a, &bytes), OPGRAFT_OK);
+  assert_int_equal(bytes, 16 * 8 * 2048 * 2 + 256 + 3 * 16384 * 64);
+  setenv("OPGRAFT_TRACE", "0", 1);
+  assert_int_equal(opgraft_moe_workspace_size(&a, &bytes), OPGRAFT_OK);
+  assert_int_equal(bytes, 16 * 8 * 2048 * 2 + 256);
+  unsetenv("OPGRAFT_TRACE");
   assert_int_equal(opgraft_moe_workspace_size(NULL, &bytes), OPGRAFT_EINVAL);
   assert_int_equal(opgraft_moe_workspace_size(&a, NULL), OPGRAFT_EINVAL);
   a.struct_size = 16;

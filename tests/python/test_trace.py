@@ -1,0 +1,42 @@
+"""opgraft.trace's reading of the per-block phase times (no GPU: a synthetic trace region)."""
+
+from opgraft import trace
+
+
+def region(blocks, entries):
+    """A flat [3][blocks][8] u64 region with {(kernel, block, slot): ns}."""
+    buf = [0] * (3 * blocks * 8)
+    for (k, b, s), t in entries.items():
+        buf[(k * blocks + b) * 8 + s] = t
+    return buf
+
+
+def test_summarize_phases_from_the_first_start():
+    buf = region(4, {
+        (0, 0, 0): 1000, (0, 0, 1): 2000, (0, 0, 7): 11000,  # gate_up block 0
+        (0, 1, 0): 1500, (0, 1, 1): 2500, (0, 1, 7): 15000,  # gate_up block 1
+        (0, 2, 0): 1200, (0, 2, 1): 2200, (0, 2, 7): 12000,  # gate_up block 2
+        (1, 0, 0): 9000, (1, 0, 1): 9500, (1, 0, 3): 16000, (1, 0, 7): 20000,  # down block 0
+    })
+    s = trace.summarize(buf, 4)
+    assert set(s) == {"gate_up", "down"}
+    assert s["gate_up"]["start"] == {"n": 3, "min": 0.0, "median": 0.2, "max": 0.5}
+    assert s["gate_up"]["end"]["max"] == 14.0 and s["gate_up"]["end"]["median"] == 11.0
+    assert s["down"]["released"] == {"n": 1, "min": 15.0, "median": 15.0, "max": 15.0}
+    assert "gate_up tiles done" not in s["gate_up"]  # slot 2 is the fused kernel's
+
+
+def test_summarize_empty_region():
+    assert trace.summarize([0] * (3 * 2 * 8), 2) == {}
+
+
+def test_combine_takes_the_median_of_each_statistic_and_only_common_phases():
+    a = {"down": {"start": {"n": 2, "min": 1.0, "median": 2.0, "max": 3.0},
+                  "end": {"n": 2, "min": 9.0, "median": 9.5, "max": 10.0}}}
+    b = {"down": {"start": {"n": 2, "min": 1.5, "median": 2.5, "max": 3.5}}}
+    c = {"down": {"start": {"n": 2, "min": 0.5, "median": 1.5, "max": 9.0},
+                  "end": {"n": 2, "min": 8.0, "median": 8.5, "max": 9.0}}}
+    out = trace.combine([a, b, c])
+    assert out == {"down": {"start": {"n": 2, "min": 1.0, "median": 2.0, "max": 3.5}}}
+    table = trace.format_table(out)
+    assert "down" in table and "start" in table and "3.50" in table
