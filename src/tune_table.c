@@ -36,14 +36,14 @@ const og_tune_entry opgraft__baked_table[] = {
     /* Large experts after 64 MiB of other reads (coordinate descent 2026-11-30,
      * bench/results/2026-11-30-h200-v12-tuning/, -v13-min-blocks/). Mixtral-8x7B up to 8 tokens:
      * gate_up 8 warps, two blocks an SM (v13; the cooperative kernel before); at 9..16 tokens 1 warp
-     * for gate_up and down unroll 2; Kimi-K2 at 9..16 tokens: gate_up 4 warps, down 2 warps. */
+     * for gate_up and down unroll 2; Kimi-K2 at 9..16 tokens: gate_up 4 warps (down: v15, below). */
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1, 8, "moe.gate_up.warps", 8, "H200 2026-11-30, two kernels with gate_up 8 warps and min blocks 2 against the cooperative kernel (the v12 row): Mixtral-8x7B T=1 173.0 -> 169.2 us, T=2 302.7 -> 297.3, T=4 435.2 -> 434.4, T=8 584.9 -> 579.5"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.gate_up.warps", 1, "H200 2026-11-30 descent: Mixtral-8x7B T=16 675.8 -> 666.1 us with gate_up 1 warp (4 warps ties) and down unroll 2"},
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.down.unroll", 2, "H200 2026-11-30 descent: Mixtral-8x7B T=16 down unroll 4 -> 2: 675.7 -> 665.8 us"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.gate_up.warps", 4, "H200 2026-11-30 descents: Kimi-K2 T=16 2599.2 -> 2352.7 us with gate_up 1 warp and down 2 warps; then, from that row, 2401.7 -> 2373.2 us with 4 warps (2: 2386.0)"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.warps", 4, "H200 2026-11-30 (v15), 64 MiB between calls: Kimi-K2 T=16 down 927.0 -> 853.9 us, all 2331.4 -> 2256.4 (0.906 -> 0.937 of the ceiling) with 4 warps, min blocks 4, unroll 3 instead of 2 warps (which fit all 448 blocks at ~200 registers)"},
     {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.min_blocks", 4, "H200 2026-11-30 (v15): with down 4 warps and unroll 3, 112 registers, all 448 blocks resident (see moe.down.warps)"},
-    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.unroll", 3, "H200 2026-11-30 (v15): Kimi-K2 T=16 down unroll 3 853.9 us, 2 882.1, 4 1015.7 (4 warps, min blocks 4; 4 spills at 128 registers)"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.unroll", 3, "H200 2026-11-30 (v15): Kimi-K2 T=16 down unroll 3 853.9 us, 2 882.1, 4 1015.7 (4 warps, min blocks 4; unroll 4 spills at 128 registers)"},
     /* 9..16 tokens, measured at 16 (v15): gate_up's one-pass path with one 8-pair tile, as at <= 8
      * tokens (an expert of these shapes rarely has more than 8 of a call's pairs). */
     {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 9, 16, "moe.gate_up.nt", 1, "H200 2026-11-30 (v15), 64 MiB between calls: Qwen3-235B-A22B T=16 gate_up 619.8 -> 461.6 us (2 warps), all 918.9 -> 763.0; then down 8 warps, min blocks 2, unroll 2: 736.3 (0.732 -> 0.913 of the ceiling)"},
