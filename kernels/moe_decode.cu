@@ -414,6 +414,16 @@ __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og
   og_gate_up_passes<W, OG_GU_NT, OG_U1, OG_NT>(p, e, tile, s_pairs, npairs, s_red);
 }
 
+// down's B operand at one k offset: act of each token tile's lane token for the current expert
+// (workspace row src0[nt]), or zero where that token did not pick it.
+__device__ __forceinline__ void og_load_act(const og_moe_params &p, const int (&src0)[OG_NT], long long off,
+                                            og_vec4 (&b)[OG_NT]) {
+#pragma unroll
+  for (int nt = 0; nt < OG_NT; ++nt)
+    b[nt] = src0[nt] >= 0 ? og_load_coherent((const char *)p.act + 2 * ((long long)src0[nt] * OG_I) + off)
+                          : og_zero4();
+}
+
 // down for one tile: 16 rows of H, summed over every used expert and token. EARLY (moe_down under
 // programmatic dependent launch with OG_DOWN_EARLY): each warp issues its first work item's weight
 // loads, which depend on nothing gate_up writes, before it waits for gate_up's grid; act is read
@@ -472,22 +482,18 @@ __device__ __forceinline__ void og_down_tile(const og_moe_params &p, const og_ro
         const long long off = 2 * (long long)(s * 32 + c * 8);
         a[q] = og_load_stream<OG_DOWN_LOAD>(wrow + off);
         a8[q] = og_load_stream<OG_DOWN_LOAD>(wrow + row8 + off);
+        if (!EARLY) og_load_act(p, src0, off, b[q]);
       }
     }
-    if (EARLY && it == warp) {
-      og_pdl_wait();
-      OG_TS(1, 3);
-    }
+    if (EARLY) {  // act's loads after the wait (the first item's), after the weights' in any case
+      if (it == warp) {
+        og_pdl_wait();
+        OG_TS(1, 3);
+      }
 #pragma unroll
-    for (int q = 0; q < OG_U2; ++q) {
-      const int s = ch * OG_U2 + q;
-      if (steps % OG_U2 == 0 || s < steps) {
-        const long long off = 2 * (long long)(s * 32 + c * 8);
-#pragma unroll
-        for (int nt = 0; nt < OG_NT; ++nt)
-          b[q][nt] = src0[nt] >= 0 ? og_load_coherent((const char *)p.act +
-                                                      2 * ((long long)src0[nt] * OG_I) + off)
-                                   : og_zero4();
+      for (int q = 0; q < OG_U2; ++q) {
+        const int s = ch * OG_U2 + q;
+        if (steps % OG_U2 == 0 || s < steps) og_load_act(p, src0, 2 * (long long)(s * 32 + c * 8), b[q]);
       }
     }
 #pragma unroll
