@@ -242,11 +242,12 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
   return OPGRAFT_OK;
 }
 
-/* Compile options for one configuration (at most OG_MAX_OPTS); returns the number of options. */
+/* Compile options for one configuration; returns their number, or -1 (an error set) if they would
+ * not fit in OG_MAX_OPTS. */
 enum { OG_MAX_OPTS = 40 }; /* 24 always, 7 more for moe_stream, 1 for OPGRAFT_TRACE */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
-#define OG_OPT(...) (n < OG_MAX_OPTS ? (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n], ++n) : n)
+#define OG_OPT(...) (n < OG_MAX_OPTS ? (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n]) : 0, ++n)
   OG_OPT("-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
   OG_OPT("-DOG_IDS64=%d", a->topk_ids_dtype == OPGRAFT_DTYPE_INT64);
   OG_OPT("-DOG_EMAP=%d", a->expert_map != NULL);
@@ -282,6 +283,10 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
     OG_OPT("-DOG_STREAM_EF=%d", c->stream_ef);
   }
 #undef OG_OPT
+  if (n > OG_MAX_OPTS) {
+    opgraft__fail(OPGRAFT_EINVAL, "MoE kernel configuration needs %d compile options (room for %d)", n, OG_MAX_OPTS);
+    return -1;
+  }
   return n;
 }
 
@@ -393,6 +398,7 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     char buf[OG_MAX_OPTS][48];
     const char *opts[OG_MAX_OPTS];
     const int nopts = moe_options(a, &plan.cfg, buf, opts);
+    if (nopts < 0) return OPGRAFT_EINVAL;
     char names[OG_MOE_KERNELS][64];
     fn_names(a, names);
     const char *np[OG_MOE_KERNELS] = {names[0], names[1], names[2], names[3]};
@@ -499,6 +505,7 @@ int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgr
   char buf[OG_MAX_OPTS][48];
   const char *opts[OG_MAX_OPTS];
   const int nopts = moe_options(a, &cfg, buf, opts);
+  if (nopts < 0) return OPGRAFT_EINVAL;
   og_cubin cub;
   int32_t st = opgraft__compile("moe_decode.cu", opts, nopts, arch, &cub);
   if (st) return st;

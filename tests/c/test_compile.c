@@ -200,9 +200,19 @@ static int variants_compile_at(const char *env, const char *value, const int *sh
 }
 
 /* The same at T=1 and 8. */
+static const int32_t tokens_1_8[] = {1, 8};
 static int variants_compile(const char *env, const char *value, const int *shape_ids, int nshapes) {
-  static const int32_t tokens[] = {1, 8};
-  return variants_compile_at(env, value, shape_ids, nshapes, tokens, 2);
+  return variants_compile_at(env, value, shape_ids, nshapes, tokens_1_8, 2);
+}
+
+/* variants_compile_at with a second variable (extra=extra_value) set while it runs. */
+static int variants_compile_also(const char *extra, const char *extra_value, const char *env, const char *value,
+                                 const int *shape_ids, int nshapes, const int32_t *tokens, int ntokens) {
+  setenv(extra, extra_value, 1);
+  const int bad = variants_compile_at(env, value, shape_ids, nshapes, tokens, ntokens);
+  unsetenv(extra);
+  opgraft_tune_reload();
+  return bad;
 }
 
 static void test_pdl_variants_compile(void **state) {
@@ -211,10 +221,8 @@ static void test_pdl_variants_compile(void **state) {
   need_nvrtc();
   const int ids[] = {0, 6};
   int bad = variants_compile("OPGRAFT_TUNE_MOE_PDL", "1", ids, 2);
-  setenv("OPGRAFT_TUNE_MOE_DOWN_EARLY", "1", 1); /* down's first loads before its wait */
-  bad += variants_compile("OPGRAFT_TUNE_MOE_PDL", "1", ids, 2);
-  unsetenv("OPGRAFT_TUNE_MOE_DOWN_EARLY");
-  opgraft_tune_reload();
+  /* down's first loads before its wait */
+  bad += variants_compile_also("OPGRAFT_TUNE_MOE_DOWN_EARLY", "1", "OPGRAFT_TUNE_MOE_PDL", "1", ids, 2, tokens_1_8, 2);
   if (bad) fail_msg("%d problems with moe.pdl=1 (and moe.down.early=1)", bad);
 }
 
@@ -247,10 +255,8 @@ static void test_gate_up_nt_compile(void **state) {
   const int ids[] = {0, 1, 2, 4, 5};
   static const int32_t tokens[] = {16, 33};
   int bad = variants_compile_at("OPGRAFT_TUNE_MOE_GATE_UP_NT", "1", ids, 5, tokens, 2);
-  setenv("OPGRAFT_TUNE_MOE_GATE_UP_WARPS", "16", 1);
-  bad += variants_compile_at("OPGRAFT_TUNE_MOE_GATE_UP_NT", "1", ids, 5, tokens, 2);
-  unsetenv("OPGRAFT_TUNE_MOE_GATE_UP_WARPS");
-  opgraft_tune_reload();
+  bad += variants_compile_also("OPGRAFT_TUNE_MOE_GATE_UP_WARPS", "16", "OPGRAFT_TUNE_MOE_GATE_UP_NT", "1", ids, 5,
+                               tokens, 2);
   if (bad) fail_msg("%d problems with moe.gate_up.nt", bad);
 }
 
@@ -260,10 +266,7 @@ static void test_trace_variants_compile(void **state) {
   need_nvrtc();
   const int ids[] = {0, 4, 5};
   int bad = variants_compile("OPGRAFT_TRACE", "1", ids, 3);
-  setenv("OPGRAFT_TUNE_MOE_FUSED", "1", 1);
-  bad += variants_compile("OPGRAFT_TRACE", "1", ids, 3);
-  unsetenv("OPGRAFT_TUNE_MOE_FUSED");
-  opgraft_tune_reload();
+  bad += variants_compile_also("OPGRAFT_TUNE_MOE_FUSED", "1", "OPGRAFT_TRACE", "1", ids, 3, tokens_1_8, 2);
   if (bad) fail_msg("%d problems with OPGRAFT_TRACE=1", bad);
 }
 
