@@ -35,7 +35,7 @@
 // OG_TRACE (OPGRAFT_TRACE=1, a diagnostic): thread 0 of each block records %globaltimer at phase
 // boundaries into p.trace[kernel][block][slot]: kernel 0 gate_up, 1 down, 2 fused; slot 0 start,
 // 1 routing set up, 2 gate_up's tiles done, 3 released (down: after its wait for gate_up; fused:
-// after the grid barrier), 7 end.
+// after the grid barrier), 7 end; slot 6 holds the block's SM (%smid + 1), written with slot 0.
 #ifndef OG_TRACE
 #define OG_TRACE 0
 #endif
@@ -46,6 +46,11 @@
       unsigned long long t_;                                                                   \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                   \
       p.trace[((long long)(kern) * p.trace_blocks + blockIdx.x) * 8 + (slot)] = t_;            \
+      if ((slot) == 0) {                                                                       \
+        unsigned sm_;                                                                          \
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));                                       \
+        p.trace[((long long)(kern) * p.trace_blocks + blockIdx.x) * 8 + 6] = sm_ + 1ULL;       \
+      }                                                                                        \
     }                                                                                          \
   } while (0)
 #else

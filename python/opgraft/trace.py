@@ -45,6 +45,66 @@ def summarize(times, trace_blocks: int) -> dict:
     return out
 
 
+def per_sm(times, trace_blocks: int) -> dict:
+    """Where the blocks ran (slot 6: %smid + 1): for gate_up, how many SMs ran 1, 2, ... of its
+    blocks and the median over those SMs of their last block's end; for down, the time from its
+    SM's last gate_up block end to its start (the hand-over of the SM), min / median / max; µs from
+    the earliest start. Empty without SM records."""
+    def blocks(k):
+        for b in range(trace_blocks):
+            base = (k * trace_blocks + b) * 8
+            if times[base] and times[base + 6]:
+                yield times[base + 6] - 1, times[base], times[base + 7]
+    starts = [t for k in range(3) for b in range(trace_blocks) if (t := times[(k * trace_blocks + b) * 8])]
+    gu = list(blocks(0))
+    if not starts or not gu:
+        return {}
+    t0 = min(starts)
+    last_end, count = {}, {}
+    for sm, _, end in gu:
+        count[sm] = count.get(sm, 0) + 1
+        if end:
+            last_end[sm] = max(last_end.get(sm, 0), end)
+    out = {"gate_up": {}}
+    for n in sorted(set(count.values())):
+        sms = [sm for sm, c in count.items() if c == n and sm in last_end]
+        if sms:
+            out["gate_up"][f"{n} blocks"] = {"sms": len(sms), "last_end_median": statistics.median(
+                (last_end[sm] - t0) / 1000.0 for sm in sms)}
+    hand = sorted((start - last_end[sm]) / 1000.0 for sm, start, _ in blocks(1) if sm in last_end)
+    if hand:
+        out["down"] = {"sm_handover": {"n": len(hand), "min": hand[0], "median": statistics.median(hand),
+                                       "max": hand[-1]}}
+    return out
+
+
+def raw_records(times, trace_blocks: int) -> list[list[int]]:
+    """[kernel, block, SM, start, routing set up, released, end] of every block that started, times
+    in ns from the earliest start (0 where a phase was not recorded), SM -1 where not recorded."""
+    starts = [t for k in range(3) for b in range(trace_blocks) if (t := times[(k * trace_blocks + b) * 8])]
+    if not starts:
+        return []
+    t0 = min(starts)
+    out = []
+    for k in range(3):
+        for b in range(trace_blocks):
+            base = (k * trace_blocks + b) * 8
+            if times[base]:
+                rel = [times[base + s] - t0 if times[base + s] else 0 for s in (0, 1, 3, 7)]
+                out.append([k, b, times[base + 6] - 1] + rel)
+    return out
+
+
+def combine_sm(runs: list[dict]) -> dict:
+    """The median over repetitions of every number in per_sm's results (keys in all runs)."""
+    def merge(vals):
+        if all(isinstance(v, dict) for v in vals):
+            keys = set.intersection(*(set(v) for v in vals))
+            return {k: merge([v[k] for v in vals]) for k in sorted(keys)}
+        return statistics.median(vals)
+    return merge(runs) if runs and all(runs) else {}
+
+
 def combine(runs: list[dict]) -> dict:
     """The median over repetitions of each (kernel, phase, statistic)."""
     out = {}
@@ -72,6 +132,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="[{}]", help='JSON list of tunable settings, e.g. [{}, {"moe.pdl": 0}]')
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--raw", action="store_true",
+                    help="also store every block's records (kernel, block, SM, start, routing set up, released, end; "
+                         "ns from the call's first start) of every repetition in the JSON")
     args = ap.parse_args(argv)
     os.environ["OPGRAFT_TRACE"] = "1"  # before any plan is made
 
@@ -94,18 +157,26 @@ def main(argv=None) -> int:
     results = []
     for cfg in json.loads(args.configs):
         apply_config(cfg)
-        runs = []
+        runs, raw = [], []
         for _ in range(args.reps + 1):  # the first call compiles and is dropped
             region.zero_()
             if fx.between:
                 fx.between()
             ops.moe_experts_into(fx.outs[0], fx.xs[0], fx.w13, fx.w2, *fx.routings[0], workspace=ws)
             torch.cuda.synchronize()
-            runs.append(summarize(region.view(torch.int64).cpu().tolist(), trace_blocks))
-        summary = combine(runs[1:])
+            times = region.view(torch.int64).cpu().tolist()
+            runs.append((summarize(times, trace_blocks), per_sm(times, trace_blocks)))
+            if args.raw:
+                raw.append(raw_records(times, trace_blocks))
+        summary = combine([r[0] for r in runs[1:]])
+        sms = combine_sm([r[1] for r in runs[1:]])
         print(f"== {shape.name} T={args.tokens} {cfg}")
         print(format_table(summary), flush=True)
-        results.append({"model": shape.name, "tokens": args.tokens, "config": cfg, "timeline_us": summary})
+        print("per SM:", json.dumps(sms), flush=True)
+        results.append({"model": shape.name, "tokens": args.tokens, "config": cfg, "timeline_us": summary,
+                        "per_sm_us": sms})
+        if args.raw:
+            results[-1]["raw"] = raw[1:]
     apply_config({})
     if args.json:
         with open(args.json, "w") as f:

@@ -40,3 +40,33 @@ def test_combine_takes_the_median_of_each_statistic_and_only_common_phases():
     assert out == {"down": {"start": {"n": 2, "min": 1.0, "median": 2.0, "max": 3.5}}}
     table = trace.format_table(out)
     assert "down" in table and "start" in table and "3.50" in table
+
+
+def test_per_sm_counts_blocks_per_sm_and_the_hand_over_to_down():
+    # SM 0 (slot 6 = 1) runs gate_up blocks 0 and 1 (last end 15000), SM 1 runs block 2 (12000);
+    # down block 0 starts on SM 1 at 12500, down block 1 on SM 0 at 16000.
+    buf = region(4, {
+        (0, 0, 0): 1000, (0, 0, 6): 1, (0, 0, 7): 11000,
+        (0, 1, 0): 1500, (0, 1, 6): 1, (0, 1, 7): 15000,
+        (0, 2, 0): 1200, (0, 2, 6): 2, (0, 2, 7): 12000,
+        (1, 0, 0): 12500, (1, 0, 6): 2, (1, 0, 7): 20000,
+        (1, 1, 0): 16000, (1, 1, 6): 1, (1, 1, 7): 21000,
+    })
+    s = trace.per_sm(buf, 4)
+    assert s["gate_up"] == {"1 blocks": {"sms": 1, "last_end_median": 11.0},
+                            "2 blocks": {"sms": 1, "last_end_median": 14.0}}
+    assert s["down"]["sm_handover"] == {"n": 2, "min": 0.5, "median": 0.75, "max": 1.0}
+
+
+def test_per_sm_without_sm_records_is_empty_and_combine_sm_takes_medians():
+    buf = region(2, {(0, 0, 0): 1000, (0, 0, 7): 5000})
+    assert trace.per_sm(buf, 2) == {}
+    runs = [{"down": {"sm_handover": {"min": v, "max": 2 * v}}} for v in (1.0, 3.0, 2.0)]
+    assert trace.combine_sm(runs) == {"down": {"sm_handover": {"max": 4.0, "min": 2.0}}}
+    assert trace.combine_sm([{}, {"down": {}}]) == {}
+
+
+def test_raw_records_are_relative_to_the_first_start():
+    buf = region(2, {(0, 0, 0): 1000, (0, 0, 6): 5, (0, 0, 7): 4000, (1, 1, 0): 3000, (1, 1, 3): 3500})
+    assert trace.raw_records(buf, 2) == [[0, 0, 4, 0, 0, 0, 3000], [1, 1, -1, 2000, 0, 2500, 0]]
+    assert trace.raw_records([0] * 48, 2) == []
