@@ -23,14 +23,18 @@ KERNELS = ("gate_up", "down", "fused")
 SLOTS = {0: "start", 1: "routing set up", 2: "gate_up tiles done", 3: "released", 7: "end"}
 
 
+def first_start(times, trace_blocks: int):
+    """The earliest block start (ns) of any kernel in the flat trace region, or None."""
+    starts = [t for k in range(3) for b in range(trace_blocks) if (t := times[(k * trace_blocks + b) * 8])]
+    return min(starts) if starts else None
+
+
 def summarize(times, trace_blocks: int) -> dict:
     """times: the flat u64 trace region, [3][trace_blocks][8] (0 = not written). Returns
     {kernel: {slot: {"n", "min", "median", "max"}}} in µs from the earliest start."""
-    starts = [times[(k * trace_blocks + b) * 8] for k in range(3) for b in range(trace_blocks)]
-    starts = [t for t in starts if t]
-    if not starts:
+    t0 = first_start(times, trace_blocks)
+    if t0 is None:
         return {}
-    t0 = min(starts)
     out = {}
     for k, name in enumerate(KERNELS):
         per_slot = {}
@@ -55,11 +59,9 @@ def per_sm(times, trace_blocks: int) -> dict:
             base = (k * trace_blocks + b) * 8
             if times[base] and times[base + 6]:
                 yield times[base + 6] - 1, times[base], times[base + 7]
-    starts = [t for k in range(3) for b in range(trace_blocks) if (t := times[(k * trace_blocks + b) * 8])]
-    gu = list(blocks(0))
-    if not starts or not gu:
+    t0, gu = first_start(times, trace_blocks), list(blocks(0))
+    if t0 is None or not gu:
         return {}
-    t0 = min(starts)
     last_end, count = {}, {}
     for sm, _, end in gu:
         count[sm] = count.get(sm, 0) + 1
@@ -81,10 +83,9 @@ def per_sm(times, trace_blocks: int) -> dict:
 def raw_records(times, trace_blocks: int) -> list[list[int]]:
     """[kernel, block, SM, start, routing set up, released, end] of every block that started, times
     in ns from the earliest start (0 where a phase was not recorded), SM -1 where not recorded."""
-    starts = [t for k in range(3) for b in range(trace_blocks) if (t := times[(k * trace_blocks + b) * 8])]
-    if not starts:
+    t0 = first_start(times, trace_blocks)
+    if t0 is None:
         return []
-    t0 = min(starts)
     out = []
     for k in range(3):
         for b in range(trace_blocks):
