@@ -22,9 +22,10 @@ const og_tune_entry opgraft__baked_table[] = {
     {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on H200 2026-11-30 with the v16 rows, Mixtral-8x7B: ITL batch 1 7.860 -> 7.427 ms, batch 2 11.828 -> 11.142, batch 4 16.580 -> 16.126, batch 8 20.745 -> 20.469 (2026-11-29, before v12-v16: batch 8 lost, 21.105 -> 21.468); op level vs vLLM's kernel 1.02-1.10x at T <= 8, 0.97x at T=16"},
     /* Too large for one H200 end to end: op level against vLLM's own kernel in the same run (64 MiB
      * of other reads between calls, which is how the Mixtral-8x7B op-level figures carried to its
-     * end-to-end ITL above); both lose to it at T=16. */
-    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 0, 0, "moe.max_tokens", 8, "H200 2026-11-30 op level vs vLLM 0.26's kernel, Kimi-K2: T=1/2/4/8 1.11/1.06/1.05/1.10x (164.8 vs 183.0 us at T=1, 1118.8 vs 1232.9 at T=8), T=16 0.94x"},
-    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 0, 0, "moe.max_tokens", 8, "H200 2026-11-30 op level vs vLLM 0.26's kernel, Qwen3-235B-A22B: T=1/2/4/8 1.15/1.11/1.14/1.03x (74.9 vs 86.2 us at T=1, 439.5 vs 451.4 at T=8), T=16 0.96x"},
+     * end-to-end ITL above); both lose to it at T=16. Mixtral-8x7B and Qwen3-30B-A3B lose at
+     * T=10/12/14 too (0.95-0.97x). */
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 0, 0, "moe.max_tokens", 12, "H200 2026-11-30 op level vs vLLM 0.26's kernel, Kimi-K2: T=1/2/4/8 1.11/1.06/1.05/1.10x (164.8 vs 183.0 us at T=1, 1118.8 vs 1232.9 at T=8), T=10/12 1.05/1.06x, T=14/16 0.94x"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 0, 0, "moe.max_tokens", 8, "H200 2026-11-30 op level vs vLLM 0.26's kernel, Qwen3-235B-A22B: T=1/2/4/8 1.15/1.11/1.14/1.03x (74.9 vs 86.2 us at T=1, 439.5 vs 451.4 at T=8), T=10/12/14/16 0.95-0.96x"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 4, "moe.gate_up.warps", 4, "H200 2026-11-30 with gate_up min blocks 4: Qwen3-30B-A3B T=1 25.0 -> 24.1 us, T=2 45.6 -> 42.1 (8 warps, min blocks 2: 25.0, 43.0)"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 5, 64, "moe.gate_up.warps", 4, "H200 coordinate descent 2026-11-29: Qwen3-30B-A3B T=8 124.8 us"},
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 1, "moe.load", 1, "H200 2026-11-30 descent from the shipped rows (gate_up 4 warps, min blocks 4), 64 MiB between calls: Qwen3-30B-A3B T=1 24.0 -> 23.6 us with load form 1 instead of 4"},
