@@ -45,11 +45,12 @@
     if (threadIdx.x == 0 && p.trace && (int)blockIdx.x < p.trace_blocks) {                     \
       unsigned long long t_;                                                                   \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                   \
-      p.trace[((long long)(kern) * p.trace_blocks + blockIdx.x) * 8 + (slot)] = t_;            \
+      unsigned long long *rec_ = p.trace + ((long long)(kern) * p.trace_blocks + blockIdx.x) * 8; \
+      rec_[slot] = t_;                                                                         \
       if ((slot) == 0) {                                                                       \
         unsigned sm_;                                                                          \
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));                                       \
-        p.trace[((long long)(kern) * p.trace_blocks + blockIdx.x) * 8 + 6] = sm_ + 1ULL;       \
+        rec_[6] = sm_ + 1ULL;                                                                  \
       }                                                                                        \
     }                                                                                          \
   } while (0)

@@ -23,9 +23,19 @@ KERNELS = ("gate_up", "down", "fused")
 SLOTS = {0: "start", 1: "routing set up", 2: "gate_up tiles done", 3: "released", 7: "end"}
 
 
+def _base(k: int, b: int, trace_blocks: int) -> int:
+    """Index of block b's slot 0 of kernel k in the flat region."""
+    return (k * trace_blocks + b) * 8
+
+
+def _stats(vals: list) -> dict:
+    """n, min, median and max of a sorted, non-empty list."""
+    return {"n": len(vals), "min": vals[0], "median": statistics.median(vals), "max": vals[-1]}
+
+
 def first_start(times, trace_blocks: int):
     """The earliest block start (ns) of any kernel in the flat trace region, or None."""
-    starts = [t for k in range(3) for b in range(trace_blocks) if (t := times[(k * trace_blocks + b) * 8])]
+    starts = [t for k in range(3) for b in range(trace_blocks) if (t := times[_base(k, b, trace_blocks)])]
     return min(starts) if starts else None
 
 
@@ -39,11 +49,10 @@ def summarize(times, trace_blocks: int) -> dict:
     for k, name in enumerate(KERNELS):
         per_slot = {}
         for slot, label in SLOTS.items():
-            vals = [times[(k * trace_blocks + b) * 8 + slot] for b in range(trace_blocks)]
+            vals = [times[_base(k, b, trace_blocks) + slot] for b in range(trace_blocks)]
             vals = sorted((t - t0) / 1000.0 for t in vals if t)
             if vals:
-                per_slot[label] = {"n": len(vals), "min": vals[0], "median": statistics.median(vals),
-                                   "max": vals[-1]}
+                per_slot[label] = _stats(vals)
         if per_slot:
             out[name] = per_slot
     return out
@@ -56,7 +65,7 @@ def per_sm(times, trace_blocks: int) -> dict:
     the earliest start. Empty without SM records."""
     def blocks(k):
         for b in range(trace_blocks):
-            base = (k * trace_blocks + b) * 8
+            base = _base(k, b, trace_blocks)
             if times[base] and times[base + 6]:
                 yield times[base + 6] - 1, times[base], times[base + 7]
     t0, gu = first_start(times, trace_blocks), list(blocks(0))
@@ -75,8 +84,7 @@ def per_sm(times, trace_blocks: int) -> dict:
                 (last_end[sm] - t0) / 1000.0 for sm in sms)}
     hand = sorted((start - last_end[sm]) / 1000.0 for sm, start, _ in blocks(1) if sm in last_end)
     if hand:
-        out["down"] = {"sm_handover": {"n": len(hand), "min": hand[0], "median": statistics.median(hand),
-                                       "max": hand[-1]}}
+        out["down"] = {"sm_handover": _stats(hand)}
     return out
 
 
@@ -89,7 +97,7 @@ def raw_records(times, trace_blocks: int) -> list[list[int]]:
     out = []
     for k in range(3):
         for b in range(trace_blocks):
-            base = (k * trace_blocks + b) * 8
+            base = _base(k, b, trace_blocks)
             if times[base]:
                 rel = [times[base + s] - t0 if times[base + s] else 0 for s in (0, 1, 3, 7)]
                 out.append([k, b, times[base + 6] - 1] + rel)
