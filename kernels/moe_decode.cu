@@ -74,6 +74,30 @@
 #ifndef OG_DOWN_EARLY
 #define OG_DOWN_EARLY 0
 #endif
+// OG_PDL_IN (moe.pdl_in, sm_90; the launcher sets gate_up's programmatic-serialization
+// attribute): gate_up may be launched before the stream's previous kernel has finished (it takes
+// the SMs as that kernel's blocks exit) and waits for it (griddepcontrol.wait) before it reads
+// anything: the routing and x are that kernel's or an earlier one's results, and act, out may be
+// what it still reads. Only then does gate_up let moe_down launch, so down's reads of the routing
+// before its own wait see them too. What it saves is gate_up's launch after the previous kernel.
+#ifndef OG_PDL_IN
+#define OG_PDL_IN 0
+#endif
+// OG_GU_ONE (moe.gate_up.one_token; one-token calls only): gate_up's block (slot j, tile) reads
+// only topk_ids[0][j] and multiplies that expert for that one (token, slot) pair: no bitmap of
+// used experts, no list, no block-wide barriers before the first weight load. A token that lists
+// an expert twice gets the expert computed twice (each slot's block writes its own act row, with
+// the same bits as the general path), an id routed nowhere (-1, E, another rank's) ends its blocks.
+#ifndef OG_GU_ONE
+#define OG_GU_ONE 0
+#endif
+// OG_DOWN_ONE (moe.down.one_token; one-token calls only): each down warp reads the K routing ids
+// itself and builds its own copy of the routing (used experts sorted, duplicates once) with warp
+// shuffles: no shared bitmap and no block-wide barriers before down's first weight loads. The
+// items, their order and so the sums are the general path's.
+#ifndef OG_DOWN_ONE
+#define OG_DOWN_ONE 0
+#endif
 // From two token tiles on, the accumulators need more than 128 registers, and ptxas otherwise
 // aims at two blocks per SM and spills: one block per SM is enough for those (longer) calls.
 #define OG_MIN_BLOCKS (OG_NT >= 2 ? 1 : 0)
@@ -181,6 +205,30 @@ __device__ __forceinline__ void og_routing_setup(const og_moe_params &p, og_rout
     if (lane == 0) r.nused = n;
   }
   __syncthreads();
+}
+
+// Warp-wide, one-token calls (OG_DOWN_ONE): the routing of token 0 into this warp's own r (ids,
+// used experts in increasing order, their count; not the bitmap), from K loads and shuffles.
+__device__ __forceinline__ void og_routing_one_warp(const og_moe_params &p, og_routing &r) {
+  const int lane = threadIdx.x & 31;
+  const int e = lane < OG_K ? og_load_id(p, lane) : -1;
+  if (lane < OG_K) r.ids[lane] = e;
+  bool first = e >= 0;  // the slot's expert is used, and no earlier slot lists it
+#pragma unroll
+  for (int l = 0; l < OG_K; ++l) {
+    const int el = __shfl_sync(OG_FULL, e, l);
+    if (l < lane && el == e) first = false;
+  }
+  const og_u32 fm = __ballot_sync(OG_FULL, first);
+  int rank = 0;  // used experts below this one
+#pragma unroll
+  for (int l = 0; l < OG_K; ++l) {
+    const int el = __shfl_sync(OG_FULL, e, l);
+    if (((fm >> l) & 1u) && el < e) ++rank;
+  }
+  if (first) r.experts[rank] = (short)e;
+  if (lane == 0) r.nused = __popc(fm);
+  __syncwarp();
 }
 
 // The down stage's weights, requested into L2 while gate_up streams its own (OG_W2PF_BYTES > 0):
@@ -547,25 +595,46 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
   __shared__ int s_npairs;
   __shared__ float s_red[OG_W1][OG_NT][2][4][32];
   OG_TS(0, 0);
+#if OG_PDL_IN
+  og_pdl_wait();  // the previous kernel's results (routing, x) are complete and visible
+#endif
 #if OG_PDL
   og_pdl_launch_dependents();  // moe_down may take the SMs of blocks that finish
 #endif
+  const int tiles = OG_I / 16;
+#if OG_GU_ONE
+  const int j = blockIdx.x / tiles;  // the token's routing slot
+  const int e = og_load_id(p, j);
+  OG_TS(0, 1);
+  if (e < 0) return;  // routed nowhere on this rank: the slot has no act row, and down skips it
+  if (threadIdx.x == 0) s_pairs[0] = j;
+  __syncthreads();
+  og_gate_up_passes<OG_W1, OG_GU_NT, OG_U1, OG_NT>(p, e, blockIdx.x - j * tiles, s_pairs, 1, s_red);
+#else
   og_routing_setup(p, r);
   og_prefetch_w2(p, r);
   OG_TS(0, 1);
-  const int tiles = OG_I / 16;
   const int u = blockIdx.x / tiles;
   if (u >= r.nused) return;  // fewer used experts than the grid allows for: nothing to do
   og_gate_up_tile<OG_W1>(p, r, u, blockIdx.x - u * tiles, s_pairs, s_npairs, s_red);
+#endif
   OG_TS(0, 7);
 }
 
 extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
     OG_SUFFIX(moe_down)(const og_moe_params p) {
-  __shared__ og_routing r;
   __shared__ float s_red[OG_W2][OG_NT][4][32];
   OG_TS(1, 0);
-  og_routing_setup(p, r);  // the routing was written before gate_up started: safe to read here
+  // The routing was written before gate_up started (or, with OG_PDL_IN, before gate_up let this
+  // kernel launch): safe to read here.
+#if OG_DOWN_ONE
+  __shared__ og_routing rw[OG_W2];
+  og_routing &r = rw[threadIdx.x >> 5];
+  og_routing_one_warp(p, r);
+#else
+  __shared__ og_routing r;
+  og_routing_setup(p, r);
+#endif
   OG_TS(1, 1);
 #if OG_PDL && OG_DOWN_EARLY
   og_down_tile<OG_W2, true>(p, r, blockIdx.x, s_red);  // waits after its first weight loads

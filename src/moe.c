@@ -55,6 +55,9 @@ typedef struct og_moe_cfg {
   int w2pf_mb, w2pf_last; /* W2 bytes (MiB) requested into L2 during gate_up; with evict_last */
   int pdl; /* programmatic dependent launch of moe_down (sm_90+) */
   int down_early; /* with pdl: down's first weight loads before its wait */
+  int pdl_in; /* gate_up a programmatic dependent of the stream's previous kernel (sm_90+) */
+  int gu_one; /* one-token calls: gate_up's blocks read their one routing slot only */
+  int down_one; /* one-token calls: each down warp builds its own routing with shuffles */
   int trace; /* OPGRAFT_TRACE: per-block phase times into the workspace (a diagnostic) */
   int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
   int gu_min_blocks; /* gate_up's __launch_bounds__ minimum blocks per SM (0: the default rule) */
@@ -94,6 +97,7 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->w2pf_last = c->w2pf_mb > 0 && opgraft__tune_value("moe.w2_prefetch_last", arch, gpu, shape, T) != 0;
   c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
   c->down_early = c->pdl && opgraft__tune_value("moe.down.early", arch, gpu, shape, T) != 0;
+  c->pdl_in = arch >= 90 && opgraft__tune_value("moe.pdl_in", arch, gpu, shape, T) != 0;
   c->trace = trace_on();
   c->load = (int)opgraft__tune_value("moe.load", arch, gpu, shape, T);
   /* sm_90 only: on sm_80 the forms without an L2 policy (0, 3, 4) make Mixtral-8x7B's down spill
@@ -103,6 +107,10 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
    * kernel's stages share one reduction buffer and one register budget). */
   const int64_t gnt = opgraft__tune_value("moe.gate_up.nt", arch, gpu, shape, T);
   c->gu_nt = !c->fused && gnt >= 1 && gnt < c->nt ? (int)gnt : c->nt;
+  /* The one-slot gate_up: one token, and nothing that needs the list of used experts there (the
+   * W2 prefetch walks it). */
+  c->gu_one = T == 1 && c->w2pf_mb == 0 && opgraft__tune_value("moe.gate_up.one_token", arch, gpu, shape, T) != 0;
+  c->down_one = T == 1 && opgraft__tune_value("moe.down.one_token", arch, gpu, shape, T) != 0;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
@@ -244,7 +252,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 
 /* Compile options for one configuration; returns their number, or -1 (an error set) if they would
  * not fit in OG_MAX_OPTS. */
-enum { OG_MAX_OPTS = 40 }; /* 24 always, 7 more for moe_stream, 1 for OPGRAFT_TRACE */
+enum { OG_MAX_OPTS = 40 }; /* 27 always, 7 more for moe_stream, 1 for OPGRAFT_TRACE */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (n < OG_MAX_OPTS ? (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n]) : 0, ++n)
@@ -268,6 +276,9 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_W2PF_LAST=%d", c->w2pf_last);
   OG_OPT("-DOG_PDL=%d", c->pdl);
   OG_OPT("-DOG_DOWN_EARLY=%d", c->down_early);
+  OG_OPT("-DOG_PDL_IN=%d", c->pdl_in);
+  OG_OPT("-DOG_GU_ONE=%d", c->gu_one);
+  OG_OPT("-DOG_DOWN_ONE=%d", c->down_one);
   if (c->trace) OG_OPT("-DOG_TRACE=1");
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
@@ -469,11 +480,17 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
     return launch_flagged(cu, plan.fn[2], grid, 32u * (unsigned)plan.cfg.w1, 0, s, OG_LAUNCH_ATTRIBUTE_COOPERATIVE,
                           params, "launch moe_fused (cooperative)");
   }
-  if ((stages & OPGRAFT_MOE_STAGE_GATE_UP) &&
-      (st = opgraft__cu_check(cu->cuLaunchKernel(plan.fn[0], grid1, 1, 1, 32u * (unsigned)plan.cfg.w1, 1, 1, 0, s,
-                                                 params, NULL),
-                              "launch moe_gate_up")))
-    return st;
+  if (stages & OPGRAFT_MOE_STAGE_GATE_UP) {
+    /* With moe.pdl_in gate_up may start while the stream's previous kernel ends; it waits
+     * (griddepcontrol.wait) before it reads or writes anything. */
+    st = plan.cfg.pdl_in ? launch_flagged(cu, plan.fn[0], grid1, 32u * (unsigned)plan.cfg.w1, 0, s,
+                                          OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, params,
+                                          "launch moe_gate_up (programmatic dependent launch)")
+                         : opgraft__cu_check(cu->cuLaunchKernel(plan.fn[0], grid1, 1, 1, 32u * (unsigned)plan.cfg.w1,
+                                                                1, 1, 0, s, params, NULL),
+                                             "launch moe_gate_up");
+    if (st) return st;
+  }
   if (!(stages & OPGRAFT_MOE_STAGE_DOWN)) return OPGRAFT_OK;
   if (plan.cfg.pdl && (stages & OPGRAFT_MOE_STAGE_GATE_UP)) {
     /* moe_down may start while moe_gate_up's blocks still run; it waits (griddepcontrol.wait)

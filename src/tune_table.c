@@ -15,6 +15,8 @@ const og_tune_entry opgraft__baked_table[] = {
     {0, NULL, NULL, 0, 0, "moe.prefetch", 0, "H200 coordinate descent 2026-11-29: explicit L2 prefetch never beat the fetch-size hint"},
     {0, NULL, NULL, 0, 0, "moe.fused", 0, "two kernels until the cooperative one is measured"},
     {0, NULL, NULL, 0, 0, "moe.gate_up.min_blocks", 4, "H200 2026-11-30 (v13): gate_up's launch-bounds minimum, clamped to 16 warps an SM (8 warps: 2, 4 warps: 4); never lost at T <= 8 on 7 shapes: Kimi-K2 T=8 1236.0 -> 1167.8 us, Qwen3-235B-A22B T=4 282.5 -> 260.2, Qwen3-30B-A3B/tp4 T=1 14.4 -> 11.7"},
+    {0, NULL, NULL, 1, 1, "moe.gate_up.one_token", 1, "H200 2026-11-30 (v18), 64 MiB between calls, with moe.down.one_token, same lease: Qwen3-30B-A3B T=1 23.3 -> 22.1 us, Qwen3-235B-A22B 76.0 -> 74.8, Mixtral-8x7B 169.0 -> 167.8, Kimi-K2 167.8 -> 166.5, Qwen3-30B-A3B/tp2 15.6 -> 14.7, /tp4 10.4 -> 9.9 (gate_up alone: Qwen3-30B-A3B 23.2 -> 22.5)"},
+    {0, NULL, NULL, 1, 1, "moe.down.one_token", 1, "H200 2026-11-30 (v18): see moe.gate_up.one_token (down alone: Qwen3-30B-A3B T=1 23.3 -> 23.0 us)"},
     /* Per-model rows (bf16, H200). */
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on H200 2026-11-29 with moe.load 4, Qwen3-30B-A3B: ITL batch 1 4.115 -> 3.723 ms, batch 2 4.883 -> 4.844 (floor 4.954 -> 4.808), batch 8 floor 9.112 -> 8.904"},
     {90, NULL, "moe:bf16:E128:H2048:I384:k8", 0, 0, "moe.max_tokens", 8, "vLLM 0.26 end to end on 2 H200 2026-11-29 with moe.load 4, Qwen3-30B-A3B tensor_parallel_size 2 (this is one rank's shape): ITL batch 1 3.963 -> 3.530 ms, batch 2 4.231 -> 4.122, batch 8 6.476 -> 6.407"},
@@ -64,6 +66,13 @@ const og_tune_entry opgraft__baked_table[] = {
     {90, NULL, "moe:bf16:E128:H2048:I384:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B/tp2 T=1 17.9 -> 16.8 us (T=8 76.0 -> 75.7)"},
     {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B/tp4 T=1 14.6 -> 13.2 us (T=8 loses: 46.7 -> 47.6)"},
     {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-235B-A22B T=1 81.8 -> 80.4 us (T=8 466.6 -> 465.3)"},
+    /* gate_up as a programmatic dependent of the previous kernel (v18), with the one-token paths at
+     * T=1, on and off twice in one lease: it loses on Mixtral-8x7B and Kimi-K2 T=1 (167.8 -> 168.3,
+     * 166.5 -> 167.2 us) and Qwen3-235B-A22B T=2 (143.7 -> 144.1 / 144.3). */
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 2, "moe.pdl_in", 1, "H200 2026-11-30 (v18): Qwen3-30B-A3B T=1 22.1 -> 22.1 and 22.3 -> 22.0 us, T=2 41.0 -> 40.7 and 41.1 -> 40.6 (T=4/8 lose: 73.0 -> 73.7, 121.9 -> 122.6)"},
+    {90, NULL, "moe:bf16:E128:H2048:I384:k8", 1, 1, "moe.pdl_in", 1, "H200 2026-11-30 (v18): Qwen3-30B-A3B/tp2 T=1 14.7 -> 14.5 us (twice)"},
+    {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.pdl_in", 1, "H200 2026-11-30 (v18): Qwen3-30B-A3B/tp4 T=1 9.9 -> 9.7 us (twice)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.pdl_in", 1, "H200 2026-11-30 (v18): Qwen3-235B-A22B T=1 74.8 -> 74.5 and 74.8 -> 74.6 us"},
     /* down's first weight loads before its wait for gate_up (v16), where moe.pdl is 1; 64 MiB of
      * other reads between calls, the same lease for on and off. */
     {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 2, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-30B-A3B T=1 23.5 -> 23.0 us (two runs), T=2 41.3 -> 40.5"},

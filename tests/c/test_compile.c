@@ -226,6 +226,25 @@ static void test_pdl_variants_compile(void **state) {
   if (bad) fail_msg("%d problems with moe.pdl=1 (and moe.down.early=1)", bad);
 }
 
+static void test_one_token_variants_compile(void **state) {
+  /* moe.gate_up.one_token and moe.down.one_token (one-token routing paths) with moe.pdl_in (gate_up
+   * a programmatic dependent of the previous kernel) and down's early loads, Qwen3-30B-A3B and its ep2 shape, sm_80
+   * and sm_90: spill-free. */
+  need_nvrtc();
+  const int ids[] = {0, 6};
+  static const int32_t one[] = {1};
+  setenv("OPGRAFT_TUNE_MOE_PDL", "1", 1);
+  setenv("OPGRAFT_TUNE_MOE_DOWN_EARLY", "1", 1);
+  setenv("OPGRAFT_TUNE_MOE_DOWN_ONE_TOKEN", "1", 1);
+  const int bad = variants_compile_also("OPGRAFT_TUNE_MOE_PDL_IN", "1", "OPGRAFT_TUNE_MOE_GATE_UP_ONE_TOKEN", "1",
+                                        ids, 2, one, 1);
+  unsetenv("OPGRAFT_TUNE_MOE_PDL");
+  unsetenv("OPGRAFT_TUNE_MOE_DOWN_EARLY");
+  unsetenv("OPGRAFT_TUNE_MOE_DOWN_ONE_TOKEN");
+  opgraft_tune_reload();
+  if (bad) fail_msg("%d problems with moe.gate_up.one_token and moe.pdl_in", bad);
+}
+
 static void test_fused_variants_compile(void **state) {
   /* moe.fused 1 (one cooperative kernel) on Qwen3-30B-A3B, Mixtral-8x7B, Kimi-K2, the odd shape
    * and the ep2 shape, at T=1 and 8 for sm_80 and sm_90: all three kernels compile spill-free. */
@@ -458,6 +477,7 @@ int main(void) {
       cmocka_unit_test(test_every_variant_compiles),
       cmocka_unit_test(test_no_spills),
       cmocka_unit_test(test_pdl_variants_compile),
+      cmocka_unit_test(test_one_token_variants_compile),
       cmocka_unit_test(test_fused_variants_compile),
       cmocka_unit_test(test_gate_up_min_blocks_compile),
       cmocka_unit_test(test_gate_up_nt_compile),

@@ -13,6 +13,7 @@ static const struct {
     {"moe.max_tokens", 8}, {"moe.gate_up.warps", 4}, {"moe.gate_up.unroll", 4}, {"moe.gate_up.min_blocks", 0}, {"moe.gate_up.nt", 0}, {"moe.down.warps", 8},
     {"moe.down.unroll", 4}, {"moe.down.min_blocks", 0}, {"moe.fused", 0},          {"moe.prefetch", 0},       {"moe.l2_fetch", 0},
     {"moe.w2_prefetch", 0}, {"moe.w2_prefetch_last", 0}, {"moe.expert_map", 1}, {"moe.pdl", 0}, {"moe.down.early", 0},
+    {"moe.pdl_in", 0}, {"moe.gate_up.one_token", 0}, {"moe.down.one_token", 0},
     {"moe.load", 4},        {"moe.down_load", 1},   {"moe.stream", 0},      {"moe.stream.warps", 4},
     {"moe.stream.slots", 6}, {"moe.stream.kc", 1024}, {"moe.stream.blocks", 0},
     {"moe.stream.evict_first", 0},
@@ -190,6 +191,14 @@ static void test_baked_table(void **state) {
   assert_int_equal(opgraft__tune_value("moe.pdl", 80, NULL, "moe:bf16:E128:H2048:I768:k8", 1), 0);
   assert_int_equal(opgraft__tune_value("moe.pdl", 90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1), 0);
   assert_int_equal(opgraft__tune_value("moe.pdl", 90, NULL, "moe:bf16:E384:H7168:I2048:k8", 1), 0);
+  /* gate_up after the previous kernel under PDL: the small Qwen shapes at T=1 (and 2), not Mixtral. */
+  assert_int_equal(opgraft__tune_value("moe.pdl_in", 90, NULL, "moe:bf16:E128:H2048:I768:k8", 2), 1);
+  assert_int_equal(opgraft__tune_value("moe.pdl_in", 90, NULL, "moe:bf16:E128:H2048:I768:k8", 4), 0);
+  assert_int_equal(opgraft__tune_value("moe.pdl_in", 90, NULL, "moe:bf16:E8:H4096:I14336:k2", 1), 0);
+  /* The one-token routing paths: every shape at T=1, nowhere else. */
+  assert_int_equal(opgraft__tune_value("moe.gate_up.one_token", 80, NULL, "moe:bf16:E8:H4096:I14336:k2", 1), 1);
+  assert_int_equal(opgraft__tune_value("moe.down.one_token", 90, NULL, "moe:bf16:E384:H7168:I2048:k8", 1), 1);
+  assert_int_equal(opgraft__tune_value("moe.down.one_token", 90, NULL, "moe:bf16:E384:H7168:I2048:k8", 2), 0);
 }
 
 static void test_precedence(void **state) {
