@@ -98,6 +98,18 @@
 #ifndef OG_DOWN_ONE
 #define OG_DOWN_ONE 0
 #endif
+// OG_GU_SLOTS (moe.gate_up.slot_routing; calls of T*K <= 32 routing slots): gate_up's block is
+// (routing slot i, tile). Its first warp loads the T*K ids (one a lane) and, by ballot, finds
+// slot i's expert, whether an earlier slot lists it (then the block ends: that slot's block has
+// the expert) and the expert's (token, slot) pairs in increasing slot order, as og_pairs_of
+// lists them: one block barrier before the first weight load instead of four, same sums.
+// OG_DOWN_WARP (moe.down.warp_routing; T*K <= 32): og_routing_warp, OG_DOWN_ONE for T*K slots.
+#ifndef OG_GU_SLOTS
+#define OG_GU_SLOTS 0
+#endif
+#ifndef OG_DOWN_WARP
+#define OG_DOWN_WARP 0
+#endif
 // From two token tiles on, the accumulators need more than 128 registers, and ptxas otherwise
 // aims at two blocks per SM and spills: one block per SM is enough for those (longer) calls.
 #define OG_MIN_BLOCKS (OG_NT >= 2 ? 1 : 0)
@@ -223,6 +235,29 @@ __device__ __forceinline__ void og_routing_one_warp(const og_moe_params &p, og_r
   int rank = 0;  // used experts below this one
 #pragma unroll
   for (int l = 0; l < OG_K; ++l) {
+    const int el = __shfl_sync(OG_FULL, e, l);
+    if (((fm >> l) & 1u) && el < e) ++rank;
+  }
+  if (first) r.experts[rank] = (short)e;
+  if (lane == 0) r.nused = __popc(fm);
+  __syncwarp();
+}
+
+// Warp-wide, calls of at most 32 routing slots (OG_DOWN_WARP): og_routing_one_warp for all T*K
+// slots, one a lane.
+__device__ __forceinline__ void og_routing_warp(const og_moe_params &p, og_routing &r) {
+  const int lane = threadIdx.x & 31;
+  const int nk = p.T * OG_K;
+  const int e = lane < nk ? og_load_id(p, lane) : -1;
+  if (lane < nk) r.ids[lane] = e;
+  bool first = e >= 0;  // the slot's expert is used, and no earlier slot lists it
+  for (int l = 0; l < nk; ++l) {
+    const int el = __shfl_sync(OG_FULL, e, l);
+    if (l < lane && el == e) first = false;
+  }
+  const og_u32 fm = __ballot_sync(OG_FULL, first);
+  int rank = 0;  // used experts below this one
+  for (int l = 0; l < nk; ++l) {
     const int el = __shfl_sync(OG_FULL, e, l);
     if (((fm >> l) & 1u) && el < e) ++rank;
   }
@@ -449,6 +484,19 @@ __device__ __forceinline__ void og_gate_up_passes(const og_moe_params &p, int e,
   }
 }
 
+// gate_up for one tile of expert e over its npairs (token, slot) pairs s_pairs[0..npairs).
+template <int W>
+__device__ __forceinline__ void og_gate_up_pairs(const og_moe_params &p, int e, int tile, const int *s_pairs,
+                                                 int npairs, float (*s_red)[OG_NT][2][4][32]) {
+#if OG_GU_NT < OG_NT
+  if (npairs > 8 * OG_GU_NT) {  // more pairs than one pass of the hot path holds (rare; see OG_GU_NT)
+    og_gate_up_passes<W, OG_NT, 1, OG_NT>(p, e, tile, s_pairs, npairs, s_red);
+    return;
+  }
+#endif
+  og_gate_up_passes<W, OG_GU_NT, OG_U1, OG_NT>(p, e, tile, s_pairs, npairs, s_red);
+}
+
 // gate_up for one tile: 16 rows of I of used expert number u, for every token routed to it.
 template <int W>
 __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og_routing &r, int u, int tile,
@@ -458,14 +506,7 @@ __device__ __forceinline__ void og_gate_up_tile(const og_moe_params &p, const og
   const int e = r.experts[u];
   if (warp == 0) og_pairs_of(r, nk, e, lane, s_pairs, s_npairs);
   __syncthreads();
-  const int npairs = s_npairs;
-#if OG_GU_NT < OG_NT
-  if (npairs > 8 * OG_GU_NT) {  // more pairs than one pass of the hot path holds (rare; see OG_GU_NT)
-    og_gate_up_passes<W, OG_NT, 1, OG_NT>(p, e, tile, s_pairs, npairs, s_red);
-    return;
-  }
-#endif
-  og_gate_up_passes<W, OG_GU_NT, OG_U1, OG_NT>(p, e, tile, s_pairs, npairs, s_red);
+  og_gate_up_pairs<W>(p, e, tile, s_pairs, s_npairs, s_red);
 }
 
 // down's B operand at one k offset: act of each token tile's lane token for the current expert
@@ -602,7 +643,23 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
   og_pdl_launch_dependents();  // moe_down may take the SMs of blocks that finish
 #endif
   const int tiles = OG_I / 16;
-#if OG_GU_ONE
+#if OG_GU_SLOTS
+  __shared__ int s_e;
+  const int i = blockIdx.x / tiles;  // the routing slot
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x, nk = p.T * OG_K;
+    const int id = lane < nk ? og_load_id(p, lane) : -1;
+    const int e = __shfl_sync(OG_FULL, id, i);
+    const og_u32 same = __ballot_sync(OG_FULL, lane < nk && id == e);  // the slots that list e
+    const bool owner = e >= 0 && (same & ((1u << i) - 1u)) == 0;      // and none before slot i
+    if (owner && ((same >> lane) & 1u)) s_pairs[__popc(same & ((1u << lane) - 1u))] = lane;
+    if (lane == 0) s_npairs = owner ? __popc(same) : 0, s_e = e;
+  }
+  __syncthreads();
+  OG_TS(0, 1);
+  if (s_npairs == 0) return;  // routed nowhere on this rank, or an earlier slot's block has the expert
+  og_gate_up_pairs<OG_W1>(p, s_e, blockIdx.x - i * tiles, s_pairs, s_npairs, s_red);
+#elif OG_GU_ONE
   const int j = blockIdx.x / tiles;  // the token's routing slot
   const int e = og_load_id(p, j);
   OG_TS(0, 1);
@@ -623,16 +680,25 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
 
 extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
     OG_SUFFIX(moe_down)(const og_moe_params p) {
+  // (declared in this order: with s_red first, NVRTC 13.0 compiled Mixtral-8x7B's T=8 down with
+  // the other load forms to 80 registers and a spill instead of 88 and none)
+#if OG_DOWN_ONE || OG_DOWN_WARP
+  __shared__ og_routing rw[OG_W2];
+#else
+  __shared__ og_routing r;
+#endif
   __shared__ float s_red[OG_W2][OG_NT][4][32];
   OG_TS(1, 0);
   // The routing was written before gate_up started (or, with OG_PDL_IN, before gate_up let this
   // kernel launch): safe to read here.
-#if OG_DOWN_ONE
-  __shared__ og_routing rw[OG_W2];
+#if OG_DOWN_ONE || OG_DOWN_WARP
   og_routing &r = rw[threadIdx.x >> 5];
-  og_routing_one_warp(p, r);
+#if OG_DOWN_WARP
+  og_routing_warp(p, r);
 #else
-  __shared__ og_routing r;
+  og_routing_one_warp(p, r);
+#endif
+#else
   og_routing_setup(p, r);
 #endif
   OG_TS(1, 1);

@@ -42,8 +42,7 @@ static int trace_on(void) {
   return v && *v && strcmp(v, "0") != 0;
 }
 static int64_t trace_blocks(const opgraft_moe_args *a) {
-  const int64_t used = a->num_tokens * a->top_k < a->num_experts ? a->num_tokens * a->top_k : a->num_experts;
-  int64_t b = used * (a->inter / 16);
+  int64_t b = a->num_tokens * a->top_k * (a->inter / 16); /* gate_up's grid is at most this */
   if (a->hidden / 16 > b) b = a->hidden / 16;
   return b > 4096 ? b : 4096;
 }
@@ -58,6 +57,8 @@ typedef struct og_moe_cfg {
   int pdl_in; /* gate_up a programmatic dependent of the stream's previous kernel (sm_90+) */
   int gu_one; /* one-token calls: gate_up's blocks read their one routing slot only */
   int down_one; /* one-token calls: each down warp builds its own routing with shuffles */
+  int gu_slots; /* T*k <= 32: gate_up's blocks are (routing slot, tile), routing by ballot */
+  int down_warp; /* T*k <= 32: each down warp builds its own routing with shuffles */
   int trace; /* OPGRAFT_TRACE: per-block phase times into the workspace (a diagnostic) */
   int load, down_load; /* the form of gate_up's / down's weight loads (OG_LOAD, OG_DOWN_LOAD) */
   int gu_min_blocks; /* gate_up's __launch_bounds__ minimum blocks per SM (0: the default rule) */
@@ -111,6 +112,9 @@ static void moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu,
    * W2 prefetch walks it). */
   c->gu_one = T == 1 && c->w2pf_mb == 0 && opgraft__tune_value("moe.gate_up.one_token", arch, gpu, shape, T) != 0;
   c->down_one = T == 1 && opgraft__tune_value("moe.down.one_token", arch, gpu, shape, T) != 0;
+  const int small = T >= 1 && (int64_t)T * a->top_k <= 32;
+  c->gu_slots = small && c->w2pf_mb == 0 && opgraft__tune_value("moe.gate_up.slot_routing", arch, gpu, shape, T) != 0;
+  c->down_warp = small && opgraft__tune_value("moe.down.warp_routing", arch, gpu, shape, T) != 0;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
@@ -252,7 +256,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
 
 /* Compile options for one configuration; returns their number, or -1 (an error set) if they would
  * not fit in OG_MAX_OPTS. */
-enum { OG_MAX_OPTS = 40 }; /* 27 always, 7 more for moe_stream, 1 for OPGRAFT_TRACE */
+enum { OG_MAX_OPTS = 40 }; /* 29 always, 7 more for moe_stream, 1 for OPGRAFT_TRACE */
 static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[][48], const char **opts) {
   int n = 0;
 #define OG_OPT(...) (n < OG_MAX_OPTS ? (snprintf(buf[n], 48, __VA_ARGS__), opts[n] = buf[n]) : 0, ++n)
@@ -279,6 +283,8 @@ static int moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, char buf[
   OG_OPT("-DOG_PDL_IN=%d", c->pdl_in);
   OG_OPT("-DOG_GU_ONE=%d", c->gu_one);
   OG_OPT("-DOG_DOWN_ONE=%d", c->down_one);
+  OG_OPT("-DOG_GU_SLOTS=%d", c->gu_slots);
+  OG_OPT("-DOG_DOWN_WARP=%d", c->down_warp);
   if (c->trace) OG_OPT("-DOG_TRACE=1");
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
@@ -457,7 +463,9 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   void *params[] = {&p};
 
   const int64_t used_max = a->num_tokens * a->top_k < a->num_experts ? a->num_tokens * a->top_k : a->num_experts;
-  const unsigned grid1 = (unsigned)(used_max * (a->inter / 16));
+  /* gate_up's blocks: (used expert, tile), or (routing slot, tile) with the slot routing */
+  const int64_t gu_rows = plan.cfg.gu_slots ? a->num_tokens * a->top_k : used_max;
+  const unsigned grid1 = (unsigned)(gu_rows * (a->inter / 16));
   const unsigned grid2 = (unsigned)(a->hidden / 16);
   og_CUstream s = (og_CUstream)stream;
   if (plan.cfg.stream && stages == OPGRAFT_MOE_STAGE_ALL) {

@@ -43,6 +43,8 @@ static const og_tunable tunables[] = {
     {"moe.pdl_in", 0, 1, 0},
     {"moe.gate_up.one_token", 0, 1, 0},
     {"moe.down.one_token", 0, 1, 0},
+    {"moe.gate_up.slot_routing", 0, 1, 0},
+    {"moe.down.warp_routing", 0, 1, 0},
     {"moe.load", 0, 4, 4},
     {"moe.down_load", 0, 4, 1},
     {"moe.stream", 0, 1, 0},

@@ -30,6 +30,9 @@ def _case(name, shape, T, dtype="bf16", ids64=False, on_input=False, x_pad=0, ou
                 out_pad=out_pad, dup=dup, invalid=invalid, seed=seed, ep=ep, tunables=tunables or {}, hot=hot)
 
 
+SLOTS = {"moe.gate_up.slot_routing": 1, "moe.down.warp_routing": 1}
+
+
 def correctness_cases() -> list[dict]:
     small = MoeShape("small", 16, 256, 128, 4)
     odd = MoeShape("odd", 7, 96, 160, 3)
@@ -84,6 +87,17 @@ def correctness_cases() -> list[dict]:
         _case("down one slot: Qwen3-30B-A3B T=1, all one-token paths, pdl in", PRESETS["Qwen3-30B-A3B"], 1,
               tunables={"moe.down.one_token": 1, "moe.gate_up.one_token": 1, "moe.pdl_in": 1, "moe.pdl": 1,
                         "moe.down.early": 1}),
+        # routing by slot (gate_up) and per warp (down) for calls of up to 32 routing slots
+        _case("slot routing: small T=3, duplicate ids", small, 3, dup=True, tunables=SLOTS),
+        _case("slot routing: small T=8, id -1 and E, int64 ids", small, 8, ids64=True, invalid=True,
+              tunables=SLOTS),
+        _case("slot routing: odd dims E=7 k=3 T=10 (more slots than experts)", odd, 10, tunables=SLOTS),
+        _case("slot routing: expert_map 16 of 32 experts T=4, fp16", small, 4, ep=32, dtype="fp16",
+              tunables=SLOTS),
+        _case("slot routing: k=2 T=16, expert 0 in every token, gate_up one tile a pass",
+              MoeShape("small-k2", 16, 256, 128, 2), 16, hot=True, tunables=dict(SLOTS, **{"moe.gate_up.nt": 1})),
+        _case("slot routing: Qwen3-30B-A3B T=4, pdl, down early", PRESETS["Qwen3-30B-A3B"], 4,
+              tunables=dict(SLOTS, **{"moe.pdl": 1, "moe.down.early": 1, "moe.pdl_in": 1})),
         _case("pdl in: odd dims T=5, strided x and out", odd, 5, x_pad=64, out_pad=32,
               tunables={"moe.pdl_in": 1, "moe.pdl": 1}),
         _case("pdl in: Qwen3-30B-A3B T=1, one slot, down early", PRESETS["Qwen3-30B-A3B"], 1,

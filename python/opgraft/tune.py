@@ -31,6 +31,8 @@ MOE_SPACE = {
     "moe.pdl_in": [0, 1],
     "moe.gate_up.one_token": [0, 1],
     "moe.down.one_token": [0, 1],
+    "moe.gate_up.slot_routing": [0, 1],
+    "moe.down.warp_routing": [0, 1],
     "moe.load": [4, 1],
     "moe.down_load": [1, 4],
     "moe.stream": [0, 1],

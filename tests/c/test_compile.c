@@ -245,6 +245,20 @@ static void test_one_token_variants_compile(void **state) {
   if (bad) fail_msg("%d problems with moe.gate_up.one_token and moe.pdl_in", bad);
 }
 
+static void test_slot_routing_variants_compile(void **state) {
+  /* moe.gate_up.slot_routing and moe.down.warp_routing at 32 routing slots (Qwen3-30B-A3B T=4,
+   * Mixtral-8x7B T=16 with two token tiles), sm_80 and sm_90: spill-free. */
+  need_nvrtc();
+  int bad = 0;
+  static const int32_t four[] = {4}, sixteen[] = {16};
+  const int q30[] = {0}, mixtral[] = {2};
+  bad += variants_compile_also("OPGRAFT_TUNE_MOE_DOWN_WARP_ROUTING", "1", "OPGRAFT_TUNE_MOE_GATE_UP_SLOT_ROUTING", "1",
+                               q30, 1, four, 1);
+  bad += variants_compile_also("OPGRAFT_TUNE_MOE_DOWN_WARP_ROUTING", "1", "OPGRAFT_TUNE_MOE_GATE_UP_SLOT_ROUTING", "1",
+                               mixtral, 1, sixteen, 1);
+  if (bad) fail_msg("%d problems with moe.gate_up.slot_routing and moe.down.warp_routing", bad);
+}
+
 static void test_fused_variants_compile(void **state) {
   /* moe.fused 1 (one cooperative kernel) on Qwen3-30B-A3B, Mixtral-8x7B, Kimi-K2, the odd shape
    * and the ep2 shape, at T=1 and 8 for sm_80 and sm_90: all three kernels compile spill-free. */
@@ -478,6 +492,7 @@ int main(void) {
       cmocka_unit_test(test_no_spills),
       cmocka_unit_test(test_pdl_variants_compile),
       cmocka_unit_test(test_one_token_variants_compile),
+      cmocka_unit_test(test_slot_routing_variants_compile),
       cmocka_unit_test(test_fused_variants_compile),
       cmocka_unit_test(test_gate_up_min_blocks_compile),
       cmocka_unit_test(test_gate_up_nt_compile),

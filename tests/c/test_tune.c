@@ -14,6 +14,7 @@ static const struct {
     {"moe.down.unroll", 4}, {"moe.down.min_blocks", 0}, {"moe.fused", 0},          {"moe.prefetch", 0},       {"moe.l2_fetch", 0},
     {"moe.w2_prefetch", 0}, {"moe.w2_prefetch_last", 0}, {"moe.expert_map", 1}, {"moe.pdl", 0}, {"moe.down.early", 0},
     {"moe.pdl_in", 0}, {"moe.gate_up.one_token", 0}, {"moe.down.one_token", 0},
+    {"moe.gate_up.slot_routing", 0}, {"moe.down.warp_routing", 0},
     {"moe.load", 4},        {"moe.down_load", 1},   {"moe.stream", 0},      {"moe.stream.warps", 4},
     {"moe.stream.slots", 6}, {"moe.stream.kc", 1024}, {"moe.stream.blocks", 0},
     {"moe.stream.evict_first", 0},
@@ -199,6 +200,11 @@ static void test_baked_table(void **state) {
   assert_int_equal(opgraft__tune_value("moe.gate_up.one_token", 80, NULL, "moe:bf16:E8:H4096:I14336:k2", 1), 1);
   assert_int_equal(opgraft__tune_value("moe.down.one_token", 90, NULL, "moe:bf16:E384:H7168:I2048:k8", 1), 1);
   assert_int_equal(opgraft__tune_value("moe.down.one_token", 90, NULL, "moe:bf16:E384:H7168:I2048:k8", 2), 0);
+  /* Routing by slot / per warp: 2..4 tokens (up to 32 slots at k=8; Mixtral-8x7B lost at 8). */
+  assert_int_equal(opgraft__tune_value("moe.gate_up.slot_routing", 90, NULL, "moe:bf16:E8:H4096:I14336:k2", 4), 1);
+  assert_int_equal(opgraft__tune_value("moe.gate_up.slot_routing", 90, NULL, "moe:bf16:E8:H4096:I14336:k2", 8), 0);
+  assert_int_equal(opgraft__tune_value("moe.down.warp_routing", 90, NULL, "moe:bf16:E128:H2048:I768:k8", 1), 0);
+  assert_int_equal(opgraft__tune_value("moe.down.warp_routing", 90, NULL, "moe:bf16:E128:H2048:I768:k8", 2), 1);
 }
 
 static void test_precedence(void **state) {
