@@ -103,7 +103,7 @@
 // slot i's expert, whether an earlier slot lists it (then the block ends: that slot's block has
 // the expert) and the expert's (token, slot) pairs in increasing slot order, as og_pairs_of
 // lists them: one block barrier before the first weight load instead of four, same sums.
-// OG_DOWN_WARP (moe.down.warp_routing; T*K <= 32): og_routing_warp, OG_DOWN_ONE for T*K slots.
+// OG_DOWN_WARP (moe.down.warp_routing; T*K <= 32): OG_DOWN_ONE for T*K slots (og_routing_warp).
 #ifndef OG_GU_SLOTS
 #define OG_GU_SLOTS 0
 #endif
@@ -219,44 +219,22 @@ __device__ __forceinline__ void og_routing_setup(const og_moe_params &p, og_rout
   __syncthreads();
 }
 
-// Warp-wide, one-token calls (OG_DOWN_ONE): the routing of token 0 into this warp's own r (ids,
-// used experts in increasing order, their count; not the bitmap), from K loads and shuffles.
-__device__ __forceinline__ void og_routing_one_warp(const og_moe_params &p, og_routing &r) {
+// Warp-wide, calls of at most 32 routing slots (OG_DOWN_ONE: nk = K; OG_DOWN_WARP: nk = T*K): the
+// routing into this warp's own r (ids, used experts in increasing order, their count; not the
+// bitmap), from one id a lane and shuffles.
+__device__ __forceinline__ void og_routing_warp(const og_moe_params &p, og_routing &r, int nk) {
   const int lane = threadIdx.x & 31;
-  const int e = lane < OG_K ? og_load_id(p, lane) : -1;
-  if (lane < OG_K) r.ids[lane] = e;
-  bool first = e >= 0;  // the slot's expert is used, and no earlier slot lists it
-#pragma unroll
-  for (int l = 0; l < OG_K; ++l) {
-    const int el = __shfl_sync(OG_FULL, e, l);
-    if (l < lane && el == e) first = false;
-  }
-  const og_u32 fm = __ballot_sync(OG_FULL, first);
-  int rank = 0;  // used experts below this one
-#pragma unroll
-  for (int l = 0; l < OG_K; ++l) {
-    const int el = __shfl_sync(OG_FULL, e, l);
-    if (((fm >> l) & 1u) && el < e) ++rank;
-  }
-  if (first) r.experts[rank] = (short)e;
-  if (lane == 0) r.nused = __popc(fm);
-  __syncwarp();
-}
-
-// Warp-wide, calls of at most 32 routing slots (OG_DOWN_WARP): og_routing_one_warp for all T*K
-// slots, one a lane.
-__device__ __forceinline__ void og_routing_warp(const og_moe_params &p, og_routing &r) {
-  const int lane = threadIdx.x & 31;
-  const int nk = p.T * OG_K;
   const int e = lane < nk ? og_load_id(p, lane) : -1;
   if (lane < nk) r.ids[lane] = e;
   bool first = e >= 0;  // the slot's expert is used, and no earlier slot lists it
+#pragma unroll
   for (int l = 0; l < nk; ++l) {
     const int el = __shfl_sync(OG_FULL, e, l);
     if (l < lane && el == e) first = false;
   }
   const og_u32 fm = __ballot_sync(OG_FULL, first);
   int rank = 0;  // used experts below this one
+#pragma unroll
   for (int l = 0; l < nk; ++l) {
     const int el = __shfl_sync(OG_FULL, e, l);
     if (((fm >> l) & 1u) && el < e) ++rank;
@@ -693,11 +671,7 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
   // kernel launch): safe to read here.
 #if OG_DOWN_ONE || OG_DOWN_WARP
   og_routing &r = rw[threadIdx.x >> 5];
-#if OG_DOWN_WARP
-  og_routing_warp(p, r);
-#else
-  og_routing_one_warp(p, r);
-#endif
+  og_routing_warp(p, r, OG_DOWN_WARP ? p.T * OG_K : OG_K);
 #else
   og_routing_setup(p, r);
 #endif
