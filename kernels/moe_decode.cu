@@ -85,9 +85,10 @@
 #endif
 // OG_GU_ONE (moe.gate_up.one_token; one-token calls only): gate_up's block (slot j, tile) reads
 // only topk_ids[0][j] and multiplies that expert for that one (token, slot) pair: no bitmap of
-// used experts, no list, no block-wide barriers before the first weight load. A token that lists
-// an expert twice gets the expert computed twice (each slot's block writes its own act row, with
-// the same bits as the general path), an id routed nowhere (-1, E, another rank's) ends its blocks.
+// used experts, no list, one block barrier (for the pair's slot) before the first weight load. A
+// token that lists an expert twice gets the expert computed twice (each slot's block writes its
+// own act row, with the same bits as the general path), an id routed nowhere (-1, E, another
+// rank's) ends its blocks.
 #ifndef OG_GU_ONE
 #define OG_GU_ONE 0
 #endif
