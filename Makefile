@@ -13,28 +13,35 @@ lib:
 
 # Installs cmocka and pytest when they are missing.
 deps:
-	PYTHON=$(PYTHON) bash scripts/test-deps.sh
+	PYTHON=$(PYTHON) bash ci/test-deps.sh
 
 # With NEWEST_VLLM_PYTHON (an interpreter with the newest vLLM; .ci/run makes one), make test also
 # runs the plugin's tests against that vLLM, expecting version $(OPGRAFT_EXPECT_VLLM_NEWEST).
 NEWEST_VLLM_PYTHON ?=
 
+# The ops' compile tests keep their cubins and resource reports here across runs (keyed by the
+# kernel sources, options, arch and NVRTC version: a changed kernel is compiled again).
+OPGRAFT_TEST_KERNEL_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/opgraft-test-kernels
+export OPGRAFT_TEST_KERNEL_CACHE
+
 # CI's test command: C unit tests and kernel compile checks (ctest), then the Python tests.
 test: deps lib
+	@echo "== C unit tests and kernel compile checks (ctest, $(JOBS) jobs; kernel cache $(OPGRAFT_TEST_KERNEL_CACHE))"
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+	@echo "== Python tests"
 	PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
 	@if [ -n "$(NEWEST_VLLM_PYTHON)" ]; then \
 	  echo "plugin tests against the newest vLLM ($(NEWEST_VLLM_PYTHON))"; \
 	  OPGRAFT_EXPECT_VLLM=$(OPGRAFT_EXPECT_VLLM_NEWEST) PYTHONPATH=python \
-	    $(NEWEST_VLLM_PYTHON) -m pytest -q tests/python/test_vllm_plugin.py; \
+	    $(NEWEST_VLLM_PYTHON) -m pytest -q tests/python/vllm; \
 	fi
 
 # On a machine with an NVIDIA GPU (sm_80+): correctness over odd cases, then the benchmark.
 gpu-test: lib
-	PYTHONPATH=python $(PYTHON) -m opgraft.gpucheck --out $${OUT:-bench/out}
+	PYTHONPATH=python $(PYTHON) -m tools.gpucheck --out $${OUT:-bench/out}
 
 gpu-check-quick: lib
-	PYTHONPATH=python $(PYTHON) -m opgraft.gpucheck --quick --out $${OUT:-bench/out}
+	PYTHONPATH=python $(PYTHON) -m tools.gpucheck --quick --out $${OUT:-bench/out}
 
 clean:
 	rm -rf $(BUILD)

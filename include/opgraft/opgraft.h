@@ -1,9 +1,11 @@
 /*
  * opgraft: faster kernels for stock vLLM, behind one C ABI.
  *
- * This is the only public header of libopgraft. Everything here is plain C11 with sized integer
- * types; tensors cross the ABI as raw pointers with shapes and strides counted in elements, and a
- * CUDA stream as an opaque pointer. No CUDA header is needed to use it.
+ * This header is libopgraft's core API (version, status codes, logging, the CUDA runtime, the
+ * kernel cache, tunables, the op registry); each op has a header of its own in this folder, and
+ * including this one includes them all. Everything is plain C11 with sized integer types;
+ * tensors cross the ABI as raw pointers with shapes and strides counted in elements, and a CUDA
+ * stream as an opaque pointer. No CUDA header is needed to use it.
  *
  * Errors are values: every function returns an opgraft_status (0 on success, negative on
  * failure) and leaves a message for the calling thread in opgraft_last_error().
@@ -24,7 +26,7 @@ extern "C" {
 #define OPGRAFT_VERSION_HEX                                                                        \
   ((OPGRAFT_VERSION_MAJOR << 16) | (OPGRAFT_VERSION_MINOR << 8) | OPGRAFT_VERSION_PATCH)
 /* Bumped whenever a struct or signature below changes incompatibly. */
-#define OPGRAFT_ABI_VERSION 2
+#define OPGRAFT_ABI_VERSION 3
 
 #if defined(_WIN32)
 #define OPGRAFT_EXTERN __declspec(dllexport)
@@ -45,7 +47,8 @@ extern "C" {
   XX(EPARSE, -8, "malformed input")                                                                \
   XX(ENOTFOUND, -9, "not found")                                                                   \
   XX(ENODEV, -10, "no CUDA device or context is current on this thread")                           \
-  XX(ERANGE, -11, "value out of range or buffer too small")
+  XX(ERANGE, -11, "value out of range or buffer too small")                                       \
+  XX(ESTALE, -12, "the plan was made for other tunables or another CUDA context: make a new one")
 
 typedef enum {
 #define OPGRAFT_XX(name, value, msg) OPGRAFT_##name = value,
@@ -97,12 +100,16 @@ OPGRAFT_EXTERN int32_t opgraft_runtime_query(opgraft_runtime_info *info);
  * $HOME/.cache/opgraft. A cache directory that cannot be written leaves the cache in memory.
  * ------------------------------------------------------------------------------------------- */
 OPGRAFT_EXTERN int32_t opgraft_cache_dir(char *buf, size_t buf_len);
+/* Can compiled kernels be kept there? Creates the directory if missing and writes (then removes)
+ * a probe file: OPGRAFT_OK, or the failure with opgraft_last_error() saying why (not a directory,
+ * not writable, path too long, no directory at all). dir receives the path ("" if none). */
+OPGRAFT_EXTERN int32_t opgraft_cache_check(char *dir, size_t dir_len);
 
 /* ---------------------------------------------------------------------------------------------
  * Tunables: each key's value comes from, in order, its environment variable (OPGRAFT_TUNE_ and the
  * key upper-cased with '.' as '_', e.g. OPGRAFT_TUNE_MOE_MAX_TOKENS), the JSON file named by
  * $OPGRAFT_TUNE_FILE, and the baked per-arch table. A malformed value or file logs one warning and
- * the next source is used.
+ * the next source is used. Above them all: values set with opgraft_tune_set().
  * ------------------------------------------------------------------------------------------- */
 typedef struct opgraft_tune_query {
   const char *key;   /* e.g. "moe.max_tokens" */
@@ -111,101 +118,46 @@ typedef struct opgraft_tune_query {
   const char *shape; /* e.g. "moe:bf16:E128:H2048:I768:k8"; NULL matches entries without it */
   int32_t tokens;    /* the call's token count; entries may restrict it; 0 = any */
 } opgraft_tune_query;
-/* Resolves one key. source (may be NULL) receives where the value came from:
- * "env:OPGRAFT_TUNE_MOE_MAX_TOKENS", "file:/path/tune.json", "baked:sm_90", "baked:any", or
- * "default" (the key's built-in fallback, used when no table row matches). */
+/* Resolves one key. source (may be NULL) receives where the value came from: "set" (the override
+ * below), "env:OPGRAFT_TUNE_MOE_MAX_TOKENS", "file:/path/tune.json", "baked:sm_90" or "baked:any"
+ * (a row of the op's table), "rule" (the op's per-arch heuristics, from the shape), or "default"
+ * (the key's built-in fallback). */
 OPGRAFT_EXTERN int32_t opgraft_tune_get(const opgraft_tune_query *q, int64_t *value, char *source,
                                         size_t source_len);
 /* Forgets the parsed tune file so the next lookup reads $OPGRAFT_TUNE_FILE again. */
 OPGRAFT_EXTERN void opgraft_tune_reload(void);
-/* The names of all tunable keys, NULL-terminated. */
+/* The names of all tunable keys of every registered op, NULL-terminated. */
 OPGRAFT_EXTERN const char *const *opgraft_tune_keys(void);
+/* The values `opgraft tune` tries for a key, as a space-separated list ("1 2 4 8 16"); "" for keys
+ * the tuner leaves alone (thresholds, switches that are not a speed choice) or unknown keys. */
+OPGRAFT_EXTERN const char *opgraft_tune_space(const char *key);
+/* The range [lo, hi] a key accepts; OPGRAFT_ENOTFOUND for an unknown key. */
+OPGRAFT_EXTERN int32_t opgraft_tune_range(const char *key, int64_t *lo, int64_t *hi);
+/* Process-wide values that rank above every other source (the tuner's candidates): set one key,
+ * or clear one (key) or all (NULL). Each change makes existing plans stale (OPGRAFT_ESTALE). */
+OPGRAFT_EXTERN int32_t opgraft_tune_set(const char *key, int64_t value);
+OPGRAFT_EXTERN int32_t opgraft_tune_clear(const char *key);
+/* A counter that changes whenever the tunables may have changed (reload, set, clear). */
+OPGRAFT_EXTERN uint32_t opgraft_tune_generation(void);
 
 /* ---------------------------------------------------------------------------------------------
- * MoE experts (fused_experts contract, after routing):
- *   out[t] = sum_j w[t,j] * W2[e] (act(G[e] x_t) * U[e] x_t),  e = topk_ids[t,j]
- * with w13[e] = [G[e]; U[e]] of shape [2I, H] (gate rows first) and w2[e] of shape [I -> H],
- * i.e. [H, I]. With apply_router_weight_on_input the weight scales x_t instead and the sum is
- * unweighted. Accumulation is fp32; out has the activation dtype. Ids outside [0, E) contribute
- * nothing.
+ * Ops. Each op (its header: opgraft/<op>.h) registers a descriptor with the core: its name, its
+ * kernel sources, its tunable keys and baked rows. An op whose descriptor is malformed is refused
+ * at load (one warning) and its calls fail with OPGRAFT_EUNSUPPORTED.
  * ------------------------------------------------------------------------------------------- */
+/* The names of the registered ops, NULL-terminated, e.g. {"moe", "attention", NULL}. */
+OPGRAFT_EXTERN const char *const *opgraft_op_names(void);
+
+/* The dtypes tensors of any op may have. */
 typedef enum {
   OPGRAFT_DTYPE_BF16 = 1,
   OPGRAFT_DTYPE_FP16 = 2,
   OPGRAFT_DTYPE_FP32 = 3,
   OPGRAFT_DTYPE_INT32 = 4,
   OPGRAFT_DTYPE_INT64 = 5,
+  OPGRAFT_DTYPE_FP8_E4M3 = 6, /* float8_e4m3fn: 4 exponent bits, 3 mantissa bits, no infinities */
+  OPGRAFT_DTYPE_UINT8 = 7,
 } opgraft_dtype;
-
-typedef enum {
-  OPGRAFT_ACT_SILU = 1, /* SwiGLU: silu(gate) * up */
-  OPGRAFT_ACT_GELU = 2, /* GeGLU (tanh-free erf form): not implemented by the kernel */
-} opgraft_activation;
-
-typedef struct opgraft_moe_args {
-  uint32_t struct_size; /* sizeof(opgraft_moe_args), checked */
-  int32_t dtype;        /* hidden states, weights and out: OPGRAFT_DTYPE_BF16 or _FP16 */
-  int32_t activation;   /* opgraft_activation */
-  int32_t apply_router_weight_on_input;
-  int64_t num_tokens;  /* T */
-  int64_t hidden;      /* H */
-  int64_t inter;       /* I */
-  int64_t num_experts; /* E (local experts, the first dimension of w13 and w2) */
-  int64_t top_k;       /* k */
-  const void *hidden_states;
-  int64_t hidden_states_stride[2]; /* [T, H] */
-  const void *w13;
-  int64_t w13_stride[3]; /* [E, 2I, H] */
-  const void *w2;
-  int64_t w2_stride[3]; /* [E, H, I] */
-  const void *topk_weights;
-  int32_t topk_weights_dtype; /* OPGRAFT_DTYPE_FP32 */
-  int64_t topk_weights_stride[2];
-  const void *topk_ids;
-  int32_t topk_ids_dtype; /* OPGRAFT_DTYPE_INT32 or _INT64 */
-  int64_t topk_ids_stride[2];
-  /* Expert parallelism (vLLM's expert_map): NULL, or an int32 device array [expert_map_len] that
-   * maps the global ids in topk_ids to this rank's experts (0..num_experts-1) or to -1 (another
-   * rank's expert: no contribution here). Handed back where the tunable moe.expert_map is 0. */
-  const void *expert_map;
-  void *out;
-  int64_t out_stride[2]; /* [T, H] */
-  /* The GPU the call runs on, as major*10 + minor, and its name; 0 / NULL = the current device. */
-  int32_t arch;
-  const char *gpu_name;
-  int64_t expert_map_len; /* global experts: the length of expert_map (0 without one) */
-} opgraft_moe_args;
-
-/* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
- * "tokens 64 > moe.max_tokens 16") written to reason. Looks only at the arguments, never at the
- * data, and needs no GPU when args->arch is set. */
-OPGRAFT_EXTERN int32_t opgraft_moe_supports(const opgraft_moe_args *args, char *reason,
-                                            size_t reason_len);
-
-/* Bytes of device workspace opgraft_moe_run needs for these arguments (16-byte aligned; the
- * contents need not be initialised: the library resets what it uses, on the stream). */
-OPGRAFT_EXTERN int32_t opgraft_moe_workspace_size(const opgraft_moe_args *args, size_t *bytes);
-
-/* Runs the experts computation on stream (a CUstream / cudaStream_t; NULL = legacy default).
- * All pointers are device pointers. Enqueues kernels only: no host synchronisation and no
- * allocation, so it can be captured into a CUDA graph. The first call for a shape compiles the
- * kernels (NVRTC) or loads them from the cache. */
-OPGRAFT_EXTERN int32_t opgraft_moe_run(const opgraft_moe_args *args, void *workspace,
-                                       size_t workspace_bytes, void *stream);
-
-/* Runs only some of the kernels behind opgraft_moe_run, for profiling the time split: stages is
- * a mask of OPGRAFT_MOE_STAGE_*. The output is complete only with OPGRAFT_MOE_STAGE_ALL. */
-enum {
-  OPGRAFT_MOE_STAGE_GATE_UP = 1, /* act = w * silu(G x) * U x into the workspace */
-  OPGRAFT_MOE_STAGE_DOWN = 2,    /* out = sum over experts of W2 act */
-  OPGRAFT_MOE_STAGE_ALL = 3,
-};
-OPGRAFT_EXTERN int32_t opgraft_moe_run_stages(const opgraft_moe_args *args, void *workspace,
-                                              size_t workspace_bytes, void *stream, uint32_t stages);
-
-/* CPU oracle: the same function in fp64 on host pointers. Writes out_f64 ([T, H], contiguous) when
- * it is not NULL; otherwise rounds to args->dtype into args->out. */
-OPGRAFT_EXTERN int32_t opgraft_moe_reference(const opgraft_moe_args *args, double *out_f64);
 
 /* Compiler resource report of one kernel. */
 typedef struct opgraft_kernel_info {
@@ -217,11 +169,11 @@ typedef struct opgraft_kernel_info {
   int32_t shared_bytes;
 } opgraft_kernel_info;
 
-/* Compiles the kernels this call would use for the given arch (needs NVRTC, no GPU) and reports
- * their resources. count receives the number of kernels (at most cap are written). */
-OPGRAFT_EXTERN int32_t opgraft_moe_compile_report(const opgraft_moe_args *args, int32_t arch,
-                                                  opgraft_kernel_info *out, int32_t cap,
-                                                  int32_t *count);
+/* The layout of every public struct, as the compiler laid it out: a JSON object
+ * {"abi": N, "structs": {"opgraft_moe_args": {"size": S, "fields": {"dtype": [offset, size], ...}}},
+ * "status": {"OPGRAFT_OK": 0, ...}}, so that bindings (the Python layer's ctypes mirror) can check
+ * theirs. A static string. */
+OPGRAFT_EXTERN const char *opgraft_abi_layout(void);
 
 /* ---------------------------------------------------------------------------------------------
  * Measurement helper: reads `bytes` of device memory at data (16-byte aligned, bytes a multiple of
@@ -235,4 +187,8 @@ OPGRAFT_EXTERN int32_t opgraft_stream_read(const void *data, size_t bytes, void 
 #ifdef __cplusplus
 }
 #endif
+
+/* The ops' own headers. */
+#include "opgraft/moe.h"
+
 #endif /* OPGRAFT_OPGRAFT_H */

@@ -1,4 +1,7 @@
-"""ctypes bindings of libopgraft: the one place that knows the C ABI (include/opgraft/opgraft.h)."""
+"""ctypes bindings of libopgraft: the one place that knows the C ABI (include/opgraft/*.h).
+
+The structs here mirror the C ones field by field; tests compare their offsets and sizes with the
+layout the library reports (opgraft_abi_layout), so the mirror cannot drift unnoticed."""
 
 from __future__ import annotations
 
@@ -11,10 +14,13 @@ import threading
 
 logger = logging.getLogger("opgraft")
 
-# Status codes, mirrored from OPGRAFT_STATUS_MAP.
+# Status codes, mirrored from OPGRAFT_STATUS_MAP (checked against the library by the tests).
+STATUS = {"OK": 0, "EINVAL": -1, "ENOMEM": -2, "ENOLIB": -3, "ECUDA": -4, "ENVRTC": -5, "EUNSUPPORTED": -6,
+          "EIO": -7, "EPARSE": -8, "ENOTFOUND": -9, "ENODEV": -10, "ERANGE": -11, "ESTALE": -12}
 OK, EINVAL, ENOMEM, ENOLIB, ECUDA, ENVRTC, EUNSUPPORTED = 0, -1, -2, -3, -4, -5, -6
+EIO, EPARSE, ENOTFOUND, ENODEV, ERANGE, ESTALE = -7, -8, -9, -10, -11, -12
 
-DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_INT64 = 1, 2, 3, 4, 5
+DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_INT64, DTYPE_FP8_E4M3, DTYPE_UINT8 = 1, 2, 3, 4, 5, 6, 7
 ACT_SILU, ACT_GELU = 1, 2
 
 _I64_2 = ctypes.c_int64 * 2
@@ -85,7 +91,12 @@ class TuneQuery(ctypes.Structure):
     ]
 
 
+# The public structs by their C names, for the layout check.
+STRUCTS = {"opgraft_moe_args": MoeArgs, "opgraft_runtime_info": RuntimeInfo, "opgraft_kernel_info": KernelInfo,
+           "opgraft_tune_query": TuneQuery}
+
 _LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_char_p, ctypes.c_void_p)
+_P = ctypes.c_void_p
 
 _SIGNATURES = {
     "opgraft_version": (ctypes.c_uint32, []),
@@ -97,6 +108,14 @@ _SIGNATURES = {
     "opgraft_add_library_dir": (ctypes.c_int32, [ctypes.c_char_p]),
     "opgraft_runtime_query": (ctypes.c_int32, [ctypes.POINTER(RuntimeInfo)]),
     "opgraft_cache_dir": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_cache_check": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_op_names": (ctypes.POINTER(ctypes.c_char_p), []),
+    "opgraft_abi_layout": (ctypes.c_char_p, []),
+    "opgraft_tune_space": (ctypes.c_char_p, [ctypes.c_char_p]),
+    "opgraft_tune_range": (ctypes.c_int32, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]),
+    "opgraft_tune_set": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_int64]),
+    "opgraft_tune_clear": (ctypes.c_int32, [ctypes.c_char_p]),
+    "opgraft_tune_generation": (ctypes.c_uint32, []),
     "opgraft_tune_get": (
         ctypes.c_int32,
         [ctypes.POINTER(TuneQuery), ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_size_t],
@@ -105,6 +124,12 @@ _SIGNATURES = {
     "opgraft_tune_keys": (ctypes.POINTER(ctypes.c_char_p), []),
     "opgraft_moe_supports": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.c_char_p, ctypes.c_size_t]),
     "opgraft_moe_workspace_size": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.POINTER(ctypes.c_size_t)]),
+    "opgraft_moe_plan_create": (
+        ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.POINTER(_P), ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_moe_plan_destroy": (None, [_P]),
+    "opgraft_moe_plan_workspace_size": (ctypes.c_size_t, [_P]),
+    "opgraft_moe_plan_run": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "opgraft_moe_describe": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]),
     "opgraft_moe_run": (
         ctypes.c_int32,
         [ctypes.POINTER(MoeArgs), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
@@ -162,7 +187,8 @@ def nvidia_library_dirs() -> list[str]:
 
 
 def _on_log(level: int, message: bytes, _ud) -> None:
-    text = message.decode(errors="replace")
+    # The prefix names the source where no handler (or a plain one) prints the bare message.
+    text = "opgraft: " + message.decode(errors="replace")
     logger.log(logging.WARNING if level >= 30 else logging.INFO if level >= 20 else logging.DEBUG, "%s", text)
 
 
@@ -234,10 +260,59 @@ def tune_get(key: str, arch: int = 0, gpu: str | None = None, shape: str | None 
     return v.value, src.value.decode()
 
 
-def tune_keys() -> list[str]:
-    arr = lib().opgraft_tune_keys()
+def _strings(arr) -> list[str]:
     out, i = [], 0
     while arr[i]:
         out.append(arr[i].decode())
         i += 1
     return out
+
+
+def tune_keys() -> list[str]:
+    return _strings(lib().opgraft_tune_keys())
+
+
+def op_names() -> list[str]:
+    """The ops the library registered (their descriptors were valid)."""
+    return _strings(lib().opgraft_op_names())
+
+
+def tune_space(op: str) -> dict:
+    """{key: [candidates]} of an op's tunables that the tuner tries, from the op's own table."""
+    out = {}
+    for k in tune_keys():
+        if k.startswith(op + "."):
+            text = lib().opgraft_tune_space(k.encode()).decode()
+            if text:
+                out[k] = [int(v) for v in text.split()]
+    return out
+
+
+def tune_range(key: str) -> tuple[int, int]:
+    lo, hi = ctypes.c_int64(), ctypes.c_int64()
+    check(lib().opgraft_tune_range(key.encode(), ctypes.byref(lo), ctypes.byref(hi)))
+    return lo.value, hi.value
+
+
+def tune_set(values: dict) -> None:
+    """Sets tunables process-wide, above every other source (the tuner's candidates)."""
+    for k, v in values.items():
+        check(lib().opgraft_tune_set(k.encode(), int(v)))
+
+
+def tune_clear(key: str | None = None) -> None:
+    check(lib().opgraft_tune_clear(key.encode() if key else None))
+
+
+def cache_check() -> tuple[str, str]:
+    """(directory, "") when compiled kernels can be kept on disk there, else (directory or "", why
+    not): the library's own check, not a guess."""
+    buf = ctypes.create_string_buffer(1024)
+    st = lib().opgraft_cache_check(buf, len(buf))
+    return buf.value.decode(errors="replace"), "" if st == OK else lib().opgraft_last_error().decode(errors="replace")
+
+
+def abi_layout() -> dict:
+    import json
+
+    return json.loads(lib().opgraft_abi_layout().decode())

@@ -175,25 +175,26 @@ def cmd_bench(args) -> int:
     if not ok:
         return _cpu_bench(shape, args.tokens, args.dtype, why, args.json is not None and args.json == "-")
     from . import bench
+    from .bench import moe as moe_bench
 
     rows: list[dict] = []
     t0 = time.time()
     try:
         ceiling = bench.measure_read_ceiling("cuda")
         print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
-        w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
-        extra = [bench.make_weights(shape, args.dtype, "cuda", seed=1 + i) for i in range(args.layers - 1)]
+        w13, w2 = moe_bench.make_weights(shape, args.dtype, "cuda")
+        extra = [moe_bench.make_weights(shape, args.dtype, "cuda", seed=1 + i) for i in range(args.layers - 1)]
         if args.layers > 1:
             print(f"{args.layers} layers of weights: {args.layers * shape.num_experts * shape.expert_bytes() / 2**30:.1f} GiB",
                   file=sys.stderr)
         for T in args.tokens:
             print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
-            rows += bench.bench_shape(shape, [T], args.dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
+            rows += moe_bench.bench_shape(shape, [T], args.dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
                                       baseline=not args.no_baseline, extra_layers=extra,
                                       between_mib=args.between_mib, timing=args.timing)
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
-    print(bench.format_table(rows))
+    print(moe_bench.format_table(rows))
     if args.plot:
         write_plot(rows, args.plot)
     if args.json:
@@ -276,11 +277,12 @@ def cmd_profile(args) -> int:
     ok, why = _gpu_status()
     if not ok:
         return _cpu_bench(shape, args.tokens, args.dtype, why, False)
-    from . import bench, ops
-    from .sweep import Fixture
+    from . import bench
+    from .bench.moe import Fixture, make_weights
+    from .ops import moe as ops
 
     ceiling = bench.measure_read_ceiling("cuda")
-    w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
+    w13, w2 = make_weights(shape, args.dtype, "cuda")
     rows = []
     print(f"read ceiling {ceiling:.3f} TB/s; {shape.name} {args.dtype}")
     print(f"{'T':>3} {'stage':<8} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6}  verdict")
@@ -319,25 +321,25 @@ def cmd_tune(args) -> int:
 
     import torch
 
-    from . import bench
-    from .sweep import Fixture, apply_config, measure
-    from .tune import MOE_SPACE, coordinate_descent, inject_baked, make_entries, merge_tune_file, token_ranges
+    from .bench.moe import Fixture, configure, make_weights, measure
+    from .tune import coordinate_descent, inject_baked, make_entries, merge_tune_file, token_ranges
 
     table = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src",
-                         "tune_table.c")
+                         "ops", "moe", "table.c")
     if args.inject and not args.out and not os.path.exists(table):
-        print("error: --inject without --out writes src/tune_table.c of a source checkout, and there is "
+        print("error: --inject without --out writes src/ops/moe/table.c of a source checkout, and there is "
               "none here: give --out FILE (then set OPGRAFT_TUNE_FILE=FILE)", file=sys.stderr)
         return 2
     p = torch.cuda.get_device_properties(0)
     arch, gpu = p.major * 10 + p.minor, p.name
     sk = shape.tune_key(args.dtype)
-    w13, w2 = bench.make_weights(shape, args.dtype, "cuda")
+    w13, w2 = make_weights(shape, args.dtype, "cuda")
+    MOE_SPACE = _lib.tune_space("moe")
     winners = []
     date = datetime.date.today().isoformat()
     for T, rng in zip(sorted(set(args.tokens)), token_ranges(args.tokens)):
         fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
-        apply_config({})
+        configure({})
         start = {k: _lib.tune_get(k, arch, gpu, sk, T)[0] for k in MOE_SPACE}
         n = [0]
         total = sum(len(v) for v in MOE_SPACE.values())
@@ -360,7 +362,7 @@ def cmd_tune(args) -> int:
         if changed:
             winners.append({"arch": arch, "gpu": gpu, "shape": sk, "tokens": rng, "values": changed,
                             "why": f"opgraft tune {date}: {start_us:.1f} -> {best_us:.1f} us at T={T}"})
-    apply_config({})
+    configure({})
     entries = make_entries(winners)
     if args.out:
         merge_tune_file(args.out, entries)
@@ -499,21 +501,12 @@ def main(argv=None) -> int:
     tu.add_argument("--rounds", type=int, default=2)
     tu.add_argument("--out", default=None, help="merge the winners into this JSON tune file")
     tu.add_argument("--inject", action="store_true",
-                    help="write the winners where the library reads them (--out FILE, else src/tune_table.c)")
+                    help="write the winners where the library reads them (--out FILE, else src/ops/moe/table.c)")
     tu.set_defaults(fn=cmd_tune)
     d = sub.add_parser("doctor", help="what opgraft would do on this machine, and why")
     d.add_argument("--model", default=None, help="a preset or config.json: which calls would take our kernel")
     d.set_defaults(fn=cmd_doctor)
-    e = sub.add_parser("e2e", help="decode ITL in a real vLLM: stock vs pass-through vs opgraft (GPU)",
-                       add_help=False)
-    e.set_defaults(fn=None)
-    args, rest = ap.parse_known_args(argv)
-    if args.cmd == "e2e":
-        from . import e2e
-
-        return e2e.main(rest)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = ap.parse_args(argv)
     return args.fn(args)
 
 

@@ -1,10 +1,12 @@
-"""MoE experts variants, the decision to take or hand back a call, and the counters behind
-opgraft.stats(). Knows torch (through ops) but not vLLM: the vLLM seam wraps vLLM's own
-implementation as the `delegate` callable.
+"""Whether our kernel takes a call or hands it back, per op, and the counters behind stats().
 
-A variant is a function (call: ExpertsCall) -> tensor. `passthrough` always delegates, so it is
-bitwise identical to vLLM; `opgraft` runs our kernel where the guard says yes and delegates
-otherwise. OPGRAFT_MOE_EXPERTS selects one (default: opgraft).
+Knows neither torch nor vLLM at import: a seam (opgraft.vllm.*) wraps vLLM's own implementation
+of a call as its `delegate` and hands the call here; torch is imported with the op module when the
+first call arrives.
+
+Each op has variants, functions (call) -> output: `passthrough` always delegates (bitwise what
+vLLM does), `opgraft` runs our kernel where the op's guard says yes. OPGRAFT_<OP>_EXPERTS (for the
+MoE op, OPGRAFT_MOE_EXPERTS) selects one; the default is opgraft.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -19,83 +22,92 @@ from typing import Any, Callable
 
 logger = logging.getLogger("opgraft")
 
-_VARIANTS: dict[str, Callable[["ExpertsCall"], Any]] = {}
 DEFAULT_VARIANT = "opgraft"
+# The environment variable that picks each op's variant.
+VARIANT_ENV = {"moe": "OPGRAFT_MOE_EXPERTS"}
+
+_VARIANTS: dict[str, dict[str, Callable[[Any], Any]]] = {}
 
 
-def register_experts_variant(name: str):
-    """Decorator: registers fn(call) -> output tensor under name (replacing an older one)."""
+def register_variant(op: str, name: str):
+    """Decorator: registers fn(call) -> output under (op, name), replacing an older one."""
 
     def deco(fn):
-        _VARIANTS[name] = fn
+        _VARIANTS.setdefault(op, {})[name] = fn
         return fn
 
     return deco
 
 
-def variants() -> list[str]:
-    return sorted(_VARIANTS)
+def register_experts_variant(name: str):
+    """The MoE op's register_variant (kept for callers of the first release)."""
+    return register_variant("moe", name)
 
 
-def selected_variant() -> str:
-    """The variant named by OPGRAFT_MOE_EXPERTS; an unknown name warns once and falls back to
-    passthrough (never to our kernel: a typo must not change numerics silently)."""
-    name = os.environ.get("OPGRAFT_MOE_EXPERTS", DEFAULT_VARIANT).strip() or DEFAULT_VARIANT
-    if name not in _VARIANTS:
-        _warn_once(f"OPGRAFT_MOE_EXPERTS={name!r} is not a registered variant ({', '.join(variants())}); "
-                   "using passthrough")
+def variants(op: str = "moe") -> list[str]:
+    return sorted(_VARIANTS.get(op, {}))
+
+
+def selected_variant(op: str = "moe") -> str:
+    """The variant the op's environment variable names; an unknown name warns once and falls back
+    to passthrough (never to our kernel: a typo must not change numerics silently)."""
+    env = VARIANT_ENV.get(op, f"OPGRAFT_{op.upper()}_VARIANT")
+    name = os.environ.get(env, DEFAULT_VARIANT).strip() or DEFAULT_VARIANT
+    if name not in _VARIANTS.get(op, {}):
+        _warn_once(f"{env}={name!r} is not a registered variant ({', '.join(variants(op))}); using passthrough")
         return "passthrough"
     return name
 
 
-@dataclass
-class ExpertsCall:
-    """One experts computation after routing, in fused_experts terms."""
+class OpStats:
+    """Calls of one op taken by our kernel, and handed back by reason."""
 
-    hidden_states: Any
-    w13: Any
-    w2: Any
-    topk_weights: Any
-    topk_ids: Any
-    activation: str
-    apply_router_weight_on_input: bool
-    expert_map: Any
-    delegate: Callable[[], Any]  # runs vLLM's own implementation of this very call
-    extra_reason: str = ""  # a reason the seam already knows it must hand back ("" if none)
-    output: Any = None  # where to write [T, H]; None: return a new tensor
-    workspace: Any = None  # scratch the caller lends us (used when large and aligned enough)
-
-
-class _Stats:
     def __init__(self):
         self._lock = threading.Lock()
         self.taken = 0
-        self.taken_with_expert_map = 0  # of those, calls of an expert-parallel rank
+        self.taken_by_kind: Counter = Counter()  # e.g. "expert_map" for an expert-parallel rank's calls
         self.delegated: Counter = Counter()
 
-    def take(self, expert_map: bool = False):
+    def take(self, kind: str = ""):
         with self._lock:
             self.taken += 1
-            self.taken_with_expert_map += bool(expert_map)
+            if kind:
+                self.taken_by_kind[kind] += 1
 
     def delegate(self, reason: str):
         with self._lock:
-            self.delegated[reason] += 1
+            self.delegated[reason_key(reason)] += 1
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"moe": {"taken": self.taken, "taken_with_expert_map": self.taken_with_expert_map,
-                            "delegated": sum(self.delegated.values()),
-                            "delegated_by_reason": dict(self.delegated)}}
+            return {"taken": self.taken, "taken_by_kind": dict(self.taken_by_kind),
+                    "delegated": sum(self.delegated.values()), "delegated_by_reason": dict(self.delegated)}
 
     def reset(self):
         with self._lock:
             self.taken = 0
-            self.taken_with_expert_map = 0
+            self.taken_by_kind.clear()
             self.delegated.clear()
 
 
-STATS = _Stats()
+_stats: dict[str, OpStats] = {}
+_stats_lock = threading.Lock()
+
+
+def stats_of(op: str) -> OpStats:
+    with _stats_lock:
+        s = _stats.get(op)
+        if s is None:
+            s = _stats[op] = OpStats()
+        return s
+
+
+def reason_key(reason: str) -> str:
+    """Groups reasons that differ only in their numbers: '12 tokens > moe.max_tokens 8' and
+    '9 tokens > moe.max_tokens 8' count as 'N tokens > moe.max_tokens N'."""
+    return re.sub(r"(?<![\w.])\d+(?![\w])", "N", reason)
+
+
 _warned: set = set()
 _warned_lock = threading.Lock()
 
@@ -116,61 +128,90 @@ def _info_once(msg: str) -> None:
     logger.info("%s", msg)
 
 
-def dispatch(call: ExpertsCall):
-    return _VARIANTS[selected_variant()](call)
+def dispatch(op: str, call) -> Any:
+    """Runs call with the op's selected variant."""
+    return _VARIANTS[op][selected_variant(op)](call)
 
 
-@register_experts_variant("passthrough")
-def _passthrough(call: ExpertsCall):
-    STATS.delegate("passthrough variant")
+def handed_back(op: str, reason: str, call) -> Any:
+    """Counts and logs (once per reason) a call handed back to vLLM, and runs vLLM's own."""
+    stats_of(op).delegate(reason)
+    _info_once(f"{op} call handed back to vLLM: {reason}")
     return call.delegate()
 
 
-def _reason_key(reason: str) -> str:
-    """Groups reasons that differ only in numbers, e.g. '12 tokens > moe.max_tokens 8'."""
-    return reason if "tokens" not in reason else "tokens > moe.max_tokens"
+def kernel_failed(op: str, e: Exception, call) -> Any:
+    """A kernel that cannot run (no NVRTC, a compile error) must not stop vLLM: hand back."""
+    stats_of(op).delegate(f"kernel error: {type(e).__name__}")
+    _warn_once(f"opgraft {op} kernel failed, handing calls back to vLLM: {e}")
+    return call.delegate()
 
 
-@register_experts_variant("opgraft")
-def _opgraft(call: ExpertsCall):
+# ---- the MoE experts op ---------------------------------------------------------------------
+
+
+@dataclass
+class ExpertsCall:
+    """One experts computation after routing, in fused_experts terms."""
+
+    hidden_states: Any
+    w13: Any
+    w2: Any
+    topk_weights: Any
+    topk_ids: Any
+    activation: str
+    apply_router_weight_on_input: bool
+    expert_map: Any
+    delegate: Callable[[], Any]  # runs vLLM's own implementation of this very call
+    extra_reason: str = ""  # a reason the seam already knows it must hand back ("" if none)
+    output: Any = None  # where to write [T, H]; None: return a new tensor
+    workspace: Any = None  # scratch the caller lends us (used when large and aligned enough)
+
+
+@register_variant("moe", "passthrough")
+def _moe_passthrough(call: ExpertsCall):
+    stats_of("moe").delegate("passthrough variant")
+    return call.delegate()
+
+
+@register_variant("moe", "opgraft")
+def _moe_opgraft(call: ExpertsCall):
     if call.extra_reason:
-        STATS.delegate(call.extra_reason)
-        return call.delegate()
-    from . import ops  # torch is imported only once a call arrives
+        return handed_back("moe", call.extra_reason, call)
+    from .ops import moe  # torch is imported only once a call arrives
 
-    ok, reason = ops.moe_supports(call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids,
-                                  call.apply_router_weight_on_input, call.expert_map, call.activation)
-    if not ok:
-        STATS.delegate(_reason_key(reason))
-        _info_once(f"MoE call handed back to vLLM: {reason}")
-        return call.delegate()
+    dst = call.output if call.output is not None else call.hidden_states.new_empty(call.hidden_states.shape)
     try:
-        if call.output is None and call.expert_map is None:
-            out = ops.moe_experts(call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids,
-                                  call.apply_router_weight_on_input)
-        else:
-            dst = call.output if call.output is not None else call.hidden_states.new_empty(call.hidden_states.shape)
-            ops.moe_experts_into(dst, call.hidden_states, call.w13, call.w2, call.topk_weights,
-                                 call.topk_ids, call.apply_router_weight_on_input,
-                                 workspace=ops.usable_workspace(call.workspace), expert_map=call.expert_map)
-            out = None if call.output is not None else dst
-    except Exception as e:  # a kernel that cannot run (no NVRTC, compile error) must not stop vLLM
-        STATS.delegate(f"kernel error: {type(e).__name__}")
-        _warn_once(f"opgraft MoE kernel failed, handing calls back to vLLM: {e}")
-        return call.delegate()
-    STATS.take(expert_map=call.expert_map is not None)
-    return out
+        plan = moe.plan_for(call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids, dst,
+                            call.apply_router_weight_on_input, call.expert_map, call.activation)
+        if plan.handle is None:
+            return handed_back("moe", plan.reason, call)
+        moe.moe_experts_into(dst, call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids,
+                             call.apply_router_weight_on_input, workspace=moe.usable_workspace(call.workspace),
+                             expert_map=call.expert_map)
+    except Exception as e:
+        return kernel_failed("moe", e, call)
+    stats_of("moe").take("expert_map" if call.expert_map is not None else "")
+    return None if call.output is not None else dst
 
 
 def stats() -> dict:
-    """Counters of MoE calls taken by our kernel and handed back (by reason) in this process."""
-    return STATS.snapshot()
+    """Counters of calls taken by our kernels and handed back (by reason) in this process, by op."""
+    with _stats_lock:
+        ops = sorted(_stats)
+    return {op: stats_of(op).snapshot() for op in ops}
+
+
+def reset_stats() -> None:
+    with _stats_lock:
+        for s in _stats.values():
+            s.reset()
 
 
 def _summary_at_exit():
-    s = STATS.snapshot()["moe"]
-    logger.warning("opgraft stats (pid %d): MoE calls taken %d, handed back %d %s", os.getpid(), s["taken"],
-                   s["delegated"], s["delegated_by_reason"])
+    for op, s in stats().items():
+        logger.warning("opgraft stats (pid %d): %s calls taken %d, handed back %d %s", os.getpid(), op, s["taken"],
+                       s["delegated"], s["delegated_by_reason"])
 
 
 def install_exit_summary() -> None:

@@ -159,7 +159,7 @@ def _row_signature(line: str):
 
 
 def inject_baked(table_path: str, entries: list[dict]) -> int:
-    """Adds rows for entries to the baked table (src/tune_table.c) just before the END marker,
+    """Adds rows for entries to the baked table (src/ops/moe/table.c) just before the END marker,
     replacing older rows of the same arch, gpu, shape, tokens and key. Returns rows written."""
     text = open(table_path, encoding="utf-8").read()
     if BEGIN not in text or END not in text:

@@ -3,6 +3,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, ROOT)  # the development tools (tools/) are tested too
 
 # On Python < 3.12 the standard library still has distutils, and setuptools' distutils shim
 # asserts when the stdlib copy was imported first. Importing vLLM's fused-MoE module (bench

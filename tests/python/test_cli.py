@@ -66,7 +66,7 @@ def test_bad_arguments_are_clear_errors():
 
 def probe(*args):
     e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-    return subprocess.run([sys.executable, "-m", "opgraft.probe", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tools.probe", *args], capture_output=True, text=True,
                           env=e, timeout=300, cwd=ROOT)
 
 

@@ -93,7 +93,7 @@ def make_wrapper(cls, original):
             hidden_states=hidden_states, w13=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
             activation="silu", apply_router_weight_on_input=bool(apply_router_weight_on_input),
             expert_map=expert_map, delegate=delegate, extra_reason=reason, output=output, workspace=workspace2)
-        return dispatch.dispatch(call)
+        return dispatch.dispatch("moe", call)
 
     apply.__doc__ = (original.__doc__ or "") + "\n\n(wrapped by opgraft: see opgraft/vllm/moe_seam.py)"
     setattr(apply, _PATCH_ATTR, original)

@@ -1,0 +1,122 @@
+/* opgraft's MoE experts op. Included by opgraft/opgraft.h. */
+#ifndef OPGRAFT_MOE_H
+#define OPGRAFT_MOE_H
+
+#include "opgraft/opgraft.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * MoE experts (fused_experts contract, after routing):
+ *   out[t] = sum_j w[t,j] * W2[e] (act(G[e] x_t) * U[e] x_t),  e = topk_ids[t,j]
+ * with w13[e] = [G[e]; U[e]] of shape [2I, H] (gate rows first) and w2[e] of shape [I -> H],
+ * i.e. [H, I]. With apply_router_weight_on_input the weight scales x_t instead and the sum is
+ * unweighted. Accumulation is fp32; out has the activation dtype. Ids outside [0, E) contribute
+ * nothing.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum {
+  OPGRAFT_ACT_SILU = 1, /* SwiGLU: silu(gate) * up */
+  OPGRAFT_ACT_GELU = 2, /* GeGLU (tanh-free erf form): not implemented by the kernel */
+} opgraft_activation;
+
+typedef struct opgraft_moe_args {
+  uint32_t struct_size; /* sizeof(opgraft_moe_args), checked */
+  int32_t dtype;        /* hidden states, weights and out: OPGRAFT_DTYPE_BF16 or _FP16 */
+  int32_t activation;   /* opgraft_activation */
+  int32_t apply_router_weight_on_input;
+  int64_t num_tokens;  /* T */
+  int64_t hidden;      /* H */
+  int64_t inter;       /* I */
+  int64_t num_experts; /* E (local experts, the first dimension of w13 and w2) */
+  int64_t top_k;       /* k */
+  const void *hidden_states;
+  int64_t hidden_states_stride[2]; /* [T, H] */
+  const void *w13;
+  int64_t w13_stride[3]; /* [E, 2I, H] */
+  const void *w2;
+  int64_t w2_stride[3]; /* [E, H, I] */
+  const void *topk_weights;
+  int32_t topk_weights_dtype; /* OPGRAFT_DTYPE_FP32 */
+  int64_t topk_weights_stride[2];
+  const void *topk_ids;
+  int32_t topk_ids_dtype; /* OPGRAFT_DTYPE_INT32 or _INT64 */
+  int64_t topk_ids_stride[2];
+  /* Expert parallelism (vLLM's expert_map): NULL, or an int32 device array [expert_map_len] that
+   * maps the global ids in topk_ids to this rank's experts (0..num_experts-1) or to -1 (another
+   * rank's expert: no contribution here). Handed back where the tunable moe.expert_map is 0. */
+  const void *expert_map;
+  void *out;
+  int64_t out_stride[2]; /* [T, H] */
+  /* The GPU the call runs on, as major*10 + minor, and its name; 0 / NULL = the current device. */
+  int32_t arch;
+  const char *gpu_name;
+  int64_t expert_map_len; /* global experts: the length of expert_map (0 without one) */
+} opgraft_moe_args;
+
+/* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
+ * "tokens 64 > moe.max_tokens 16") written to reason. Looks only at the arguments, never at the
+ * data, and needs no GPU when args->arch is set. */
+OPGRAFT_EXTERN int32_t opgraft_moe_supports(const opgraft_moe_args *args, char *reason,
+                                            size_t reason_len);
+
+/* Bytes of device workspace opgraft_moe_run needs for these arguments (16-byte aligned; the
+ * contents need not be initialised: the library resets what it uses, on the stream). */
+OPGRAFT_EXTERN int32_t opgraft_moe_workspace_size(const opgraft_moe_args *args, size_t *bytes);
+
+/* A plan: the guard's decision, the tunables and the compiled kernels for one (shape, dtypes,
+ * strides, flags, GPU), resolved once, so that a call is one cheap launch (FlashInfer's plan/run).
+ * The pointers in args are not kept. On OPGRAFT_EUNSUPPORTED, reason says why (as
+ * opgraft_moe_supports). The plan belongs to the CUDA context current at creation. */
+typedef struct opgraft_moe_plan opgraft_moe_plan;
+OPGRAFT_EXTERN int32_t opgraft_moe_plan_create(const opgraft_moe_args *args, opgraft_moe_plan **plan, char *reason,
+                                               size_t reason_len);
+OPGRAFT_EXTERN void opgraft_moe_plan_destroy(opgraft_moe_plan *plan);
+/* Bytes of workspace a run of the plan needs (as opgraft_moe_workspace_size). */
+OPGRAFT_EXTERN size_t opgraft_moe_plan_workspace_size(const opgraft_moe_plan *plan);
+/* Runs the plan on tensors laid out as at creation (same strides), on stream. Pointers that are
+ * misaligned give OPGRAFT_EINVAL; a plan made before the tunables changed, or used under another
+ * CUDA context, gives OPGRAFT_ESTALE and runs nothing. expert_map must be set iff it was. */
+OPGRAFT_EXTERN int32_t opgraft_moe_plan_run(const opgraft_moe_plan *plan, const void *hidden_states, const void *w13,
+                                            const void *w2, const void *topk_weights, const void *topk_ids,
+                                            const void *expert_map, void *out, void *workspace, void *stream);
+
+/* Runs the experts computation on stream (a CUstream / cudaStream_t; NULL = legacy default)
+ * through a plan cached inside the library (a convenience for C callers; the Python layer keeps
+ * its own plans).
+ * All pointers are device pointers. Enqueues kernels only: no host synchronisation and no
+ * allocation, so it can be captured into a CUDA graph. The first call for a shape compiles the
+ * kernels (NVRTC) or loads them from the cache. */
+OPGRAFT_EXTERN int32_t opgraft_moe_run(const opgraft_moe_args *args, void *workspace,
+                                       size_t workspace_bytes, void *stream);
+
+/* Runs only some of the kernels behind opgraft_moe_run, for profiling the time split: stages is
+ * a mask of OPGRAFT_MOE_STAGE_*. The output is complete only with OPGRAFT_MOE_STAGE_ALL. */
+enum {
+  OPGRAFT_MOE_STAGE_GATE_UP = 1, /* act = w * silu(G x) * U x into the workspace */
+  OPGRAFT_MOE_STAGE_DOWN = 2,    /* out = sum over experts of W2 act */
+  OPGRAFT_MOE_STAGE_ALL = 3,
+};
+OPGRAFT_EXTERN int32_t opgraft_moe_run_stages(const opgraft_moe_args *args, void *workspace,
+                                              size_t workspace_bytes, void *stream, uint32_t stages);
+
+/* CPU oracle: the same function in fp64 on host pointers. Writes out_f64 ([T, H], contiguous) when
+ * it is not NULL; otherwise rounds to args->dtype into args->out. */
+OPGRAFT_EXTERN int32_t opgraft_moe_reference(const opgraft_moe_args *args, double *out_f64);
+
+
+/* Compiles the kernels this call would use for the given arch (needs NVRTC, no GPU) and reports
+ * their resources. count receives the number of kernels (at most cap are written). */
+OPGRAFT_EXTERN int32_t opgraft_moe_compile_report(const opgraft_moe_args *args, int32_t arch,
+                                                  opgraft_kernel_info *out, int32_t cap,
+                                                  int32_t *count);
+
+/* The kernel configuration a call would get on arch (compile options such as "-DOG_W1=4 ..."),
+ * for tools and tests; no GPU needed when args->arch is set. */
+OPGRAFT_EXTERN int32_t opgraft_moe_describe(const opgraft_moe_args *args, int32_t arch, char *buf, size_t buf_len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* OPGRAFT_MOE_H */

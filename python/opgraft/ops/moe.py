@@ -1,0 +1,211 @@
+"""The MoE experts op: fused_experts after routing, on libopgraft's kernels.
+
+A plan (the guard's decision, the tunables and the compiled kernels) is made once per shape,
+dtypes, strides, flags and device, and kept; a call is one ctypes crossing with the pointers and
+the stream (plan once, run cheap, as FlashInfer's plan/run).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from .. import _lib
+from . import current_stream, dtype_code, strides
+
+STAGE_GATE_UP, STAGE_DOWN, STAGE_ALL = 1, 2, 3
+
+
+
+def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, out: torch.Tensor | None = None, apply_router_weight_on_input: bool = False,
+             expert_map: torch.Tensor | None = None, activation: str = "silu", arch: int = 0) -> _lib.MoeArgs:
+    """The C argument struct for these tensors; dtype -1 when the shapes or devices are not those
+    of fused_experts (the guard then refuses the call)."""
+    a = _lib.MoeArgs()
+    a.struct_size = ctypes.sizeof(_lib.MoeArgs)
+    wdt = dtype_code(w13)
+    a.dtype = dtype_code(hidden) if dtype_code(hidden) == wdt == dtype_code(w2) else 0
+    a.activation = {"silu": _lib.ACT_SILU, "gelu": _lib.ACT_GELU}.get(activation, 0)
+    a.apply_router_weight_on_input = int(bool(apply_router_weight_on_input))
+    T = hidden.shape[0] if hidden.dim() == 2 else -1
+    H = hidden.shape[1] if hidden.dim() == 2 else -1
+    E = w13.shape[0] if w13.dim() == 3 else -1
+    I = w2.shape[2] if w2.dim() == 3 else -1
+    k = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
+    consistent = (
+        w13.dim() == 3 and w2.dim() == 3 and tuple(w13.shape[1:]) == (2 * I, H) and tuple(w2.shape) == (E, H, I)
+        and tuple(topk_ids.shape) == (T, k) and tuple(topk_weights.shape) == (T, k)
+        and (out is None or tuple(out.shape) == (T, H))
+        and all(t.device == hidden.device for t in (w13, w2, topk_weights, topk_ids))
+        and (out is None or out.device == hidden.device)
+        and (expert_map is None or (expert_map.dtype == torch.int32 and expert_map.dim() == 1
+                                    and expert_map.is_contiguous() and expert_map.device == hidden.device))
+    )
+    if not consistent:
+        a.dtype = -1
+        return a
+    a.num_tokens, a.hidden, a.inter, a.num_experts, a.top_k = T, H, I, E, k
+    a.hidden_states, a.hidden_states_stride = hidden.data_ptr(), strides(hidden, 2)
+    a.w13, a.w13_stride = w13.data_ptr(), strides(w13, 3)
+    a.w2, a.w2_stride = w2.data_ptr(), strides(w2, 3)
+    a.topk_weights, a.topk_weights_dtype = topk_weights.data_ptr(), dtype_code(topk_weights)
+    a.topk_weights_stride = strides(topk_weights, 2)
+    a.topk_ids, a.topk_ids_dtype = topk_ids.data_ptr(), dtype_code(topk_ids)
+    a.topk_ids_stride = strides(topk_ids, 2)
+    if expert_map is not None:  # vLLM's expert parallelism: global id -> local id or -1
+        a.expert_map, a.expert_map_len = expert_map.data_ptr(), expert_map.numel()
+    if out is not None:
+        a.out, a.out_stride = out.data_ptr(), strides(out, 2)
+    else:  # a contiguous output the op allocates
+        a.out, a.out_stride = 16, (ctypes.c_int64 * 2)(H, 1)
+    a.arch = arch
+    return a
+
+
+class Plan:
+    """A C plan (or why there is none) for one call layout."""
+
+    __slots__ = ("handle", "workspace_bytes", "reason")
+
+    def __init__(self, handle, workspace_bytes: int, reason: str):
+        self.handle, self.workspace_bytes, self.reason = handle, workspace_bytes, reason
+
+    def __del__(self):
+        if self.handle and _lib._lib is not None:
+            _lib._lib.opgraft_moe_plan_destroy(self.handle)
+
+
+_plans: dict = {}
+_plans_lock = threading.Lock()
+_MAX_PLANS = 1024
+
+
+def _layout_key(hidden, w13, w2, topk_weights, topk_ids, out, on_input, expert_map, activation):
+    return (hidden.shape, hidden.stride(), hidden.dtype, hidden.device, w13.shape, w13.stride(), w13.dtype,
+            w2.shape, w2.stride(), w2.dtype, topk_weights.shape, topk_weights.stride(), topk_weights.dtype,
+            topk_ids.shape, topk_ids.stride(), topk_ids.dtype, None if out is None else out.stride(),
+            bool(on_input), None if expert_map is None else (expert_map.numel(), expert_map.dtype), activation)
+
+
+def plan_for(hidden, w13, w2, topk_weights, topk_ids, out=None, apply_router_weight_on_input=False,
+             expert_map=None, activation="silu") -> Plan:
+    """The plan of this call's layout, made on first sight (the guard runs then, and only then)."""
+    key = _layout_key(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
+                      activation)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    if not hidden.is_cuda:
+        plan = Plan(None, 0, "tensors are not on a CUDA device")
+    else:
+        a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
+                     activation)
+        if a.dtype == -1:
+            plan = Plan(None, 0, "tensor shapes or devices are not those of fused_experts")
+        else:
+            handle = ctypes.c_void_p()
+            reason = ctypes.create_string_buffer(256)
+            with torch.cuda.device(hidden.device):
+                st = _lib.lib().opgraft_moe_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
+            if st == _lib.OK:
+                plan = Plan(handle.value, _lib.lib().opgraft_moe_plan_workspace_size(handle.value), "")
+            elif st == _lib.EUNSUPPORTED:
+                plan = Plan(None, 0, reason.value.decode(errors="replace"))
+            else:
+                _lib.check(st)
+    with _plans_lock:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def forget_plans() -> None:
+    """Drops every plan (they are re-made, with the tunables as they are now, at the next call)."""
+    with _plans_lock:
+        _plans.clear()
+
+
+def moe_supports(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
+                 expert_map=None, activation="silu") -> tuple[bool, str]:
+    """(True, "") if the kernel can take the call, else (False, reason)."""
+    plan = plan_for(hidden, w13, w2, topk_weights, topk_ids, None, apply_router_weight_on_input, expert_map,
+                    activation)
+    return plan.handle is not None, plan.reason
+
+
+def usable_workspace(t):
+    """A caller's scratch tensor as a flat byte view if it is contiguous and 16-byte aligned;
+    None otherwise (then the op allocates through torch's caching allocator)."""
+    if t is None or not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.data_ptr() % 16:
+        return None
+    return t.view(-1).view(torch.uint8) if t.numel() else None
+
+
+def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
+                     workspace=None, stages: int = STAGE_ALL, expert_map=None):
+    """Runs the kernel into out ([T, H], the hidden dtype). Raises OpgraftError if unsupported.
+    stages selects a part of the computation for profiling (the output is then incomplete).
+    expert_map (int32 [global experts]) maps topk_ids to the local experts of w13/w2 or -1."""
+    if stages != STAGE_ALL:
+        return _run_stages(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, workspace,
+                           stages, expert_map)
+    for _ in range(2):
+        plan = plan_for(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map)
+        if plan.handle is None:
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
+        need = plan.workspace_bytes
+        if workspace is None or workspace.numel() * workspace.element_size() < need or workspace.data_ptr() % 16:
+            workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device)
+        st = _lib.lib().opgraft_moe_plan_run(
+            plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
+            topk_ids.data_ptr(), None if expert_map is None else expert_map.data_ptr(), out.data_ptr(),
+            workspace.data_ptr(), current_stream(hidden.device))
+        if st != _lib.ESTALE:
+            _lib.check(st)
+            return out
+        forget_plans()  # the tunables changed (or the context): plan again, once
+    _lib.check(st)
+    return out
+
+
+def _run_stages(out, hidden, w13, w2, topk_weights, topk_ids, on_input, workspace, stages, expert_map):
+    a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, on_input, expert_map)
+    if a.dtype == -1:
+        raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensor shapes or devices are not those of fused_experts")
+    n = ctypes.c_size_t()
+    _lib.check(_lib.lib().opgraft_moe_workspace_size(ctypes.byref(a), ctypes.byref(n)))
+    need = n.value
+    if workspace is None or workspace.numel() * workspace.element_size() < need or workspace.data_ptr() % 16:
+        workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device)
+    _lib.check(_lib.lib().opgraft_moe_run_stages(ctypes.byref(a), workspace.data_ptr(), need,
+                                                 current_stream(hidden.device), stages))
+    return out
+
+
+@torch.library.custom_op("opgraft::moe_experts", mutates_args=())
+def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, apply_router_weight_on_input: bool = False) -> torch.Tensor:
+    """fused_experts for decode: SwiGLU experts after routing, summed with the router weights."""
+    out = torch.empty((hidden.shape[0], hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    return moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input)
+
+
+@moe_experts.register_fake
+def _(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False):
+    return hidden.new_empty((hidden.shape[0], hidden.shape[1]))
+
+
+def moe_reference_cpu(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
+                      expert_map=None) -> torch.Tensor:
+    """The C fp64 oracle on CPU tensors; returns float64 [T, H]."""
+    t = [x.cpu() for x in (hidden, w13, w2, topk_weights, topk_ids)]
+    emap = expert_map.cpu() if expert_map is not None else None
+    a = moe_args(*t, None, apply_router_weight_on_input, emap)
+    out = torch.empty((t[0].shape[0], t[0].shape[1]), dtype=torch.float64)
+    ptr = ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))
+    _lib.check(_lib.lib().opgraft_moe_reference(ctypes.byref(a), ptr))
+    return out

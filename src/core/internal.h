@@ -1,0 +1,242 @@
+/* Internal declarations of libopgraft's core (not installed), shared with the ops. Non-static
+ * internal names use the opgraft__ prefix. The core names no op: the ops register descriptors
+ * (og_op, below) in src/ops/ops.c. */
+#ifndef OPGRAFT_INTERNAL_H
+#define OPGRAFT_INTERNAL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "opgraft/opgraft.h"
+
+#if defined(__GNUC__)
+#define OG_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define OG_PRINTF(a, b)
+#endif
+
+/* ---- status.c ---- */
+/* Records a message for opgraft_last_error() and returns status. */
+int32_t opgraft__fail(int32_t status, const char *fmt, ...) OG_PRINTF(2, 3);
+void opgraft__log(int32_t level, const char *fmt, ...) OG_PRINTF(2, 3);
+/* Logs a warning only the first time this exact message is seen in the process. */
+void opgraft__warn_once(const char *fmt, ...) OG_PRINTF(1, 2);
+/* snprintf that always terminates and never overflows; returns dst. */
+char *opgraft__copy(char *dst, size_t len, const char *src);
+
+/* ---- hash.c ---- */
+typedef struct og_hash {
+  uint64_t a, b;
+} og_hash;
+void opgraft__hash_init(og_hash *h);
+void opgraft__hash_update(og_hash *h, const void *data, size_t len);
+/* Writes 32 hex digits and a terminator. */
+void opgraft__hash_hex(const og_hash *h, char out[33]);
+uint64_t opgraft__fnv1a64(const void *data, size_t len);
+
+/* ---- runtime.c: libcuda and libnvrtc through dlopen, with our own minimal declarations ---- */
+typedef int og_CUresult;
+typedef int og_CUdevice;
+typedef struct og_CUctx_st *og_CUcontext;
+typedef struct og_CUmod_st *og_CUmodule;
+typedef struct og_CUfunc_st *og_CUfunction;
+typedef struct og_CUstream_st *og_CUstream;
+typedef int og_nvrtcResult;
+typedef struct og_nvrtcProgram_st *og_nvrtcProgram;
+
+struct og_CUlaunchConfig;
+typedef struct og_cuda_api {
+  og_CUresult (*cuInit)(unsigned int);
+  og_CUresult (*cuDriverGetVersion)(int *);
+  og_CUresult (*cuCtxGetCurrent)(og_CUcontext *);
+  og_CUresult (*cuCtxGetDevice)(og_CUdevice *);
+  og_CUresult (*cuDeviceGetAttribute)(int *, int, og_CUdevice);
+  og_CUresult (*cuDeviceGetName)(char *, int, og_CUdevice);
+  og_CUresult (*cuModuleLoadData)(og_CUmodule *, const void *);
+  og_CUresult (*cuModuleGetFunction)(og_CUfunction *, og_CUmodule, const char *);
+  og_CUresult (*cuLaunchKernel)(og_CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                unsigned, unsigned, og_CUstream, void **, void **);
+  og_CUresult (*cuGetErrorString)(og_CUresult, const char **);
+  og_CUresult (*cuLaunchKernelEx)(const struct og_CUlaunchConfig *, og_CUfunction, void **, void **);
+  og_CUresult (*cuMemsetD32Async)(unsigned long long, unsigned int, size_t, og_CUstream);
+  og_CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int *, og_CUfunction, int, size_t);
+  og_CUresult (*cuFuncSetAttribute)(og_CUfunction, int, int);
+} og_cuda_api;
+
+/* CUlaunchAttribute / CUlaunchConfig as documented in the driver API (cuda.h, CUDA 12 and 13). */
+typedef struct og_CUlaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    char bytes[64];
+    int flag; /* the int-valued attributes: cooperative, programmaticStreamSerializationAllowed */
+    void *align;
+  } value;
+} og_CUlaunchAttribute;
+enum { OG_LAUNCH_ATTRIBUTE_COOPERATIVE = 2, OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
+typedef struct og_CUlaunchConfig {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+  og_CUstream stream;
+  og_CUlaunchAttribute *attrs;
+  unsigned num_attrs;
+} og_CUlaunchConfig;
+
+typedef struct og_nvrtc_api {
+  og_nvrtcResult (*nvrtcVersion)(int *, int *);
+  og_nvrtcResult (*nvrtcCreateProgram)(og_nvrtcProgram *, const char *, const char *, int,
+                                       const char *const *, const char *const *);
+  og_nvrtcResult (*nvrtcCompileProgram)(og_nvrtcProgram, int, const char *const *);
+  og_nvrtcResult (*nvrtcGetProgramLogSize)(og_nvrtcProgram, size_t *);
+  og_nvrtcResult (*nvrtcGetProgramLog)(og_nvrtcProgram, char *);
+  og_nvrtcResult (*nvrtcGetCUBINSize)(og_nvrtcProgram, size_t *);
+  og_nvrtcResult (*nvrtcGetCUBIN)(og_nvrtcProgram, char *);
+  og_nvrtcResult (*nvrtcDestroyProgram)(og_nvrtcProgram *);
+  const char *(*nvrtcGetErrorString)(og_nvrtcResult);
+} og_nvrtc_api;
+
+/* Return the loaded API, or NULL with the error recorded (opgraft_last_error). */
+const og_cuda_api *opgraft__cuda(void);
+const og_nvrtc_api *opgraft__nvrtc(void);
+/* NVRTC version as major*1000 + minor*10, 0 if not loaded. */
+int32_t opgraft__nvrtc_version(void);
+/* Checks a driver call; on failure records "what: CUDA error N (name)" and returns OPGRAFT_ECUDA. */
+int32_t opgraft__cu_check(og_CUresult r, const char *what);
+
+/* The current context's device: compute capability (major*10+minor) and name. */
+int32_t opgraft__current_device(og_CUcontext *ctx, int32_t *arch, char *name, size_t name_len);
+
+/* ---- jit.c ---- */
+typedef struct og_source {
+  const char *path; /* under kernels/, e.g. "moe/moe.cu" or "common/og_common.cuh" */
+  const char *name; /* the file name, as #include names it (unique over all folders) */
+  const char *text;
+} og_source;
+/* The embedded kernel sources (kernels_embed.c, generated at build time). */
+extern const og_source opgraft__sources[];
+extern const int opgraft__num_sources;
+/* By path ("moe/moe.cu"). */
+const og_source *opgraft__find_source(const char *path);
+
+typedef struct og_cubin {
+  char *data;
+  size_t size;
+  char *log; /* compiler log (resource report), may be NULL */
+} og_cubin;
+void opgraft__cubin_free(og_cubin *c);
+
+/* Compiles the source at `path` with the given options for sm_<arch>. Every embedded file is
+ * offered to NVRTC as a header by its name. */
+int32_t opgraft__compile(const char *path, const char *const *opts, int nopts, int32_t arch,
+                         og_cubin *out);
+/* Returns a cubin for (source, options, arch), with its compiler log: from memory, the disk cache,
+ * or a fresh compile written back to the disk cache. The key hashes the files under common/ and
+ * those in the source's own folder, so one op's kernels do not invalidate another's. */
+int32_t opgraft__cubin_cached(const char *path, const char *const *opts, int nopts, int32_t arch,
+                              og_cubin *out);
+/* Loads (once per context) the module for (source, options, arch) and resolves the functions. */
+int32_t opgraft__get_functions(const char *path, const char *const *opts, int nopts, int32_t arch,
+                               const char *const *fn_names, int nfn, og_CUfunction *fns);
+/* Options for one compile: a fixed array of formatted strings (the ops' configurations). */
+enum { OG_MAX_OPTS = 48, OG_OPT_LEN = 48 };
+typedef struct og_opts {
+  char buf[OG_MAX_OPTS][OG_OPT_LEN];
+  const char *ptr[OG_MAX_OPTS];
+  int n, overflow;
+} og_opts;
+void opgraft__opt(og_opts *o, const char *fmt, ...) OG_PRINTF(2, 3);
+/* 0, or an error (OPGRAFT_EINVAL, recorded) if the options did not fit. */
+int32_t opgraft__opts_check(const og_opts *o, const char *what);
+/* The options joined by spaces into buf (for describe functions). */
+int32_t opgraft__opts_join(const og_opts *o, char *buf, size_t len);
+/* Parses an NVRTC/ptxas verbose log for one entry function's resources. */
+int32_t opgraft__parse_resources(const char *log, const char *fn_name, opgraft_kernel_info *info);
+
+/* Cache file format, exposed for tests. A file holds the cubin and the compiler log. */
+int32_t opgraft__cache_path(const char *key, char *path, size_t len);
+int32_t opgraft__cache_store(const char *key, const og_cubin *c);
+int32_t opgraft__cache_load(const char *key, og_cubin *out);
+
+/* ---- json.c: a strict, small JSON reader for tune files ---- */
+typedef enum { OG_JSON_NULL, OG_JSON_BOOL, OG_JSON_NUMBER, OG_JSON_STRING, OG_JSON_ARRAY, OG_JSON_OBJECT } og_json_type;
+typedef struct og_json {
+  og_json_type type;
+  double number;
+  int boolean;
+  char *string;                /* OG_JSON_STRING's value */
+  struct og_json *child, *next; /* first element or member; next sibling */
+  char *key;                    /* member name when inside an object */
+} og_json;
+/* Parses text; on error returns NULL and writes "line L, column C: what" to err. */
+og_json *opgraft__json_parse(const char *text, size_t len, char *err, size_t err_len);
+void opgraft__json_free(og_json *j);
+const og_json *opgraft__json_get(const og_json *obj, const char *key);
+
+/* ---- abi.c: opgraft_abi_layout(), a JSON text built once ---- */
+typedef struct og_sbuf {
+  char *p;
+  size_t n, cap;
+  int failed, items, fields;
+} og_sbuf;
+void opgraft__sbuf_put(og_sbuf *b, const char *fmt, ...) OG_PRINTF(2, 3);
+void opgraft__abi_struct(og_sbuf *b, const char *name, size_t size);
+void opgraft__abi_field(og_sbuf *b, const char *name, size_t offset, size_t size);
+void opgraft__abi_end(og_sbuf *b);
+#define OG_ABI_STRUCT(b, type) opgraft__abi_struct((b), #type, sizeof(type))
+#define OG_ABI_FIELD(b, type, field) \
+  opgraft__abi_field((b), #field, offsetof(type, field), sizeof(((type *)0)->field))
+
+/* ---- tune.c and registry.c: tunables and the ops that own them ---- */
+typedef struct og_tunable {
+  const char *key; /* "<op>.<name>", e.g. "moe.down.warps" */
+  int64_t lo, hi;  /* the values the op accepts */
+  int64_t fallback; /* used when no row and no rule give a value */
+  const char *space; /* the tuner's candidates, e.g. "1 2 4 8 16" (NULL: the tuner leaves it alone) */
+} og_tunable;
+
+typedef struct og_tune_entry {
+  int32_t arch; /* 0 = any */
+  const char *gpu;
+  const char *shape;
+  int32_t tokens_lo, tokens_hi; /* 0, 0 = any */
+  const char *key;
+  int64_t value;
+  const char *why;
+} og_tune_entry;
+/* What an op tells the core (one descriptor an op, listed in src/ops/ops.c). */
+typedef struct og_op {
+  const char *name;       /* lower case, e.g. "moe"; its tunable keys start with "moe." */
+  const char *kernel_dir; /* its folder under kernels/, e.g. "moe" (NULL: no kernels) */
+  const og_tunable *tunables;
+  int ntunables;
+  const og_tune_entry *rows; /* the baked per-arch table; each row says why it holds */
+  int nrows;
+  /* The op's heuristics: a value for q->key derived from q's shape, arch and tokens, used when
+   * no row matches; returns 1 and sets *value, or 0 (no rule for that key). May be NULL. */
+  int (*rule)(const opgraft_tune_query *q, int64_t *value);
+  /* Writes the op's public structs into the layout (OG_ABI_STRUCT / OG_ABI_FIELD). May be NULL. */
+  void (*abi)(struct og_sbuf *b);
+} og_op;
+
+/* src/ops/ops.c: every op, NULL-terminated. */
+extern const og_op *const opgraft__op_list[];
+/* The ops whose descriptors are valid (checked at first use; a refused one warns once). */
+const og_op *const *opgraft__ops(int *n);
+/* Checks a descriptor: its name, kernel folder, keys (prefix, ranges, fallbacks, no duplicate
+ * among themselves or with the earlier ops) and rows (known keys, values in range, token ranges).
+ * Returns 0, or -1 with err written. */
+int opgraft__op_check(const og_op *op, const og_op *const *earlier, int nearlier, char *err, size_t len);
+/* The tunable named key among the valid ops, and its op (may be NULL); NULL if unknown. */
+const og_tunable *opgraft__find_tunable(const char *key, const og_op **op);
+/* Is the op registered (its descriptor valid)? */
+int opgraft__op_ok(const og_op *op);
+
+/* Bumped by opgraft_tune_reload/set/clear: plans made before are stale. */
+uint32_t opgraft__tune_generation(void);
+/* Convenience: resolves key (0 with a warning for an unknown key). */
+int64_t opgraft__tune_value(const char *key, int32_t arch, const char *gpu, const char *shape,
+                            int32_t tokens);
+/* The row among rows[0..n) that matches q best (most specific, then the later), or -1. */
+int opgraft__best_row(const og_tune_entry *rows, int n, const opgraft_tune_query *q);
+
+#endif

@@ -1,0 +1,144 @@
+/* The MoE op's configuration: tunables (rows, rules) -> the kernels' compile-time constants,
+ * clamped to what compiles without spills; the compile options; describe and compile report. */
+#include <stdio.h>
+#include <string.h>
+
+#include "moe.h"
+
+/* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
+ * operand registers of one k-step group under what compiles without spills (checked by the
+ * compile tests for every token tile count). */
+void opgraft__moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c) {
+  char shape[128];
+  opgraft__moe_shape_key(a, shape, sizeof shape);
+  const int32_t T = (int32_t)a->num_tokens;
+  c->nt = T <= 0 ? 1 : (T + 7) / 8;
+  c->w1 = (int)opgraft__tune_value("moe.gate_up.warps", arch, gpu, shape, T);
+  c->u1 = (int)opgraft__tune_value("moe.gate_up.unroll", arch, gpu, shape, T);
+  c->w2 = (int)opgraft__tune_value("moe.down.warps", arch, gpu, shape, T);
+  c->u2 = (int)opgraft__tune_value("moe.down.unroll", arch, gpu, shape, T);
+  c->fused = opgraft__tune_value("moe.fused", arch, gpu, shape, T) != 0;
+  const int64_t f = opgraft__tune_value("moe.l2_fetch", arch, gpu, shape, T);
+  c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
+  c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
+  c->down_early = c->pdl && opgraft__tune_value("moe.down.early", arch, gpu, shape, T) != 0;
+  c->pdl_in = arch >= 90 && opgraft__tune_value("moe.pdl_in", arch, gpu, shape, T) != 0;
+  c->trace = opgraft__moe_trace_on();
+  /* Forms 1 and 4 exist (og_common.cuh); any other value reads as 4. */
+  c->load = opgraft__tune_value("moe.load", arch, gpu, shape, T) == 1 ? 1 : 4;
+  /* sm_90 only: on sm_80 form 4 makes Mixtral-8x7B's down spill (test_compile), so down keeps
+   * form 1 there. */
+  c->down_load = arch >= 90 && opgraft__tune_value("moe.down_load", arch, gpu, shape, T) == 4 ? 4 : 1;
+  /* gate_up's one-pass token tiles: fewer than the call's only for the two kernels (the fused
+   * kernel's stages share one reduction buffer and one register budget). */
+  const int64_t gnt = opgraft__tune_value("moe.gate_up.nt", arch, gpu, shape, T);
+  c->gu_nt = !c->fused && gnt >= 1 && gnt < c->nt ? (int)gnt : c->nt;
+  c->gu_one = T == 1 && opgraft__tune_value("moe.gate_up.one_token", arch, gpu, shape, T) != 0;
+  c->down_one = T == 1 && opgraft__tune_value("moe.down.one_token", arch, gpu, shape, T) != 0;
+  const int small = T >= 1 && (int64_t)T * a->top_k <= 32;
+  c->gu_slots = small && opgraft__tune_value("moe.gate_up.slot_routing", arch, gpu, shape, T) != 0;
+  c->down_warp = small && opgraft__tune_value("moe.down.warp_routing", arch, gpu, shape, T) != 0;
+  while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
+  while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
+  /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
+  if ((c->gu_nt >= 2 || c->fused) && c->w1 > 8) c->w1 = 8; /* fused: one block of <= 256 threads */
+  if (c->nt >= 2 && c->w2 > 8) c->w2 = 8;
+  while (c->u1 > 1 && c->u1 * (4 + c->gu_nt) > 24) c->u1--; /* 16-byte operands per k-step group */
+  /* One token tile only (more need the registers), and at least 128 registers a thread; with
+   * gate_up.nt 1 at up to 16 tokens the second path (two tiles, one k-step) fits in those too. */
+  c->gu_min_blocks = c->gu_nt == 1 && c->nt <= 2
+                         ? (int)opgraft__tune_value("moe.gate_up.min_blocks", arch, gpu, shape, T)
+                         : 0;
+  while (c->gu_min_blocks > 1 && c->gu_min_blocks * c->w1 > 16) c->gu_min_blocks--;
+  while (c->u2 > 1 && c->u2 * (2 + c->nt) > (c->nt >= 2 ? 20 : 24)) c->u2--;
+  /* down's minimum: at least 128 registers a thread (16 warps an SM), up to two token tiles. */
+  c->down_min_blocks = c->nt <= 2 ? (int)opgraft__tune_value("moe.down.min_blocks", arch, gpu, shape, T) : 0;
+  while (c->down_min_blocks > 1 && c->down_min_blocks * c->w2 > 16) c->down_min_blocks--;
+  if (c->down_min_blocks < 2) c->down_min_blocks = 0; /* one block an SM is the default rule's */
+}
+
+/* Compile options for one configuration. */
+int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_opts *o) {
+  memset(o, 0, sizeof *o);
+#define OG_OPT(...) opgraft__opt(o, __VA_ARGS__)
+  OG_OPT("-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
+  OG_OPT("-DOG_IDS64=%d", a->topk_ids_dtype == OPGRAFT_DTYPE_INT64);
+  OG_OPT("-DOG_EMAP=%d", a->expert_map != NULL);
+  OG_OPT("-DOG_H=%lld", (long long)a->hidden);
+  OG_OPT("-DOG_I=%lld", (long long)a->inter);
+  OG_OPT("-DOG_E=%lld", (long long)a->num_experts);
+  OG_OPT("-DOG_K=%lld", (long long)a->top_k);
+  OG_OPT("-DOG_NT=%d", c->nt);
+  OG_OPT("-DOG_GU_NT=%d", c->gu_nt);
+  OG_OPT("-DOG_W1=%d", c->w1);
+  OG_OPT("-DOG_U1=%d", c->u1);
+  OG_OPT("-DOG_W2=%d", c->w2);
+  OG_OPT("-DOG_U2=%d", c->u2);
+  OG_OPT("-DOG_ON_INPUT=%d", a->apply_router_weight_on_input ? 1 : 0);
+  OG_OPT("-DOG_L2_FETCH=%d", c->l2_fetch);
+  OG_OPT("-DOG_PDL=%d", c->pdl);
+  OG_OPT("-DOG_DOWN_EARLY=%d", c->down_early);
+  OG_OPT("-DOG_PDL_IN=%d", c->pdl_in);
+  OG_OPT("-DOG_GU_ONE=%d", c->gu_one);
+  OG_OPT("-DOG_DOWN_ONE=%d", c->down_one);
+  OG_OPT("-DOG_GU_SLOTS=%d", c->gu_slots);
+  OG_OPT("-DOG_DOWN_WARP=%d", c->down_warp);
+  if (c->trace) OG_OPT("-DOG_TRACE=1");
+  OG_OPT("-DOG_LOAD=%d", c->load);
+  OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
+  OG_OPT("-DOG_GU_MIN_BLOCKS=%d", c->gu_min_blocks);
+  OG_OPT("-DOG_DOWN_MIN_BLOCKS=%d", c->down_min_blocks);
+#undef OG_OPT
+  return opgraft__opts_check(o, "MoE");
+}
+
+void opgraft__moe_fn_names(int32_t dtype, char names[OG_MOE_KERNELS][64]) {
+  const char *sfx = dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16";
+  snprintf(names[0], 64, "moe_gate_up_%s", sfx);
+  snprintf(names[1], 64, "moe_down_%s", sfx);
+  snprintf(names[2], 64, "moe_fused_%s", sfx);
+}
+
+/* The shape checks a compile-only call needs (no device). */
+static int32_t compile_check(const opgraft_moe_args *a, const char *what) {
+  if (!a || a->struct_size < sizeof *a) return opgraft__fail(OPGRAFT_EINVAL, "%s: bad arguments", what);
+  if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "dtype %s has no kernel", opgraft__moe_dtype_name(a->dtype));
+  if (a->hidden % 32 || a->inter % 32 || a->hidden <= 0 || a->inter <= 0 || a->num_experts < 1 ||
+      a->top_k < 1 || a->top_k > OG_MOE_MAX_TOPK || a->num_tokens < 1 || a->num_tokens > OG_MOE_MAX_TOKENS)
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "shape outside the kernel's limits");
+  if (!opgraft__op_ok(&opgraft__moe_op)) return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the MoE op is not registered");
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft_moe_describe(const opgraft_moe_args *a, int32_t arch, char *buf, size_t buf_len) {
+  int32_t st = compile_check(a, "opgraft_moe_describe");
+  if (st) return st;
+  og_moe_cfg cfg;
+  opgraft__moe_config(a, arch, a->gpu_name, &cfg);
+  og_opts o;
+  if ((st = opgraft__moe_options(a, &cfg, &o))) return st;
+  return opgraft__opts_join(&o, buf, buf_len);
+}
+
+int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgraft_kernel_info *out,
+                                   int32_t cap, int32_t *count) {
+  if (!count || (cap > 0 && !out)) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_compile_report: bad arguments");
+  int32_t st = compile_check(a, "opgraft_moe_compile_report");
+  if (st) return st;
+  og_moe_cfg cfg;
+  opgraft__moe_config(a, arch, a->gpu_name, &cfg);
+  og_opts o;
+  if ((st = opgraft__moe_options(a, &cfg, &o))) return st;
+  /* Through the cache: the compiler log is kept with the cubin, so a report needs no recompile. */
+  og_cubin cub;
+  if ((st = opgraft__cubin_cached(OG_MOE_SOURCE, o.ptr, o.n, arch, &cub))) return st;
+  char names[OG_MOE_KERNELS][64];
+  opgraft__moe_fn_names(a->dtype, names);
+  /* The fused kernel is reported (third) only when the configuration selects it. */
+  const int n = cfg.fused ? 3 : 2;
+  *count = n;
+  for (int i = 0; i < n && i < cap && st == OPGRAFT_OK; ++i) st = opgraft__parse_resources(cub.log, names[i], &out[i]);
+  opgraft__cubin_free(&cub);
+  return st;
+}

@@ -1,0 +1,63 @@
+/* The MoE op's rules: tunable values derived from the shape, the GPU and the token count, used
+ * wherever no baked row (table.c) matches. Measured on sm_90 (H200); other archs take the same
+ * tile rules, unmeasured, and hand every call of more than one token back to vLLM.
+ *
+ * Where each rule comes from (bench/NOTES.md has the runs):
+ * - moe.max_tokens 8 on sm_90: end to end in vLLM 0.26 our kernel up to 8 tokens won on
+ *   Qwen3-30B-A3B (ITL batch 1 4.115 -> 3.723 ms, batch 8 floor 9.112 -> 8.904), its tp2 and ep2
+ *   per-rank shapes and Mixtral-8x7B (batch 1..8 -1.3..-5.8%); op level against vLLM's kernel on
+ *   Qwen3-235B-A22B and Kimi-K2 (1.03-1.15x at T <= 8) and on public shapes that are not presets
+ *   (1.00-1.20x at T 1..8, 0.72-0.87x at 16). At 10 or more tokens vLLM's kernel wins on most
+ *   shapes (0.94-0.97x), so 8 is where the rule stops.
+ * - gate_up warps: a warp should stream about 16 k-steps of 32 over H: 4 warps for H <= 2048
+ *   (Qwen3-30B-A3B: 4 warps T=1 24.1 us, 8 warps 25.0), 8 above (Qwen3-235B-A22B, Kimi-K2,
+ *   Mixtral-8x7B: 8 won at T <= 8).
+ * - down warps: about 2048 warps over the call's H/16 blocks, a power of two in 4..16
+ *   (Qwen3-30B-A3B, 128 blocks: 16 won; Kimi-K2, 448 blocks: 4 won, T=1 down 65.9 -> 57.0 us;
+ *   Mixtral-8x7B and Qwen3-235B-A22B, 256 blocks: 8).
+ * - gate_up's launch-bounds minimum 4 blocks (clamped to 16 warps an SM): never lost at T <= 8 on
+ *   7 shapes (v13). Both stages 4 k-steps in flight. L2 fetch 128 B (Kimi-K2 T=8 1590 -> 1223 us).
+ * - One token: the one-slot gate_up and per-warp down routing (v18: every preset 0.5-1.2 us
+ *   faster). 2..4 tokens: routing by slot in both stages (v19: every preset faster; Mixtral-8x7B
+ *   lost at 8 and 16 tokens, where T*k still fits 32 slots). */
+#include <stdio.h>
+#include <string.h>
+
+#include "moe.h"
+
+int opgraft__moe_parse_shape(const char *shape, og_moe_shape *s) {
+  char dt[8];
+  long long E, H, I, k;
+  if (!shape || sscanf(shape, "moe:%7[a-z0-9]:E%lld:H%lld:I%lld:k%lld", dt, &E, &H, &I, &k) != 5) return 0;
+  if (E < 1 || H < 1 || I < 1 || k < 1) return 0;
+  s->E = E, s->H = H, s->I = I, s->k = k;
+  return 1;
+}
+
+static int64_t pow2_floor(int64_t v) {
+  int64_t p = 1;
+  while (p * 2 <= v) p *= 2;
+  return p;
+}
+
+int opgraft__moe_rule(const opgraft_tune_query *q, int64_t *value) {
+  const char *key = q->key;
+  const int32_t T = q->tokens;
+  if (strcmp(key, "moe.max_tokens") == 0) return *value = q->arch == 90 ? 8 : 1, 1;
+  if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 4, 1;
+  if (strcmp(key, "moe.gate_up.min_blocks") == 0) return *value = 4, 1;
+  if (strcmp(key, "moe.l2_fetch") == 0) return *value = 128, 1;
+  if (strcmp(key, "moe.gate_up.one_token") == 0 || strcmp(key, "moe.down.one_token") == 0)
+    return *value = T == 1, 1;
+  if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)
+    return *value = T >= 2 && T <= 4, 1;
+  og_moe_shape s;
+  if (!opgraft__moe_parse_shape(q->shape, &s)) return 0;
+  if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s.H <= 2048 ? 4 : 8, 1;
+  if (strcmp(key, "moe.down.warps") == 0) {
+    int64_t w = 2048 / (s.H / 16 > 0 ? s.H / 16 : 1);
+    w = w < 4 ? 4 : w > 16 ? 16 : w;
+    return *value = pow2_floor(w), 1;
+  }
+  return 0;
+}

@@ -1,0 +1,264 @@
+/* The MoE op's plans and launches: a plan resolves the guard, the tunables and the compiled
+ * kernels once per (shape, dtypes, strides, flags, GPU); a run fills the pointers and enqueues. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../../kernels/moe/moe_params.h"
+#include "moe.h"
+
+struct opgraft_moe_plan {
+  og_CUcontext ctx;
+  uint32_t tune_gen;
+  opgraft_moe_args args; /* the arguments the plan was made for, pointers cleared */
+  int32_t arch;
+  og_moe_cfg cfg;
+  og_CUfunction fn[OG_MOE_KERNELS];
+  unsigned fused_grid; /* blocks of moe_fused that fit on the GPU at once (cooperative launch) */
+  unsigned grid1, grid2;
+  size_t workspace;
+  og_moe_params proto; /* strides and sizes; a run adds the pointers */
+};
+
+/* A 1-D launch with one int-valued launch attribute set to 1 (cooperative, programmatic
+ * stream serialization). */
+static int32_t launch_flagged(const og_cuda_api *cu, og_CUfunction fn, unsigned grid, unsigned threads,
+                              og_CUstream s, int attr_id, void **params, const char *what) {
+  og_CUlaunchAttribute attr;
+  memset(&attr, 0, sizeof attr);
+  attr.id = attr_id;
+  attr.value.flag = 1;
+  og_CUlaunchConfig lc = {grid, 1, 1, threads, 1, 1, 0, s, &attr, 1};
+  return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, fn, params, NULL), what);
+}
+
+/* How many blocks of a cooperative kernel can be resident at once: its grid. */
+static int32_t fused_capacity(const og_cuda_api *cu, og_CUfunction fn, int threads, unsigned *grid) {
+  enum { OG_ATTR_SM_COUNT = 16 }; /* CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT */
+  og_CUdevice dev = 0;
+  int per_sm = 0, sms = 0;
+  int32_t st = opgraft__cu_check(cu->cuCtxGetDevice(&dev), "cuCtxGetDevice");
+  if (!st) st = opgraft__cu_check(cu->cuDeviceGetAttribute(&sms, OG_ATTR_SM_COUNT, dev), "cuDeviceGetAttribute");
+  if (!st)
+    st = opgraft__cu_check(cu->cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, 0),
+                           "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (st) return st;
+  if (per_sm < 1) return opgraft__fail(OPGRAFT_ECUDA, "a cooperative MoE kernel cannot be resident on this GPU");
+  *grid = (unsigned)(per_sm * sms);
+  return OPGRAFT_OK;
+}
+
+static int32_t current_ctx(const og_cuda_api **cu, og_CUcontext *ctx) {
+  if (!(*cu = opgraft__cuda())) return OPGRAFT_ENOLIB;
+  int32_t st = opgraft__cu_check((*cu)->cuCtxGetCurrent(ctx), "cuCtxGetCurrent");
+  if (st) return st;
+  if (!*ctx) return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread");
+  return OPGRAFT_OK;
+}
+
+#define OG_REASON_FAIL(st) opgraft__fail(st, "MoE call not supported: %s", reason)
+
+int32_t opgraft_moe_plan_create(const opgraft_moe_args *a, opgraft_moe_plan **out, char *reason, size_t reason_len) {
+  char local[256];
+  if (!reason || !reason_len) reason = local, reason_len = sizeof local;
+  reason[0] = 0;
+  if (!out) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_create: no plan pointer");
+  *out = NULL;
+  if (!opgraft__op_ok(&opgraft__moe_op)) {
+    snprintf(reason, reason_len, "the MoE op is not registered (its descriptor was refused)");
+    return OG_REASON_FAIL(OPGRAFT_EUNSUPPORTED);
+  }
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  int32_t st = current_ctx(&cu, &ctx);
+  if (st) return st;
+  if ((st = opgraft__moe_check_static(a, reason, reason_len))) return OG_REASON_FAIL(st);
+  char gpu[256] = "";
+  int32_t arch = 0;
+  const uint32_t gen = opgraft__tune_generation();
+  if ((st = opgraft__moe_check_device(a, &arch, gpu, sizeof gpu, reason, reason_len))) return OG_REASON_FAIL(st);
+
+  opgraft_moe_plan *p = calloc(1, sizeof *p);
+  if (!p) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
+  p->ctx = ctx, p->tune_gen = gen, p->arch = arch, p->args = *a;
+  p->args.hidden_states = p->args.w13 = p->args.w2 = p->args.topk_weights = p->args.topk_ids = NULL;
+  p->args.expert_map = a->expert_map ? (const void *)1 : NULL; /* only whether there is one */
+  p->args.out = NULL, p->args.gpu_name = NULL;
+  opgraft__moe_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
+  og_opts o;
+  char names[OG_MOE_KERNELS][64];
+  opgraft__moe_fn_names(a->dtype, names);
+  const char *np[OG_MOE_KERNELS] = {names[0], names[1], names[2]};
+  if (!(st = opgraft__moe_options(a, &p->cfg, &o)))
+    st = opgraft__get_functions(OG_MOE_SOURCE, o.ptr, o.n, arch, np, p->cfg.fused ? 3 : 2, p->fn);
+  if (!st && p->cfg.fused) st = fused_capacity(cu, p->fn[2], 32 * p->cfg.w1, &p->fused_grid);
+  if (st) {
+    free(p);
+    return st;
+  }
+  const int64_t used_max = a->num_tokens * a->top_k < a->num_experts ? a->num_tokens * a->top_k : a->num_experts;
+  /* gate_up's blocks: (used expert, tile), or (routing slot, tile) with the slot routing */
+  const int64_t gu_rows = p->cfg.gu_slots ? a->num_tokens * a->top_k : used_max;
+  p->grid1 = (unsigned)(gu_rows * (a->inter / 16));
+  p->grid2 = (unsigned)(a->hidden / 16);
+  opgraft_moe_workspace_size(a, &p->workspace);
+  og_moe_params *q = &p->proto;
+  q->x_stride = a->hidden_states_stride[0];
+  q->w13_estride = a->w13_stride[0], q->w13_rstride = a->w13_stride[1];
+  q->w2_estride = a->w2_stride[0], q->w2_rstride = a->w2_stride[1];
+  q->topk_w_stride = a->topk_weights_stride[0], q->topk_ids_stride = a->topk_ids_stride[0];
+  q->out_stride = a->out_stride[0];
+  q->T = (int)a->num_tokens;
+  q->emap_len = a->expert_map ? (int)a->expert_map_len : 0;
+  if (p->cfg.trace) q->trace_blocks = (int)opgraft__moe_trace_blocks(a);
+  *out = p;
+  return OPGRAFT_OK;
+}
+
+void opgraft_moe_plan_destroy(opgraft_moe_plan *p) { free(p); }
+
+size_t opgraft_moe_plan_workspace_size(const opgraft_moe_plan *p) { return p ? p->workspace : 0; }
+
+/* Enqueues the stages of a plan with its parameters filled in. */
+static int32_t launch(const og_cuda_api *cu, const opgraft_moe_plan *plan, og_moe_params *p, void *workspace,
+                      og_CUstream s, uint32_t stages) {
+  const opgraft_moe_args *a = &plan->args;
+  const size_t act = opgraft__moe_act_bytes(a);
+  p->act = workspace;
+  if (plan->cfg.trace) p->trace = (unsigned long long *)((char *)workspace + act + 256u);
+  void *params[] = {p};
+  int32_t st;
+  if (plan->cfg.fused && stages == OPGRAFT_MOE_STAGE_ALL) {
+    /* One cooperative launch: every block is resident, so the grid-wide barrier cannot hang. */
+    const unsigned long long counter = (unsigned long long)(uintptr_t)workspace + act;
+    p->sync = (unsigned *)(uintptr_t)counter;
+    const unsigned want = plan->grid1 > plan->grid2 ? plan->grid1 : plan->grid2;
+    const unsigned grid = want < plan->fused_grid ? want : plan->fused_grid;
+    if ((st = opgraft__cu_check(cu->cuMemsetD32Async(counter, 0u, 1, s), "cuMemsetD32Async (moe_fused counter)")))
+      return st;
+    return launch_flagged(cu, plan->fn[2], grid, 32u * (unsigned)plan->cfg.w1, s, OG_LAUNCH_ATTRIBUTE_COOPERATIVE,
+                          params, "launch moe_fused (cooperative)");
+  }
+  if (stages & OPGRAFT_MOE_STAGE_GATE_UP) {
+    /* With moe.pdl_in gate_up may start while the stream's previous kernel ends; it waits
+     * (griddepcontrol.wait) before it reads or writes anything. */
+    const unsigned t1 = 32u * (unsigned)plan->cfg.w1;
+    st = plan->cfg.pdl_in ? launch_flagged(cu, plan->fn[0], plan->grid1, t1, s,
+                                           OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, params,
+                                           "launch moe_gate_up (programmatic dependent launch)")
+                          : opgraft__cu_check(cu->cuLaunchKernel(plan->fn[0], plan->grid1, 1, 1, t1, 1, 1, 0, s, params, NULL),
+                                              "launch moe_gate_up");
+    if (st) return st;
+  }
+  if (!(stages & OPGRAFT_MOE_STAGE_DOWN)) return OPGRAFT_OK;
+  const unsigned t2 = 32u * (unsigned)plan->cfg.w2;
+  if (plan->cfg.pdl && (stages & OPGRAFT_MOE_STAGE_GATE_UP)) {
+    /* moe_down may start while moe_gate_up's blocks still run; it waits (griddepcontrol.wait)
+     * before it touches what gate_up writes or reads. */
+    return launch_flagged(cu, plan->fn[1], plan->grid2, t2, s, OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                          params, "launch moe_down (programmatic dependent launch)");
+  }
+  return opgraft__cu_check(cu->cuLaunchKernel(plan->fn[1], plan->grid2, 1, 1, t2, 1, 1, 0, s, params, NULL),
+                           "launch moe_down");
+}
+
+int32_t opgraft_moe_plan_run(const opgraft_moe_plan *plan, const void *x, const void *w13, const void *w2,
+                             const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
+                             void *workspace, void *stream) {
+  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run: no plan");
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  int32_t st = current_ctx(&cu, &ctx);
+  if (st) return st;
+  if (ctx != plan->ctx || plan->tune_gen != opgraft__tune_generation())
+    return opgraft__fail(OPGRAFT_ESTALE, "MoE plan made under %s: make a new one",
+                         ctx != plan->ctx ? "another CUDA context" : "other tunables");
+  const opgraft_moe_args *a = &plan->args;
+  if (a->num_tokens == 0) return OPGRAFT_OK;
+  const int ids64 = a->topk_ids_dtype == OPGRAFT_DTYPE_INT64;
+  if (!x || !w13 || !w2 || !topk_weights || !topk_ids || !out || !workspace || !expert_map != !a->expert_map)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run: a NULL pointer (or expert_map unlike the plan's)");
+  if ((((uintptr_t)x | (uintptr_t)w13 | (uintptr_t)w2 | (uintptr_t)workspace) & 15u) || ((uintptr_t)out & 1u) ||
+      ((uintptr_t)topk_weights & 3u) || ((uintptr_t)topk_ids & (ids64 ? 7u : 3u)) || ((uintptr_t)expert_map & 3u))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run: a pointer is misaligned");
+  og_moe_params p = plan->proto;
+  p.x = x, p.w13 = w13, p.w2 = w2, p.topk_w = topk_weights, p.topk_ids = topk_ids, p.out = out;
+  p.emap = (const int *)expert_map;
+  return launch(cu, plan, &p, workspace, (og_CUstream)stream, OPGRAFT_MOE_STAGE_ALL);
+}
+
+/* ---- the argument-struct entry points, through plans cached here ---- */
+
+#define OG_PLANS 128
+static opgraft_moe_plan *plans[OG_PLANS];
+static int nplans, next_evict;
+static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Do two argument sets give the same plan? Strides are not compared: these entry points take
+ * them from each call's arguments. */
+static int same_plan(const opgraft_moe_args *p, const opgraft_moe_args *q) {
+  return p->dtype == q->dtype && p->activation == q->activation &&
+         !p->apply_router_weight_on_input == !q->apply_router_weight_on_input && p->num_tokens == q->num_tokens &&
+         p->hidden == q->hidden && p->inter == q->inter && p->num_experts == q->num_experts && p->top_k == q->top_k &&
+         p->topk_ids_dtype == q->topk_ids_dtype && !p->expert_map == !q->expert_map &&
+         p->expert_map_len == q->expert_map_len && p->arch == q->arch;
+}
+
+int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream,
+                               uint32_t stages) {
+  char reason[256];
+  if (stages == 0 || (stages & ~(uint32_t)OPGRAFT_MOE_STAGE_ALL))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_run_stages: bad stage mask %u", stages);
+  int32_t st;
+  if ((st = opgraft__moe_check_static(a, reason, sizeof reason)) ||
+      (st = opgraft__moe_check_pointers(a, reason, sizeof reason)))
+    return opgraft__fail(st, "MoE call not supported: %s", reason);
+  size_t need = 0;
+  opgraft_moe_workspace_size(a, &need);
+  if (a->num_tokens == 0) return OPGRAFT_OK;
+  if (!workspace || workspace_bytes < need)
+    return opgraft__fail(OPGRAFT_EINVAL, "workspace of %zu bytes given, %zu needed", workspace_bytes, need);
+  if ((uintptr_t)workspace & 15u) return opgraft__fail(OPGRAFT_EINVAL, "workspace not 16-byte aligned");
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  if ((st = current_ctx(&cu, &ctx))) return st;
+
+  const uint32_t gen = opgraft__tune_generation();
+  opgraft_moe_plan local, *plan = NULL; /* a copy: the cached one may be evicted meanwhile */
+  pthread_mutex_lock(&plan_lock);
+  for (int i = 0; i < nplans && !plan; ++i)
+    if (plans[i]->ctx == ctx && plans[i]->tune_gen == gen && same_plan(&plans[i]->args, a))
+      local = *plans[i], plan = &local;
+  pthread_mutex_unlock(&plan_lock);
+  if (!plan) {
+    opgraft_moe_plan *made = NULL;
+    if ((st = opgraft_moe_plan_create(a, &made, reason, sizeof reason))) return st;
+    local = *made, plan = &local;
+    pthread_mutex_lock(&plan_lock);
+    if (nplans < OG_PLANS) {
+      plans[nplans++] = made;
+    } else {
+      free(plans[next_evict]);
+      plans[next_evict] = made;
+      next_evict = (next_evict + 1) % OG_PLANS;
+    }
+    pthread_mutex_unlock(&plan_lock);
+  }
+  if (plan->cfg.trace && workspace_bytes < need) /* a workspace sized before OPGRAFT_TRACE was set */
+    return opgraft__fail(OPGRAFT_EINVAL, "workspace too small for the trace records");
+  og_moe_params p = plan->proto;
+  p.x = a->hidden_states, p.w13 = a->w13, p.w2 = a->w2;
+  p.topk_w = a->topk_weights, p.topk_ids = a->topk_ids, p.out = a->out;
+  p.x_stride = a->hidden_states_stride[0];
+  p.w13_estride = a->w13_stride[0], p.w13_rstride = a->w13_stride[1];
+  p.w2_estride = a->w2_stride[0], p.w2_rstride = a->w2_stride[1];
+  p.topk_w_stride = a->topk_weights_stride[0], p.topk_ids_stride = a->topk_ids_stride[0];
+  p.out_stride = a->out_stride[0];
+  p.emap = (const int *)a->expert_map;
+  return launch(cu, plan, &p, workspace, (og_CUstream)stream, stages);
+}
+
+int32_t opgraft_moe_run(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream) {
+  return opgraft_moe_run_stages(a, workspace, workspace_bytes, stream, OPGRAFT_MOE_STAGE_ALL);
+}

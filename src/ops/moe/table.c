@@ -1,0 +1,121 @@
+/* The MoE op's tunable keys and its baked per-arch rows, and its descriptor for the core's
+ * registry. `opgraft tune --inject` rewrites the rows between the markers; each row says why it
+ * holds. Rows match like tune-file entries (src/core/tune.c); where none matches, the rule in
+ * heuristics.c decides from the shape. Rows exist only where a measurement beat that rule. */
+#include "moe.h"
+
+/* Ranges are what the kernels accept; the fallback applies only where neither a row nor the rule
+ * gives a value; the last field is what `opgraft tune` tries (the kernels clamp what would not
+ * fit). moe.max_tokens (a hand-back threshold from end-to-end runs) and moe.expert_map (a switch)
+ * are not speed choices the tuner makes. */
+static const og_tunable tunables[] = {
+    {"moe.max_tokens", 0, 64, 1, NULL},
+    {"moe.gate_up.warps", 1, 16, 8, "1 2 4 8 16"},
+    {"moe.gate_up.unroll", 1, 8, 4, "1 2 4"},
+    {"moe.gate_up.min_blocks", 0, 4, 0, "0 1 2 4"},
+    {"moe.gate_up.nt", 0, 8, 0, "0 1"},
+    {"moe.gate_up.one_token", 0, 1, 0, "0 1"},
+    {"moe.gate_up.slot_routing", 0, 1, 0, "0 1"},
+    {"moe.down.warps", 1, 16, 8, "2 4 8 16"},
+    {"moe.down.unroll", 1, 8, 4, "1 2 4 8"},
+    {"moe.down.min_blocks", 0, 4, 0, "0 2 4"},
+    {"moe.down.early", 0, 1, 0, "0 1"},
+    {"moe.down.one_token", 0, 1, 0, "0 1"},
+    {"moe.down.warp_routing", 0, 1, 0, "0 1"},
+    {"moe.fused", 0, 1, 0, "0 1"},
+    {"moe.l2_fetch", 0, 256, 0, "0 128 256"},
+    {"moe.expert_map", 0, 1, 1, NULL},
+    {"moe.pdl", 0, 1, 0, "0 1"},
+    {"moe.pdl_in", 0, 1, 0, "0 1"},
+    {"moe.load", 1, 4, 4, "4 1"},
+    {"moe.down_load", 1, 4, 1, "1 4"},
+};
+
+static const og_tune_entry rows[] = {
+    /* BEGIN TUNED ROWS */
+    /* Kimi-K2 takes more tokens than the rule's 8: op level against vLLM's own kernel in the same
+     * run (64 MiB of other reads between calls); it loses from 14 tokens on. */
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 0, 0, "moe.max_tokens", 12, "H200 2026-11-30 op level vs vLLM 0.26's kernel, Kimi-K2: T=1/2/4/8 1.11/1.06/1.05/1.10x (164.8 vs 183.0 us at T=1, 1118.8 vs 1232.9 at T=8), T=10/12 1.05/1.06x, T=14/16 0.94x"},
+    /* gate_up's loads with L2's evict_first hint, measured at one shape and token count. */
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 1, "moe.load", 1, "H200 2026-11-30 descent from the shipped rows (gate_up 4 warps, min blocks 4), 64 MiB between calls: Qwen3-30B-A3B T=1 24.0 -> 23.6 us with load form 1 instead of 4"},
+    /* Per-rank shapes under tensor parallelism 8: one cooperative kernel wins where calls are small. */
+    {90, NULL, "moe:bf16:E384:H7168:I256:k8", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Kimi-K2/tp8 T=1 38.2 -> 29.9 us, T=8 171.1 -> 155.9 us"},
+    {90, NULL, "moe:bf16:E8:H4096:I1792:k2", 0, 0, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Mixtral-8x7B/tp8 T=1 31.0 -> 28.5 us, T=8 85.0 -> 80.0 us"},
+    {90, NULL, "moe:bf16:E128:H2048:I96:k8", 1, 4, "moe.fused", 1, "H200 2026-11-29, fused vs two kernels in one run: Qwen3-30B-A3B/tp8 T=1 12.8 -> 11.2 us, T=4 18.0 -> 17.2 us (T=8 loses: 24.6 -> 27.1)"},
+    /* 9..16 tokens (measured at 16, v15; the rule hands these calls back on sm_90 anyway). */
+    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.gate_up.warps", 1, "H200 2026-11-30 descent: Mixtral-8x7B T=16 675.8 -> 666.1 us with gate_up 1 warp (4 warps ties) and down unroll 2"},
+    {90, NULL, "moe:bf16:E8:H4096:I14336:k2", 9, 16, "moe.down.unroll", 2, "H200 2026-11-30 descent: Mixtral-8x7B T=16 down unroll 4 -> 2: 675.7 -> 665.8 us"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.gate_up.warps", 4, "H200 2026-11-30 descents: Kimi-K2 T=16 2599.2 -> 2352.7 us with gate_up 1 warp and down 2 warps; then, from that row, 2401.7 -> 2373.2 us with 4 warps (2: 2386.0)"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.min_blocks", 4, "H200 2026-11-30 (v15): with down 4 warps and unroll 3, 112 registers, all 448 blocks resident (see moe.down.warps)"},
+    {90, NULL, "moe:bf16:E384:H7168:I2048:k8", 9, 16, "moe.down.unroll", 3, "H200 2026-11-30 (v15): Kimi-K2 T=16 down unroll 3 853.9 us, 2 882.1, 4 1015.7 (4 warps, min blocks 4; unroll 4 spills at 128 registers)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 9, 16, "moe.gate_up.nt", 1, "H200 2026-11-30 (v15), 64 MiB between calls: Qwen3-235B-A22B T=16 gate_up 619.8 -> 461.6 us (2 warps), all 918.9 -> 763.0; then down 8 warps, min blocks 2, unroll 2: 736.3 (0.732 -> 0.913 of the ceiling)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 9, 16, "moe.gate_up.warps", 2, "H200 2026-11-30 (v15) with gate_up.nt 1: Qwen3-235B-A22B T=16 2 warps 763.0 us, 4 764.8, 1 769.1, 8 793.5, 16 862.4"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 9, 16, "moe.down.min_blocks", 2, "H200 2026-11-30 (v15): Qwen3-235B-A22B T=16 down 302.8 -> 276.1 us with 8 warps, min blocks 2, unroll 2 (4 warps, min blocks 4: 424.6)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 9, 16, "moe.down.unroll", 2, "H200 2026-11-30 (v15): see moe.down.min_blocks"},
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 9, 16, "moe.gate_up.nt", 1, "H200 2026-11-30 (v15), 64 MiB between calls: Qwen3-30B-A3B T=16 216.1 -> 207.8 us with 2 warps (218.0 -> 210.3 in an earlier lease; 4 warps 209.0; down 8 warps min blocks 2: 244.4)"},
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 9, 16, "moe.gate_up.warps", 2, "H200 2026-11-30 (v15): see moe.gate_up.nt"},
+    /* Programmatic dependent launch of the down stage (sm_90), on and off in one run: a win where
+     * calls are small, a loss on Mixtral's large experts (5%). */
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 2, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B T=1 25.1 -> 23.8 us, T=2 45.0 -> 43.9 us (T=8 126.5 -> 125.9)"},
+    {90, NULL, "moe:bf16:E128:H2048:I384:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B/tp2 T=1 17.9 -> 16.8 us (T=8 76.0 -> 75.7)"},
+    {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-30B-A3B/tp4 T=1 14.6 -> 13.2 us (T=8 loses: 46.7 -> 47.6)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.pdl", 1, "H200 2026-11-29 pdl 0 -> 1: Qwen3-235B-A22B T=1 81.8 -> 80.4 us (T=8 466.6 -> 465.3)"},
+    /* gate_up as a programmatic dependent of the previous kernel (v18), with the one-token paths at
+     * T=1, on and off twice in one lease: it loses on Mixtral-8x7B and Kimi-K2 T=1 (167.8 -> 168.3,
+     * 166.5 -> 167.2 us) and Qwen3-235B-A22B T=2 (143.7 -> 144.1 / 144.3). */
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 2, "moe.pdl_in", 1, "H200 2026-11-30 (v18): Qwen3-30B-A3B T=1 22.1 -> 22.1 and 22.3 -> 22.0 us, T=2 41.0 -> 40.7 and 41.1 -> 40.6 (T=4/8 lose: 73.0 -> 73.7, 121.9 -> 122.6)"},
+    {90, NULL, "moe:bf16:E128:H2048:I384:k8", 1, 1, "moe.pdl_in", 1, "H200 2026-11-30 (v18): Qwen3-30B-A3B/tp2 T=1 14.7 -> 14.5 us (twice)"},
+    {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.pdl_in", 1, "H200 2026-11-30 (v18): Qwen3-30B-A3B/tp4 T=1 9.9 -> 9.7 us (twice)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.pdl_in", 1, "H200 2026-11-30 (v18): Qwen3-235B-A22B T=1 74.8 -> 74.5 and 74.8 -> 74.6 us"},
+    /* down's first weight loads before its wait for gate_up (v16), where moe.pdl is 1; 64 MiB of
+     * other reads between calls, the same lease for on and off. */
+    {90, NULL, "moe:bf16:E128:H2048:I768:k8", 1, 2, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-30B-A3B T=1 23.5 -> 23.0 us (two runs), T=2 41.3 -> 40.5"},
+    {90, NULL, "moe:bf16:E128:H2048:I384:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-30B-A3B/tp2 T=1 16.1 -> 15.6 us"},
+    {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-30B-A3B/tp4 T=1 11.6 -> 11.1 us; with down unroll 6 10.3"},
+    {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.down.unroll", 6, "H200 2026-11-30 (v16) with moe.down.early 1: Qwen3-30B-A3B/tp4 T=1 11.1 -> 10.3 us (8: 10.4; 2: 11.3)"},
+    {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-235B-A22B T=1 76.1 -> 75.1 us"},
+    /* END TUNED ROWS */
+};
+
+static void moe_abi(og_sbuf *b) {
+  OG_ABI_STRUCT(b, opgraft_moe_args);
+  OG_ABI_FIELD(b, opgraft_moe_args, struct_size);
+  OG_ABI_FIELD(b, opgraft_moe_args, dtype);
+  OG_ABI_FIELD(b, opgraft_moe_args, activation);
+  OG_ABI_FIELD(b, opgraft_moe_args, apply_router_weight_on_input);
+  OG_ABI_FIELD(b, opgraft_moe_args, num_tokens);
+  OG_ABI_FIELD(b, opgraft_moe_args, hidden);
+  OG_ABI_FIELD(b, opgraft_moe_args, inter);
+  OG_ABI_FIELD(b, opgraft_moe_args, num_experts);
+  OG_ABI_FIELD(b, opgraft_moe_args, top_k);
+  OG_ABI_FIELD(b, opgraft_moe_args, hidden_states);
+  OG_ABI_FIELD(b, opgraft_moe_args, hidden_states_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, w13);
+  OG_ABI_FIELD(b, opgraft_moe_args, w13_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, w2);
+  OG_ABI_FIELD(b, opgraft_moe_args, w2_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, topk_weights);
+  OG_ABI_FIELD(b, opgraft_moe_args, topk_weights_dtype);
+  OG_ABI_FIELD(b, opgraft_moe_args, topk_weights_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, topk_ids);
+  OG_ABI_FIELD(b, opgraft_moe_args, topk_ids_dtype);
+  OG_ABI_FIELD(b, opgraft_moe_args, topk_ids_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, expert_map);
+  OG_ABI_FIELD(b, opgraft_moe_args, out);
+  OG_ABI_FIELD(b, opgraft_moe_args, out_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, arch);
+  OG_ABI_FIELD(b, opgraft_moe_args, gpu_name);
+  OG_ABI_FIELD(b, opgraft_moe_args, expert_map_len);
+  opgraft__abi_end(b);
+}
+
+const og_op opgraft__moe_op = {
+    .name = "moe",
+    .kernel_dir = "moe",
+    .tunables = tunables,
+    .ntunables = (int)(sizeof tunables / sizeof *tunables),
+    .rows = rows,
+    .nrows = (int)(sizeof rows / sizeof *rows),
+    .rule = opgraft__moe_rule,
+    .abi = moe_abi,
+};

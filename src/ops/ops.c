@@ -1,0 +1,7 @@
+/* The ops of libopgraft: one line an op registers its descriptor with the core. */
+#include "moe/moe.h"
+
+const og_op *const opgraft__op_list[] = {
+    &opgraft__moe_op,
+    NULL,
+};

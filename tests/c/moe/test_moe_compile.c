@@ -1,0 +1,303 @@
+/* Every MoE kernel variant that a shipped or tunable configuration can select compiles with NVRTC
+ * without register spills. The configurations are resolved first (the shipped tables and rules,
+ * then each tunable's other values), identical option sets are compiled once, and the compiles
+ * run on several threads through the kernel cache: $OPGRAFT_TEST_KERNEL_CACHE keeps the cubins
+ * and their resource reports across runs (keyed by the sources, options, arch and NVRTC
+ * version, so a changed kernel is compiled again); without it, a fresh directory.
+ * $OPGRAFT_TEST_JOBS overrides the thread count. */
+#include "og_test.h"
+#include "moe/moe.h"
+
+typedef struct shape {
+  const char *name;
+  int64_t E, H, I, k;
+  int64_t global_experts; /* > 0: expert parallelism, the kernels with an expert_map */
+} shape;
+
+static const shape shapes[] = {
+    {"Qwen3-30B-A3B", 128, 2048, 768, 8, 0},  {"Qwen3-235B-A22B", 128, 4096, 1536, 8, 0},
+    {"Mixtral-8x7B", 8, 4096, 14336, 2, 0},   {"DeepSeek-V3", 256, 7168, 2048, 8, 0},
+    {"Kimi-K2", 384, 7168, 2048, 8, 0},       {"odd", 7, 96, 160, 3, 0},
+    {"Qwen3-30B-A3B/ep2", 64, 2048, 768, 8, 128}, {"DeepSeek-V3/ep64", 4, 7168, 2048, 8, 256},
+};
+enum { Q30, Q235, MIX, DSV3, KIMI, ODD, EP2, EP64, N_SHAPES };
+static const int32_t token_counts[] = {1, 2, 4, 8, 9, 16, 17, 32, 33, 64};
+#define N_TOKENS ((int)(sizeof token_counts / sizeof *token_counts))
+static const int32_t archs[] = {80, 90};
+
+/* One compile: a configuration of one shape. */
+typedef struct job {
+  char what[200];
+  int32_t dtype, arch, fused;
+  og_opts opts;
+  int32_t status, ninfo;
+  opgraft_kernel_info info[3];
+  char error[512];
+  int dup_of; /* -1, or the job with the same options and arch */
+} job;
+
+enum { MAX_JOBS = 2048 };
+static job jobs[MAX_JOBS];
+static int n_jobs, n_unique;
+static int have_nvrtc;
+static char nvrtc_error[256];
+static _Atomic int next_job;
+
+/* Adds the configuration that the current tunables give (shape s, T tokens, dtype, arch). */
+static void add_job(int s, int32_t T, int32_t dtype, int32_t arch, const char *setting) {
+  if (n_jobs >= MAX_JOBS) fail_msg("more than %d compile jobs", MAX_JOBS);
+  opgraft_moe_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = dtype;
+  a.activation = OPGRAFT_ACT_SILU;
+  a.num_tokens = T, a.hidden = shapes[s].H, a.inter = shapes[s].I, a.num_experts = shapes[s].E, a.top_k = shapes[s].k;
+  a.topk_weights_dtype = OPGRAFT_DTYPE_FP32;
+  a.topk_ids_dtype = OPGRAFT_DTYPE_INT32;
+  a.arch = arch;
+  if (shapes[s].global_experts) /* the compile looks at whether there is a map, never at its data */
+    a.expert_map = (const void *)0x1000, a.expert_map_len = shapes[s].global_experts;
+  job *j = &jobs[n_jobs];
+  memset(j, 0, sizeof *j);
+  snprintf(j->what, sizeof j->what, "%s (E=%lld H=%lld I=%lld k=%lld) %s T=%d sm_%d%s%s", shapes[s].name,
+           (long long)shapes[s].E, (long long)shapes[s].H, (long long)shapes[s].I, (long long)shapes[s].k,
+           dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", T, arch, setting ? " with " : "", setting ? setting : "");
+  j->dtype = dtype, j->arch = arch, j->dup_of = -1;
+  og_moe_cfg cfg;
+  opgraft__moe_config(&a, arch, NULL, &cfg);
+  j->fused = cfg.fused;
+  if (opgraft__moe_options(&a, &cfg, &j->opts) != OPGRAFT_OK) fail_msg("%s: %s", j->what, opgraft_last_error());
+  for (int i = 0; i < n_jobs && j->dup_of < 0; ++i) {
+    const job *o = &jobs[i];
+    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n || o->fused != j->fused) continue;
+    int same = 1;
+    for (int k = 0; k < o->opts.n && same; ++k) same = strcmp(o->opts.ptr[k], j->opts.ptr[k]) == 0;
+    if (same) j->dup_of = i;
+  }
+  n_unique += j->dup_of < 0;
+  ++n_jobs;
+}
+
+/* The jobs of one setting (NULL: the shipped tables) over shapes ids[] x tokens[] x both archs. */
+static void add_setting(const char *const *env, const int *ids, int nids, const int32_t *tokens, int ntokens,
+                        int32_t dtype) {
+  char setting[200] = "";
+  for (int e = 0; env && env[e]; e += 2) {
+    setenv(env[e], env[e + 1], 1);
+    snprintf(setting + strlen(setting), sizeof setting - strlen(setting), "%s%s=%s", e ? " " : "", env[e], env[e + 1]);
+  }
+  opgraft_tune_reload();
+  for (int s = 0; s < nids; ++s)
+    for (int t = 0; t < ntokens; ++t)
+      for (int a = 0; a < 2; ++a) add_job(ids[s], tokens[t], dtype, archs[a], env ? setting : NULL);
+  for (int e = 0; env && env[e]; e += 2) unsetenv(env[e]);
+  opgraft_tune_reload();
+}
+
+static void run_job(job *j) {
+  og_cubin c;
+  j->status = opgraft__cubin_cached(OG_MOE_SOURCE, j->opts.ptr, j->opts.n, j->arch, &c);
+  if (j->status) {
+    opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
+    return;
+  }
+  char names[OG_MOE_KERNELS][64];
+  opgraft__moe_fn_names(j->dtype, names);
+  j->ninfo = j->fused ? 3 : 2;
+  for (int k = 0; k < j->ninfo && !j->status; ++k) j->status = opgraft__parse_resources(c.log, names[k], &j->info[k]);
+  if (j->status) opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
+  opgraft__cubin_free(&c);
+}
+
+static void *worker(void *arg) {
+  for (int i; (i = next_job++) < n_jobs;)
+    if (jobs[i].dup_of < 0) run_job(&jobs[i]);
+  return arg;
+}
+
+static char tmp[512];
+
+static int setup(void **state) {
+  const char *keep = getenv("OPGRAFT_TEST_KERNEL_CACHE");
+  tmp[0] = 0;
+  if (keep && *keep) {
+    setenv("OPGRAFT_CACHE_DIR", keep, 1);
+  } else {
+    og_tmpdir(tmp, sizeof tmp);
+    setenv("OPGRAFT_CACHE_DIR", tmp, 1);
+  }
+  og_unsetenv_prefix("OPGRAFT_TUNE_"); /* the shipped tunables decide the configurations */
+  unsetenv("OPGRAFT_TRACE");
+  opgraft_tune_reload();
+  opgraft_runtime_info info;
+  assert_int_equal(opgraft_runtime_query(&info), OPGRAFT_OK);
+  have_nvrtc = info.nvrtc_version > 0;
+  opgraft__copy(nvrtc_error, sizeof nvrtc_error, info.nvrtc_error);
+  if (!have_nvrtc) return 0;
+
+  static const int all[] = {Q30, Q235, MIX, DSV3, KIMI, ODD, EP2, EP64};
+  static const int q30_ep2[] = {Q30, EP2}, q30_mix[] = {Q30, MIX}, five[] = {Q30, Q235, MIX, KIMI, ODD};
+  static const int32_t t1_8[] = {1, 8}, t1[] = {1}, t4[] = {4}, t16[] = {16}, t16_33[] = {16, 33}, t1_9_33[] = {1, 9, 33};
+  n_jobs = n_unique = 0;
+  /* The shipped configurations: every shape and token count in bf16; fp16 (the same code but for
+   * its conversions) at one, two and five token tiles. */
+  add_setting(NULL, all, N_SHAPES, token_counts, N_TOKENS, OPGRAFT_DTYPE_BF16);
+  add_setting(NULL, all, N_SHAPES, t1_9_33, 3, OPGRAFT_DTYPE_FP16);
+  /* Each tunable's other values where they change the code. */
+  add_setting((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", NULL}, q30_ep2, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
+  add_setting((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1", NULL}, q30_ep2, 2, t1_8,
+              2, OPGRAFT_DTYPE_BF16);
+  add_setting((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1",
+                               "OPGRAFT_TUNE_MOE_DOWN_ONE_TOKEN", "1", "OPGRAFT_TUNE_MOE_PDL_IN", "1",
+                               "OPGRAFT_TUNE_MOE_GATE_UP_ONE_TOKEN", "1", NULL},
+              q30_ep2, 2, t1, 1, OPGRAFT_DTYPE_BF16);
+  add_setting((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_SLOT_ROUTING", "1", "OPGRAFT_TUNE_MOE_DOWN_WARP_ROUTING", "1",
+                               NULL},
+              (const int[]){Q30}, 1, t4, 1, OPGRAFT_DTYPE_BF16);
+  add_setting((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_SLOT_ROUTING", "1", "OPGRAFT_TUNE_MOE_DOWN_WARP_ROUTING", "1",
+                               NULL},
+              (const int[]){MIX}, 1, t16, 1, OPGRAFT_DTYPE_BF16);
+  add_setting((const char *[]){"OPGRAFT_TUNE_MOE_FUSED", "1", NULL}, (const int[]){Q30, MIX, KIMI, ODD, EP2}, 5, t1_8, 2,
+              OPGRAFT_DTYPE_BF16);
+  for (const char *const *v = (const char *const[]){"1", "2", "4", NULL}; *v; ++v)
+    add_setting((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_MIN_BLOCKS", *v, NULL}, five, 5, t1_8, 2, OPGRAFT_DTYPE_BF16);
+  add_setting((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_NT", "1", NULL}, five, 5, t16_33, 2, OPGRAFT_DTYPE_BF16);
+  add_setting((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_NT", "1", "OPGRAFT_TUNE_MOE_GATE_UP_WARPS", "16", NULL}, five, 5,
+              t16_33, 2, OPGRAFT_DTYPE_BF16);
+  add_setting((const char *[]){"OPGRAFT_TRACE", "1", NULL}, (const int[]){Q30, KIMI, ODD}, 3, t1_8, 2,
+              OPGRAFT_DTYPE_BF16);
+  add_setting((const char *[]){"OPGRAFT_TRACE", "1", "OPGRAFT_TUNE_MOE_FUSED", "1", NULL}, (const int[]){Q30, KIMI, ODD},
+              3, t1_8, 2, OPGRAFT_DTYPE_BF16);
+  /* Both weight-load forms in both stages (down's form 4 on sm_90 only: sm_80 keeps form 1). */
+  for (const char *const *v = (const char *const[]){"1", "4", NULL}; *v; ++v) {
+    add_setting((const char *[]){"OPGRAFT_TUNE_MOE_LOAD", *v, NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
+    add_setting((const char *[]){"OPGRAFT_TUNE_MOE_DOWN_LOAD", *v, NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
+  }
+  long threads = sysconf(_SC_NPROCESSORS_ONLN);
+  const char *env = getenv("OPGRAFT_TEST_JOBS");
+  if (env && atoi(env) > 0) threads = atoi(env);
+  if (threads < 1) threads = 1;
+  if (threads > 16) threads = 16;
+  pthread_t th[16];
+  next_job = 0;
+  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_create(&th[i], NULL, worker, NULL), 0);
+  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_join(th[i], NULL), 0);
+  print_message("%d MoE configurations, %d distinct compiles\n", n_jobs, n_unique);
+  return 0;
+}
+
+static int teardown(void **state) {
+  if (tmp[0]) og_rm_rf(tmp);
+  unsetenv("OPGRAFT_CACHE_DIR");
+  return 0;
+}
+
+static void need_nvrtc(void) {
+  if (have_nvrtc) return;
+  if (og_allow_no_nvrtc()) {
+    print_message("skipping: NVRTC cannot be loaded (%s) and OPGRAFT_TEST_ALLOW_NO_NVRTC=1\n", nvrtc_error);
+    skip();
+  }
+  fail_msg("NVRTC cannot be loaded: %s (set OPGRAFT_TEST_ALLOW_NO_NVRTC=1 to skip the compile tests)", nvrtc_error);
+}
+
+static const job *result_of(const job *j) { return j->dup_of >= 0 ? &jobs[j->dup_of] : j; }
+
+static void test_every_variant_compiles(void **state) {
+  need_nvrtc();
+  assert_true(n_unique > 50 && n_unique <= n_jobs);
+  int bad = 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    const job *r = result_of(&jobs[i]);
+    if (r->status != OPGRAFT_OK) {
+      print_error("%s: %s: %.400s\n", jobs[i].what, opgraft_status_name(r->status), r->error);
+      ++bad;
+      continue;
+    }
+    char names[OG_MOE_KERNELS][64];
+    opgraft__moe_fn_names(jobs[i].dtype, names);
+    for (int k = 0; k < r->ninfo; ++k)
+      if (strcmp(r->info[k].name, names[k]) != 0 || r->info[k].registers <= 0) {
+        print_error("%s: kernel %d is \"%s\" with %d registers, expected %s with some\n", jobs[i].what, k,
+                    r->info[k].name, r->info[k].registers, names[k]);
+        ++bad;
+      }
+  }
+  if (bad) fail_msg("%d problems over %d kernel variants", bad, n_jobs);
+}
+
+static void test_no_spills(void **state) {
+  need_nvrtc();
+  int bad = 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    const job *r = result_of(&jobs[i]);
+    if (r->status != OPGRAFT_OK) continue; /* reported by test_every_variant_compiles */
+    for (int k = 0; k < r->ninfo; ++k) {
+      const opgraft_kernel_info *ki = &r->info[k];
+      if (ki->spill_store_bytes > 0 || ki->spill_load_bytes > 0) {
+        print_error("%s: %s spills: %d bytes stored, %d bytes loaded, %d registers, %d bytes stack\n", jobs[i].what,
+                    ki->name, ki->spill_store_bytes, ki->spill_load_bytes, ki->registers, ki->stack_bytes);
+        ++bad;
+      }
+    }
+  }
+  if (bad) fail_msg("%d kernels spill registers", bad);
+}
+
+static void test_report_matches_the_jobs(void **state) {
+  /* opgraft_moe_compile_report (the public entry point) agrees with the job list's compile. */
+  need_nvrtc();
+  opgraft_moe_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = OPGRAFT_DTYPE_BF16;
+  a.activation = OPGRAFT_ACT_SILU;
+  a.num_tokens = 1, a.hidden = 2048, a.inter = 768, a.num_experts = 128, a.top_k = 8;
+  a.topk_weights_dtype = OPGRAFT_DTYPE_FP32;
+  a.topk_ids_dtype = OPGRAFT_DTYPE_INT32;
+  opgraft_kernel_info ki[3];
+  int32_t count = 0;
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 3, &count), OPGRAFT_OK);
+  assert_int_equal(count, 2);
+  const job *r = result_of(&jobs[1]); /* Qwen3-30B-A3B bf16 T=1 sm_90 */
+  assert_non_null(strstr(jobs[1].what, "Qwen3-30B-A3B (") );
+  assert_non_null(strstr(jobs[1].what, "T=1 sm_90"));
+  assert_string_equal(ki[0].name, r->info[0].name);
+  assert_int_equal(ki[0].registers, r->info[0].registers);
+  assert_int_equal(ki[1].registers, r->info[1].registers);
+}
+
+static void test_compile_report_arguments(void **state) {
+  opgraft_moe_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = OPGRAFT_DTYPE_BF16;
+  a.activation = OPGRAFT_ACT_SILU;
+  a.num_tokens = 1, a.hidden = 64, a.inter = 64, a.num_experts = 4, a.top_k = 2;
+  a.topk_weights_dtype = OPGRAFT_DTYPE_FP32;
+  a.topk_ids_dtype = OPGRAFT_DTYPE_INT32;
+  opgraft_kernel_info ki[2];
+  int32_t count = 0;
+  assert_int_equal(opgraft_moe_compile_report(NULL, 90, ki, 2, &count), OPGRAFT_EINVAL);
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 2, NULL), OPGRAFT_EINVAL);
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, NULL, 2, &count), OPGRAFT_EINVAL);
+  a.dtype = OPGRAFT_DTYPE_FP32;
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 2, &count), OPGRAFT_EUNSUPPORTED);
+  a.dtype = OPGRAFT_DTYPE_BF16;
+  a.num_tokens = 65;
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 2, &count), OPGRAFT_EUNSUPPORTED);
+  a.num_tokens = 1;
+  a.hidden = 48;
+  assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 2, &count), OPGRAFT_EUNSUPPORTED);
+}
+
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_compile_report_arguments),
+      cmocka_unit_test(test_every_variant_compiles),
+      cmocka_unit_test(test_no_spills),
+      cmocka_unit_test(test_report_matches_the_jobs),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

@@ -1,0 +1,303 @@
+"""The end-to-end study's CPU-side logic: settings, model configs, parity and the comparison
+table. (The study itself needs vLLM on a GPU: bench/results/ holds its runs.)"""
+
+import json
+
+import pytest
+
+from tools import e2e
+
+
+def test_mode_env_sets_exactly_one_switch():
+    base = {"OPGRAFT_DISABLE": "1", "OPGRAFT_MOE_EXPERTS": "x", "KEEP": "1"}
+    assert e2e.mode_env("disabled", base)["OPGRAFT_DISABLE"] == "1"
+    # stock a second time: the same environment as the first
+    assert e2e.mode_env("disabled-again", base) == e2e.mode_env("disabled", base)
+    p = e2e.mode_env("passthrough", base)
+    assert "OPGRAFT_DISABLE" not in p and p["OPGRAFT_MOE_EXPERTS"] == "passthrough"
+    o = e2e.mode_env("opgraft", base)
+    assert "OPGRAFT_DISABLE" not in o and o["OPGRAFT_MOE_EXPERTS"] == "opgraft"
+    assert o["KEEP"] == "1" and base["OPGRAFT_DISABLE"] == "1"  # the caller's dict is untouched
+    with pytest.raises(ValueError):
+        e2e.mode_env("fast", base)
+
+
+def test_builtin_configs_match_the_moe_presets():
+    from opgraft.presets import PRESETS, from_config
+
+    for name, cfg in e2e.MODEL_CONFIGS.items():
+        shape = from_config(cfg)
+        p = PRESETS[name]
+        assert (shape.num_experts, shape.hidden, shape.inter, shape.top_k) == \
+            (p.num_experts, p.hidden, p.inter, p.top_k)
+
+
+def test_model_config_from_path_and_errors(tmp_path):
+    good = tmp_path / "m"
+    good.mkdir()
+    (good / "config.json").write_text(json.dumps({"architectures": ["X"], "vocab_size": 10}))
+    assert e2e.model_config(str(good))["architectures"] == ["X"]
+    assert e2e.model_config(str(good / "config.json"))["vocab_size"] == 10
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "noarch.json").write_text("{}")
+    for bad in [str(tmp_path / "missing"), str(tmp_path / "bad.json"), str(tmp_path / "noarch.json")]:
+        with pytest.raises(SystemExit):
+            e2e.model_config(bad)
+
+
+def test_cli_rejects_bad_arguments():
+    for argv in (["run", "--mode", "fast"], ["study", "--out-dir", "x", "--modes", "on,off"],
+                 ["run", "--mode", "opgraft", "--batches", "1,x"],
+                 ["run", "--mode", "opgraft", "--batches", "0"],
+                 ["run", "--mode", "opgraft", "--output-len", "1"],
+                 ["run", "--mode", "opgraft", "--tp", "0"]):
+        with pytest.raises(SystemExit) as ei:
+            e2e.main(argv)
+        assert ei.value.code == 2
+
+
+def test_prompts_are_deterministic_and_in_range():
+    a = e2e.prompts(3, 16, 1000, seed=1)
+    assert a == e2e.prompts(3, 16, 1000, seed=1) and a != e2e.prompts(3, 16, 1000, seed=2)
+    assert all(len(p) == 16 and all(100 <= t < 900 for t in p) for p in a)
+
+
+def _run(mode, ids, lps, itl):
+    return {"mode": mode, "model": "m", "status": "done", "startup_s": 1.0,
+            "batches": {"1": {"itl_ms": e2e.summarize(itl), "decode_tok_s": e2e.summarize([1.0 / x for x in itl]),
+                              "token_ids": ids, "logprobs": lps}}}
+
+
+def test_parity_counts_positions_and_compares_logprobs_only_on_the_common_prefix():
+    a = _run("disabled", [[1, 2, 3, 4]], [[-1.0, -2.0, -3.0, -4.0]], [2.0])
+    b = _run("opgraft", [[1, 2, 9, 4]], [[-1.0, -2.5, -9.0, -4.0]], [1.5])
+    p = e2e.parity(a, b)["1"]
+    assert p["identical"] is False
+    assert p["same_position_fraction"] == 0.75 and p["common_prefix_fraction"] == 0.5
+    assert p["max_abs_logprob_diff_on_common_prefix"] == pytest.approx(0.5)  # not 6.0 (after divergence)
+    same = e2e.parity(a, a)["1"]
+    assert same["identical"] and same["max_abs_logprob_diff_on_common_prefix"] == 0.0
+
+
+def test_compare_writes_summary_with_ratios(tmp_path, capsys):
+    runs = {"disabled": _run("disabled", [[1, 2]], [[-1.0, -1.0]], [2.0, 2.2, 1.8]),
+            "opgraft": _run("opgraft", [[1, 2]], [[-1.0, -1.01]], [1.5, 1.6, 1.4]),
+            "passthrough": _run("passthrough", [[1, 2]], [[-1.0, -1.0]], [2.0, 2.0, 2.0]),
+            "disabled-again": _run("disabled-again", [[1, 3]], [[-1.0, -1.2]], [2.0, 2.1, 1.9])}
+    for m, r in runs.items():
+        (tmp_path / f"e2e-{m}.json").write_text(json.dumps(r))
+    s = e2e.compare(str(tmp_path))
+    rows = {r["mode"]: r for r in s["rows"]}
+    assert rows["opgraft"]["itl_vs_disabled"] == pytest.approx(0.75)
+    assert rows["disabled"]["itl_ms_min"] == 1.8 and rows["disabled"]["itl_ms_max"] == 2.2
+    assert s["parity_vs_disabled"]["passthrough"]["1"]["identical"] is True
+    # stock against itself: the yardstick for the other settings' parity
+    assert s["parity_vs_disabled"]["disabled-again"]["1"]["same_position_fraction"] == 0.5
+    assert json.loads((tmp_path / "e2e-summary.json").read_text())["rows"] == s["rows"]
+    assert "opgraft" in capsys.readouterr().out
+
+
+def test_run_group_kills_the_whole_group_on_timeout(tmp_path):
+    import os
+    import sys
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    # A parent that starts a long-lived child (as vLLM starts its engine core), then hangs.
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with open(tmp_path / "log", "w") as out:
+        t = time.time()
+        rc = e2e.run_group([sys.executable, "-c", code], dict(os.environ), out, timeout=2)
+    assert rc == "timeout" and time.time() - t < 30
+    child = int(pidfile.read_text())
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:  # a zombie (Z) waiting to be reaped is gone
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    for _ in range(50):
+        if not alive(child):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the setting's child process survived the timeout")
+
+
+def test_run_group_returns_exit_status(tmp_path):
+    import os
+    import sys
+
+    with open(tmp_path / "log", "w") as out:
+        assert e2e.run_group([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), out, 30) == 3
+
+
+def test_mode_env_keeps_flashinfer_sampler_off_unless_asked():
+    assert e2e.mode_env("opgraft", {})["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert e2e.mode_env("opgraft", {"VLLM_USE_FLASHINFER_SAMPLER": "1"})["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
+def test_worker_stats_reports_the_plugin_and_counters(monkeypatch):
+    import importlib
+    import sys
+
+    dispatch = importlib.import_module("opgraft.dispatch")
+    monkeypatch.delitem(sys.modules, "opgraft.dispatch")  # as in a process where the seam never ran
+    s = e2e._worker_stats(object())
+    assert s["pid"] > 0 and s["moe"] is None and isinstance(s["plugin"], str)
+    monkeypatch.setitem(sys.modules, "opgraft.dispatch", dispatch)
+    assert set(e2e._worker_stats()["moe"]) >= {"taken", "delegated"}
+
+
+def test_compare_of_a_missing_or_empty_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit) as ei:
+        e2e.main(["compare", str(tmp_path / "missing")])
+    assert ei.value.code == 2 and "no such folder" in capsys.readouterr().err
+    assert e2e.main(["compare", str(tmp_path)]) == 0  # an empty study folder: empty table
+
+
+def test_mode_env_respects_a_host_without_nvlink_multicast():
+    assert e2e.mode_env("opgraft", {"NCCL_NVLS_ENABLE": "0"})["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    assert "VLLM_ALLREDUCE_USE_SYMM_MEM" not in e2e.mode_env("opgraft", {})
+
+
+def test_worker_reinit_replaces_dummy_weights_deterministically_per_name():
+    torch = pytest.importorskip("torch")
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm = torch.nn.Module()
+            self.input_layernorm.weight = torch.nn.Parameter(torch.zeros(64))
+            self.proj = torch.nn.Linear(256, 64, bias=True)
+            self.other = torch.nn.Linear(256, 64, bias=False)
+
+    class Worker:
+        def __init__(self):
+            self.model = torch.nn.Module()
+            self.model.layer = Layer()
+
+        def get_model(self):
+            return self.model
+
+    a, b = Worker(), Worker()
+    info = e2e._worker_reinit(a, 0.02)
+    e2e._worker_reinit(b, 0.02)
+    la, lb = a.model.layer, b.model.layer
+    assert info["params"] == 4 and info["std"] == 0.02
+    assert torch.equal(la.input_layernorm.weight, torch.ones(64))
+    assert torch.equal(la.proj.bias, torch.zeros(64))
+    assert torch.equal(la.proj.weight, lb.proj.weight)  # same name, same values in every process
+    assert not torch.equal(la.proj.weight, la.other.weight)  # another name, other values
+    assert abs(la.proj.weight.std().item() - 0.02) < 0.002
+
+
+def test_model_dir_depends_only_on_the_config():
+    cfg = e2e.model_config("Qwen3-30B-A3B")
+    assert e2e.model_dir_for(cfg) == e2e.model_dir_for(dict(cfg))
+    assert e2e.model_dir_for(cfg) != e2e.model_dir_for(e2e.model_config("Mixtral-8x7B"))
+
+
+def test_cli_rejects_a_bad_init_std():
+    with pytest.raises(SystemExit):
+        e2e.main(["run", "--mode", "opgraft", "--init-std", "-1"])
+
+
+def test_profile_rows_subtract_the_prefill_and_rank_by_time():
+    pre = {"kernels": {"fused_moe_kernel": [96, 500.0], "attn": [48, 100.0]}}
+    full = {"kernels": {"fused_moe_kernel": [96 + 960, 500.0 + 1300.0], "attn": [48 + 480, 100.0 + 400.0],
+                        "moe_gate_up_bf16": [480, 2000.0]}}
+    p = e2e.profile_rows(pre, full, steps=10)
+    assert [k["kernel"] for k in p["kernels"]] == ["moe_gate_up_bf16", "fused_moe_kernel", "attn"]
+    assert p["kernels"][1] == {"kernel": "fused_moe_kernel", "launches_per_step": 96.0, "us_per_step": 130.0}
+    assert p["gpu_us_per_step"] == 200.0 + 130.0 + 40.0
+    assert e2e.profile_rows({"error": "x"}, full, 10) == {"error": "x"}
+
+
+def test_worker_profile_stop_without_start_is_an_error_not_an_exception():
+    assert e2e._worker_profile(None, "stop")["error"] == "profiler not started"
+
+
+def test_compare_prints_the_profile(tmp_path, capsys):
+    prof = {"steps": 4, "gpu_us_per_step": 3500.0,
+            "kernels": [{"kernel": "moe_gate_up_bf16", "launches_per_step": 48.0, "us_per_step": 900.0}]}
+    run = {"mode": "opgraft", "batches": {"1": {"itl_ms": {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1},
+                                                "decode_tok_s": {"median": 250.0}, "token_ids": [[1]],
+                                                "logprobs": [[-1.0]], "profile": [prof]}}}
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run))
+    e2e.compare(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "profile opgraft B=1: GPU 3.500 ms per step (ITL 4.000 ms)" in out and "moe_gate_up_bf16" in out
+
+
+def test_cli_rejects_profile_steps_beyond_the_output():
+    with pytest.raises(SystemExit):
+        e2e.main(["run", "--mode", "opgraft", "--output-len", "16", "--profile-steps", "16"])
+
+
+def test_write_model_dir_replaces_the_config_whole(tmp_path):
+    d = e2e.write_model_dir({"architectures": ["X"], "n": 1}, str(tmp_path))
+    d2 = e2e.write_model_dir({"architectures": ["X"], "n": 2}, str(tmp_path))
+    assert d == d2
+    assert json.load(open(tmp_path / "model" / "config.json"))["n"] == 2
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json"]
+
+
+def test_gpu_memory_asks_only_for_the_visible_gpus(monkeypatch):
+    calls = []
+
+    class R:
+        stdout = "100\n"
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return R()
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert e2e.gpu_memory_used_mib() == [100]
+    assert calls[-1][-1] == "--id=1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")  # UUIDs: ask for every GPU
+    e2e.gpu_memory_used_mib()
+    assert not any(a.startswith("--id") for a in calls[-1])
+
+
+def test_compilation_config_turns_the_allreduce_fusion_off_only_for_tp_without_multicast():
+    assert e2e.compilation_config([1, 2], 1, {"NCCL_NVLS_ENABLE": "0"}) == {"cudagraph_capture_sizes": [1, 2]}
+    assert "pass_config" not in e2e.compilation_config([1], 2, {})
+    cfg = e2e.compilation_config([1], 2, {"NCCL_NVLS_ENABLE": "0"})
+    assert cfg["pass_config"] == {"fuse_allreduce_rms": False}
+
+
+def test_itl_floor_ignores_a_stalled_run():
+    # reps: the one-token run of rep 0 and the full run of rep 2 stalled for seconds
+    t1s, tns = [3.36, 0.23, 0.21], [4.13, 2.54, 3.80]
+    assert e2e.itl_floor_ms(t1s, tns, 256) == round((2.54 - 0.21) / 255 * 1e3, 4)
+
+
+def test_profile_diff_ranks_the_changes_and_counts_kernels():
+    base = e2e.profile_rows({"kernels": {}}, {"kernels": {"fused_moe_kernel": [96, 960.0], "act": [48, 72.0],
+                                                          "attn": [48, 400.0]}}, 1)
+    ours = e2e.profile_rows({"kernels": {}}, {"kernels": {"moe_gate_up_bf16": [48, 620.0],
+                                                          "moe_down_bf16": [48, 316.0], "attn": [48, 402.0]}}, 1)
+    assert base["kernels_per_step"] == 192 and ours["kernels_per_step"] == 144
+    d = e2e.profile_diff(base, ours)
+    assert d["gpu_delta_us"] == round(1338.0 - 1432.0, 1) and d["kernels_delta"] == -48
+    assert [k["kernel"] for k in d["kernels"][:2]] == ["fused_moe_kernel", "moe_gate_up_bf16"]
+    assert d["kernels"][0]["delta_us"] == -960.0 and d["kernels"][-1]["kernel"] == "attn"
+
+
+def test_compare_prints_the_profile_difference(tmp_path, capsys):
+    def run(mode, kernels):
+        prof = e2e.profile_rows({"kernels": {}}, {"kernels": kernels}, 1)
+        return {"mode": mode, "batches": {"8": {"itl_ms": {"median": 9.0, "min": 9.0, "max": 9.0, "n": 1},
+                                                "decode_tok_s": {"median": 800.0}, "token_ids": [[1]],
+                                                "logprobs": [[-1.0]], "profile": [prof]}}}
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps(run("disabled", {"fused_moe_kernel": [96, 3000.0]})))
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run("opgraft", {"moe_down_bf16": [48, 3500.0]})))
+    e2e.compare(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "profile opgraft vs disabled B=8: GPU +500.0 us per step, kernels -48.0 per step" in out

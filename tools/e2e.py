@@ -1,0 +1,654 @@
+"""End-to-end decode study in a real vLLM: stock vLLM against opgraft pass-through and opgraft's
+kernel, same model, same prompts, one process per setting.
+
+    python -m tools.e2e study --model Qwen3-30B-A3B --out-dir DIR
+        [--modes disabled,opgraft,passthrough] [--batches 1,8,32] [--input-len 128]
+        [--output-len 256] [--reps 5] [--mode-timeout 300] [--tp 2 [--expert-parallel]]
+        [--profile-steps 32] [--init-std 0.02]
+    python -m tools.e2e run --mode opgraft --model Qwen3-30B-A3B --json FILE   (one setting)
+    python -m tools.e2e compare DIR                                            (table again)
+
+Settings ("modes"): `disabled` runs with OPGRAFT_DISABLE=1 (the plugin patches nothing: stock
+vLLM); `passthrough` installs the seams but hands every call back (OPGRAFT_MOE_EXPERTS=passthrough);
+`opgraft` takes the MoE calls our guard accepts (the default variant); `disabled-again` is stock
+vLLM a second time, so the parity table shows how far stock agrees with itself (with random
+weights greedy margins are small, and vLLM's batched decode is not run-to-run deterministic:
+a difference between stock and opgraft means little where stock differs from stock as much).
+Each runs in its own
+process because the plugin is installed when vLLM starts and CUDA graphs fix the kernels at
+capture time.
+
+The model is a public architecture (its config.json values, below, or a path to a config.json)
+with random weights (load_format="dummy": no download) and token-id prompts
+(skip_tokenizer_init=True). torch.compile and CUDA graphs stay on, as users run vLLM. vLLM's
+dummy weights are uniform in +-1e-3, norms included, and every layer gets the same values: the
+MoE output is then too small to move a logit, so any kernel would "agree" with any other. The
+study therefore re-initializes the weights in the worker after start-up (--init-std, default
+0.02: matrices ~N(0, std^2) seeded per parameter name, norm weights 1, biases 0; same values in
+every setting), so the parity check can see a wrong or inexact MoE output. --init-std 0 keeps
+vLLM's values. The model folder's path depends only on the config, so vLLM's torch.compile cache
+is shared by the settings.
+
+Timing: for each batch size B, `generate(B prompts, max_tokens=1)` and `generate(B prompts,
+max_tokens=N)` are timed back to back (greedy, ignore_eos); the difference is N-1 decode steps, so
+ITL = (t_N - t_1) / (N - 1) and decode tokens/s = B (N-1) / (t_N - t_1). Repeated --reps times;
+medians and spread are reported. A separate greedy run with logprobs gives the token ids and the
+chosen tokens' logprobs for the parity check between settings. With --profile-steps N, a torch
+profiler in the worker records the GPU's kernels during a prefill alone and during the same
+prefill plus N decode steps; the difference is the GPU time of one decode step, kernel by kernel
+(CUDA-graph replays included), to set against the ITL. The MoE counters of the engine's
+worker process (opgraft.stats()) are read through vLLM's collective_rpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODES = ("disabled", "passthrough", "opgraft", "disabled-again")
+
+# Public config.json values (Hugging Face model cards: Qwen/Qwen3-30B-A3B,
+# mistralai/Mixtral-8x7B-v0.1). Only the architecture matters: weights are random.
+MODEL_CONFIGS = {
+    "Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rope_scaling": None,
+        "rms_norm_eps": 1e-06, "hidden_act": "silu", "attention_bias": False,
+        "attention_dropout": 0.0, "tie_word_embeddings": False, "use_sliding_window": False,
+        "sliding_window": None, "max_window_layers": 48, "initializer_range": 0.02,
+        "output_router_logits": False, "router_aux_loss_coef": 0.001, "use_cache": True,
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    },
+    "Mixtral-8x7B": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+        "sliding_window": None, "tie_word_embeddings": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "output_router_logits": False, "router_aux_loss_coef": 0.02,
+        "use_cache": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _modes(text: str) -> list[str]:
+    vals = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in vals if m not in MODES]
+    if not vals or bad:
+        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}; got {text!r}")
+    return vals
+
+
+def model_config(model: str) -> dict:
+    """The config.json dict of a built-in architecture, or of a config.json path (file or dir)."""
+    if model in MODEL_CONFIGS:
+        return dict(MODEL_CONFIGS[model])
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise SystemExit(f"opgraft e2e: {model!r} is neither a built-in architecture "
+                         f"({', '.join(MODEL_CONFIGS)}) nor a config.json")
+    with open(path) as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"opgraft e2e: {path}: not JSON ({e})")
+    if not isinstance(cfg, dict) or "architectures" not in cfg:
+        raise SystemExit(f"opgraft e2e: {path}: no 'architectures' field")
+    return cfg
+
+
+def model_dir_for(cfg: dict) -> str:
+    """A folder whose path depends only on the config: vLLM keys its compile cache on it."""
+    import hashlib
+
+    key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"opgraft-e2e-{key}")
+
+
+def write_model_dir(cfg: dict, root: str) -> str:
+    d = os.path.join(root, "model")
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".config.json.{os.getpid()}")  # two studies may start at once
+    with open(tmp, "w") as f:
+        json.dump(cfg, f, indent=1)
+    os.replace(tmp, os.path.join(d, "config.json"))
+    return d
+
+
+def _multicast_off(env) -> bool:
+    """The host turns NVLink multicast off for NCCL, and wants it off everywhere."""
+    return env.get("NCCL_NVLS_ENABLE") == "0"
+
+
+def mode_env(mode: str, base: dict | None = None) -> dict:
+    """The environment a setting runs under."""
+    env = dict(os.environ if base is None else base)
+    for k in ("OPGRAFT_DISABLE", "OPGRAFT_MOE_EXPERTS"):
+        env.pop(k, None)
+    if mode in ("disabled", "disabled-again"):
+        env["OPGRAFT_DISABLE"] = "1"
+    elif mode == "passthrough":
+        env["OPGRAFT_MOE_EXPERTS"] = "passthrough"
+    elif mode == "opgraft":
+        env["OPGRAFT_MOE_EXPERTS"] = "opgraft"
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    # collective_rpc sends our stats function to the worker by pickling it.
+    env.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # Greedy decoding never uses FlashInfer's top-k/top-p sampler, but vLLM warms it up at start,
+    # which JIT-compiles it (minutes on a fresh machine, measured on an H200). Same for every
+    # setting; set VLLM_USE_FLASHINFER_SAMPLER=1 to keep it.
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # A host that turns NVLink multicast off for NCCL (NCCL_NVLS_ENABLE=0) wants it off everywhere:
+    # vLLM's symmetric-memory all-reduce (tensor parallelism) would use it, so keep that off too
+    # (vLLM's custom all-reduce and NCCL remain). Same for every setting.
+    if _multicast_off(env):
+        env.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
+    return env
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+def _worker_stats(worker=None) -> dict:
+    """Runs in vLLM's worker process (collective_rpc): the plugin's state there."""
+    out = {"pid": os.getpid()}
+    try:
+        from opgraft import vllm as plugin
+
+        out["plugin"] = plugin.summary()
+    except Exception as e:  # plugin not importable there
+        out["plugin"] = f"not importable ({type(e).__name__}: {e})"
+    dispatch = sys.modules.get("opgraft.dispatch")  # absent: the MoE seam never ran here
+    try:
+        out.update(dispatch.stats() if dispatch else {"moe": None})  # {"moe": {taken, ...}}
+    except Exception as e:
+        out["moe_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _worker_reinit(worker=None, std: float = 0.02) -> dict:
+    """Runs in vLLM's worker process (collective_rpc): replaces the dummy weights, in place (CUDA
+    graphs keep their pointers), by N(0, std^2) seeded per parameter name (the same values in
+    every run and setting), norm weights by 1 and biases by 0."""
+    import zlib
+
+    import torch
+
+    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+    n = nbytes = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not torch.is_floating_point(p) or p.device.type == "meta":
+                continue
+            module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # "input_layernorm", "q_norm", ...
+            if "norm" in module:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                g = torch.Generator(device=p.device)
+                g.manual_seed(zlib.crc32(name.encode()))
+                p.normal_(0.0, std, generator=g)
+            n += 1
+            nbytes += p.numel() * p.element_size()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {"pid": os.getpid(), "params": n, "bytes": nbytes, "std": std}
+
+
+_PROFILER = None  # the worker process's running torch profiler (_worker_profile)
+
+
+def _worker_profile(worker=None, action: str = "start") -> dict:
+    """Runs in vLLM's worker process (collective_rpc). "start" starts a CUDA-activity torch
+    profiler; "stop" stops it and returns {kernel name: [launches, self device µs]} of everything
+    the GPU ran meanwhile, kernels inside CUDA-graph replays included."""
+    # collective_rpc pickles this function by value when the study runs as __main__, and its
+    # globals with it: the running profiler lives in the importable module instead.
+    import tools.e2e as this
+
+    out: dict = {"pid": os.getpid()}
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if action == "start":
+            if this._PROFILER is None:
+                this._PROFILER = profile(activities=[ProfilerActivity.CUDA])
+                this._PROFILER.start()
+            return out
+        if this._PROFILER is None:
+            out["error"] = "profiler not started"
+            return out
+        prof, this._PROFILER = this._PROFILER, None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof.stop()
+        from opgraft.bench import profiler_kernels
+
+        out["kernels"] = {k[:160]: [n, us] for k, (n, us) in profiler_kernels(prof).items()}
+    except Exception as e:  # a profiler that cannot run must not end the study
+        this._PROFILER = None
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
+    """Per decode step: the kernels of `full` (prefill + `steps` decode steps) minus those of
+    `prefill` (the same prefill alone), by device time, with the step's total GPU time."""
+    if "error" in prefill or "error" in full:
+        return {"error": prefill.get("error") or full.get("error")}
+    rows = []
+    for name, (n, us) in full.get("kernels", {}).items():
+        n0, us0 = prefill.get("kernels", {}).get(name, (0, 0.0))
+        if us - us0 > 0:
+            rows.append({"kernel": name, "launches_per_step": round((n - n0) / steps, 2),
+                         "us_per_step": round((us - us0) / steps, 2)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+            "kernels_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
+            "kernels": rows[:top]}
+
+
+def profile_diff(base: dict, other: dict, top: int = 10) -> dict:
+    """Kernel by kernel, what `other` spends per decode step beyond `base` (profile_rows results):
+    the kernels whose time changed most, either way, and the totals."""
+    b = {k["kernel"]: k for k in base.get("kernels", [])}
+    o = {k["kernel"]: k for k in other.get("kernels", [])}
+    none = {"us_per_step": 0.0, "launches_per_step": 0.0}
+    rows = []
+    for name in set(b) | set(o):
+        bk, ok = b.get(name, none), o.get(name, none)
+        rows.append({"kernel": name, "base_us": bk["us_per_step"], "us": ok["us_per_step"],
+                     "delta_us": round(ok["us_per_step"] - bk["us_per_step"], 2),
+                     "base_launches": bk["launches_per_step"], "launches": ok["launches_per_step"]})
+    rows.sort(key=lambda r: -abs(r["delta_us"]))
+    return {"gpu_delta_us": round(other.get("gpu_us_per_step", 0.0) - base.get("gpu_us_per_step", 0.0), 1),
+            "kernels_delta": round(other.get("kernels_per_step", 0.0) - base.get("kernels_per_step", 0.0), 1),
+            "kernels": rows[:top]}
+
+
+def compilation_config(capture: list[int], tp: int, env) -> dict:
+    """vLLM's compilation_config for a setting. With tensor parallelism on a host that turns NVLink
+    multicast off (NCCL_NVLS_ENABLE=0), vLLM's all-reduce + RMSNorm fusion is off too: it runs
+    FlashInfer's all-reduce, whose backend vLLM picks by itself and which on an H200 pair picked
+    a multicast one ("mnnvl") and failed with an illegal address. Same for every setting."""
+    cfg: dict = {"cudagraph_capture_sizes": capture}
+    if tp > 1 and _multicast_off(env):
+        cfg["pass_config"] = {"fuse_allreduce_rms": False}
+    return cfg
+
+
+def itl_floor_ms(t1s: list[float], tns: list[float], n: int) -> float:
+    """(fastest n-token run - fastest one-token run) / (n - 1), in ms: a run that a one-time
+    stall made seconds longer (seen on a busy host, stock vLLM too) cannot move it, while it
+    moves that rep's ITL either way."""
+    return round((min(tns) - min(t1s)) / (n - 1) * 1e3, 4)
+
+
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def run(args) -> int:
+    """One setting in this process; writes args.json after each batch size."""
+    env = mode_env(args.mode)
+    os.environ.clear()
+    os.environ.update(env)
+    cfg = model_config(args.model)
+    result: dict = {"mode": args.mode, "model": args.model, "tp": args.tp,
+                    "expert_parallel": args.expert_parallel, "input_len": args.input_len,
+                    "output_len": args.output_len, "reps": args.reps, "batches": {},
+                    "commit": os.environ.get("OPGRAFT_COMMIT", ""),
+                    "date": time.strftime("%Y-%m-%d"), "status": "starting"}
+
+    def save():
+        if args.json:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(tmp, args.json)
+
+    save()
+    t0 = time.perf_counter()
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    result.update(vllm=vllm.__version__, torch=torch.__version__,
+                  gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+    batches = sorted(set(args.batches))
+    capture = sorted({c for c in (1, 2, 4, 8, 16, 32) if c <= max(batches)} | set(batches))
+    llm = LLM(model=write_model_dir(cfg, model_dir_for(cfg)), load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
+              max_num_seqs=max(batches), gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=False, tensor_parallel_size=args.tp,
+              enable_expert_parallel=args.expert_parallel,
+              compilation_config=compilation_config(capture, args.tp, os.environ))
+    result["startup_s"] = round(time.perf_counter() - t0, 1)
+    result["status"] = "started"
+    result["init_std"] = args.init_std
+    if args.init_std > 0:
+        result["init"] = llm.collective_rpc(_worker_reinit, args=(args.init_std,))
+    save()
+    P = prompts(max(batches), args.input_len, int(cfg.get("vocab_size", 32000)))
+    tok = [{"prompt_token_ids": p} for p in P]
+    n = args.output_len
+
+    def sp(max_tokens, logprobs=None):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                              detokenize=False, logprobs=logprobs)
+
+    for b in batches:  # warm every batch size once (first-call costs, lazy compiles)
+        llm.generate(tok[:b], sp(8), use_tqdm=False)
+    for b in batches:
+        itl, tps, t1s, tns = [], [], [], []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            llm.generate(tok[:b], sp(1), use_tqdm=False)
+            t1 = time.perf_counter() - t
+            t = time.perf_counter()
+            outs = llm.generate(tok[:b], sp(n), use_tqdm=False)
+            tn = time.perf_counter() - t
+            got = [len(o.outputs[0].token_ids) for o in outs]
+            if got != [n] * b:
+                raise SystemExit(f"opgraft e2e: expected {n} tokens per sequence, got {got}")
+            t1s.append(round(t1, 4))
+            tns.append(round(tn, 4))
+            itl.append((tn - t1) / (n - 1) * 1e3)
+            tps.append(b * (n - 1) / (tn - t1))
+        prof = None
+        if args.profile_steps:  # GPU time per decode step, kernel by kernel (after the timed runs)
+            runs = []
+            for max_tokens in (1, args.profile_steps + 1):
+                started = llm.collective_rpc(_worker_profile, args=("start",))
+                llm.generate(tok[:b], sp(max_tokens), use_tqdm=False)
+                stopped = llm.collective_rpc(_worker_profile, args=("stop",))
+                runs.append([a if "error" in a else z for a, z in zip(started, stopped)])
+            prof = [profile_rows(p, f, args.profile_steps) for p, f in zip(*runs)]
+        outs = llm.generate(tok[:b], sp(n, logprobs=0), use_tqdm=False)
+        ids, lps = [], []
+        for o in outs:
+            c = o.outputs[0]
+            ids.append([int(x) for x in c.token_ids])
+            lps.append([float(d[t].logprob) if d and t in d else None
+                        for t, d in zip(c.token_ids, c.logprobs or [None] * len(c.token_ids))])
+        result["batches"][str(b)] = {"itl_ms": summarize(itl), "decode_tok_s": summarize(tps),
+                                     "itl_ms_floor": itl_floor_ms(t1s, tns, n),
+                                     "itl_ms_all": [round(x, 4) for x in itl],
+                                     "t_1_s": t1s, "t_n_s": tns,
+                                     "token_ids": ids, "logprobs": lps}
+        if prof is not None:
+            result["batches"][str(b)]["profile"] = prof
+        save()
+    try:
+        result["workers"] = llm.collective_rpc(_worker_stats)
+    except Exception as e:
+        result["workers_error"] = f"{type(e).__name__}: {e}"
+    result["status"] = "done"
+    result["total_s"] = round(time.perf_counter() - t0, 1)
+    save()
+    print(f"opgraft e2e: {args.mode} done in {result['total_s']} s", flush=True)
+    return 0
+
+
+def parity(a: dict, b: dict) -> dict:
+    """Token and logprob agreement of run b against run a, per batch size present in both.
+    Logprobs are compared only up to each sequence's first differing token (after it the
+    contexts differ)."""
+    out = {}
+    for key, ra in a.get("batches", {}).items():
+        rb = b.get("batches", {}).get(key)
+        if not rb:
+            continue
+        same = total = prefix = 0
+        dmax = 0.0
+        for ia, ib, la, lb in zip(ra["token_ids"], rb["token_ids"], ra["logprobs"], rb["logprobs"]):
+            total += len(ia)
+            same += sum(x == y for x, y in zip(ia, ib))
+            k = 0
+            while k < min(len(ia), len(ib)) and ia[k] == ib[k]:
+                k += 1
+            prefix += k
+            for x, y in zip(la[:k], lb[:k]):
+                if x is not None and y is not None:
+                    dmax = max(dmax, abs(x - y))
+        out[key] = {"identical": ra["token_ids"] == rb["token_ids"],
+                    "same_position_fraction": same / total if total else None,
+                    "common_prefix_fraction": prefix / total if total else None,
+                    "max_abs_logprob_diff_on_common_prefix": dmax}
+    return out
+
+
+def _rank0_profile(batch_result: dict) -> dict | None:
+    return (batch_result.get("profile") or [None])[0]
+
+
+def compare(out_dir: str, modes=MODES) -> dict:
+    runs = {}
+    for m in modes:
+        p = os.path.join(out_dir, f"e2e-{m}.json")
+        if os.path.isfile(p):
+            with open(p) as f:
+                runs[m] = json.load(f)
+    rows = []
+    base = runs.get("disabled")
+    for m, r in runs.items():
+        for key, br in sorted(r.get("batches", {}).items(), key=lambda kv: int(kv[0])):
+            row = {"mode": m, "batch": int(key), "itl_ms": br["itl_ms"]["median"],
+                   "itl_ms_floor": br.get("itl_ms_floor"),
+                   "itl_ms_min": br["itl_ms"]["min"], "itl_ms_max": br["itl_ms"]["max"],
+                   "decode_tok_s": br["decode_tok_s"]["median"], "reps": br["itl_ms"]["n"]}
+            if base and key in base.get("batches", {}):
+                bi = base["batches"][key]["itl_ms"]["median"]
+                row["itl_vs_disabled"] = br["itl_ms"]["median"] / bi
+            rows.append(row)
+    par = {m: parity(base, r) for m, r in runs.items() if base and m != "disabled"}
+    meta = {k: v for k, v in (base or next(iter(runs.values()), {})).items()
+            if k in ("model", "tp", "expert_parallel", "vllm", "torch", "gpu", "commit", "date",
+                     "input_len", "output_len", "init_std")}
+    summary = {"meta": meta, "rows": rows, "parity_vs_disabled": par,
+               "status": {m: r.get("status") for m, r in runs.items()},
+               "startup_s": {m: r.get("startup_s") for m, r in runs.items()},
+               "workers": {m: r.get("workers") or r.get("workers_error") for m, r in runs.items()}}
+    with open(os.path.join(out_dir, "e2e-summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"{'mode':<12} {'B':>3} {'ITL ms (median)':>16} {'min..max':>16} {'floor':>7} {'tok/s':>9} {'vs off':>7}")
+    for r in rows:
+        vs = f"{r['itl_vs_disabled']:.3f}" if "itl_vs_disabled" in r else "-"
+        floor = f"{r['itl_ms_floor']:.3f}" if r.get("itl_ms_floor") is not None else "-"
+        print(f"{r['mode']:<12} {r['batch']:>3} {r['itl_ms']:>16.3f} "
+              f"{r['itl_ms_min']:>7.3f}..{r['itl_ms_max']:<7.3f} {floor:>7} {r['decode_tok_s']:>9.1f} {vs:>7}")
+    for m, p in par.items():
+        for key, v in p.items():
+            print(f"parity {m} vs disabled, B={key}: identical={v['identical']} "
+                  f"same-position {v['same_position_fraction']:.4f} "
+                  f"common-prefix {v['common_prefix_fraction']:.4f} "
+                  f"max|dlogprob| {v['max_abs_logprob_diff_on_common_prefix']:.4g}")
+    for m, w in summary["workers"].items():
+        print(f"workers {m}: {json.dumps(w)[:400]}")
+    for m, r in runs.items():  # --profile-steps: rank 0's GPU time per decode step against the ITL
+        for key, br in sorted(r.get("batches", {}).items(), key=lambda kv: int(kv[0])):
+            prof = _rank0_profile(br)
+            if not prof:
+                continue
+            if "error" in prof:
+                print(f"profile {m} B={key}: {prof['error']}")
+                continue
+            print(f"profile {m} B={key}: GPU {prof['gpu_us_per_step'] / 1e3:.3f} ms per step "
+                  f"(ITL {br['itl_ms']['median']:.3f} ms)")
+            for k in prof["kernels"][:8]:
+                print(f"    {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
+            bprof = _rank0_profile((base or {}).get("batches", {}).get(key, {}))
+            if m != "disabled" and bprof and "error" not in bprof:
+                d = profile_diff(bprof, prof)
+                print(f"profile {m} vs disabled B={key}: GPU {d['gpu_delta_us']:+.1f} us per step, "
+                      f"kernels {d['kernels_delta']:+.1f} per step")
+                for k in d["kernels"][:8]:
+                    print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
+                          f"{k['base_launches']:.0f} -> {k['launches']:.0f}x)  {k['kernel'][:80]}")
+    return summary
+
+
+def run_group(cmd: list[str], env: dict, out, timeout: float):
+    """Runs cmd in its own process group and returns its exit status, or "timeout". On timeout
+    the whole group goes (vLLM's engine-core process too, which would otherwise keep the GPU's
+    memory and make the next setting fail)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return "timeout"
+    finally:
+        try:  # children left behind by a setting that exited on its own
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def gpu_memory_used_mib() -> list[int] | None:
+    """Memory in use on each GPU this process may use (CUDA_VISIBLE_DEVICES, as indices)."""
+    cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").replace(" ", "")
+    if visible and all(v.isdigit() for v in visible.split(",")):
+        cmd.append(f"--id={visible}")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+        return [int(x) for x in out.split()]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def wait_gpu_memory_free(limit_mib: int = 4096, timeout: float = 60.0) -> None:
+    """Waits until every GPU uses less than limit_mib (a finished setting's memory is back)."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < timeout:
+        used = gpu_memory_used_mib()
+        if used is None or max(used, default=0) < limit_mib:
+            return
+        time.sleep(1.0)
+    print(f"opgraft e2e: GPU memory still in use after {timeout:.0f} s: {gpu_memory_used_mib()} MiB",
+          flush=True)
+
+
+def study(args) -> int:
+    os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
+    for m in args.modes:
+        path = os.path.join(args.out_dir, f"e2e-{m}.json")
+        cmd = [sys.executable, "-m", "tools.e2e", "run", "--mode", m, "--model", args.model,
+               "--json", path, "--batches", ",".join(map(str, args.batches)),
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+               "--reps", str(args.reps), "--init-std", str(args.init_std),
+               "--profile-steps", str(args.profile_steps),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
+        if args.expert_parallel:
+            cmd.append("--expert-parallel")
+        log = os.path.join(args.log_dir or args.out_dir, f"e2e-{m}.log")
+        print(f"opgraft e2e: {m} ... (log {log})", flush=True)
+        t = time.perf_counter()
+        with open(log, "w") as lf:
+            rc = run_group(cmd, mode_env(m), lf, args.mode_timeout)
+        print(f"opgraft e2e: {m} exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
+        wait_gpu_memory_free()
+        if rc != 0:
+            with open(log) as lf:
+                print("".join(lf.readlines()[-25:]), flush=True)
+    compare(args.out_dir, args.modes)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="opgraft e2e", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p):
+        p.add_argument("--model", default="Qwen3-30B-A3B",
+                       help=f"built-in architecture ({', '.join(MODEL_CONFIGS)}) or a config.json")
+        p.add_argument("--batches", type=_ints, default=[1, 8, 32])
+        p.add_argument("--input-len", type=int, default=128)
+        p.add_argument("--output-len", type=int, default=256)
+        p.add_argument("--reps", type=int, default=5)
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+        p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
+        p.add_argument("--expert-parallel", action="store_true",
+                       help="vLLM enable_expert_parallel (experts split over the --tp ranks)")
+        p.add_argument("--profile-steps", type=int, default=0,
+                       help="after the timed runs, profile this many decode steps per batch size "
+                            "(GPU time per step, kernel by kernel; 0: off)")
+        p.add_argument("--init-std", type=float, default=0.02,
+                       help="re-initialize the dummy weights as N(0, std^2) (0: keep vLLM's)")
+
+    r = sub.add_parser("run", help="one setting, in this process")
+    common(r)
+    r.add_argument("--mode", choices=MODES, required=True)
+    r.add_argument("--json", default=None)
+    s = sub.add_parser("study", help="every setting, each in its own process, then the comparison")
+    common(s)
+    s.add_argument("--modes", type=_modes, default=["disabled", "opgraft", "passthrough"])
+    s.add_argument("--out-dir", required=True)
+    s.add_argument("--mode-timeout", type=float, default=600)
+    s.add_argument("--log-dir", default=None, help="where each setting's vLLM log goes (default --out-dir)")
+    c = sub.add_parser("compare", help="the comparison table of a study's folder")
+    c.add_argument("out_dir")
+    args = ap.parse_args(argv)
+    if args.cmd in ("run", "study"):
+        if args.output_len < 2 or args.input_len < 1 or args.reps < 1 or args.tp < 1:
+            ap.error("--output-len must be >= 2, --input-len, --reps and --tp >= 1")
+        if args.profile_steps < 0 or args.profile_steps >= args.output_len:
+            ap.error("--profile-steps must be in [0, --output-len)")
+        if not 0 <= args.init_std < 1:
+            ap.error("--init-std must be in [0, 1)")
+        model_config(args.model)  # fail early on a bad --model
+    if args.cmd == "run":
+        return run(args)
+    if args.cmd == "study":
+        return study(args)
+    if not os.path.isdir(args.out_dir):
+        ap.error(f"no such folder: {args.out_dir}")
+    compare(args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
