@@ -139,10 +139,10 @@ def test_the_c_oracle_follows_an_expert_map():
 
 def test_gpu_check_cases_set_only_known_tunables():
     pytest.importorskip("torch")
-    from tools import gpucheck
+    from tools.checks import moe as moe_checks
 
     keys = set(_lib.tune_keys())
-    cases = [c for c in gpucheck.correctness_cases() if c["tunables"]]
+    cases = [c for c in moe_checks.cases() if c["tunables"]]
     assert cases, "the GPU check has cases for non-default tunables"
     for c in cases:
         assert set(c["tunables"]) <= keys, c["name"]
