@@ -1,0 +1,111 @@
+"""Host microseconds per MoE call in eager mode (no CUDA graph): what the Python layer, ctypes and
+the launcher cost on the CPU for each call (GPU only; a development tool).
+
+    PYTHONPATH=python python -m tools.host_time [--model Qwen3-30B-A3B] [--tokens 1,8] [--calls 2000] [--json F]
+
+Two paths: the op called directly (ops.moe.moe_experts_into), and the dispatch path a vLLM call
+takes after the seam (an ExpertsCall through dispatch, stats included). The calls are enqueued
+back to back on one stream and the host clock is read around them without synchronizing, so the
+GPU's own time is not counted (the queue is far deeper than the calls made between two reads;
+every 200 calls the stream is synchronized outside the timed region so it never fills). Works with
+the package of an older tree too (its op module and dispatch signature are detected), so the same
+script measures before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import time
+
+
+def _load():
+    """(moe_experts_into, dispatch function, ExpertsCall) of whichever opgraft is importable."""
+    try:
+        from opgraft.ops import moe as ops
+    except ImportError:  # an older tree: opgraft.ops was one module
+        from opgraft import ops
+    from opgraft import dispatch
+
+    params = list(inspect.signature(dispatch.dispatch).parameters)
+    if params and params[0] == "op":
+        run = lambda call: dispatch.dispatch("moe", call)  # noqa: E731
+    else:
+        run = dispatch.dispatch
+    return ops.moe_experts_into, run, dispatch.ExpertsCall
+
+
+def measure(fn, calls: int, sync) -> float:
+    """Median over batches of 200 calls of the host µs per call."""
+    per = []
+    done = 0
+    while done < calls:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        per.append((time.perf_counter() - t0) / 200 * 1e6)
+        done += 200
+    return statistics.median(per)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.host_time")
+    ap.add_argument("--model", default="Qwen3-30B-A3B", help="a preset (default: %(default)s)")
+    ap.add_argument("--tokens", default="1,8", help="token counts (default: %(default)s)")
+    ap.add_argument("--calls", type=int, default=2000, help="timed calls per path (default: %(default)s)")
+    ap.add_argument("--label", default="", help="a name for the tree measured (e.g. before, after)")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    args = ap.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("error: tools.host_time measures on a GPU and needs torch", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: no CUDA GPU here", file=sys.stderr)
+        return 2
+    from opgraft.presets import resolve
+
+    moe_into, run, ExpertsCall = _load()
+    shape = resolve(args.model)
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    E, H, I, k = shape.num_experts, shape.hidden, shape.inter, shape.top_k
+    w13 = torch.randn((E, 2 * I, H), device=dev, generator=g).to(torch.bfloat16)
+    w2 = torch.randn((E, H, I), device=dev, generator=g).to(torch.bfloat16)
+    rows = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
+        ids = torch.rand((T, E), device=dev, generator=g).topk(k, dim=1).indices.to(torch.int32)
+        tw = torch.softmax(torch.randn((T, k), device=dev, generator=g), dim=1)
+        out = torch.empty_like(x)
+        ws = torch.empty(1 << 24, dtype=torch.uint8, device=dev)
+        direct = lambda: moe_into(out, x, w13, w2, tw, ids, workspace=ws)  # noqa: E731
+
+        def via_dispatch():
+            run(ExpertsCall(hidden_states=x, w13=w13, w2=w2, topk_weights=tw, topk_ids=ids, activation="silu",
+                            apply_router_weight_on_input=False, expert_map=None, delegate=lambda: None,
+                            output=out, workspace=ws))
+
+        for fn in (direct, via_dispatch):  # warm up: plans, compiles, caches
+            fn()
+        torch.cuda.synchronize()
+        for name, fn in (("op", direct), ("dispatch", via_dispatch)):
+            us = measure(fn, args.calls, torch.cuda.synchronize)
+            rows.append({"label": args.label, "model": shape.name, "tokens": T, "path": name,
+                         "host_us_per_call": round(us, 2), "calls": args.calls, "torch": torch.__version__,
+                         "gpu": torch.cuda.get_device_name(0)})
+            print(f"{args.label:<8} {shape.name} T={T:<3} {name:<9} {us:7.2f} us per call (host)", flush=True)
+        torch.cuda.synchronize()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
