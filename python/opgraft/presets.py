@@ -85,6 +85,8 @@ def from_config(cfg: dict, name: str = "config") -> MoeShape:
     if fields["top_k"] > fields["num_experts"]:
         raise ConfigError(f"{name}: num_experts_per_tok {fields['top_k']} > {fields['num_experts']} experts")
     label = (cfg.get("architectures") or [name])[0] if isinstance(cfg.get("architectures"), list) else name
+    if isinstance(cfg.get("_name_or_path"), str) and cfg["_name_or_path"].strip("/"):
+        label = cfg["_name_or_path"].rstrip("/").rsplit("/", 1)[-1]  # the model's own name, as HF writes it
     return MoeShape(str(label), fields["num_experts"], fields["hidden"], fields["inter"], fields["top_k"])
 
 
