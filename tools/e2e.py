@@ -69,6 +69,9 @@ MODEL_CONFIGS = {
         "output_router_logits": False, "router_aux_loss_coef": 0.001, "use_cache": True,
         "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
     },
+    # Qwen/Qwen3-30B-A3B-FP8: the same architecture with 128x128 block-FP8 weights (its config.json's
+    # quantization_config); dynamic per-token-group activation scales.
+    "Qwen3-30B-A3B-FP8": None,
     "Mixtral-8x7B": {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
@@ -80,6 +83,12 @@ MODEL_CONFIGS = {
         "use_cache": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     },
 }
+
+
+MODEL_CONFIGS["Qwen3-30B-A3B-FP8"] = dict(
+    MODEL_CONFIGS["Qwen3-30B-A3B"],
+    quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "weight_block_size": [128, 128]})
 
 
 def _ints(text: str) -> list[int]:
@@ -192,29 +201,81 @@ def _worker_stats(worker=None) -> dict:
     return out
 
 
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+
+
+def _fp8_fill(w, scale, std: float, gen) -> None:
+    """Fills an FP8 weight with N(0, std^2) values quantized as an FP8 checkpoint is: per block
+    (the scale tensor's shape over the weight's last two dims gives the block size; one scale per
+    matrix for per-tensor scales), scale = amax / 448, w = fp8(x / scale). In place, a few leading
+    slices (experts) at a time."""
+    import torch
+    import torch.nn.functional as F
+
+    rows, cols = w.shape[-2], w.shape[-1]
+    w3 = w.view(-1, rows, cols)
+    n = w3.shape[0]
+    per_tensor = scale.numel() == n
+    s3 = scale.view(n, 1, 1) if per_tensor else scale.view(-1, scale.shape[-2], scale.shape[-1])
+    nr, nc = s3.shape[1], s3.shape[2]
+    br, bc = -(-rows // nr), -(-cols // nc)
+    step = max(1, (256 << 20) // (rows * cols * 4))
+    for e0 in range(0, n, step):
+        e1 = min(n, e0 + step)
+        x = torch.empty((e1 - e0, rows, cols), dtype=torch.float32, device=w.device).normal_(0.0, std, generator=gen)
+        if per_tensor:
+            sc = (x.abs().amax(dim=(1, 2)) / FP8_MAX).clamp_min(1e-12)
+            w3[e0:e1].copy_((x / sc[:, None, None]).to(w.dtype))
+            s3[e0:e1, 0, 0] = sc
+            continue
+        xp = F.pad(x, (0, nc * bc - cols, 0, nr * br - rows))  # zeros do not change an amax
+        sc = (xp.view(e1 - e0, nr, br, nc, bc).abs().amax(dim=(2, 4)) / FP8_MAX).clamp_min(1e-12)
+        q = xp / sc[:, :, None, :, None].expand(-1, -1, br, -1, bc).reshape(e1 - e0, nr * br, nc * bc)
+        w3[e0:e1].copy_(q[:, :rows, :cols].to(w.dtype))
+        s3[e0:e1] = sc
+
+
 def _worker_reinit(worker=None, std: float = 0.02) -> dict:
     """Runs in vLLM's worker process (collective_rpc): replaces the dummy weights, in place (CUDA
     graphs keep their pointers), by N(0, std^2) seeded per parameter name (the same values in
-    every run and setting), norm weights by 1 and biases by 0."""
+    every run and setting), norm weights by 1 and biases by 0. FP8 weights get those values
+    quantized with their own scales (`<name>_scale_inv` for block scales, `<name>_scale` per
+    tensor), as an FP8 checkpoint would hold them."""
     import zlib
 
     import torch
 
     model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+    params = dict(model.named_parameters())
+    fp8 = {getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e4m3fnuz", None)} - {None}
+    scales = set()
+    for name, p in params.items():
+        if p.dtype in fp8:
+            for sname in (name + "_scale_inv", name + "_scale"):
+                if sname in params:
+                    scales.add(sname)
     n = nbytes = 0
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not torch.is_floating_point(p) or p.device.type == "meta":
+        for name, p in params.items():
+            if p.device.type == "meta" or name in scales:
                 continue
-            module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # "input_layernorm", "q_norm", ...
-            if "norm" in module:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
+            g = torch.Generator(device=p.device)
+            g.manual_seed(zlib.crc32(name.encode()))
+            if p.dtype in fp8:
+                sname = next((s for s in (name + "_scale_inv", name + "_scale") if s in params), None)
+                if sname is None:
+                    continue  # an FP8 tensor without a scale we know: leave vLLM's values
+                _fp8_fill(p.data, params[sname].data, std, g)
+            elif not torch.is_floating_point(p):
+                continue
             else:
-                g = torch.Generator(device=p.device)
-                g.manual_seed(zlib.crc32(name.encode()))
-                p.normal_(0.0, std, generator=g)
+                module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # "input_layernorm", "q_norm", ...
+                if "norm" in module:
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std, generator=g)
             n += 1
             nbytes += p.numel() * p.element_size()
     if torch.cuda.is_available():
