@@ -195,7 +195,9 @@ def _worker_stats(worker=None) -> dict:
         out["plugin"] = f"not importable ({type(e).__name__}: {e})"
     dispatch = sys.modules.get("opgraft.dispatch")  # absent: the MoE seam never ran here
     try:
-        out.update(dispatch.stats() if dispatch else {"moe": None})  # {"moe": {taken, ...}}
+        # {op: {taken, delegated, ...}} of every op that saw a call; None where the seams never ran
+        ops = dispatch.stats() if dispatch else {}
+        out.update({op: ops.get(op) for op in ("moe", "attention", "linear")}, **ops)
     except Exception as e:
         out["moe_error"] = f"{type(e).__name__}: {e}"
     return out
