@@ -85,6 +85,25 @@ MODEL_CONFIGS = {
 }
 
 
+# deepseek-ai/DeepSeek-V3 (its config.json): MLA attention (stays vLLM's), 256 routed experts of
+# which 8 per token, block-FP8 weights. Needs eight H200s (tensor_parallel_size=8).
+MODEL_CONFIGS["DeepSeek-V3"] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rms_norm_eps": 1e-06, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+    "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True, "bos_token_id": 0,
+    "eos_token_id": 1, "torch_dtype": "bfloat16", "ep_size": 1, "aux_loss_alpha": 0.001, "seq_aux": True,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+}
+
 MODEL_CONFIGS["Qwen3-30B-A3B-FP8"] = dict(
     MODEL_CONFIGS["Qwen3-30B-A3B"],
     quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

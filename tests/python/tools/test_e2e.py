@@ -302,3 +302,15 @@ def test_compare_prints_the_profile_difference(tmp_path, capsys):
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
     assert "profile opgraft vs disabled B=8: GPU +500.0 us per step, kernels -48.0 per step" in out
+
+
+def test_builtin_configs_load_as_hugging_face_configs(tmp_path):
+    """vLLM reads the model folder's config.json through transformers: each built-in architecture
+    (the FP8 ones with their quantization_config) must load there offline."""
+    transformers = pytest.importorskip("transformers")
+    for name, cfg in e2e.MODEL_CONFIGS.items():
+        d = e2e.write_model_dir(cfg, str(tmp_path / name))
+        hf = transformers.AutoConfig.from_pretrained(d)
+        assert hf.architectures == cfg["architectures"], name
+        if "quantization_config" in cfg:
+            assert hf.quantization_config["weight_block_size"] == [128, 128], name
