@@ -753,7 +753,8 @@ def commit_id() -> str:
         return ""
 
 
-def serve_phase(mode: str, args, model_dir: str, out: str, summary: dict, seen: dict, deadline: float) -> None:
+def serve_phase(mode: str, args, model_dir: str, out: str, summary: dict, seen: dict, deadline: float,
+                save) -> None:
     setting = f"serve:{mode}"
     env = child_env(mode, args)
     port = args.port or free_port()
@@ -795,6 +796,7 @@ def serve_phase(mode: str, args, model_dir: str, out: str, summary: dict, seen: 
                 continue
             summary["rows"].append(serve_row(res, mode, run["input_len"], run["output_len"], run["concurrency"],
                                              summary["meta"], os.path.relpath(run["result_file"], out)))
+        save()  # the numbers are kept even if an outer time limit ends the rest
         bad = [e for e in (status or {}).get("runs", []) if not e.get("ok")]
         if rc != 0 or status is None or bad or len(status.get("runs", [])) < len(runs):
             why = "; ".join(f"{os.path.basename(e['result_file'])}: {e.get('error')}" for e in bad) or f"exit {rc}"
@@ -815,7 +817,8 @@ def serve_phase(mode: str, args, model_dir: str, out: str, summary: dict, seen: 
         raise Failure("\n".join(problems))
 
 
-def latency_phase(mode: str, args, model_dir: str, out: str, summary: dict, seen: dict, deadline: float) -> None:
+def latency_phase(mode: str, args, model_dir: str, out: str, summary: dict, seen: dict, deadline: float,
+                  save) -> None:
     setting = f"latency:{mode}"
     env = child_env(mode, args)
     i, o = args.latency_len
@@ -899,7 +902,8 @@ def study(args) -> int:
                 continue
             t = time.monotonic()
             try:
-                (serve_phase if part == "serve" else latency_phase)(mode, args, model_dir, out, summary, seen, deadline)
+                (serve_phase if part == "serve" else latency_phase)(mode, args, model_dir, out, summary, seen, deadline,
+                                                                    lambda: _write_json(path, summary))
                 summary["phases"][key] = f"done in {time.monotonic() - t:.0f} s"
             except Failure as e:
                 summary["phases"][key] = "failed"
@@ -912,7 +916,8 @@ def study(args) -> int:
     summary["total_s"] = round(time.monotonic() - t0, 1)
     _write_json(path, summary)
     print(f"serve bench: done in {summary['total_s']} s; summary {path}", flush=True)
-    print(table(summary), flush=True)
+    if not args.no_table:
+        print(table(summary), flush=True)
     return 1 if summary["failures"] else 0
 
 
@@ -984,6 +989,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--budget-s", type=float, default=0.0, help="skip the phases that no longer fit (0: no limit)")
     s.add_argument("--port", type=int, default=0, help="the servers' port (default: a free one)")
     s.add_argument("--python", default=sys.executable, help="the interpreter of the servers and clients")
+    s.add_argument("--no-table", action="store_true", help="do not print the tables at the end (see `table`)")
 
     p = sub.add_parser("prepare", help="write the model folder (config.json, tokenizer) only")
     model_opts(p)
