@@ -353,3 +353,40 @@ def test_vllms_bench_serve_client_against_a_stand_in_server(model_dir, fake_pyth
         assert res["total_output_tokens"] == 8 * r["num_prompts"] and res["mode"] == "disabled"
         assert all(isinstance(r[k], float) and r[k] > 0 for k in ("tpot_ms_median", "tpot_ms_p99", "itl_ms_median",
                                                                  "ttft_ms_median", "output_tok_s"))
+
+
+@needs_vllm
+def test_worker_class_reinitialises_after_loading_and_reports_counters(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from tools import serve_worker
+
+    cls = resolve_obj_by_qualname(serve_bench.WORKER_CLS)  # how vLLM finds --worker-cls
+    assert cls is serve_worker.ReinitWorker and issubclass(cls, Worker)
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(64, 64)
+    model.input_layernorm = torch.nn.LayerNorm(64)
+    loaded = []
+    monkeypatch.setattr(Worker, "load_model", lambda self, **kw: loaded.append(kw))
+    w = cls.__new__(cls)
+    w.model_runner = SimpleNamespace(get_model=lambda: model)
+    monkeypatch.setenv(serve_worker.INIT_STD_ENV, "0.02")
+    w.load_model(load_dummy_weights=True)
+    assert loaded == [{"load_dummy_weights": True}]  # vLLM's own loading first
+    assert torch.all(model.input_layernorm.weight == 1) and torch.all(model.proj.bias == 0)
+    assert abs(model.proj.weight.std().item() - 0.02) < 0.004
+    first = model.proj.weight.clone()
+    w.load_model()
+    assert torch.equal(first, model.proj.weight)  # seeded per parameter name: the same in every setting
+    stats = w.opgraft_stats()
+    assert stats["init"]["std"] == 0.02 and stats["init"]["params"] == 4 and "plugin" in stats and "pid" in stats
+    monkeypatch.setenv(serve_worker.INIT_STD_ENV, "0")
+    w.load_model()
+    assert w.opgraft_stats()["init"] == {"std": 0.0, "params": 0}
+    monkeypatch.setenv(serve_worker.INIT_STD_ENV, "x")
+    with pytest.raises(ValueError):
+        w.load_model()
