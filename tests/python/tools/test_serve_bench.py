@@ -390,3 +390,19 @@ def test_worker_class_reinitialises_after_loading_and_reports_counters(monkeypat
     monkeypatch.setenv(serve_worker.INIT_STD_ENV, "x")
     with pytest.raises(ValueError):
         w.load_model()
+
+
+def test_phase_estimates_for_the_budget():
+    a = _args()
+    seen = {"startup": [], "client": 0.0, "latency": 0.0}
+    assert serve_bench.estimate_s("serve", 0, a, seen) == \
+        serve_bench.COLD_START_S + serve_bench.client_guess_s(a) + serve_bench.PHASE_OVERHEAD_S
+    seen.update(startup=[150.0, 80.0], client=45.0)
+    assert serve_bench.estimate_s("serve", 1, a, seen) == 80.0 + 45.0 + serve_bench.PHASE_OVERHEAD_S
+    one = 80.0 + serve_bench.latency_guess_s(a) + serve_bench.PHASE_OVERHEAD_S
+    assert serve_bench.estimate_s("latency", 0, a, seen) == 2 * one  # room for both settings, or neither
+    seen["latency"] = 120.0
+    assert serve_bench.estimate_s("latency", 1, a, seen) == 120.0
+    # The guesses grow with the work asked for.
+    assert serve_bench.client_guess_s(_args("--long")) > serve_bench.client_guess_s(a) > 30
+    assert serve_bench.latency_guess_s(_args("--latency-iters", "16")) > serve_bench.latency_guess_s(a) > 10
