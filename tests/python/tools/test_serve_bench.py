@@ -404,5 +404,5 @@ def test_phase_estimates_for_the_budget():
     seen["latency"] = 120.0
     assert serve_bench.estimate_s("latency", 1, a, seen) == 120.0
     # The guesses grow with the work asked for.
-    assert serve_bench.client_guess_s(_args("--long")) > serve_bench.client_guess_s(a) > 30
+    assert serve_bench.client_guess_s(_args("--lengths", "128x256,2048x256")) > serve_bench.client_guess_s(a) > 30
     assert serve_bench.latency_guess_s(_args("--latency-iters", "16")) > serve_bench.latency_guess_s(a) > 10
