@@ -279,6 +279,7 @@ def child_env(mode: str, args, base: dict | None = None) -> dict:
         "VLLM_CACHE_ROOT": cache_root(args, mode),
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",  # the logs as they happen (a killed process loses no lines)
         # The worker class (tools.serve_worker) and the runners come from this checkout.
         "PYTHONPATH": REPO + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH") else ""),
     })

@@ -17,15 +17,18 @@ ROOT = serve_bench.REPO
 
 
 def _has(module):
+    """Whether module is installed (for vLLM a submodule is asked for: tests/python/vllm alone
+    is a namespace package named vllm)."""
+    import importlib.util
+
     try:
-        __import__(module)
-        return True
+        return importlib.util.find_spec(module) is not None
     except Exception:
         return False
 
 
 needs_tokenizers = pytest.mark.skipif(not _has("tokenizers"), reason="needs the tokenizers package")
-needs_vllm = pytest.mark.skipif(not _has("vllm"), reason="needs vLLM")
+needs_vllm = pytest.mark.skipif(not _has("vllm.benchmarks.serve"), reason="needs vLLM")
 
 
 def _args(*extra):
