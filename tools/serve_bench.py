@@ -378,8 +378,9 @@ def run_child(kind: str, runs: list[dict], env: dict, python: str, log: str, sta
     its own process group; returns (exit status or "timeout", status dict or None)."""
     runs_path = status_path[: -len(".status.json")] + ".runs.json"
     _write_json(runs_path, runs)
-    if os.path.exists(status_path):
-        os.remove(status_path)
+    for stale in [status_path] + [r["result_file"] for r in runs]:  # a rerun into the same folder
+        if os.path.exists(stale):
+            os.remove(stale)
     cmd = [python, "-m", "tools.serve_bench", kind, runs_path, status_path]
     with open(log, "w") as lf:
         rc = e2e.run_group(cmd, env, lf, max(timeout, 30.0))

@@ -312,9 +312,12 @@ def test_study_exits_nonzero_when_a_server_does_not_start(model_dir, fake_python
 
 
 def test_study_exits_nonzero_when_the_client_fails(model_dir, fake_python, tmp_path, monkeypatch):
-    rc, s = _study(model_dir, fake_python, tmp_path / "out", monkeypatch, "client-fails",
-                   ["--parts", "serve", "--modes", "opgraft"])
-    assert rc == 1 and s["failures"][0]["setting"] == "serve:opgraft"
+    opts = ["--parts", "serve", "--modes", "opgraft"]
+    rc, s = _study(model_dir, fake_python, tmp_path / "out", monkeypatch, "", opts)
+    assert rc == 0 and len(s["rows"]) == 3
+    # Again into the same folder, the client failing: the first run's result files are not taken.
+    rc, s = _study(model_dir, fake_python, tmp_path / "out", monkeypatch, "client-fails", opts)
+    assert rc == 1 and s["failures"][0]["setting"] == "serve:opgraft" and s["rows"] == []
     assert "vllm bench serve failed" in s["failures"][0]["error"] and "fake client failure" in s["failures"][0]["error"]
     assert s["bad_requests"]["opgraft"]["good_after"]["ok"] is True  # the rest of the setting still ran
 
