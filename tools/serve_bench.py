@@ -283,6 +283,9 @@ def child_env(mode: str, args, base: dict | None = None) -> dict:
         # The worker class (tools.serve_worker) and the runners come from this checkout.
         "PYTHONPATH": REPO + (os.pathsep + base["PYTHONPATH"] if base.get("PYTHONPATH") else ""),
     })
+    # vLLM's client (aiohttp, trust_env) must not send the local requests to a proxy.
+    for key in ("no_proxy", "NO_PROXY"):
+        env[key] = ",".join(filter(None, [base.get(key, ""), "127.0.0.1", "localhost"]))
     return env
 
 
@@ -395,13 +398,17 @@ def run_child(kind: str, runs: list[dict], env: dict, python: str, log: str, sta
 # ---- HTTP ---------------------------------------------------------------------------------------
 
 
+# The servers are local: no proxy from the environment applies.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def http_request(method: str, url: str, body=None, timeout: float = 60.0) -> tuple[int, object]:
     """(status, JSON body or text). body: a dict (sent as JSON), raw bytes, or None."""
     data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} if data is not None else {}
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with _OPENER.open(req, timeout=timeout) as r:
             status, raw = r.status, r.read()
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read()

@@ -412,3 +412,26 @@ def test_phase_estimates_for_the_budget():
     # The guesses grow with the work asked for.
     assert serve_bench.client_guess_s(_args("--lengths", "128x256,2048x256")) > serve_bench.client_guess_s(a) > 30
     assert serve_bench.latency_guess_s(_args("--latency-iters", "16")) > serve_bench.latency_guess_s(a) > 10
+
+
+def test_local_requests_bypass_a_proxy(monkeypatch):
+    env = serve_bench.child_env("opgraft", _args(), {"no_proxy": "corp.example", "http_proxy": "http://proxy:1"})
+    assert env["no_proxy"] == "corp.example,127.0.0.1,localhost" and env["NO_PROXY"] == "127.0.0.1,localhost"
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a):
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=srv.handle_request, daemon=True).start()
+    assert serve_bench.http_request("GET", f"http://127.0.0.1:{srv.server_port}/health", timeout=10) == (200, {})
+    srv.server_close()
