@@ -31,7 +31,10 @@ def parse(model_dir: str) -> dict:
     from vllm.benchmarks.serve import add_cli_args as serve_client_args
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+    try:  # vLLM 0.26; later releases moved it
+        from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+    except ImportError:
+        from vllm.entrypoints.common.cli_args import validate_parsed_serve_args
     from vllm.usage.usage_lib import UsageContext
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

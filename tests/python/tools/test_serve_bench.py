@@ -198,7 +198,7 @@ def test_latency_runner_runs_vllms_bench_latency_on_one_engine(tmp_path):
     assert got["rc"] == 0 and got["engines"] == 1 and got["rpcs"] == ["opgraft_stats"]
     assert [r["ok"] for r in got["status"]["runs"]] == [True, True]
     assert got["status"]["stats"] == [{"moe": {"taken": 7}}]
-    assert got["result_keys"] == [["avg_latency", "latencies", "percentiles"]] * 2
+    assert all({"avg_latency", "latencies", "percentiles"} <= set(keys) for keys in got["result_keys"])
 
 
 # ---- summaries ----------------------------------------------------------------------------------
