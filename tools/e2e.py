@@ -234,6 +234,9 @@ def _worker_profile(worker=None, action: str = "start") -> dict:
     import tools.e2e as this
 
     out: dict = {"pid": os.getpid()}
+    if action == "stop" and this._PROFILER is None:
+        out["error"] = "profiler not started"
+        return out
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -242,9 +245,6 @@ def _worker_profile(worker=None, action: str = "start") -> dict:
             if this._PROFILER is None:
                 this._PROFILER = profile(activities=[ProfilerActivity.CUDA])
                 this._PROFILER.start()
-            return out
-        if this._PROFILER is None:
-            out["error"] = "profiler not started"
             return out
         prof, this._PROFILER = this._PROFILER, None
         if torch.cuda.is_available():
@@ -336,11 +336,14 @@ def run(args) -> int:
                 json.dump(result, f, indent=1)
             os.replace(tmp, args.json)
 
+    from opgraft._entry import require
+
+    torch = require("torch", "tools.e2e run")
+    vllm = require("vllm", "tools.e2e run")
+    from vllm import LLM, SamplingParams
+
     save()
     t0 = time.perf_counter()
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
 
     result.update(vllm=vllm.__version__, torch=torch.__version__,
                   gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
@@ -571,9 +574,38 @@ def wait_gpu_memory_free(limit_mib: int = 4096, timeout: float = 60.0) -> None:
           flush=True)
 
 
+def last_line(path: str) -> str:
+    """The last non-empty line of a text file ("" if none or unreadable)."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def setting_failure(rc, json_path: str, log: str) -> str | None:
+    """Why a setting's run failed (None if it finished): its exit status, or a result file that
+    is missing or not done, with the last line of its log."""
+    if rc == 0:
+        try:
+            with open(json_path) as f:
+                status = json.load(f).get("status")
+        except (OSError, ValueError, AttributeError):
+            status = "no result file"
+        if status == "done":
+            return None
+        why = f"exit 0 but {status!r}"
+    else:
+        why = "timed out" if rc == "timeout" else f"exit {rc}"
+    tail = last_line(log)
+    return f"{why}{': ' + tail if tail else ''} (log {log})"
+
+
 def study(args) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
+    failed = {}
     for m in args.modes:
         path = os.path.join(args.out_dir, f"e2e-{m}.json")
         cmd = [sys.executable, "-m", "tools.e2e", "run", "--mode", m, "--model", args.model,
@@ -584,6 +616,8 @@ def study(args) -> int:
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
         if args.expert_parallel:
             cmd.append("--expert-parallel")
+        if os.path.exists(path):  # a previous study's result must not stand in for this one's
+            os.remove(path)
         log = os.path.join(args.log_dir or args.out_dir, f"e2e-{m}.log")
         print(f"opgraft e2e: {m} ... (log {log})", flush=True)
         t = time.perf_counter()
@@ -592,9 +626,19 @@ def study(args) -> int:
         print(f"opgraft e2e: {m} exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
         wait_gpu_memory_free()
         if rc != 0:
-            with open(log) as lf:
+            with open(log, errors="replace") as lf:
                 print("".join(lf.readlines()[-25:]), flush=True)
+        why = setting_failure(rc, path, log)
+        if why:
+            failed[m] = why
     compare(args.out_dir, args.modes)
+    for m, why in failed.items():
+        print(f"opgraft e2e: setting {m} failed: {why}", file=sys.stderr, flush=True)
+    if failed:
+        n = len(args.modes)
+        print(f"opgraft e2e: {len(failed)} of {n} settings failed"
+              f"{': nothing to compare' if len(failed) == n else ''}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -16,11 +16,9 @@ import itertools
 import json
 import sys
 
-import torch
-
-from opgraft import _lib, bench
-from opgraft.bench.moe import Fixture, configure, make_weights, measure
-from opgraft.presets import resolve
+from opgraft import _lib
+from opgraft._entry import check_outputs, require
+from opgraft.presets import ConfigError, resolve
 from opgraft.tune import coordinate_descent
 
 
@@ -44,7 +42,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    shape = resolve(args.model).per_rank(args.tp)
+    try:
+        shape = resolve(args.model).per_rank(args.tp)
+    except ConfigError as e:
+        print(f"tools.sweep: error: {e}", file=sys.stderr)
+        return 2
+    if not check_outputs("tools.sweep", {"--json": args.json}):
+        return 2
+    torch = require("torch", "tools.sweep")
+    if not torch.cuda.is_available():
+        print("tools.sweep: no CUDA GPU here", file=sys.stderr)
+        return 2
+    from opgraft import bench
+    from opgraft.bench.moe import Fixture, configure, make_weights, measure
+
     ceiling = bench.measure_read_ceiling("cuda")
     w13, w2 = make_weights(shape, args.dtype, "cuda")
     results = []

@@ -73,7 +73,7 @@ def probe(*args):
 @no_gpu_only
 def test_probe_without_gpu_says_so():
     r = probe("--tokens", "1")
-    assert r.returncode == 2 and "no CUDA GPU" in r.stderr
+    assert r.returncode == 2 and ("no CUDA GPU" in r.stderr or "needs torch" in r.stderr), r.stderr
 
 
 def test_probe_bad_arguments_are_clear_errors():

@@ -1,6 +1,7 @@
 """The end-to-end study's CPU-side logic: settings, model configs, parity and the comparison
 table. (The study itself needs vLLM on a GPU: bench/results/ holds its runs.)"""
 
+import argparse
 import json
 
 import pytest
@@ -149,6 +150,7 @@ def test_worker_stats_reports_the_plugin_and_counters(monkeypatch):
     s = e2e._worker_stats(object())
     assert s["pid"] > 0 and s["moe"] is None and isinstance(s["plugin"], str)
     monkeypatch.setitem(sys.modules, "opgraft.dispatch", dispatch)
+    dispatch.stats_of("moe")  # the op's counters exist once its seam ran (not only after other tests)
     assert set(e2e._worker_stats()["moe"]) >= {"taken", "delegated"}
 
 
@@ -301,3 +303,59 @@ def test_compare_prints_the_profile_difference(tmp_path, capsys):
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
     assert "profile opgraft vs disabled B=8: GPU +500.0 us per step, kernels -48.0 per step" in out
+
+
+def _study_args(tmp_path, modes):
+    return argparse.Namespace(
+        modes=modes, out_dir=str(tmp_path), log_dir=None, model="Qwen3-30B-A3B", batches=[1], input_len=8,
+        output_len=4, reps=1, init_std=0.02, profile_steps=0, gpu_memory_utilization=0.5, tp=1,
+        expert_parallel=False, mode_timeout=10)
+
+
+def test_study_fails_and_names_each_failed_setting(tmp_path, monkeypatch, capsys):
+    """A setting that exits non-zero, or exits 0 without a finished result, fails the study, which
+    names it with the last line of its log; one that finished is compared."""
+    def fake_run_group(cmd, env, out, timeout):
+        mode = cmd[cmd.index("--mode") + 1]
+        path = cmd[cmd.index("--json") + 1]
+        if mode == "disabled":
+            out.write("tools.e2e run: needs vllm, which cannot be imported here\n")
+            return 1
+        if mode == "passthrough":
+            with open(path, "w") as f:
+                json.dump({"status": "started", "batches": {}}, f)
+            out.write("engine died\n")
+            return 0
+        with open(path, "w") as f:
+            json.dump({"status": "done", "batches": {}}, f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", fake_run_group)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps({"status": "done", "batches": {}}))  # a stale one
+    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft", "passthrough"])) == 1
+    err = capsys.readouterr().err
+    assert "setting disabled failed: exit 1: tools.e2e run: needs vllm" in err
+    assert "setting passthrough failed: exit 0 but 'started': engine died" in err
+    assert "opgraft failed" not in err and "2 of 3 settings failed" in err
+    assert not (tmp_path / "e2e-disabled.json").exists()
+
+
+def test_study_where_every_setting_failed_says_nothing_to_compare(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(e2e, "run_group", lambda cmd, env, out, timeout: "timeout")
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 1
+    err = capsys.readouterr().err
+    assert "setting disabled failed: timed out" in err and "setting opgraft failed: timed out" in err
+    assert "2 of 2 settings failed: nothing to compare" in err
+
+
+def test_study_that_ran_every_setting_succeeds(tmp_path, monkeypatch):
+    def done(cmd, env, out, timeout):
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"status": "done", "batches": {}}, f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", done)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 0
