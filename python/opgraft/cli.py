@@ -120,7 +120,10 @@ def oracle_selfcheck(seed: int = 0) -> float:
     return worst
 
 
-def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, as_json: bool) -> int:
+def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, json_to: str | None = None,
+               plot: str | None = None) -> int:
+    """What runs without a GPU. json_to: None, "-" (the JSON on stdout instead of the table) or a
+    file that gets the same JSON beside the table."""
     print(f"no GPU here ({why}): running what works without one -- the dispatch guard, the NVRTC "
           f"compile of every kernel variant for sm_90 with its resource report, and the C fp64 oracle.",
           file=sys.stderr)
@@ -142,16 +145,51 @@ def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, as_json
                 row["compile_error"] = str(e)
         rows.append(row)
     err = oracle_selfcheck()
-    if as_json:
-        print(json.dumps({"gpu": None, "why": why, "oracle_selfcheck_rel_diff": err, "rows": rows}, indent=1))
-        return 0
-    print(f"{'model':<16} {'dt':<4} {'T':>4}  {'guard (sm_90)':<44} kernels (registers / spill bytes)")
+    rc = 0 if err < 1e-9 else 1
+    doc = {"gpu": None, "why": why, "oracle_selfcheck_rel_diff": err, "rows": rows}
+    if json_to == "-":
+        print(json.dumps(doc, indent=1))
+        return rc
+    w = max([16] + [len(r["model"]) for r in rows])  # a long model name widens the column
+    print(f"{'model':<{w}} {'dt':<4} {'T':>4}  {'guard (sm_90)':<44} kernels (registers / spill bytes)")
     for r in rows:
         ks = ", ".join(f"{k['kernel']} {k['registers']}r/{k['spill_bytes']}s" for k in r.get("kernels", []))
-        print(f"{r['model']:<16} {r['dtype']:<4} {r['tokens']:>4}  {r['guard'][:44]:<44} "
+        print(f"{r['model']:<{w}} {r['dtype']:<4} {r['tokens']:>4}  {r['guard'][:44]:<44} "
               f"{ks or r.get('compile_error', '-')}")
     print(f"C fp64 oracle vs Python loop, small bf16 problem: max relative difference {err:.1e}")
-    return 0 if err < 1e-9 else 1
+    if json_to:
+        rc = max(rc, _write_json(json_to, doc))
+    if plot:
+        print(f"--plot {plot}: not written: nothing is timed without a GPU", file=sys.stderr)
+    return rc
+
+
+def _write_json(path: str, doc: dict) -> int:
+    """Writes doc to path and says so; 0, or 1 with the reason."""
+    try:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+    except OSError as e:
+        print(f"error: cannot write {path}: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"{len(doc.get('rows', []))} rows written to {path}", file=sys.stderr)
+    return 0
+
+
+def _check_outputs(outputs: dict, need_plot: bool = False) -> bool:
+    """The files a command will write, checked before any work ({flag: path or None}; "-" for
+    --json is stdout); with need_plot, that matplotlib can be imported."""
+    from ._entry import check_outputs
+
+    ok = check_outputs("opgraft", {k: v for k, v in outputs.items() if v not in (None, "-")})
+    if need_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("opgraft: error: --plot needs matplotlib, which is not installed (pip install matplotlib)",
+                  file=sys.stderr)
+            ok = False
+    return ok
 
 
 def cmd_bench(args) -> int:
@@ -172,13 +210,16 @@ def cmd_bench(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ok, why = _gpu_status()
+    if not _check_outputs({"--json": args.json, "--plot": args.plot}, need_plot=bool(args.plot) and ok):
+        return 2
     if not ok:
-        return _cpu_bench(shape, args.tokens, args.dtype, why, args.json is not None and args.json == "-")
+        return _cpu_bench(shape, args.tokens, args.dtype, why, args.json, args.plot)
     from . import bench
     from .bench import moe as moe_bench
 
     rows: list[dict] = []
     t0 = time.time()
+    rc = 0
     try:
         ceiling = bench.measure_read_ceiling("cuda")
         print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
@@ -194,17 +235,19 @@ def cmd_bench(args) -> int:
                                       between_mib=args.between_mib, timing=args.timing)
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
+        rc = 130
+    except Exception as e:  # what was measured before the failure is still written
+        print(f"error: the bench failed after {len(rows)} rows: {type(e).__name__}: {e}", file=sys.stderr)
+        rc = 1
     print(moe_bench.format_table(rows))
-    if args.plot:
-        write_plot(rows, args.plot)
-    if args.json:
-        text = json.dumps({"rows": rows}, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
-    return 0
+    if args.plot and not write_plot(rows, args.plot):
+        rc = rc or 1
+    if args.json == "-":
+        print(json.dumps({"rows": rows}, indent=1))
+    elif args.json:
+        failed = _write_json(args.json, {"rows": rows})
+        rc = rc or failed
+    return rc
 
 
 def write_plot(rows: list[dict], path: str) -> bool:
@@ -274,18 +317,40 @@ def cmd_profile(args) -> int:
     shape, rc = _shape_tokens(args)
     if shape is None:
         return rc
+    if not _check_outputs({"--json": args.json}):
+        return 2
     ok, why = _gpu_status()
     if not ok:
-        return _cpu_bench(shape, args.tokens, args.dtype, why, False)
+        return _cpu_bench(shape, args.tokens, args.dtype, why, args.json)
     from . import bench
-    from .bench.moe import Fixture, make_weights
-    from .ops import moe as ops
+    from .bench.moe import make_weights
 
     ceiling = bench.measure_read_ceiling("cuda")
     w13, w2 = make_weights(shape, args.dtype, "cuda")
-    rows = []
+    rows: list[dict] = []
+    rc = 0
     print(f"read ceiling {ceiling:.3f} TB/s; {shape.name} {args.dtype}")
     print(f"{'T':>3} {'stage':<8} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6}  verdict")
+    try:
+        _profile_rows(args, shape, ceiling, w13, w2, rows)
+    except KeyboardInterrupt:
+        print("\ninterrupted: results so far", file=sys.stderr)
+        rc = 130
+    except Exception as e:  # what was measured before the failure is still written
+        print(f"error: the profile failed after {len(rows)} rows: {type(e).__name__}: {e}", file=sys.stderr)
+        rc = 1
+    if args.json:
+        failed = _write_json(args.json, {"gpu": bench.gpu_facts(), "rows": rows})
+        rc = rc or failed
+    return rc
+
+
+def _profile_rows(args, shape, ceiling, w13, w2, rows: list) -> None:
+    """Times each token count's stages; appends the rows and prints them as they come."""
+    from . import bench
+    from .bench.moe import Fixture
+    from .ops import moe as ops
+
     for T in args.tokens:
         fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
         err = fx.check()
@@ -303,16 +368,14 @@ def cmd_profile(args) -> int:
                          "ceiling_tbps": ceiling, "rel_err": err})
             print(f"{T:>3} {stage:<8} {us:>9.1f} {nb / 1e6:>8.1f} {tbps:>6.2f} {tbps / ceiling * 100:>5.1f}%  "
                   f"{VERDICTS[v] if stage == 'all' else v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": bench.gpu_facts(), "rows": rows}, f, indent=1)
-    return 0
 
 
 def cmd_tune(args) -> int:
     shape, rc = _shape_tokens(args)
     if shape is None:
         return rc
+    if not _check_outputs({"--out": args.out}):
+        return 2
     ok, why = _gpu_status()
     if not ok:
         print(f"error: tune measures on a GPU and there is none here ({why})", file=sys.stderr)

@@ -85,3 +85,81 @@ def test_probe_bad_arguments_are_clear_errors():
     assert r.returncode == 2 and "--layers must be in 1..256" in r.stderr
     r = probe("--model", "nope")
     assert r.returncode == 2 and "nope" in r.stderr
+
+
+@no_gpu_only
+def test_bench_and_profile_write_the_cpu_rows_to_a_json_file(tmp_path):
+    out = tmp_path / "rows.json"
+    r = run("bench", "moe", "--model", "Mixtral-8x7B", "--tokens", "1,9", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["gpu"] is None and [row["tokens"] for row in data["rows"]] == [1, 9]
+    assert "rows written to" in r.stderr and "Mixtral-8x7B" in r.stdout  # the table too
+    out2 = tmp_path / "profile.json"
+    r = run("profile", "moe", "--tokens", "1", "--json", str(out2))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out2.read_text())["rows"][0]["tokens"] == 1
+
+
+@no_gpu_only
+def test_bench_plot_without_gpu_says_it_is_not_written(tmp_path):
+    r = run("bench", "moe", "--tokens", "1", "--plot", str(tmp_path / "p.png"))
+    assert r.returncode == 0 and "p.png: not written: nothing is timed without a GPU" in r.stderr, r.stderr
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path):
+    missing = str(tmp_path / "no" / "such" / "rows.json")
+    for args in (["bench", "moe", "--json", missing], ["bench", "moe", "--plot", str(tmp_path / "no" / "p.png")],
+                 ["bench", "moe", "--json", str(tmp_path)], ["profile", "moe", "--json", missing],
+                 ["tune", "moe", "--out", missing]):
+        r = run(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "no such directory" in r.stderr or "is a directory" in r.stderr, (args, r.stderr)
+        assert "no GPU here" not in r.stderr and "read ceiling" not in r.stderr, (args, r.stderr)
+
+
+def test_bench_writes_the_rows_measured_before_a_failure(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from opgraft import bench, cli
+    from opgraft.bench import moe as moe_bench
+
+    monkeypatch.setattr(cli, "_gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(bench, "measure_read_ceiling", lambda device: 4.5)
+    monkeypatch.setattr(moe_bench, "make_weights", lambda *a, **k: (None, None))
+
+    def bench_shape(shape, tokens, dtype, **kw):
+        if tokens[0] == 2:
+            raise RuntimeError("CUDA error: out of memory")
+        return [{"model": shape.name, "dtype": dtype, "tokens": tokens[0], "impl": "opgraft", "median_us": 10.0,
+                 "bytes": 1e6, "tbps": 0.1, "fraction_of_ceiling": 0.02, "speedup_vs_baseline": 1.0,
+                 "rel_err": 1e-3, "guard": "take"}]
+
+    monkeypatch.setattr(moe_bench, "bench_shape", bench_shape)
+    out = tmp_path / "rows.json"
+    assert cli.main(["bench", "moe", "--tokens", "1,2,4", "--json", str(out)]) == 1
+    assert [row["tokens"] for row in json.loads(out.read_text())["rows"]] == [1]
+
+
+@no_gpu_only
+def test_the_cpu_table_aligns_for_a_long_model_name(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"architectures": ["AVeryLongMixtureOfExpertsForCausalLM"], "num_experts": 4,
+                             "hidden_size": 64, "moe_intermediate_size": 32, "num_experts_per_tok": 2}))
+    r = run("bench", "moe", "--model", str(p), "--tokens", "1,2")
+    assert r.returncode == 0, r.stderr
+    head, *rows = [line for line in r.stdout.splitlines() if line.startswith(("model", "AVery"))]
+    assert len(rows) == 2
+    for line in rows:
+        assert line.index(" bf16 ") == head.index(" dt ") and line.split()[2] in ("1", "2"), (head, line)
+
+
+def test_the_gpu_table_aligns_for_a_long_model_name():
+    pytest.importorskip("torch")
+    from opgraft.bench import moe as bench
+
+    row = {"model": "AVeryLongMixtureOfExpertsForCausalLM/tp2", "dtype": "bf16", "tokens": 1, "impl": "opgraft",
+           "median_us": 30.0, "bytes": 1e8, "tbps": 3.0, "fraction_of_ceiling": 0.66, "speedup_vs_baseline": 1.2,
+           "rel_err": 2.4e-3, "guard": "take"}
+    head, _, line = bench.format_table([row, dict(row, model="M", impl="torch-gather-bmm")]).splitlines()[:3]
+    assert line.index(" bf16 ") == head.index(" dt ") and line.split()[1] == "bf16"
