@@ -471,15 +471,17 @@ def cmd_doctor(args) -> int:
     try:
         lib = _lib.lib()
         say("libopgraft", f"{lib._name} (version {lib.opgraft_version_string().decode()})")
+        # The library's own answers: what it loaded, and whether it can keep kernels on disk.
         info = _lib.runtime_info()
-        say("libcuda", info["libcuda_path"] or f"not found: {info['libcuda_error']}")
+        dv = info["driver_version"]
+        say("libcuda", f"{info['libcuda_path']} (driver API {dv // 1000}.{dv % 1000 // 10})" if info["libcuda_path"]
+            else f"not usable: {info['libcuda_error']}")
         nv = info["nvrtc_version"]
         say("NVRTC", f"{info['nvrtc_path']} ({nv // 1000}.{nv % 1000 // 10})" if nv else
-            f"not found: {info['nvrtc_error']}")
-        cache = _lib.cache_dir()
-        writable = os.access(cache, os.W_OK) if os.path.isdir(cache) else os.access(
-            os.path.dirname(cache.rstrip("/")) or "/", os.W_OK)
-        say("kernel cache", f"{cache} ({'writable' if writable else 'NOT writable: kept in memory only'})")
+            f"not usable: {info['nvrtc_error']}")
+        cache, why = _lib.cache_check()
+        say("kernel cache", f"{cache} (writable)" if not why else
+            f"{cache or 'none'} (not usable: {why}; compiled kernels are kept in memory only)")
     except _lib.OpgraftError as e:
         say("libopgraft", f"not usable: {e}")
     if os.environ.get("OPGRAFT_DISABLE", "").strip() not in ("", "0"):

@@ -87,7 +87,9 @@ int32_t opgraft_cache_dir(char *buf, size_t buf_len) {
     else
       return opgraft__fail(OPGRAFT_ENOTFOUND, "no cache directory: set OPGRAFT_CACHE_DIR");
   }
-  if (n < 0 || (size_t)n >= buf_len) return opgraft__fail(OPGRAFT_ERANGE, "cache path too long");
+  if (n < 0 || (size_t)n >= buf_len)
+    return opgraft__fail(OPGRAFT_ERANGE, "the cache path is too long (%d bytes, at most %zu)", n,
+                         buf_len ? buf_len - 1 : 0);
   return OPGRAFT_OK;
 }
 

@@ -163,3 +163,34 @@ def test_the_gpu_table_aligns_for_a_long_model_name():
            "rel_err": 2.4e-3, "guard": "take"}
     head, _, line = bench.format_table([row, dict(row, model="M", impl="torch-gather-bmm")]).splitlines()[:3]
     assert line.index(" bf16 ") == head.index(" dt ") and line.split()[1] == "bf16"
+
+
+def _doctor_line(env_changes, key="kernel cache"):
+    env = {k: v for k, v in os.environ.items() if k not in ("OPGRAFT_CACHE_DIR", "XDG_CACHE_HOME", "HOME")}
+    env.update(PYTHONPATH=os.path.join(ROOT, "python"), **env_changes)
+    r = subprocess.run([sys.executable, "-m", "opgraft.cli", "doctor"], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    lines = {line[:22].strip(): line[22:].strip() for line in r.stdout.splitlines() if len(line) > 22}
+    return lines[key], lines
+
+
+def test_doctor_reports_the_kernel_cache_as_the_library_sees_it(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    # A fresh machine: the library creates ~/.cache/opgraft and can write there.
+    line, lines = _doctor_line({"HOME": str(home)})
+    assert line == f"{home}/.cache/opgraft (writable)", line
+    assert (home / ".cache" / "opgraft").is_dir()
+    f = tmp_path / "file"
+    f.write_text("x")
+    line, _ = _doctor_line({"HOME": str(home), "OPGRAFT_CACHE_DIR": str(f)})
+    assert line.startswith(f"{f} (not usable: {f} is not a directory;") and "kept in memory only" in line, line
+    for n in (950, 2000):  # too long for a cache file's path; too long for the library's buffer
+        long = str(tmp_path) + "/d" * ((n - len(str(tmp_path))) // 2)
+        line, _ = _doctor_line({"HOME": str(home), "OPGRAFT_CACHE_DIR": long})
+        assert "(not usable: the cache path is too long" in line, line
+    # HOME unset: libopgraft still loads; the cache has no directory.
+    line, lines = _doctor_line({})
+    assert line.startswith("none (not usable: no cache directory: set OPGRAFT_CACHE_DIR"), line
+    assert lines["libopgraft"].endswith(")") and "version" in lines["libopgraft"], lines["libopgraft"]
