@@ -108,11 +108,14 @@ def model_config(model: str) -> dict:
     if not os.path.isfile(path):
         raise SystemExit(f"opgraft e2e: {model!r} is neither a built-in architecture "
                          f"({', '.join(MODEL_CONFIGS)}) nor a config.json")
-    with open(path) as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"opgraft e2e: {path}: not JSON ({e})")
+    with open(path, "rb") as f:
+        data = f.read(1 << 24)
+    try:
+        cfg = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"opgraft e2e: {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"opgraft e2e: {path}: not JSON ({e})")
     if not isinstance(cfg, dict) or "architectures" not in cfg:
         raise SystemExit(f"opgraft e2e: {path}: no 'architectures' field")
     return cfg

@@ -13,7 +13,7 @@ import sys
 import time
 
 from . import _lib
-from .presets import PRESETS, ConfigError, MoeShape, resolve
+from .presets import PRESETS, ConfigError, MoeShape, config_path, resolve
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -507,10 +507,11 @@ def cmd_doctor(args) -> int:
         try:
             shape = resolve(args.model)
             layers = None
-            if args.model.endswith(".json") or "/" in args.model:
+            path = config_path(args.model)
+            if path:
                 from .presets import load_config, moe_layer_count
 
-                layers = moe_layer_count(load_config(args.model))
+                layers = moe_layer_count(load_config(path))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

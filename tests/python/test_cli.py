@@ -194,3 +194,25 @@ def test_doctor_reports_the_kernel_cache_as_the_library_sees_it(tmp_path):
     line, lines = _doctor_line({})
     assert line.startswith("none (not usable: no cache directory: set OPGRAFT_CACHE_DIR"), line
     assert lines["libopgraft"].endswith(")") and "version" in lines["libopgraft"], lines["libopgraft"]
+
+
+def test_a_config_that_is_not_utf8_is_one_clear_line(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_bytes(b'{"num_experts": 4, "hidden_size": 64, "name": "\xff"}')
+    for args in (["doctor", "--model", str(p)], ["bench", "moe", "--model", str(p)],
+                 ["profile", "moe", "--model", str(tmp_path)]):
+        r = run(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert r.stderr.strip().splitlines()[-1] == f"error: {p}: not UTF-8 text (byte 0xff at offset 47): " \
+                                                     "not a Hugging Face config.json", r.stderr
+
+
+@no_gpu_only
+def test_model_takes_a_model_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["TinyMoe"], "num_experts": 4,
+                                                      "hidden_size": 64, "moe_intermediate_size": 32,
+                                                      "num_experts_per_tok": 2, "num_hidden_layers": 3}))
+    r = run("bench", "moe", "--model", str(tmp_path), "--tokens", "1")
+    assert r.returncode == 0 and "TinyMoe" in r.stdout, r.stderr
+    r = run("doctor", "--model", str(tmp_path))
+    assert r.returncode == 0 and "3 MoE layers" in r.stdout, r.stdout + r.stderr

@@ -359,3 +359,9 @@ def test_study_that_ran_every_setting_succeeds(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "run_group", done)
     monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
     assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 0
+
+
+def test_model_config_that_is_not_utf8(tmp_path):
+    (tmp_path / "config.json").write_bytes(b'{"architectures": ["\xff"]}')
+    with pytest.raises(SystemExit, match=r"not UTF-8 text \(byte 0xff at offset 20\)"):
+        e2e.model_config(str(tmp_path))
