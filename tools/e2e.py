@@ -84,7 +84,7 @@ MODEL_CONFIGS = {
 
 def _ints(text: str) -> list[int]:
     try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
+        vals = [int(x) for x in text.split(",")]  # an empty item ("1,,2") is an error too
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     if not vals or any(v < 1 for v in vals):

@@ -18,7 +18,7 @@ from .presets import PRESETS, ConfigError, MoeShape, config_path, resolve
 
 def _parse_tokens(text: str) -> list[int]:
     try:
-        tokens = [int(t) for t in text.split(",") if t.strip()]
+        tokens = [int(t) for t in text.split(",")]  # an empty item ("1,,2", "1,") is an error too
     except ValueError:
         raise argparse.ArgumentTypeError(f"--tokens takes comma-separated integers, got {text!r}") from None
     if not tokens or any(t < 1 or t > 4096 for t in tokens):

@@ -52,8 +52,9 @@ def test_bench_table_on_a_config_file(tmp_path):
 
 
 def test_bad_arguments_are_clear_errors():
-    r = run("bench", "moe", "--tokens", "1,x")
-    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    for bad in ("1,x", "1,,2", "1,2,", ","):
+        r = run("bench", "moe", "--tokens", bad)
+        assert r.returncode == 2 and "comma-separated integers" in r.stderr, bad
     r = run("bench", "moe", "--model", "nope")
     assert r.returncode == 2 and "unknown model" in r.stderr
     r = run("bench", "moe", "--layers", "0")

@@ -49,6 +49,7 @@ def test_model_config_from_path_and_errors(tmp_path):
 def test_cli_rejects_bad_arguments():
     for argv in (["run", "--mode", "fast"], ["study", "--out-dir", "x", "--modes", "on,off"],
                  ["run", "--mode", "opgraft", "--batches", "1,x"],
+                 ["run", "--mode", "opgraft", "--batches", "1,,8"],
                  ["run", "--mode", "opgraft", "--batches", "0"],
                  ["run", "--mode", "opgraft", "--output-len", "1"],
                  ["run", "--mode", "opgraft", "--tp", "0"]):
