@@ -646,17 +646,20 @@ def study(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="opgraft e2e", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.e2e", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    from opgraft._entry import DefaultsHelp
+
+    with_defaults = {"formatter_class": DefaultsHelp}
 
     def common(p):
         p.add_argument("--model", default="Qwen3-30B-A3B",
                        help=f"built-in architecture ({', '.join(MODEL_CONFIGS)}) or a config.json")
-        p.add_argument("--batches", type=_ints, default=[1, 8, 32])
-        p.add_argument("--input-len", type=int, default=128)
-        p.add_argument("--output-len", type=int, default=256)
-        p.add_argument("--reps", type=int, default=5)
-        p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+        p.add_argument("--batches", type=_ints, default="1,8,32", help="comma-separated batch sizes")
+        p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+        p.add_argument("--output-len", type=int, default=256, help="generated tokens a sequence")
+        p.add_argument("--reps", type=int, default=5, help="timed repetitions a batch size")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
         p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
         p.add_argument("--expert-parallel", action="store_true",
                        help="vLLM enable_expert_parallel (experts split over the --tp ranks)")
@@ -666,18 +669,19 @@ def main(argv=None) -> int:
         p.add_argument("--init-std", type=float, default=0.02,
                        help="re-initialize the dummy weights as N(0, std^2) (0: keep vLLM's)")
 
-    r = sub.add_parser("run", help="one setting, in this process")
+    r = sub.add_parser("run", help="one setting, in this process", **with_defaults)
     common(r)
-    r.add_argument("--mode", choices=MODES, required=True)
-    r.add_argument("--json", default=None)
-    s = sub.add_parser("study", help="every setting, each in its own process, then the comparison")
+    r.add_argument("--mode", choices=MODES, required=True, help="the setting to run")
+    r.add_argument("--json", default=None, help="write the setting's results to this file (default: none)")
+    s = sub.add_parser("study", help="every setting, each in its own process, then the comparison", **with_defaults)
     common(s)
-    s.add_argument("--modes", type=_modes, default=["disabled", "opgraft", "passthrough"])
-    s.add_argument("--out-dir", required=True)
-    s.add_argument("--mode-timeout", type=float, default=600)
-    s.add_argument("--log-dir", default=None, help="where each setting's vLLM log goes (default --out-dir)")
-    c = sub.add_parser("compare", help="the comparison table of a study's folder")
-    c.add_argument("out_dir")
+    s.add_argument("--modes", type=_modes, default="disabled,opgraft,passthrough",
+                   help=f"comma-separated settings, of {', '.join(MODES)}")
+    s.add_argument("--out-dir", required=True, help="where each setting's results and the summary go")
+    s.add_argument("--mode-timeout", type=float, default=600, help="seconds a setting may run")
+    s.add_argument("--log-dir", default=None, help="where each setting's vLLM log goes (default: --out-dir)")
+    c = sub.add_parser("compare", help="the comparison table of a study's folder", **with_defaults)
+    c.add_argument("out_dir", help="a study's --out-dir")
     args = ap.parse_args(argv)
     if args.cmd in ("run", "study"):
         if args.output_len < 2 or args.input_len < 1 or args.reps < 1 or args.tp < 1:

@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from opgraft._entry import check_outputs, require
+from opgraft._entry import DefaultsHelp, check_outputs, require
 from opgraft.presets import ConfigError, resolve
 
 KERNELS = ("moe_gate_up", "moe_down", "moe_fused")
@@ -88,13 +88,13 @@ def kernel_times(step, replays: int = 20) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.probe", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelp)
     ap.add_argument("--model", default="Qwen3-30B-A3B", help="a preset, a config.json or a model folder holding one")
     ap.add_argument("--tokens", type=_tokens, default=[1, 2, 8], help="comma-separated token counts (1..64)")
     ap.add_argument("--layers", type=int, default=16, help="copies of the layer's weights the calls rotate over")
     ap.add_argument("--contexts", type=_contexts, default=["bench", "router", "step"],
                     help=f"comma-separated, of {', '.join(CONTEXTS)}")
-    ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument("--json", default=None, help="write the rows to this file (default: none)")
     args = ap.parse_args(argv)
     if not 1 <= args.layers <= 256:
         print("tools.probe: --layers must be in 1..256", file=sys.stderr)

@@ -134,13 +134,15 @@ def format_table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.trace", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from opgraft._entry import DefaultsHelp
+
+    ap = argparse.ArgumentParser(prog="python -m tools.trace", formatter_class=DefaultsHelp)
     ap.add_argument("--model", default="Qwen3-30B-A3B", help="a preset, a config.json or a model folder holding one")
     ap.add_argument("--tokens", type=int, default=1, help="tokens of the traced call")
     ap.add_argument("--tp", type=int, default=1, help="one rank's shape under tensor parallelism")
     ap.add_argument("--configs", default="[{}]", help='JSON list of tunable settings, e.g. [{}, {"moe.pdl": 0}]')
     ap.add_argument("--reps", type=int, default=9, help="repetitions (after one dropped call that compiles)")
-    ap.add_argument("--json", default=None, help="write the timelines to this file")
+    ap.add_argument("--json", default=None, help="write the timelines to this file (default: none)")
     ap.add_argument("--raw", action="store_true",
                     help="also store every block's records (kernel, block, SM, start, routing set up, released, end; "
                          "ns from the call's first start) of every repetition in the JSON")

@@ -5,6 +5,7 @@ after a long run)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -49,3 +50,13 @@ def check_outputs(prog: str, outputs: dict) -> bool:
             print(f"{prog}: error: {why}", file=sys.stderr)
             ok = False
     return ok
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default; options without one (None, required, or a flag)
+    say in their help what happens when they are not given."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)

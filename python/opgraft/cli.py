@@ -26,6 +26,10 @@ def _parse_tokens(text: str) -> list[int]:
     return tokens
 
 
+MODEL_HELP = f"a preset ({', '.join(PRESETS)}), a Hugging Face config.json, or a model folder holding one"
+TOKENS_HELP = "comma-separated token counts of the calls (1..4096)"
+
+
 def _gpu_status() -> tuple[bool, str]:
     """(True, "") when torch sees a CUDA GPU, else (False, why not)."""
     try:
@@ -525,21 +529,37 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every parser of the command line, sub-subcommands included (add_subparsers makes parsers of
+    its parent's class), shows the defaults."""
+
+    def __init__(self, *args, **kwargs):
+        from ._entry import DefaultsHelp
+
+        kwargs.setdefault("formatter_class", DefaultsHelp)
+        super().__init__(*args, **kwargs)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="opgraft", description="opgraft: faster MoE kernels for stock vLLM")
+    import opgraft
+
+    ap = _Parser(prog="opgraft", description="opgraft: faster MoE kernels for stock vLLM")
+    ap.add_argument("--version", action="version", version=f"opgraft {opgraft.__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     bench_ops = sub.add_parser("bench", help="benchmark an op at a model's dims").add_subparsers(
         dest="op", required=True, metavar="OP")
     b = bench_ops.add_parser("moe", help="MoE experts after routing, against vLLM's fused_experts")
-    b.add_argument("--model", default="Qwen3-30B-A3B", help=f"a preset ({', '.join(PRESETS)}) or a config.json")
-    b.add_argument("--tokens", type=_parse_tokens, default=[1, 2, 4, 8, 16, 32, 64])
-    b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    b.add_argument("--model", default="Qwen3-30B-A3B", help=MODEL_HELP)
+    b.add_argument("--tokens", type=_parse_tokens, default="1,2,4,8,16,32,64", help=TOKENS_HELP)
+    b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and activations' type")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
-    b.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
+    b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="write the rows as JSON to FILE, or to stdout without FILE (default: no JSON)")
     b.add_argument("--no-baseline", action="store_true", help="skip the torch baseline")
     b.add_argument("--max-tokens", type=int, default=None,
                    help="time opgraft's kernel up to this many tokens although the shipped "
-                        "moe.max_tokens hands larger calls back to vLLM (OPGRAFT_TUNE_MOE_MAX_TOKENS)")
+                        "moe.max_tokens hands larger calls back to vLLM (OPGRAFT_TUNE_MOE_MAX_TOKENS; "
+                        "default: the shipped value)")
     b.add_argument("--layers", type=int, default=1,
                    help="rotate the calls over this many copies of the layer's weights (a model's MoE "
                         "layer count gives a real decode step's footprint)")
@@ -549,31 +569,36 @@ def main(argv=None) -> int:
     b.add_argument("--timing", choices=["span", "subtract"], default="span",
                    help="with --between-mib: charge each call from its kernels' start/end times "
                         "(span, torch profiler) or as (read + call) minus the read alone (subtract)")
-    b.add_argument("--plot", default=None, help="write a PNG: time against tokens with the roofline")
+    b.add_argument("--plot", default=None, metavar="FILE",
+                   help="write a PNG: time against tokens with the roofline (needs matplotlib; default: no plot)")
     b.set_defaults(fn=cmd_bench)
     profile_ops = sub.add_parser("profile", help="time split and roofline verdict per token count").add_subparsers(
         dest="op", required=True, metavar="OP")
     pr = profile_ops.add_parser("moe", help="MoE experts: gate/up and down stages")
-    pr.add_argument("--model", default="Qwen3-30B-A3B")
-    pr.add_argument("--tokens", type=_parse_tokens, default=[1, 8])
-    pr.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    pr.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
-    pr.add_argument("--json", default=None, help="write the rows to FILE")
+    pr.add_argument("--model", default="Qwen3-30B-A3B", help=MODEL_HELP)
+    pr.add_argument("--tokens", type=_parse_tokens, default="1,8", help=TOKENS_HELP)
+    pr.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and activations' type")
+    pr.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: profile one rank's shape (I/tp)")
+    pr.add_argument("--json", default=None, metavar="FILE", help="write the rows to FILE (default: no file)")
     pr.set_defaults(fn=cmd_profile)
     tune_ops = sub.add_parser("tune", help="correctness-gated coordinate descent over an op's tunables").add_subparsers(
         dest="op", required=True, metavar="OP")
     tu = tune_ops.add_parser("moe", help="MoE experts")
-    tu.add_argument("--model", default="Qwen3-30B-A3B")
-    tu.add_argument("--tokens", type=_parse_tokens, default=[1, 8])
-    tu.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    tu.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
-    tu.add_argument("--rounds", type=int, default=2)
-    tu.add_argument("--out", default=None, help="merge the winners into this JSON tune file")
+    tu.add_argument("--model", default="Qwen3-30B-A3B", help=MODEL_HELP)
+    tu.add_argument("--tokens", type=_parse_tokens, default="1,8",
+                    help=TOKENS_HELP + "; each one tunes the token range around it")
+    tu.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and activations' type")
+    tu.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: tune one rank's shape (I/tp)")
+    tu.add_argument("--rounds", type=int, default=2, help="rounds of the coordinate descent over the tunables")
+    tu.add_argument("--out", default=None, metavar="FILE",
+                    help="merge the winners into this JSON tune file (default: print them)")
     tu.add_argument("--inject", action="store_true",
                     help="write the winners where the library reads them (--out FILE, else src/ops/moe/table.c)")
     tu.set_defaults(fn=cmd_tune)
     d = sub.add_parser("doctor", help="what opgraft would do on this machine, and why")
-    d.add_argument("--model", default=None, help="a preset or config.json: which calls would take our kernel")
+    d.add_argument("--model", default=None,
+                   help="a preset, a config.json or a model folder: which calls would take our kernel "
+                        "(default: none)")
     d.set_defaults(fn=cmd_doctor)
     args = ap.parse_args(argv)
     return args.fn(args)

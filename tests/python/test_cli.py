@@ -217,3 +217,43 @@ def test_model_takes_a_model_folder(tmp_path):
     assert r.returncode == 0 and "TinyMoe" in r.stdout, r.stderr
     r = run("doctor", "--model", str(tmp_path))
     assert r.returncode == 0 and "3 MoE layers" in r.stdout, r.stdout + r.stderr
+
+
+def _help_entries(text):
+    """{option header: its help text} of an argparse help page's options."""
+    entries, key = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            head, _, rest = line.strip().partition("  ")
+            key = head
+            entries[key] = rest.strip()
+        elif key and line.startswith("      "):
+            entries[key] += " " + line.strip()
+        elif not line.strip() or not line.startswith(" "):
+            key = None
+    return entries
+
+
+@pytest.mark.parametrize("cmd", [["bench", "moe"], ["profile", "moe"], ["tune", "moe"], ["doctor"]],
+                         ids=lambda c: " ".join(c))
+def test_every_option_that_takes_a_value_says_its_default(cmd, capsys):
+    from opgraft import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main([*cmd, "--help"])
+    assert ei.value.code == 0
+    entries = _help_entries(capsys.readouterr().out)
+    # "--tokens TOKENS", "--dtype {bf16,fp16}", "--json [FILE]"; not "-h, --help" or a flag
+    valued = {k: v for k, v in entries.items() if " " in k.split(", ")[-1]}
+    assert valued, entries
+    for opt, text in valued.items():
+        assert "(default: " in text or "default: " in text, (opt, text)
+
+
+def test_version(capsys):
+    from opgraft import cli
+    import opgraft
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["--version"])
+    assert ei.value.code == 0 and capsys.readouterr().out.strip() == f"opgraft {opgraft.__version__}"
