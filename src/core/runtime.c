@@ -1,6 +1,7 @@
 /* libcuda and libnvrtc, found with dlopen at first use. No CUDA header is needed to build this:
  * the few driver and NVRTC entry points we call are declared in internal.h with their documented
  * C signatures. */
+#define _GNU_SOURCE /* dlinfo and RTLD_DI_LINKMAP: which file a handle loaded */
 #include <dlfcn.h>
 #include <elf.h>
 #include <link.h>
