@@ -60,3 +60,20 @@ def test_pyproject_declares_torch_unpinned():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
     assert "torch" in deps, deps
+
+
+def test_ci_runs_the_readme_check_then_ends_with_the_readme_test_command():
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    block = readme.split("```")[1].splitlines()[1:]  # the first code block, after its language tag
+    test_cmd = re.sub(r"\s*#.*$", "", block[1]).strip()
+    assert test_cmd == "make test" and lines[-1] == test_cmd, (test_cmd, lines[-1])
+    assert "bash ci/readme_check.sh" in lines and lines.index("bash ci/readme_check.sh") < len(lines) - 1
+
+
+def test_the_readme_check_never_runs_inside_itself():
+    r = subprocess.run(["bash", os.path.join(ROOT, "ci", "readme_check.sh")], capture_output=True, text=True,
+                       env=dict(os.environ, OPGRAFT_README_CHECK="1"), timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "readme check: skipped (already inside one)", r.stdout + r.stderr
