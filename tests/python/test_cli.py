@@ -109,15 +109,15 @@ def test_bench_plot_without_gpu_says_it_is_not_written(tmp_path):
     assert not (tmp_path / "p.png").exists()
 
 
-def test_output_paths_are_checked_before_any_work(tmp_path):
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
     missing = str(tmp_path / "no" / "such" / "rows.json")
     for args in (["bench", "moe", "--json", missing], ["bench", "moe", "--plot", str(tmp_path / "no" / "p.png")],
                  ["bench", "moe", "--json", str(tmp_path)], ["profile", "moe", "--json", missing],
                  ["tune", "moe", "--out", missing]):
-        r = run(*args)
-        assert r.returncode == 2, (args, r.stderr)
-        assert "no such directory" in r.stderr or "is a directory" in r.stderr, (args, r.stderr)
-        assert "no GPU here" not in r.stderr and "read ceiling" not in r.stderr, (args, r.stderr)
+        rc, _, err = in_process(capsys, *args)
+        assert rc == 2, (args, err)
+        assert "no such directory" in err or "is a directory" in err, (args, err)
+        assert "no GPU here" not in err and "read ceiling" not in err, (args, err)
 
 
 def test_bench_writes_the_rows_measured_before_a_failure(tmp_path, monkeypatch):
@@ -166,57 +166,67 @@ def test_the_gpu_table_aligns_for_a_long_model_name():
     assert line.index(" bf16 ") == head.index(" dt ") and line.split()[1] == "bf16"
 
 
-def _doctor_line(env_changes, key="kernel cache"):
-    env = {k: v for k, v in os.environ.items() if k not in ("OPGRAFT_CACHE_DIR", "XDG_CACHE_HOME", "HOME")}
-    env.update(PYTHONPATH=os.path.join(ROOT, "python"), **env_changes)
-    r = subprocess.run([sys.executable, "-m", "opgraft.cli", "doctor"], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=ROOT)
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    lines = {line[:22].strip(): line[22:].strip() for line in r.stdout.splitlines() if len(line) > 22}
-    return lines[key], lines
+def in_process(capsys, *args):
+    """(exit status, stdout, stderr) of the command run in this process (no interpreter start)."""
+    from opgraft import cli
+
+    rc = cli.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
-def test_doctor_reports_the_kernel_cache_as_the_library_sees_it(tmp_path):
+def _doctor_lines(capsys, monkeypatch, **env):
+    for k in ("OPGRAFT_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("OPGRAFT_DISABLE", "1")  # the seams' report is not what these check
+    rc, out, err = in_process(capsys, "doctor")
+    assert rc == 0, err
+    return {line[:22].strip(): line[22:].strip() for line in out.splitlines() if len(line) > 22}
+
+
+def test_doctor_reports_the_kernel_cache_as_the_library_sees_it(tmp_path, capsys, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
     # A fresh machine: the library creates ~/.cache/opgraft and can write there.
-    line, lines = _doctor_line({"HOME": str(home)})
+    line = _doctor_lines(capsys, monkeypatch, HOME=str(home))["kernel cache"]
     assert line == f"{home}/.cache/opgraft (writable)", line
     assert (home / ".cache" / "opgraft").is_dir()
     f = tmp_path / "file"
     f.write_text("x")
-    line, _ = _doctor_line({"HOME": str(home), "OPGRAFT_CACHE_DIR": str(f)})
+    line = _doctor_lines(capsys, monkeypatch, HOME=str(home), OPGRAFT_CACHE_DIR=str(f))["kernel cache"]
     assert line.startswith(f"{f} (not usable: {f} is not a directory;") and "kept in memory only" in line, line
     for n in (950, 2000):  # too long for a cache file's path; too long for the library's buffer
         long = str(tmp_path) + "/d" * ((n - len(str(tmp_path))) // 2)
-        line, _ = _doctor_line({"HOME": str(home), "OPGRAFT_CACHE_DIR": long})
+        line = _doctor_lines(capsys, monkeypatch, HOME=str(home), OPGRAFT_CACHE_DIR=long)["kernel cache"]
         assert "(not usable: the cache path is too long" in line, line
     # HOME unset: libopgraft still loads; the cache has no directory.
-    line, lines = _doctor_line({})
-    assert line.startswith("none (not usable: no cache directory: set OPGRAFT_CACHE_DIR"), line
+    lines = _doctor_lines(capsys, monkeypatch)
+    assert lines["kernel cache"].startswith("none (not usable: no cache directory: set OPGRAFT_CACHE_DIR"), lines
     assert lines["libopgraft"].endswith(")") and "version" in lines["libopgraft"], lines["libopgraft"]
 
 
-def test_a_config_that_is_not_utf8_is_one_clear_line(tmp_path):
+def test_a_config_that_is_not_utf8_is_one_clear_line(tmp_path, capsys):
     p = tmp_path / "config.json"
     p.write_bytes(b'{"num_experts": 4, "hidden_size": 64, "name": "\xff"}')
     for args in (["doctor", "--model", str(p)], ["bench", "moe", "--model", str(p)],
                  ["profile", "moe", "--model", str(tmp_path)]):
-        r = run(*args)
-        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
-        assert r.stderr.strip().splitlines()[-1] == f"error: {p}: not UTF-8 text (byte 0xff at offset 47): " \
-                                                     "not a Hugging Face config.json", r.stderr
+        rc, _, err = in_process(capsys, *args)
+        assert rc == 2 and "Traceback" not in err, (args, err)
+        assert err.strip().splitlines()[-1] == f"error: {p}: not UTF-8 text (byte 0xff at offset 47): " \
+                                               "not a Hugging Face config.json", err
 
 
 @no_gpu_only
-def test_model_takes_a_model_folder(tmp_path):
+def test_model_takes_a_model_folder(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["TinyMoe"], "num_experts": 4,
                                                       "hidden_size": 64, "moe_intermediate_size": 32,
                                                       "num_experts_per_tok": 2, "num_hidden_layers": 3}))
-    r = run("bench", "moe", "--model", str(tmp_path), "--tokens", "1")
-    assert r.returncode == 0 and "TinyMoe" in r.stdout, r.stderr
-    r = run("doctor", "--model", str(tmp_path))
-    assert r.returncode == 0 and "3 MoE layers" in r.stdout, r.stdout + r.stderr
+    rc, out, err = in_process(capsys, "bench", "moe", "--model", str(tmp_path), "--tokens", "1")
+    assert rc == 0 and "TinyMoe" in out, err
+    rc, out, err = in_process(capsys, "doctor", "--model", str(tmp_path))
+    assert rc == 0 and "3 MoE layers" in out, out + err
 
 
 def _help_entries(text):
