@@ -32,11 +32,11 @@ test: deps lib
 	@echo "== [2/4] kernel compile checks: every variant for sm_80 and sm_90 (kernel cache $(OPGRAFT_TEST_KERNEL_CACHE))"
 	ctest --test-dir $(BUILD) --output-on-failure -R '_compile$$' -V
 	@echo "== [3/4] Python tests"
-	PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
+	PYTHONPATH=python $(PYTHON) -m pytest -q -rs tests/python
 	@if [ -n "$(NEWEST_VLLM_PYTHON)" ]; then \
 	  echo "== [4/4] plugin tests against the newest vLLM ($(NEWEST_VLLM_PYTHON))"; \
 	  OPGRAFT_EXPECT_VLLM=$(OPGRAFT_EXPECT_VLLM_NEWEST) PYTHONPATH=python \
-	    $(NEWEST_VLLM_PYTHON) -m pytest -q tests/python/vllm; \
+	    $(NEWEST_VLLM_PYTHON) -m pytest -q -rs tests/python/vllm; \
 	else \
 	  echo "== [4/4] plugin tests against the newest vLLM: skipped (NEWEST_VLLM_PYTHON is not set; .ci/run sets it)"; \
 	fi
