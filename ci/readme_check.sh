@@ -59,6 +59,15 @@ echo "wheel tag: $tag"
 if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then
   [ "$tag" = py3-none-manylinux_2_28_x86_64 ] || fail "the wheel is tagged $tag, not py3-none-manylinux_2_28_x86_64"
   "$WORK/venv/bin/python" -m tools.glibc_check "$site"/opgraft/libopgraft.so* || fail "libopgraft needs a newer glibc"
+  # The same wheel file again, for auditwheel's own verdict (PyPA's checker, where it installs).
+  "$WORK/venv/bin/pip" wheel -q --no-deps -w "$WORK/wheel" . || fail "pip wheel . failed"
+  if "$WORK/venv/bin/pip" install -q auditwheel; then
+    "$WORK/venv/bin/auditwheel" show "$WORK"/wheel/opgraft-*.whl | tee "$WORK/auditwheel.txt"
+    grep -Eq 'consistent with.*"manylinux_2_([0-9]|1[0-9]|2[0-8])_x86_64"' <(tr '\n' ' ' < "$WORK/auditwheel.txt") ||
+      fail "auditwheel does not find the wheel consistent with manylinux_2_28_x86_64 or older"
+  else
+    echo "readme check: auditwheel could not be installed: its check is skipped (tools.glibc_check passed)"
+  fi
 fi
 "$WORK/venv/bin/python" -c 'import torch; print("torch", torch.__version__, "installed with opgraft")'
 
