@@ -112,7 +112,7 @@ MODEL_CONFIGS["Qwen3-30B-A3B-FP8"] = dict(
 
 def _ints(text: str) -> list[int]:
     try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
+        vals = [int(x) for x in text.split(",")]  # an empty item ("1,,2") is an error too
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     if not vals or any(v < 1 for v in vals):
@@ -136,11 +136,14 @@ def model_config(model: str) -> dict:
     if not os.path.isfile(path):
         raise SystemExit(f"opgraft e2e: {model!r} is neither a built-in architecture "
                          f"({', '.join(MODEL_CONFIGS)}) nor a config.json")
-    with open(path) as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"opgraft e2e: {path}: not JSON ({e})")
+    with open(path, "rb") as f:
+        data = f.read(1 << 24)
+    try:
+        cfg = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"opgraft e2e: {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"opgraft e2e: {path}: not JSON ({e})")
     if not isinstance(cfg, dict) or "architectures" not in cfg:
         raise SystemExit(f"opgraft e2e: {path}: no 'architectures' field")
     return cfg
@@ -316,6 +319,9 @@ def _worker_profile(worker=None, action: str = "start") -> dict:
     import tools.e2e as this
 
     out: dict = {"pid": os.getpid()}
+    if action == "stop" and this._PROFILER is None:
+        out["error"] = "profiler not started"
+        return out
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -324,9 +330,6 @@ def _worker_profile(worker=None, action: str = "start") -> dict:
             if this._PROFILER is None:
                 this._PROFILER = profile(activities=[ProfilerActivity.CUDA])
                 this._PROFILER.start()
-            return out
-        if this._PROFILER is None:
-            out["error"] = "profiler not started"
             return out
         prof, this._PROFILER = this._PROFILER, None
         if torch.cuda.is_available():
@@ -418,11 +421,14 @@ def run(args) -> int:
                 json.dump(result, f, indent=1)
             os.replace(tmp, args.json)
 
+    from opgraft._entry import require
+
+    torch = require("torch", "tools.e2e run")
+    vllm = require("vllm", "tools.e2e run")
+    from vllm import LLM, SamplingParams
+
     save()
     t0 = time.perf_counter()
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
 
     result.update(vllm=vllm.__version__, torch=torch.__version__,
                   gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
@@ -653,9 +659,38 @@ def wait_gpu_memory_free(limit_mib: int = 4096, timeout: float = 60.0) -> None:
           flush=True)
 
 
+def last_line(path: str) -> str:
+    """The last non-empty line of a text file ("" if none or unreadable)."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def setting_failure(rc, json_path: str, log: str) -> str | None:
+    """Why a setting's run failed (None if it finished): its exit status, or a result file that
+    is missing or not done, with the last line of its log."""
+    if rc == 0:
+        try:
+            with open(json_path) as f:
+                status = json.load(f).get("status")
+        except (OSError, ValueError, AttributeError):
+            status = "no result file"
+        if status == "done":
+            return None
+        why = f"exit 0 but {status!r}"
+    else:
+        why = "timed out" if rc == "timeout" else f"exit {rc}"
+    tail = last_line(log)
+    return f"{why}{': ' + tail if tail else ''} (log {log})"
+
+
 def study(args) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
+    failed = {}
     for m in args.modes:
         path = os.path.join(args.out_dir, f"e2e-{m}.json")
         cmd = [sys.executable, "-m", "tools.e2e", "run", "--mode", m, "--model", args.model,
@@ -666,6 +701,8 @@ def study(args) -> int:
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
         if args.expert_parallel:
             cmd.append("--expert-parallel")
+        if os.path.exists(path):  # a previous study's result must not stand in for this one's
+            os.remove(path)
         log = os.path.join(args.log_dir or args.out_dir, f"e2e-{m}.log")
         print(f"opgraft e2e: {m} ... (log {log})", flush=True)
         t = time.perf_counter()
@@ -674,24 +711,37 @@ def study(args) -> int:
         print(f"opgraft e2e: {m} exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
         wait_gpu_memory_free()
         if rc != 0:
-            with open(log) as lf:
+            with open(log, errors="replace") as lf:
                 print("".join(lf.readlines()[-25:]), flush=True)
+        why = setting_failure(rc, path, log)
+        if why:
+            failed[m] = why
     compare(args.out_dir, args.modes)
+    for m, why in failed.items():
+        print(f"opgraft e2e: setting {m} failed: {why}", file=sys.stderr, flush=True)
+    if failed:
+        n = len(args.modes)
+        print(f"opgraft e2e: {len(failed)} of {n} settings failed"
+              f"{': nothing to compare' if len(failed) == n else ''}", file=sys.stderr)
+        return 1
     return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="opgraft e2e", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.e2e", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    from opgraft._entry import DefaultsHelp
+
+    with_defaults = {"formatter_class": DefaultsHelp}
 
     def common(p):
         p.add_argument("--model", default="Qwen3-30B-A3B",
                        help=f"built-in architecture ({', '.join(MODEL_CONFIGS)}) or a config.json")
-        p.add_argument("--batches", type=_ints, default=[1, 8, 32])
-        p.add_argument("--input-len", type=int, default=128)
-        p.add_argument("--output-len", type=int, default=256)
-        p.add_argument("--reps", type=int, default=5)
-        p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+        p.add_argument("--batches", type=_ints, default="1,8,32", help="comma-separated batch sizes")
+        p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+        p.add_argument("--output-len", type=int, default=256, help="generated tokens a sequence")
+        p.add_argument("--reps", type=int, default=5, help="timed repetitions a batch size")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
         p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
         p.add_argument("--expert-parallel", action="store_true",
                        help="vLLM enable_expert_parallel (experts split over the --tp ranks)")
@@ -701,18 +751,19 @@ def main(argv=None) -> int:
         p.add_argument("--init-std", type=float, default=0.02,
                        help="re-initialize the dummy weights as N(0, std^2) (0: keep vLLM's)")
 
-    r = sub.add_parser("run", help="one setting, in this process")
+    r = sub.add_parser("run", help="one setting, in this process", **with_defaults)
     common(r)
-    r.add_argument("--mode", choices=MODES, required=True)
-    r.add_argument("--json", default=None)
-    s = sub.add_parser("study", help="every setting, each in its own process, then the comparison")
+    r.add_argument("--mode", choices=MODES, required=True, help="the setting to run")
+    r.add_argument("--json", default=None, help="write the setting's results to this file (default: none)")
+    s = sub.add_parser("study", help="every setting, each in its own process, then the comparison", **with_defaults)
     common(s)
-    s.add_argument("--modes", type=_modes, default=["disabled", "opgraft", "passthrough"])
-    s.add_argument("--out-dir", required=True)
-    s.add_argument("--mode-timeout", type=float, default=600)
-    s.add_argument("--log-dir", default=None, help="where each setting's vLLM log goes (default --out-dir)")
-    c = sub.add_parser("compare", help="the comparison table of a study's folder")
-    c.add_argument("out_dir")
+    s.add_argument("--modes", type=_modes, default="disabled,opgraft,passthrough",
+                   help=f"comma-separated settings, of {', '.join(MODES)}")
+    s.add_argument("--out-dir", required=True, help="where each setting's results and the summary go")
+    s.add_argument("--mode-timeout", type=float, default=600, help="seconds a setting may run")
+    s.add_argument("--log-dir", default=None, help="where each setting's vLLM log goes (default: --out-dir)")
+    c = sub.add_parser("compare", help="the comparison table of a study's folder", **with_defaults)
+    c.add_argument("out_dir", help="a study's --out-dir")
     args = ap.parse_args(argv)
     if args.cmd in ("run", "study"):
         if args.output_len < 2 or args.input_len < 1 or args.reps < 1 or args.tp < 1:

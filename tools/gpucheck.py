@@ -17,37 +17,44 @@ import pkgutil
 import sys
 import time
 
-import torch
-
-from opgraft import _lib, bench
+from opgraft._entry import require
 
 from . import checks
 
 
-def check_modules() -> dict:
+def check_names() -> list[str]:
+    """The ops with a tools/checks/<op>.py, found without importing them (they need torch)."""
+    return sorted(m.name for m in pkgutil.iter_modules(checks.__path__))
+
+
+def check_modules(names=None) -> dict:
     """{op: module} of tools/checks/<op>.py."""
     out = {}
-    for m in pkgutil.iter_modules(checks.__path__):
-        mod = importlib.import_module(f"{checks.__name__}.{m.name}")
+    for name in names or check_names():
+        mod = importlib.import_module(f"{checks.__name__}.{name}")
         out[mod.NAME] = mod
     return out
 
 
 def main(argv=None) -> int:
-    mods = check_modules()
+    names = check_names()
     ap = argparse.ArgumentParser(prog="python -m tools.gpucheck")
-    ap.add_argument("--ops", default=",".join(sorted(mods)), help="the ops to check (default: %(default)s)")
+    ap.add_argument("--ops", default=",".join(names), help="the ops to check (default: %(default)s)")
     ap.add_argument("--quick", action="store_true", help="correctness only, no benchmark")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the JSON goes (default: $OUT or .)")
     ap.add_argument("--only", default="", help="run only the correctness cases whose name contains this")
     args = ap.parse_args(argv)
-    unknown = [o for o in args.ops.split(",") if o not in mods]
+    unknown = [o for o in args.ops.split(",") if o not in names]
     if unknown:
-        print(f"error: no checks for {', '.join(unknown)} (have: {', '.join(sorted(mods))})", file=sys.stderr)
+        print(f"tools.gpucheck: error: no checks for {', '.join(unknown)} (have: {', '.join(names)})", file=sys.stderr)
         return 2
+    torch = require("torch", "tools.gpucheck")
     if not torch.cuda.is_available():
-        print("no CUDA GPU: the GPU check needs one", file=sys.stderr)
+        print("tools.gpucheck: no CUDA GPU here: the GPU check needs one", file=sys.stderr)
         return 2
+    from opgraft import _lib, bench
+
+    mods = check_modules(args.ops.split(","))
     torch.cuda.init()
     os.makedirs(args.out, exist_ok=True)
     facts = bench.gpu_facts()

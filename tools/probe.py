@@ -1,5 +1,5 @@
 """Why a kernel is slower inside a model's decode step than in `opgraft bench`: the MoE stages timed
-kernel by kernel (torch profiler over CUDA-graph replays, as `opgraft e2e --profile-steps` does),
+kernel by kernel (torch profiler over CUDA-graph replays, as `python -m tools.e2e --profile-steps` does),
 under contexts that add one difference of a real decode step at a time.
 
   python -m tools.probe [--model Qwen3-30B-A3B] [--tokens 1,2,8] [--layers 16] [--json FILE]
@@ -25,11 +25,7 @@ import argparse
 import json
 import sys
 
-import torch
-
-from opgraft.bench import capture, profiler_kernels
-from opgraft.bench.moe import make_routing, make_weights, make_x
-from opgraft.ops import moe as ops
+from opgraft._entry import DefaultsHelp, check_outputs, require
 from opgraft.presets import ConfigError, resolve
 
 KERNELS = ("moe_gate_up", "moe_down", "moe_fused")
@@ -60,6 +56,8 @@ def _tokens(text: str) -> list[int]:
 
 
 def router_routing(x, wr, k):
+    import torch
+
     logits = (x.float() @ wr.float())
     w, ids = torch.softmax(logits, dim=1).topk(k, dim=1)
     return (w / w.sum(1, keepdim=True)).float(), ids.to(torch.int32)
@@ -67,7 +65,10 @@ def router_routing(x, wr, k):
 
 def kernel_times(step, replays: int = 20) -> dict:
     """{kernel name: (launches per replay, mean µs per launch)} of `step` captured in a graph."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from opgraft.bench import capture, profiler_kernels
 
     g = capture(step)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -86,24 +87,32 @@ def kernel_times(step, replays: int = 20) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="opgraft probe", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="Qwen3-30B-A3B")
-    ap.add_argument("--tokens", type=_tokens, default=[1, 2, 8])
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--contexts", type=_contexts, default=["bench", "router", "step"])
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(prog="python -m tools.probe", description=__doc__.split("\n\n")[0],
+                                 formatter_class=DefaultsHelp)
+    ap.add_argument("--model", default="Qwen3-30B-A3B", help="a preset, a config.json or a model folder holding one")
+    ap.add_argument("--tokens", type=_tokens, default=[1, 2, 8], help="comma-separated token counts (1..64)")
+    ap.add_argument("--layers", type=int, default=16, help="copies of the layer's weights the calls rotate over")
+    ap.add_argument("--contexts", type=_contexts, default=["bench", "router", "step"],
+                    help=f"comma-separated, of {', '.join(CONTEXTS)}")
+    ap.add_argument("--json", default=None, help="write the rows to this file (default: none)")
     args = ap.parse_args(argv)
     if not 1 <= args.layers <= 256:
-        print("opgraft probe: --layers must be in 1..256", file=sys.stderr)
+        print("tools.probe: --layers must be in 1..256", file=sys.stderr)
         return 2
     try:
         shape = resolve(args.model)
     except ConfigError as e:
-        print(f"opgraft probe: {e}", file=sys.stderr)
+        print(f"tools.probe: {e}", file=sys.stderr)
         return 2
+    if not check_outputs("tools.probe", {"--json": args.json}):
+        return 2
+    torch = require("torch", "tools.probe")
     if not torch.cuda.is_available():
-        print("opgraft probe: no CUDA GPU here", file=sys.stderr)
+        print("tools.probe: no CUDA GPU here", file=sys.stderr)
         return 2
+    from opgraft.bench.moe import make_routing, make_weights, make_x
+    from opgraft.ops import moe as ops
+
     dev = "cuda"
     H, E, k = shape.hidden, shape.num_experts, shape.top_k
     g = torch.Generator(device=dev).manual_seed(7)

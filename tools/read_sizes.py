@@ -1,6 +1,6 @@
 """How fast a plain streaming read of N bytes can be, timed as the MoE calls are (GPU only).
 
-    PYTHONPATH=python python3 tools/read_sizes.py [--mb 25,50,75,150,300,704] [--json FILE]
+    PYTHONPATH=python python3 -m tools.read_sizes [--mb 25,50,75,150,300,704] [--json FILE]
 
 For each size: opgraft's streaming-read kernel (the read-ceiling kernel, 16-byte loads) over one
 of several buffers (rotated, > 512 MB in all, so L2 holds none of it), 64 MiB of other reads
@@ -11,17 +11,24 @@ included: the floor for a small MoE call of the same bytes.
 import argparse
 import sys
 
-import torch
-
-from opgraft import _lib, bench
+from opgraft import _lib
+from opgraft._entry import check_outputs, require
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m tools.read_sizes")
     ap.add_argument("--mb", default="12.5,25,50,75,150,300,704")
     ap.add_argument("--grids", default="0,1,2", help="blocks per SM (0 = the kernel's default, 4)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not check_outputs("tools.read_sizes", {"--json": args.json}):
+        return 2
+    torch = require("torch", "tools.read_sizes")
+    if not torch.cuda.is_available():
+        print("tools.read_sizes: no CUDA GPU here", file=sys.stderr)
+        return 2
+    from opgraft import bench
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ceiling = bench.measure_read_ceiling("cuda")
     between = bench.between_traffic(bench.BETWEEN_MIB, "cuda")

@@ -16,18 +16,26 @@ import itertools
 import json
 import sys
 
-import torch
-
-from opgraft import _lib, bench
-from opgraft.bench.moe import Fixture, configure, make_weights, measure
-from opgraft.presets import resolve
+from opgraft import _lib
+from opgraft._entry import check_outputs, require
+from opgraft.presets import ConfigError, resolve
 from opgraft.tune import coordinate_descent
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        ts = [int(t) for t in text.split(",")]
+    except ValueError:
+        ts = []
+    if not ts or not all(1 <= t <= 64 for t in ts):
+        raise argparse.ArgumentTypeError(f"tokens are comma-separated integers in 1..64, got {text!r}")
+    return ts
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.sweep")
     ap.add_argument("--model", default="Mixtral-8x7B")
-    ap.add_argument("--tokens", default="1")
+    ap.add_argument("--tokens", type=_tokens, default=[1], help="comma-separated token counts")
     ap.add_argument("--tp", type=int, default=1, help="one rank's shape under tensor parallelism")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--grid", action="store_true", help="sweep warps x unroll of each stage")
@@ -44,11 +52,24 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    shape = resolve(args.model).per_rank(args.tp)
+    try:
+        shape = resolve(args.model).per_rank(args.tp)
+    except ConfigError as e:
+        print(f"tools.sweep: error: {e}", file=sys.stderr)
+        return 2
+    if not check_outputs("tools.sweep", {"--json": args.json}):
+        return 2
+    torch = require("torch", "tools.sweep")
+    if not torch.cuda.is_available():
+        print("tools.sweep: no CUDA GPU here", file=sys.stderr)
+        return 2
+    from opgraft import bench
+    from opgraft.bench.moe import Fixture, configure, make_weights, measure
+
     ceiling = bench.measure_read_ceiling("cuda")
     w13, w2 = make_weights(shape, args.dtype, "cuda")
     results = []
-    for T in [int(t) for t in args.tokens.split(",")]:
+    for T in args.tokens:
         fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
         rows = [measure(fx, {}), measure(fx, {"moe.fused": 1}, stages_all=False)]
         if args.grid:

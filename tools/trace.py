@@ -134,34 +134,56 @@ def format_table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.trace")
-    ap.add_argument("--model", default="Qwen3-30B-A3B")
-    ap.add_argument("--tokens", type=int, default=1)
+    from opgraft._entry import DefaultsHelp
+
+    ap = argparse.ArgumentParser(prog="python -m tools.trace", formatter_class=DefaultsHelp)
+    ap.add_argument("--model", default="Qwen3-30B-A3B", help="a preset, a config.json or a model folder holding one")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens of the traced call")
     ap.add_argument("--tp", type=int, default=1, help="one rank's shape under tensor parallelism")
     ap.add_argument("--configs", default="[{}]", help='JSON list of tunable settings, e.g. [{}, {"moe.pdl": 0}]')
-    ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=9, help="repetitions (after one dropped call that compiles)")
+    ap.add_argument("--json", default=None, help="write the timelines to this file (default: none)")
     ap.add_argument("--raw", action="store_true",
                     help="also store every block's records (kernel, block, SM, start, routing set up, released, end; "
                          "ns from the call's first start) of every repetition in the JSON")
     args = ap.parse_args(argv)
-    os.environ["OPGRAFT_TRACE"] = "1"  # before any plan is made
+    from opgraft._entry import check_outputs, require
+    from opgraft.presets import ConfigError, resolve
 
-    import torch
+    try:
+        shape = resolve(args.model).per_rank(args.tp)
+        configs = json.loads(args.configs)
+    except ConfigError as e:
+        print(f"tools.trace: error: {e}", file=sys.stderr)
+        return 2
+    except json.JSONDecodeError as e:
+        print(f"tools.trace: error: --configs is not JSON ({e})", file=sys.stderr)
+        return 2
+    if not 1 <= args.tokens <= 64 or args.reps < 1:
+        print("tools.trace: error: --tokens must be in 1..64 and --reps >= 1", file=sys.stderr)
+        return 2
+    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
+        print("tools.trace: error: --configs must be a JSON list of objects", file=sys.stderr)
+        return 2
+    if not check_outputs("tools.trace", {"--json": args.json}):
+        return 2
+    torch = require("torch", "tools.trace")
+    if not torch.cuda.is_available():
+        print("tools.trace: no CUDA GPU here (the timeline is read from the GPU's kernels)", file=sys.stderr)
+        return 2
+    os.environ["OPGRAFT_TRACE"] = "1"  # before any plan is made
 
     import ctypes
 
     from opgraft import _lib
     from opgraft.bench.moe import Fixture, configure
     from opgraft.ops import moe as ops
-    from opgraft.presets import resolve
 
     def workspace_bytes(a):
         n = ctypes.c_size_t()
         _lib.check(_lib.lib().opgraft_moe_workspace_size(ctypes.byref(a), ctypes.byref(n)))
         return n.value
 
-    shape = resolve(args.model).per_rank(args.tp)
     fx = Fixture(shape, args.tokens)
     a = ops.moe_args(fx.xs[0], fx.w13, fx.w2, *fx.routings[0], fx.outs[0])
     with_trace = workspace_bytes(a)
@@ -172,7 +194,7 @@ def main(argv=None) -> int:
     ws = torch.empty(max(with_trace, fx.ws.numel()), dtype=torch.uint8, device="cuda")
     region = ws[plain:with_trace]
     results = []
-    for cfg in json.loads(args.configs):
+    for cfg in configs:
         configure(cfg)
         ops.forget_plans()  # plans made before OPGRAFT_TRACE=1 was read would not trace
         runs, raw = [], []

@@ -13,17 +13,21 @@ import sys
 import time
 
 from . import _lib
-from .presets import PRESETS, ConfigError, MoeShape, resolve
+from .presets import PRESETS, ConfigError, MoeShape, config_path, resolve
 
 
 def _parse_tokens(text: str) -> list[int]:
     try:
-        tokens = [int(t) for t in text.split(",") if t.strip()]
+        tokens = [int(t) for t in text.split(",")]  # an empty item ("1,,2", "1,") is an error too
     except ValueError:
         raise argparse.ArgumentTypeError(f"--tokens takes comma-separated integers, got {text!r}") from None
     if not tokens or any(t < 1 or t > 4096 for t in tokens):
         raise argparse.ArgumentTypeError("--tokens values must be between 1 and 4096")
     return tokens
+
+
+MODEL_HELP = f"a preset ({', '.join(PRESETS)}), a Hugging Face config.json, or a model folder holding one"
+TOKENS_HELP = "comma-separated token counts of the calls (1..4096)"
 
 
 def _gpu_status() -> tuple[bool, str]:
@@ -120,7 +124,10 @@ def oracle_selfcheck(seed: int = 0) -> float:
     return worst
 
 
-def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, as_json: bool) -> int:
+def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, json_to: str | None = None,
+               plot: str | None = None) -> int:
+    """What runs without a GPU. json_to: None, "-" (the JSON on stdout instead of the table) or a
+    file that gets the same JSON beside the table."""
     print(f"no GPU here ({why}): running what works without one -- the dispatch guard, the NVRTC "
           f"compile of every kernel variant for sm_90 with its resource report, and the C fp64 oracle.",
           file=sys.stderr)
@@ -142,16 +149,51 @@ def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, as_json
                 row["compile_error"] = str(e)
         rows.append(row)
     err = oracle_selfcheck()
-    if as_json:
-        print(json.dumps({"gpu": None, "why": why, "oracle_selfcheck_rel_diff": err, "rows": rows}, indent=1))
-        return 0
-    print(f"{'model':<16} {'dt':<4} {'T':>4}  {'guard (sm_90)':<44} kernels (registers / spill bytes)")
+    rc = 0 if err < 1e-9 else 1
+    doc = {"gpu": None, "why": why, "oracle_selfcheck_rel_diff": err, "rows": rows}
+    if json_to == "-":
+        print(json.dumps(doc, indent=1))
+        return rc
+    w = max([16] + [len(r["model"]) for r in rows])  # a long model name widens the column
+    print(f"{'model':<{w}} {'dt':<4} {'T':>4}  {'guard (sm_90)':<44} kernels (registers / spill bytes)")
     for r in rows:
         ks = ", ".join(f"{k['kernel']} {k['registers']}r/{k['spill_bytes']}s" for k in r.get("kernels", []))
-        print(f"{r['model']:<16} {r['dtype']:<4} {r['tokens']:>4}  {r['guard'][:44]:<44} "
+        print(f"{r['model']:<{w}} {r['dtype']:<4} {r['tokens']:>4}  {r['guard'][:44]:<44} "
               f"{ks or r.get('compile_error', '-')}")
     print(f"C fp64 oracle vs Python loop, small bf16 problem: max relative difference {err:.1e}")
-    return 0 if err < 1e-9 else 1
+    if json_to:
+        rc = max(rc, _write_json(json_to, doc))
+    if plot:
+        print(f"--plot {plot}: not written: nothing is timed without a GPU", file=sys.stderr)
+    return rc
+
+
+def _write_json(path: str, doc: dict) -> int:
+    """Writes doc to path and says so; 0, or 1 with the reason."""
+    try:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+    except OSError as e:
+        print(f"error: cannot write {path}: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"{len(doc.get('rows', []))} rows written to {path}", file=sys.stderr)
+    return 0
+
+
+def _check_outputs(outputs: dict, need_plot: bool = False) -> bool:
+    """The files a command will write, checked before any work ({flag: path or None}; "-" for
+    --json is stdout); with need_plot, that matplotlib can be imported."""
+    from ._entry import check_outputs
+
+    ok = check_outputs("opgraft", {k: v for k, v in outputs.items() if v not in (None, "-")})
+    if need_plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("opgraft: error: --plot needs matplotlib, which is not installed (pip install matplotlib)",
+                  file=sys.stderr)
+            ok = False
+    return ok
 
 
 def cmd_bench(args) -> int:
@@ -172,13 +214,16 @@ def cmd_bench(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ok, why = _gpu_status()
+    if not _check_outputs({"--json": args.json, "--plot": args.plot}, need_plot=bool(args.plot) and ok):
+        return 2
     if not ok:
-        return _cpu_bench(shape, args.tokens, args.dtype, why, args.json is not None and args.json == "-")
+        return _cpu_bench(shape, args.tokens, args.dtype, why, args.json, args.plot)
     from . import bench
     from .bench import moe as moe_bench
 
     rows: list[dict] = []
     t0 = time.time()
+    rc = 0
     try:
         ceiling = bench.measure_read_ceiling("cuda")
         print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
@@ -194,17 +239,19 @@ def cmd_bench(args) -> int:
                                       between_mib=args.between_mib, timing=args.timing)
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
+        rc = 130
+    except Exception as e:  # what was measured before the failure is still written
+        print(f"error: the bench failed after {len(rows)} rows: {type(e).__name__}: {e}", file=sys.stderr)
+        rc = 1
     print(moe_bench.format_table(rows))
-    if args.plot:
-        write_plot(rows, args.plot)
-    if args.json:
-        text = json.dumps({"rows": rows}, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
-    return 0
+    if args.plot and not write_plot(rows, args.plot):
+        rc = rc or 1
+    if args.json == "-":
+        print(json.dumps({"rows": rows}, indent=1))
+    elif args.json:
+        failed = _write_json(args.json, {"rows": rows})
+        rc = rc or failed
+    return rc
 
 
 def write_plot(rows: list[dict], path: str) -> bool:
@@ -274,18 +321,40 @@ def cmd_profile(args) -> int:
     shape, rc = _shape_tokens(args)
     if shape is None:
         return rc
+    if not _check_outputs({"--json": args.json}):
+        return 2
     ok, why = _gpu_status()
     if not ok:
-        return _cpu_bench(shape, args.tokens, args.dtype, why, False)
+        return _cpu_bench(shape, args.tokens, args.dtype, why, args.json)
     from . import bench
-    from .bench.moe import Fixture, make_weights
-    from .ops import moe as ops
+    from .bench.moe import make_weights
 
     ceiling = bench.measure_read_ceiling("cuda")
     w13, w2 = make_weights(shape, args.dtype, "cuda")
-    rows = []
+    rows: list[dict] = []
+    rc = 0
     print(f"read ceiling {ceiling:.3f} TB/s; {shape.name} {args.dtype}")
     print(f"{'T':>3} {'stage':<8} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6}  verdict")
+    try:
+        _profile_rows(args, shape, ceiling, w13, w2, rows)
+    except KeyboardInterrupt:
+        print("\ninterrupted: results so far", file=sys.stderr)
+        rc = 130
+    except Exception as e:  # what was measured before the failure is still written
+        print(f"error: the profile failed after {len(rows)} rows: {type(e).__name__}: {e}", file=sys.stderr)
+        rc = 1
+    if args.json:
+        failed = _write_json(args.json, {"gpu": bench.gpu_facts(), "rows": rows})
+        rc = rc or failed
+    return rc
+
+
+def _profile_rows(args, shape, ceiling, w13, w2, rows: list) -> None:
+    """Times each token count's stages; appends the rows and prints them as they come."""
+    from . import bench
+    from .bench.moe import Fixture
+    from .ops import moe as ops
+
     for T in args.tokens:
         fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
         err = fx.check()
@@ -303,16 +372,14 @@ def cmd_profile(args) -> int:
                          "ceiling_tbps": ceiling, "rel_err": err})
             print(f"{T:>3} {stage:<8} {us:>9.1f} {nb / 1e6:>8.1f} {tbps:>6.2f} {tbps / ceiling * 100:>5.1f}%  "
                   f"{VERDICTS[v] if stage == 'all' else v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": bench.gpu_facts(), "rows": rows}, f, indent=1)
-    return 0
 
 
 def cmd_tune(args) -> int:
     shape, rc = _shape_tokens(args)
     if shape is None:
         return rc
+    if not _check_outputs({"--out": args.out}):
+        return 2
     ok, why = _gpu_status()
     if not ok:
         print(f"error: tune measures on a GPU and there is none here ({why})", file=sys.stderr)
@@ -408,15 +475,17 @@ def cmd_doctor(args) -> int:
     try:
         lib = _lib.lib()
         say("libopgraft", f"{lib._name} (version {lib.opgraft_version_string().decode()})")
+        # The library's own answers: what it loaded, and whether it can keep kernels on disk.
         info = _lib.runtime_info()
-        say("libcuda", info["libcuda_path"] or f"not found: {info['libcuda_error']}")
+        dv = info["driver_version"]
+        say("libcuda", f"{info['libcuda_path']} (driver API {dv // 1000}.{dv % 1000 // 10})" if info["libcuda_path"]
+            else f"not usable: {info['libcuda_error']}")
         nv = info["nvrtc_version"]
         say("NVRTC", f"{info['nvrtc_path']} ({nv // 1000}.{nv % 1000 // 10})" if nv else
-            f"not found: {info['nvrtc_error']}")
-        cache = _lib.cache_dir()
-        writable = os.access(cache, os.W_OK) if os.path.isdir(cache) else os.access(
-            os.path.dirname(cache.rstrip("/")) or "/", os.W_OK)
-        say("kernel cache", f"{cache} ({'writable' if writable else 'NOT writable: kept in memory only'})")
+            f"not usable: {info['nvrtc_error']}")
+        cache, why = _lib.cache_check()
+        say("kernel cache", f"{cache} (writable)" if not why else
+            f"{cache or 'none'} (not usable: {why}; compiled kernels are kept in memory only)")
     except _lib.OpgraftError as e:
         say("libopgraft", f"not usable: {e}")
     if os.environ.get("OPGRAFT_DISABLE", "").strip() not in ("", "0"):
@@ -442,10 +511,11 @@ def cmd_doctor(args) -> int:
         try:
             shape = resolve(args.model)
             layers = None
-            if args.model.endswith(".json") or "/" in args.model:
+            path = config_path(args.model)
+            if path:
                 from .presets import load_config, moe_layer_count
 
-                layers = moe_layer_count(load_config(args.model))
+                layers = moe_layer_count(load_config(path))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -459,21 +529,37 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every parser of the command line, sub-subcommands included (add_subparsers makes parsers of
+    its parent's class), shows the defaults."""
+
+    def __init__(self, *args, **kwargs):
+        from ._entry import DefaultsHelp
+
+        kwargs.setdefault("formatter_class", DefaultsHelp)
+        super().__init__(*args, **kwargs)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="opgraft", description="opgraft: faster MoE kernels for stock vLLM")
+    import opgraft
+
+    ap = _Parser(prog="opgraft", description="opgraft: faster MoE kernels for stock vLLM")
+    ap.add_argument("--version", action="version", version=f"opgraft {opgraft.__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     bench_ops = sub.add_parser("bench", help="benchmark an op at a model's dims").add_subparsers(
         dest="op", required=True, metavar="OP")
     b = bench_ops.add_parser("moe", help="MoE experts after routing, against vLLM's fused_experts")
-    b.add_argument("--model", default="Qwen3-30B-A3B", help=f"a preset ({', '.join(PRESETS)}) or a config.json")
-    b.add_argument("--tokens", type=_parse_tokens, default=[1, 2, 4, 8, 16, 32, 64])
-    b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    b.add_argument("--model", default="Qwen3-30B-A3B", help=MODEL_HELP)
+    b.add_argument("--tokens", type=_parse_tokens, default="1,2,4,8,16,32,64", help=TOKENS_HELP)
+    b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and activations' type")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
-    b.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
+    b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="write the rows as JSON to FILE, or to stdout without FILE (default: no JSON)")
     b.add_argument("--no-baseline", action="store_true", help="skip the torch baseline")
     b.add_argument("--max-tokens", type=int, default=None,
                    help="time opgraft's kernel up to this many tokens although the shipped "
-                        "moe.max_tokens hands larger calls back to vLLM (OPGRAFT_TUNE_MOE_MAX_TOKENS)")
+                        "moe.max_tokens hands larger calls back to vLLM (OPGRAFT_TUNE_MOE_MAX_TOKENS; "
+                        "default: the shipped value)")
     b.add_argument("--layers", type=int, default=1,
                    help="rotate the calls over this many copies of the layer's weights (a model's MoE "
                         "layer count gives a real decode step's footprint)")
@@ -483,31 +569,36 @@ def main(argv=None) -> int:
     b.add_argument("--timing", choices=["span", "subtract"], default="span",
                    help="with --between-mib: charge each call from its kernels' start/end times "
                         "(span, torch profiler) or as (read + call) minus the read alone (subtract)")
-    b.add_argument("--plot", default=None, help="write a PNG: time against tokens with the roofline")
+    b.add_argument("--plot", default=None, metavar="FILE",
+                   help="write a PNG: time against tokens with the roofline (needs matplotlib; default: no plot)")
     b.set_defaults(fn=cmd_bench)
     profile_ops = sub.add_parser("profile", help="time split and roofline verdict per token count").add_subparsers(
         dest="op", required=True, metavar="OP")
     pr = profile_ops.add_parser("moe", help="MoE experts: gate/up and down stages")
-    pr.add_argument("--model", default="Qwen3-30B-A3B")
-    pr.add_argument("--tokens", type=_parse_tokens, default=[1, 8])
-    pr.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    pr.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
-    pr.add_argument("--json", default=None, help="write the rows to FILE")
+    pr.add_argument("--model", default="Qwen3-30B-A3B", help=MODEL_HELP)
+    pr.add_argument("--tokens", type=_parse_tokens, default="1,8", help=TOKENS_HELP)
+    pr.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and activations' type")
+    pr.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: profile one rank's shape (I/tp)")
+    pr.add_argument("--json", default=None, metavar="FILE", help="write the rows to FILE (default: no file)")
     pr.set_defaults(fn=cmd_profile)
     tune_ops = sub.add_parser("tune", help="correctness-gated coordinate descent over an op's tunables").add_subparsers(
         dest="op", required=True, metavar="OP")
     tu = tune_ops.add_parser("moe", help="MoE experts")
-    tu.add_argument("--model", default="Qwen3-30B-A3B")
-    tu.add_argument("--tokens", type=_parse_tokens, default=[1, 8])
-    tu.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    tu.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
-    tu.add_argument("--rounds", type=int, default=2)
-    tu.add_argument("--out", default=None, help="merge the winners into this JSON tune file")
+    tu.add_argument("--model", default="Qwen3-30B-A3B", help=MODEL_HELP)
+    tu.add_argument("--tokens", type=_parse_tokens, default="1,8",
+                    help=TOKENS_HELP + "; each one tunes the token range around it")
+    tu.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and activations' type")
+    tu.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: tune one rank's shape (I/tp)")
+    tu.add_argument("--rounds", type=int, default=2, help="rounds of the coordinate descent over the tunables")
+    tu.add_argument("--out", default=None, metavar="FILE",
+                    help="merge the winners into this JSON tune file (default: print them)")
     tu.add_argument("--inject", action="store_true",
                     help="write the winners where the library reads them (--out FILE, else src/ops/moe/table.c)")
     tu.set_defaults(fn=cmd_tune)
     d = sub.add_parser("doctor", help="what opgraft would do on this machine, and why")
-    d.add_argument("--model", default=None, help="a preset or config.json: which calls would take our kernel")
+    d.add_argument("--model", default=None,
+                   help="a preset, a config.json or a model folder: which calls would take our kernel "
+                        "(default: none)")
     d.set_defaults(fn=cmd_doctor)
     args = ap.parse_args(argv)
     return args.fn(args)

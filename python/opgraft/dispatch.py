@@ -112,12 +112,14 @@ _warned: set = set()
 _warned_lock = threading.Lock()
 
 
+# The "opgraft: " prefix names the source where no logging handler is configured (Python prints
+# the bare message then), as _lib does for the library's own messages.
 def _warn_once(msg: str) -> None:
     with _warned_lock:
         if msg in _warned:
             return
         _warned.add(msg)
-    logger.warning("%s", msg)
+    logger.warning("opgraft: %s", msg)
 
 
 def _info_once(msg: str) -> None:
@@ -125,7 +127,7 @@ def _info_once(msg: str) -> None:
         if msg in _warned:
             return
         _warned.add(msg)
-    logger.info("%s", msg)
+    logger.info("opgraft: %s", msg)
 
 
 def dispatch(op: str, call) -> Any:
@@ -143,7 +145,7 @@ def handed_back(op: str, reason: str, call) -> Any:
 def kernel_failed(op: str, e: Exception, call) -> Any:
     """A kernel that cannot run (no NVRTC, a compile error) must not stop vLLM: hand back."""
     stats_of(op).delegate(f"kernel error: {type(e).__name__}")
-    _warn_once(f"opgraft {op} kernel failed, handing calls back to vLLM: {e}")
+    _warn_once(f"{op} kernel failed, handing calls back to vLLM: {e}")
     return call.delegate()
 
 
@@ -210,7 +212,7 @@ def reset_stats() -> None:
 
 def _summary_at_exit():
     for op, s in stats().items():
-        logger.warning("opgraft stats (pid %d): %s calls taken %d, handed back %d %s", os.getpid(), op, s["taken"],
+        logger.warning("opgraft: stats (pid %d): %s calls taken %d, handed back %d %s", os.getpid(), op, s["taken"],
                        s["delegated"], s["delegated_by_reason"])
 
 

@@ -4,6 +4,7 @@ for any Hugging Face config.json."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 
 
@@ -107,19 +108,45 @@ def moe_layer_count(cfg: dict) -> int | None:
 
 def load_config(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, "rb") as f:
+            data = f.read(1 << 24)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): "
+                          "not a Hugging Face config.json") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def resolve(model: str) -> MoeShape:
-    """A preset name (case-insensitive) or the path of a config.json."""
+def _preset(model: str) -> MoeShape | None:
     for name, shape in PRESETS.items():
         if name.lower() == model.lower():
             return shape
-    if model.endswith(".json") or "/" in model:
-        return from_config(load_config(model), model)
-    raise ConfigError(f"unknown model {model!r}: use one of {', '.join(PRESETS)} or a config.json path")
+    return None
+
+
+def config_path(model: str) -> str | None:
+    """The config.json a --model value names: the file itself, or the one inside a model folder (as
+    vLLM users name models); None for a preset name or a value that names no file."""
+    if _preset(model) is not None:
+        return None
+    if os.path.isdir(model):
+        return os.path.join(model, "config.json")
+    if model.endswith(".json") or os.sep in model or os.path.exists(model):
+        return model
+    return None
+
+
+def resolve(model: str) -> MoeShape:
+    """A preset name (case-insensitive), the path of a config.json, or a model folder holding one."""
+    shape = _preset(model)
+    if shape is not None:
+        return shape
+    path = config_path(model)
+    if path:
+        return from_config(load_config(path), model)
+    raise ConfigError(f"unknown model {model!r}: use one of {', '.join(PRESETS)}, a config.json path or a model "
+                      "folder holding one")

@@ -24,6 +24,11 @@ void opgraft__log(int32_t level, const char *fmt, ...) OG_PRINTF(2, 3);
 void opgraft__warn_once(const char *fmt, ...) OG_PRINTF(1, 2);
 /* snprintf that always terminates and never overflows; returns dst. */
 char *opgraft__copy(char *dst, size_t len, const char *src);
+/* stat, fstat and exp bound to the glibc symbol versions the wheel may need (src/core/compat.c). */
+struct stat;
+int opgraft__stat(const char *path, struct stat *sb);
+int opgraft__fstat(int fd, struct stat *sb);
+double opgraft__exp(double x);
 
 /* ---- hash.c ---- */
 typedef struct og_hash {

@@ -87,7 +87,9 @@ int32_t opgraft_cache_dir(char *buf, size_t buf_len) {
     else
       return opgraft__fail(OPGRAFT_ENOTFOUND, "no cache directory: set OPGRAFT_CACHE_DIR");
   }
-  if (n < 0 || (size_t)n >= buf_len) return opgraft__fail(OPGRAFT_ERANGE, "cache path too long");
+  if (n < 0 || (size_t)n >= buf_len)
+    return opgraft__fail(OPGRAFT_ERANGE, "the cache path is too long (%d bytes, at most %zu)", n,
+                         buf_len ? buf_len - 1 : 0);
   return OPGRAFT_OK;
 }
 
@@ -142,7 +144,7 @@ int32_t opgraft_cache_check(char *dir_out, size_t dir_len) {
   if (st) return st;
   if (strlen(dir) >= 900) return opgraft__fail(OPGRAFT_ERANGE, "the cache path is too long (%zu bytes, at most 899)", strlen(dir));
   struct stat sb;
-  if (stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode)) return opgraft__fail(OPGRAFT_EIO, "%s is not a directory", dir);
+  if (opgraft__stat(dir, &sb) == 0 && !S_ISDIR(sb.st_mode)) return opgraft__fail(OPGRAFT_EIO, "%s is not a directory", dir);
   if (mkdir_p(dir) != 0) return opgraft__fail(OPGRAFT_EIO, "cannot create %s: %s", dir, strerror(errno));
   char probe[1100];
   snprintf(probe, sizeof probe, "%s/.probe.%ld", dir, (long)getpid());
@@ -216,7 +218,7 @@ int32_t opgraft__cache_load(const char *key, og_cubin *out) {
   const size_t klen = strlen(key);
   char *kbuf = NULL, *data = NULL, *log = NULL;
   st = OPGRAFT_EPARSE;
-  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size < (off_t)(sizeof magic + sizeof hdr) ||
+  if (opgraft__fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size < (off_t)(sizeof magic + sizeof hdr) ||
       (uint64_t)sb.st_size > OG_CACHE_MAX_BYTES)
     goto done;
   if (read_all(fd, magic, sizeof magic) || memcmp(magic, cache_magic, sizeof magic) != 0 ||

@@ -1,12 +1,15 @@
 /* libcuda and libnvrtc, found with dlopen at first use. No CUDA header is needed to build this:
  * the few driver and NVRTC entry points we call are declared in internal.h with their documented
  * C signatures. */
+#define _GNU_SOURCE /* dlinfo and RTLD_DI_LINKMAP: which file a handle loaded */
 #include <dlfcn.h>
+#include <elf.h>
 #include <link.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -66,6 +69,29 @@ static void *open_lib(const char *path, char *where, size_t where_len) {
   return h;
 }
 
+/* What a loaded library is, for a message about one that is not the library we wanted: its file
+ * and its SONAME (from its dynamic section), e.g. "/lib/x86_64-linux-gnu/libm.so.6 (libm.so.6)". */
+static void describe_lib(void *h, const char *where, char *out, size_t len) {
+  struct link_map *lm = NULL;
+  const char *soname = NULL;
+  if (dlinfo(h, RTLD_DI_LINKMAP, &lm) == 0 && lm && lm->l_ld) {
+    ElfW(Addr) strtab = 0;
+    ElfW(Xword) name = 0;
+    int have_name = 0;
+    for (const ElfW(Dyn) *d = lm->l_ld; d->d_tag != DT_NULL; ++d) {
+      if (d->d_tag == DT_STRTAB) strtab = d->d_un.d_ptr;
+      if (d->d_tag == DT_SONAME) name = d->d_un.d_val, have_name = 1;
+    }
+    /* Most targets relocate the dynamic section's addresses at load; the others keep offsets. */
+    if (strtab && strtab < lm->l_addr) strtab += lm->l_addr;
+    if (strtab && have_name) soname = (const char *)(strtab + name);
+  }
+  if (soname && *soname)
+    snprintf(out, len, "%.300s (%.100s)", where, soname);
+  else
+    snprintf(out, len, "%.400s", where);
+}
+
 static const char *const cuda_names[] = {
     "cuInit",          "cuDriverGetVersion",  "cuCtxGetCurrent", "cuCtxGetDevice",
     "cuDeviceGetAttribute", "cuDeviceGetName", "cuModuleLoadData", "cuModuleGetFunction",
@@ -73,21 +99,42 @@ static const char *const cuda_names[] = {
     "cuOccupancyMaxActiveBlocksPerMultiprocessor", "cuFuncSetAttribute",
 };
 
+/* A library that loads but has no cuInit is not a CUDA driver at all, whatever it is called. */
+static void *open_libcuda(const char *path, const char *setting) {
+  void *h = open_lib(path, cuda_path, sizeof cuda_path);
+  if (!h) {
+    if (setting) opgraft__warn_once("%s=%s could not be loaded: %s; using the system's libcuda.so.1", setting, path, dlerror());
+    return NULL;
+  }
+  if (dlsym(h, "cuInit") && dlsym(h, "cuDriverGetVersion")) return h;
+  char is[512];
+  describe_lib(h, cuda_path, is, sizeof is);
+  if (setting)
+    opgraft__warn_once("%s=%s is %s, not the CUDA driver library (it has no cuInit); using the system's "
+                       "libcuda.so.1", setting, path, is);
+  else
+    snprintf(cuda_err, sizeof cuda_err, "%.200s is not the CUDA driver library (it has no cuInit)", is);
+  dlclose(h);
+  cuda_path[0] = 0;
+  return NULL;
+}
+
 static void load_cuda_locked(void) {
   if (cuda_tried) return;
   cuda_tried = 1;
   const char *env = getenv("OPGRAFT_LIBCUDA");
-  const char *cands[] = {env && *env ? env : NULL, "libcuda.so.1", "libcuda.so"};
-  void *h = NULL;
-  for (size_t i = 0; i < sizeof cands / sizeof *cands && !h; ++i)
-    if (cands[i]) h = open_lib(cands[i], cuda_path, sizeof cuda_path);
+  void *h = env && *env ? open_libcuda(env, "OPGRAFT_LIBCUDA") : NULL;
+  const char *system[] = {"libcuda.so.1", "libcuda.so"};
+  for (size_t i = 0; i < sizeof system / sizeof *system && !h; ++i) h = open_libcuda(system[i], NULL);
   if (!h) {
-    snprintf(cuda_err, sizeof cuda_err, "libcuda not found (%s%s): is the NVIDIA driver installed?",
-             env && *env ? "tried $OPGRAFT_LIBCUDA, " : "", "libcuda.so.1");
+    if (!cuda_err[0])
+      snprintf(cuda_err, sizeof cuda_err, "libcuda not found (%s%s): is the NVIDIA driver installed?",
+               env && *env ? "$OPGRAFT_LIBCUDA is not usable, tried " : "", "libcuda.so.1");
     return;
   }
   _Static_assert(sizeof cuda_api == sizeof cuda_names / sizeof *cuda_names * sizeof(void *),
                  "cuda_names must list every slot of og_cuda_api");
+  /* A CUDA driver without one of the newer entry points is older than the kernels need. */
   const char *missing = bind(h, (void **)&cuda_api, cuda_names, sizeof cuda_names / sizeof *cuda_names);
   if (missing) {
     snprintf(cuda_err, sizeof cuda_err, "%.160s lacks %s: driver too old", cuda_path, missing);
@@ -111,48 +158,61 @@ static const char *const nvrtc_names[] = {
 /* Library file names to try inside a directory, newest major first. */
 static const char *const nvrtc_files[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"};
 
-static void *try_dir(const char *dir) {
+/* Opens path as libnvrtc and binds its API: 1, or 0 with the handle closed. A file that loads
+ * but is not libnvrtc is named with what it is: in a warning when a setting named it, else in
+ * the error kept for the case that nothing else is found. */
+static int try_nvrtc(const char *path, const char *setting) {
+  void *h = open_lib(path, nvrtc_path, sizeof nvrtc_path);
+  if (!h) {
+    if (setting) opgraft__warn_once("%s=%s could not be loaded: %s; searching elsewhere", setting, path, dlerror());
+    return 0;
+  }
+  const char *missing = bind(h, (void **)&nvrtc_api, nvrtc_names, sizeof nvrtc_names / sizeof *nvrtc_names);
+  if (!missing) return 1;
+  char is[512];
+  describe_lib(h, nvrtc_path, is, sizeof is);
+  if (setting)
+    opgraft__warn_once("%s=%s is %s, not libnvrtc (it has no %s); searching elsewhere", setting, path, is, missing);
+  else
+    snprintf(nvrtc_err, sizeof nvrtc_err, "%.200s is not libnvrtc (it has no %s)", is, missing);
+  memset(&nvrtc_api, 0, sizeof nvrtc_api);
+  dlclose(h);
+  nvrtc_path[0] = 0;
+  return 0;
+}
+
+static int try_dir(const char *dir) {
   char path[1024];
   for (size_t i = 0; i < sizeof nvrtc_files / sizeof *nvrtc_files; ++i) {
     snprintf(path, sizeof path, "%s/%s", dir, nvrtc_files[i]);
-    void *h = open_lib(path, nvrtc_path, sizeof nvrtc_path);
-    if (h) return h;
+    if (access(path, F_OK) == 0 && try_nvrtc(path, NULL)) return 1;
   }
-  return NULL;
+  return 0;
 }
 
 static void load_nvrtc_locked(void) {
   if (nvrtc_tried) return;
   nvrtc_tried = 1;
-  void *h = NULL;
+  nvrtc_err[0] = 0;
   const char *env = getenv("OPGRAFT_NVRTC");
-  if (env && *env) {
-    h = open_lib(env, nvrtc_path, sizeof nvrtc_path);
-    if (!h) opgraft__warn_once("OPGRAFT_NVRTC=%s could not be loaded: %s; searching elsewhere", env, dlerror());
-  }
-  for (int i = 0; i < nextra && !h; ++i) h = try_dir(extra_dirs[i]);
+  int ok = env && *env && try_nvrtc(env, "OPGRAFT_NVRTC");
+  for (int i = 0; i < nextra && !ok; ++i) ok = try_dir(extra_dirs[i]);
   const char *homes[] = {"CUDA_HOME", "CUDA_PATH"};
-  for (size_t i = 0; i < 2 && !h; ++i) {
+  for (size_t i = 0; i < 2 && !ok; ++i) {
     const char *v = getenv(homes[i]);
     if (v && *v) {
       char dir[900];
       snprintf(dir, sizeof dir, "%s/lib64", v);
-      h = try_dir(dir);
+      ok = try_dir(dir);
     }
   }
-  if (!h) h = try_dir("/usr/local/cuda/lib64");
-  for (size_t i = 0; i < sizeof nvrtc_files / sizeof *nvrtc_files && !h; ++i)
-    h = open_lib(nvrtc_files[i], nvrtc_path, sizeof nvrtc_path);
-  if (!h) {
-    snprintf(nvrtc_err, sizeof nvrtc_err,
-             "libnvrtc not found: install the CUDA toolkit or pip's nvidia-cuda-nvrtc, or set "
-             "OPGRAFT_NVRTC to the library file");
-    nvrtc_path[0] = 0;
-    return;
-  }
-  const char *missing = bind(h, (void **)&nvrtc_api, nvrtc_names, sizeof nvrtc_names / sizeof *nvrtc_names);
-  if (missing) {
-    snprintf(nvrtc_err, sizeof nvrtc_err, "%.200s lacks %s", nvrtc_path, missing);
+  if (!ok) ok = try_dir("/usr/local/cuda/lib64");
+  for (size_t i = 0; i < sizeof nvrtc_files / sizeof *nvrtc_files && !ok; ++i) ok = try_nvrtc(nvrtc_files[i], NULL);
+  if (!ok) {
+    if (!nvrtc_err[0])
+      snprintf(nvrtc_err, sizeof nvrtc_err,
+               "libnvrtc not found: install the CUDA toolkit or pip's nvidia-cuda-nvrtc, or set "
+               "OPGRAFT_NVRTC to the library file");
     nvrtc_path[0] = 0;
     return;
   }

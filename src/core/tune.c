@@ -234,7 +234,7 @@ static void refresh_file_locked(void) {
     return;
   }
   struct stat sb;
-  const int have = stat(path, &sb) == 0;
+  const int have = opgraft__stat(path, &sb) == 0;
   if (have && strcmp(file_table.path, path) == 0 && file_table.size == sb.st_size &&
       file_table.mtime.tv_sec == sb.st_mtim.tv_sec && file_table.mtime.tv_nsec == sb.st_mtim.tv_nsec)
     return;

@@ -52,8 +52,9 @@ def test_bench_table_on_a_config_file(tmp_path):
 
 
 def test_bad_arguments_are_clear_errors():
-    r = run("bench", "moe", "--tokens", "1,x")
-    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    for bad in ("1,x", "1,,2", "1,2,", ","):
+        r = run("bench", "moe", "--tokens", bad)
+        assert r.returncode == 2 and "comma-separated integers" in r.stderr, bad
     r = run("bench", "moe", "--model", "nope")
     assert r.returncode == 2 and "unknown model" in r.stderr
     r = run("bench", "moe", "--layers", "0")
@@ -73,7 +74,7 @@ def probe(*args):
 @no_gpu_only
 def test_probe_without_gpu_says_so():
     r = probe("--tokens", "1")
-    assert r.returncode == 2 and "no CUDA GPU" in r.stderr
+    assert r.returncode == 2 and ("no CUDA GPU" in r.stderr or "needs torch" in r.stderr), r.stderr
 
 
 def test_probe_bad_arguments_are_clear_errors():
@@ -85,3 +86,184 @@ def test_probe_bad_arguments_are_clear_errors():
     assert r.returncode == 2 and "--layers must be in 1..256" in r.stderr
     r = probe("--model", "nope")
     assert r.returncode == 2 and "nope" in r.stderr
+
+
+@no_gpu_only
+def test_bench_and_profile_write_the_cpu_rows_to_a_json_file(tmp_path):
+    out = tmp_path / "rows.json"
+    r = run("bench", "moe", "--model", "Mixtral-8x7B", "--tokens", "1,9", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["gpu"] is None and [row["tokens"] for row in data["rows"]] == [1, 9]
+    assert "rows written to" in r.stderr and "Mixtral-8x7B" in r.stdout  # the table too
+    out2 = tmp_path / "profile.json"
+    r = run("profile", "moe", "--tokens", "1", "--json", str(out2))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out2.read_text())["rows"][0]["tokens"] == 1
+
+
+@no_gpu_only
+def test_bench_plot_without_gpu_says_it_is_not_written(tmp_path):
+    r = run("bench", "moe", "--tokens", "1", "--plot", str(tmp_path / "p.png"))
+    assert r.returncode == 0 and "p.png: not written: nothing is timed without a GPU" in r.stderr, r.stderr
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
+    missing = str(tmp_path / "no" / "such" / "rows.json")
+    for args in (["bench", "moe", "--json", missing], ["bench", "moe", "--plot", str(tmp_path / "no" / "p.png")],
+                 ["bench", "moe", "--json", str(tmp_path)], ["profile", "moe", "--json", missing],
+                 ["tune", "moe", "--out", missing]):
+        rc, _, err = in_process(capsys, *args)
+        assert rc == 2, (args, err)
+        assert "no such directory" in err or "is a directory" in err, (args, err)
+        assert "no GPU here" not in err and "read ceiling" not in err, (args, err)
+
+
+def test_bench_writes_the_rows_measured_before_a_failure(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from opgraft import bench, cli
+    from opgraft.bench import moe as moe_bench
+
+    monkeypatch.setattr(cli, "_gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(bench, "measure_read_ceiling", lambda device: 4.5)
+    monkeypatch.setattr(moe_bench, "make_weights", lambda *a, **k: (None, None))
+
+    def bench_shape(shape, tokens, dtype, **kw):
+        if tokens[0] == 2:
+            raise RuntimeError("CUDA error: out of memory")
+        return [{"model": shape.name, "dtype": dtype, "tokens": tokens[0], "impl": "opgraft", "median_us": 10.0,
+                 "bytes": 1e6, "tbps": 0.1, "fraction_of_ceiling": 0.02, "speedup_vs_baseline": 1.0,
+                 "rel_err": 1e-3, "guard": "take"}]
+
+    monkeypatch.setattr(moe_bench, "bench_shape", bench_shape)
+    out = tmp_path / "rows.json"
+    assert cli.main(["bench", "moe", "--tokens", "1,2,4", "--json", str(out)]) == 1
+    assert [row["tokens"] for row in json.loads(out.read_text())["rows"]] == [1]
+
+
+@no_gpu_only
+def test_the_cpu_table_aligns_for_a_long_model_name(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"architectures": ["AVeryLongMixtureOfExpertsForCausalLM"], "num_experts": 4,
+                             "hidden_size": 64, "moe_intermediate_size": 32, "num_experts_per_tok": 2}))
+    r = run("bench", "moe", "--model", str(p), "--tokens", "1,2")
+    assert r.returncode == 0, r.stderr
+    head, *rows = [line for line in r.stdout.splitlines() if line.startswith(("model", "AVery"))]
+    assert len(rows) == 2
+    for line in rows:
+        assert line.index(" bf16 ") == head.index(" dt ") and line.split()[2] in ("1", "2"), (head, line)
+
+
+def test_the_gpu_table_aligns_for_a_long_model_name():
+    pytest.importorskip("torch")
+    from opgraft.bench import moe as bench
+
+    row = {"model": "AVeryLongMixtureOfExpertsForCausalLM/tp2", "dtype": "bf16", "tokens": 1, "impl": "opgraft",
+           "median_us": 30.0, "bytes": 1e8, "tbps": 3.0, "fraction_of_ceiling": 0.66, "speedup_vs_baseline": 1.2,
+           "rel_err": 2.4e-3, "guard": "take"}
+    head, _, line = bench.format_table([row, dict(row, model="M", impl="torch-gather-bmm")]).splitlines()[:3]
+    assert line.index(" bf16 ") == head.index(" dt ") and line.split()[1] == "bf16"
+
+
+def in_process(capsys, *args):
+    """(exit status, stdout, stderr) of the command run in this process (no interpreter start)."""
+    from opgraft import cli
+
+    rc = cli.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _doctor_lines(capsys, monkeypatch, **env):
+    for k in ("OPGRAFT_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("OPGRAFT_DISABLE", "1")  # the seams' report is not what these check
+    rc, out, err = in_process(capsys, "doctor")
+    assert rc == 0, err
+    return {line[:22].strip(): line[22:].strip() for line in out.splitlines() if len(line) > 22}
+
+
+def test_doctor_reports_the_kernel_cache_as_the_library_sees_it(tmp_path, capsys, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    # A fresh machine: the library creates ~/.cache/opgraft and can write there.
+    line = _doctor_lines(capsys, monkeypatch, HOME=str(home))["kernel cache"]
+    assert line == f"{home}/.cache/opgraft (writable)", line
+    assert (home / ".cache" / "opgraft").is_dir()
+    f = tmp_path / "file"
+    f.write_text("x")
+    line = _doctor_lines(capsys, monkeypatch, HOME=str(home), OPGRAFT_CACHE_DIR=str(f))["kernel cache"]
+    assert line.startswith(f"{f} (not usable: {f} is not a directory;") and "kept in memory only" in line, line
+    for n in (950, 2000):  # too long for a cache file's path; too long for the library's buffer
+        long = str(tmp_path) + "/d" * ((n - len(str(tmp_path))) // 2)
+        line = _doctor_lines(capsys, monkeypatch, HOME=str(home), OPGRAFT_CACHE_DIR=long)["kernel cache"]
+        assert "(not usable: the cache path is too long" in line, line
+    # HOME unset: libopgraft still loads; the cache has no directory.
+    lines = _doctor_lines(capsys, monkeypatch)
+    assert lines["kernel cache"].startswith("none (not usable: no cache directory: set OPGRAFT_CACHE_DIR"), lines
+    assert lines["libopgraft"].endswith(")") and "version" in lines["libopgraft"], lines["libopgraft"]
+
+
+def test_a_config_that_is_not_utf8_is_one_clear_line(tmp_path, capsys):
+    p = tmp_path / "config.json"
+    p.write_bytes(b'{"num_experts": 4, "hidden_size": 64, "name": "\xff"}')
+    for args in (["doctor", "--model", str(p)], ["bench", "moe", "--model", str(p)],
+                 ["profile", "moe", "--model", str(tmp_path)]):
+        rc, _, err = in_process(capsys, *args)
+        assert rc == 2 and "Traceback" not in err, (args, err)
+        assert err.strip().splitlines()[-1] == f"error: {p}: not UTF-8 text (byte 0xff at offset 47): " \
+                                               "not a Hugging Face config.json", err
+
+
+@no_gpu_only
+def test_model_takes_a_model_folder(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["TinyMoe"], "num_experts": 4,
+                                                      "hidden_size": 64, "moe_intermediate_size": 32,
+                                                      "num_experts_per_tok": 2, "num_hidden_layers": 3}))
+    rc, out, err = in_process(capsys, "bench", "moe", "--model", str(tmp_path), "--tokens", "1")
+    assert rc == 0 and "TinyMoe" in out, err
+    rc, out, err = in_process(capsys, "doctor", "--model", str(tmp_path))
+    assert rc == 0 and "3 MoE layers" in out, out + err
+
+
+def _help_entries(text):
+    """{option header: its help text} of an argparse help page's options."""
+    entries, key = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            head, _, rest = line.strip().partition("  ")
+            key = head
+            entries[key] = rest.strip()
+        elif key and line.startswith("      "):
+            entries[key] += " " + line.strip()
+        elif not line.strip() or not line.startswith(" "):
+            key = None
+    return entries
+
+
+@pytest.mark.parametrize("cmd", [["bench", "moe"], ["profile", "moe"], ["tune", "moe"], ["doctor"]],
+                         ids=lambda c: " ".join(c))
+def test_every_option_that_takes_a_value_says_its_default(cmd, capsys):
+    from opgraft import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main([*cmd, "--help"])
+    assert ei.value.code == 0
+    entries = _help_entries(capsys.readouterr().out)
+    # "--tokens TOKENS", "--dtype {bf16,fp16}", "--json [FILE]"; not "-h, --help" or a flag
+    valued = {k: v for k, v in entries.items() if " " in k.split(", ")[-1]}
+    assert valued, entries
+    for opt, text in valued.items():
+        assert "(default: " in text or "default: " in text, (opt, text)
+
+
+def test_version(capsys):
+    from opgraft import cli
+    import opgraft
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["--version"])
+    assert ei.value.code == 0 and capsys.readouterr().out.strip() == f"opgraft {opgraft.__version__}"

@@ -27,3 +27,19 @@ def test_stats_are_kept_per_op():
     s = dispatch.stats()
     assert s["moe"]["taken"] == 1 and s["toy"]["delegated_by_reason"] == {"why": 1}
     dispatch.reset_stats()
+
+
+def test_python_side_warnings_are_prefixed_without_a_handler():
+    """With no logging handler configured, Python prints a warning's bare message: each one the
+    package gives starts with "opgraft:", as the library's own messages do."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys; sys.path.insert(0, 'python'); from opgraft import dispatch; "
+            "print(dispatch.selected_variant('moe'))")
+    env = dict(os.environ, OPGRAFT_MOE_EXPERTS="bogus")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "passthrough", r.stderr
+    assert r.stderr.startswith("opgraft: OPGRAFT_MOE_EXPERTS='bogus' is not a registered variant"), r.stderr

@@ -146,3 +146,17 @@ def test_gpu_check_cases_set_only_known_tunables():
     assert cases, "the GPU check has cases for non-default tunables"
     for c in cases:
         assert set(c["tunables"]) <= keys, c["name"]
+
+
+def test_an_empty_tune_variable_counts_as_unset():
+    """OPGRAFT_TUNE_MOE_MAX_TOKENS= (set, empty) is the same as not set: no warning, the rule's value."""
+    code = (
+        "import logging, sys; sys.path.insert(0, 'python'); logging.basicConfig(level=logging.DEBUG);"
+        "from opgraft import _lib; print(_lib.tune_get('moe.max_tokens', 90))"
+    )
+    env = dict(os.environ, OPGRAFT_TUNE_MOE_MAX_TOKENS="")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "OPGRAFT_TUNE" not in r.stderr, r.stderr
+    assert r.stdout.strip() == "(8, 'rule')"

@@ -216,7 +216,8 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'model':<16} {'dt':<4} {'T':>3} {'impl':<17} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6} "
+    w = max([16] + [len(str(r["model"])) for r in rows])  # a long model name widens the column
+    head = (f"{'model':<{w}} {'dt':<4} {'T':>3} {'impl':<17} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6} "
             f"{'xbase':>6} {'relerr':>8}  decision")
     lines = [head, "-" * len(head)]
     missing = sorted({r["builtin_missing"] for r in rows if r.get("builtin_missing")})
@@ -224,12 +225,12 @@ def format_table(rows: list[dict]) -> str:
         lines.insert(0, f"vLLM builtin column missing: {m}; speedups are against torch-gather-bmm")
     for r in rows:
         if r.get("median_us") is None:
-            lines.append(f"{r['model']:<16} {r['dtype']:<4} {r['tokens']:>3} {r['impl']:<17} {r.get('guard', '')}")
+            lines.append(f"{r['model']:<{w}} {r['dtype']:<4} {r['tokens']:>3} {r['impl']:<17} {r.get('guard', '')}")
             continue
         frac = r.get("fraction_of_ceiling")
         sp = r.get("speedup_vs_baseline")
         lines.append(
-            f"{r['model']:<16} {r['dtype']:<4} {r['tokens']:>3} {r['impl']:<17} {r['median_us']:>9.1f} "
+            f"{r['model']:<{w}} {r['dtype']:<4} {r['tokens']:>3} {r['impl']:<17} {r['median_us']:>9.1f} "
             f"{r['bytes'] / 1e6:>8.1f} {r['tbps']:>6.2f} {(frac or 0) * 100:>5.1f}% "
             f"{(sp if sp else 0):>6.2f} {r['rel_err']:>8.1e}  "
             f"{(r.get('guard') or '') if r['impl'] == 'opgraft' else ''}")

@@ -104,7 +104,7 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
           g += load_act(a, a->w13, gr + h * a->w13_stride[2]) * x[h];
           u += load_act(a, a->w13, ur + h * a->w13_stride[2]) * x[h];
         }
-        act[i] = g / (1.0 + exp(-g)) * u;
+        act[i] = g / (1.0 + opgraft__exp(-g)) * u;
       }
       const double ow = a->apply_router_weight_on_input ? 1.0 : w;
       for (int64_t h = 0; h < H; ++h) {

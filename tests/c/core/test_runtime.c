@@ -118,6 +118,58 @@ static void test_nvrtc_env_is_used(void **state) {
   if (rc != 0) fail_msg("the child process with OPGRAFT_NVRTC=%s exited with %d", link, rc);
 }
 
+/* A real library that is not the one asked for: libm is on every system this runs on. */
+static const char wrong_lib[] = "libm.so.6";
+
+/* Child role: $OPGRAFT_NVRTC names a library that loads but is not libnvrtc. One warning names
+ * the variable and says what the file is; NVRTC is found by the search as for a missing file. */
+static int role_wrong_nvrtc_env(void) {
+  og_log_start();
+  opgraft_runtime_info info;
+  OG_CHILD_CHECK(opgraft_runtime_query(&info) == OPGRAFT_OK);
+  OG_CHILD_CHECK(og_log_warnings("OPGRAFT_NVRTC=libm.so.6 is ") == 1);
+  OG_CHILD_CHECK(og_log_warnings("(libm.so.6), not libnvrtc (it has no nvrtcVersion); searching elsewhere") == 1);
+  if (!info.nvrtc_path[0]) return 77;
+  OG_CHILD_CHECK(strstr(info.nvrtc_path, "libm") == NULL);
+  OG_CHILD_CHECK(info.nvrtc_version >= 12000);
+  return 0;
+}
+
+static void test_wrong_nvrtc_env_falls_back(void **state) {
+  setenv("OPGRAFT_NVRTC", wrong_lib, 1);
+  const int rc = og_run_role("wrong_nvrtc_env");
+  unsetenv("OPGRAFT_NVRTC");
+  if (rc == 77) {
+    opgraft_runtime_info info;
+    opgraft_runtime_query(&info);
+    need_nvrtc(&info);
+  }
+  if (rc != 0) fail_msg("the child process with OPGRAFT_NVRTC=%s exited with %d", wrong_lib, rc);
+}
+
+/* Child role: $OPGRAFT_LIBCUDA names a library that is not the CUDA driver: one warning says
+ * what it is (not "driver too old"), and the system's libcuda is used if there is one. */
+static int role_wrong_libcuda_env(void) {
+  og_log_start();
+  opgraft_runtime_info info;
+  OG_CHILD_CHECK(opgraft_runtime_query(&info) == OPGRAFT_OK);
+  OG_CHILD_CHECK(og_log_warnings("OPGRAFT_LIBCUDA=libm.so.6 is ") == 1);
+  OG_CHILD_CHECK(og_log_warnings("(libm.so.6), not the CUDA driver library (it has no cuInit)") == 1);
+  OG_CHILD_CHECK(strstr(info.libcuda_error, "too old") == NULL);
+  if (info.libcuda_path[0])
+    OG_CHILD_CHECK(strstr(info.libcuda_path, "libm") == NULL && info.driver_version > 0);
+  else
+    OG_CHILD_CHECK(strstr(info.libcuda_error, "libcuda not found") != NULL);
+  return 0;
+}
+
+static void test_wrong_libcuda_env_falls_back(void **state) {
+  setenv("OPGRAFT_LIBCUDA", wrong_lib, 1);
+  const int rc = og_run_role("wrong_libcuda_env");
+  unsetenv("OPGRAFT_LIBCUDA");
+  if (rc != 0) fail_msg("the child process with OPGRAFT_LIBCUDA=%s exited with %d", wrong_lib, rc);
+}
+
 static void test_add_library_dir(void **state) {
   opgraft__fail(OPGRAFT_OK, "%s", "");
   assert_int_equal(opgraft_add_library_dir(NULL), OPGRAFT_EINVAL);
@@ -163,6 +215,8 @@ int main(int argc, char **argv) {
   const char *role = getenv("OG_TEST_ROLE");
   if (role && strcmp(role, "bad_nvrtc_env") == 0) return role_bad_nvrtc_env();
   if (role && strcmp(role, "good_nvrtc_env") == 0) return role_good_nvrtc_env();
+  if (role && strcmp(role, "wrong_nvrtc_env") == 0) return role_wrong_nvrtc_env();
+  if (role && strcmp(role, "wrong_libcuda_env") == 0) return role_wrong_libcuda_env();
   if (role) return 126;
 
   const struct CMUnitTest tests[] = {
@@ -171,6 +225,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_libcuda_missing),
       cmocka_unit_test(test_bad_nvrtc_env_falls_back),
       cmocka_unit_test(test_nvrtc_env_is_used),
+      cmocka_unit_test(test_wrong_nvrtc_env_falls_back),
+      cmocka_unit_test(test_wrong_libcuda_env_falls_back),
       cmocka_unit_test(test_add_library_dir),
       cmocka_unit_test(test_stream_read_bad_arguments),
   };

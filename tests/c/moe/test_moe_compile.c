@@ -5,6 +5,8 @@
  * and their resource reports across runs (keyed by the sources, options, arch and NVRTC
  * version, so a changed kernel is compiled again); without it, a fresh directory.
  * $OPGRAFT_TEST_JOBS overrides the thread count. */
+#include <time.h>
+
 #include "og_test.h"
 #include "moe/moe.h"
 
@@ -109,9 +111,34 @@ static void run_job(job *j) {
   opgraft__cubin_free(&c);
 }
 
+/* Progress for a cold cache (minutes): a line at most every 10 s, none when the cache is warm. */
+static _Atomic int n_done;
+static pthread_mutex_t progress_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct timespec t_start, t_last;
+
+static double seconds_since(const struct timespec *t) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return (double)(now.tv_sec - t->tv_sec) + (double)(now.tv_nsec - t->tv_nsec) * 1e-9;
+}
+
+static void progress(void) {
+  const int done = ++n_done;
+  pthread_mutex_lock(&progress_lock);
+  if (seconds_since(&t_last) >= 10.0) {
+    clock_gettime(CLOCK_MONOTONIC, &t_last);
+    print_message("compiled %d of %d distinct MoE variants (%.0f s)\n", done, n_unique, seconds_since(&t_start));
+    fflush(stdout);
+  }
+  pthread_mutex_unlock(&progress_lock);
+}
+
 static void *worker(void *arg) {
   for (int i; (i = next_job++) < n_jobs;)
-    if (jobs[i].dup_of < 0) run_job(&jobs[i]);
+    if (jobs[i].dup_of < 0) {
+      run_job(&jobs[i]);
+      progress();
+    }
   return arg;
 }
 
@@ -180,9 +207,15 @@ static int setup(void **state) {
   if (threads > 16) threads = 16;
   pthread_t th[16];
   next_job = 0;
+  n_done = 0;
+  clock_gettime(CLOCK_MONOTONIC, &t_start);
+  t_last = t_start;
+  print_message("%d MoE configurations, %d distinct compiles on %ld threads (kernel cache %s)\n", n_jobs, n_unique,
+                threads, getenv("OPGRAFT_CACHE_DIR"));
+  fflush(stdout);
   for (long i = 0; i < threads; ++i) assert_int_equal(pthread_create(&th[i], NULL, worker, NULL), 0);
   for (long i = 0; i < threads; ++i) assert_int_equal(pthread_join(th[i], NULL), 0);
-  print_message("%d MoE configurations, %d distinct compiles\n", n_jobs, n_unique);
+  print_message("%d distinct MoE variants compiled or read from the cache in %.1f s\n", n_unique, seconds_since(&t_start));
   return 0;
 }
 

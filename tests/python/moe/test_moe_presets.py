@@ -75,3 +75,24 @@ def test_per_rank_shapes():
     assert (s.num_experts, s.hidden, s.inter, s.top_k, s.name) == (128, 2048, 96, 8, "Qwen3-30B-A3B/tp8")
     with pytest.raises(ConfigError, match="does not split"):
         q.per_rank(5)
+
+
+def test_resolve_takes_a_model_folder_holding_config_json(tmp_path):
+    """vLLM users name a model by its folder: --model takes one wherever it is taken."""
+    d = tmp_path / "Tiny-MoE"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["TinyMoe"], "num_experts": 4, "hidden_size": 64,
+                                               "moe_intermediate_size": 32, "num_experts_per_tok": 2}))
+    shape = resolve(str(d))
+    assert (shape.name, shape.num_experts, shape.top_k) == ("TinyMoe", 4, 2)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="config.json: cannot read"):
+        resolve(str(empty))
+
+
+def test_a_config_that_is_not_utf8_is_a_clear_error(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_bytes(b'{"architectures": ["X\xff\xfe"]}')
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xff at offset 21\)"):
+        resolve(str(p))

@@ -1,6 +1,7 @@
 """The end-to-end study's CPU-side logic: settings, model configs, parity and the comparison
 table. (The study itself needs vLLM on a GPU: bench/results/ holds its runs.)"""
 
+import argparse
 import json
 
 import pytest
@@ -48,6 +49,7 @@ def test_model_config_from_path_and_errors(tmp_path):
 def test_cli_rejects_bad_arguments():
     for argv in (["run", "--mode", "fast"], ["study", "--out-dir", "x", "--modes", "on,off"],
                  ["run", "--mode", "opgraft", "--batches", "1,x"],
+                 ["run", "--mode", "opgraft", "--batches", "1,,8"],
                  ["run", "--mode", "opgraft", "--batches", "0"],
                  ["run", "--mode", "opgraft", "--output-len", "1"],
                  ["run", "--mode", "opgraft", "--tp", "0"]):
@@ -149,7 +151,7 @@ def test_worker_stats_reports_the_plugin_and_counters(monkeypatch):
     s = e2e._worker_stats(object())
     assert s["pid"] > 0 and s["moe"] is None and isinstance(s["plugin"], str)
     monkeypatch.setitem(sys.modules, "opgraft.dispatch", dispatch)
-    dispatch.stats_of("moe")
+    dispatch.stats_of("moe")  # the op's counters exist once its seam ran (not only after other tests)
     assert set(e2e._worker_stats()["moe"]) >= {"taken", "delegated"}
 
 
@@ -314,3 +316,65 @@ def test_builtin_configs_load_as_hugging_face_configs(tmp_path):
         assert hf.architectures == cfg["architectures"], name
         if "quantization_config" in cfg:
             assert hf.quantization_config["weight_block_size"] == [128, 128], name
+
+
+def _study_args(tmp_path, modes):
+    return argparse.Namespace(
+        modes=modes, out_dir=str(tmp_path), log_dir=None, model="Qwen3-30B-A3B", batches=[1], input_len=8,
+        output_len=4, reps=1, init_std=0.02, profile_steps=0, gpu_memory_utilization=0.5, tp=1,
+        expert_parallel=False, mode_timeout=10)
+
+
+def test_study_fails_and_names_each_failed_setting(tmp_path, monkeypatch, capsys):
+    """A setting that exits non-zero, or exits 0 without a finished result, fails the study, which
+    names it with the last line of its log; one that finished is compared."""
+    def fake_run_group(cmd, env, out, timeout):
+        mode = cmd[cmd.index("--mode") + 1]
+        path = cmd[cmd.index("--json") + 1]
+        if mode == "disabled":
+            out.write("tools.e2e run: needs vllm, which cannot be imported here\n")
+            return 1
+        if mode == "passthrough":
+            with open(path, "w") as f:
+                json.dump({"status": "started", "batches": {}}, f)
+            out.write("engine died\n")
+            return 0
+        with open(path, "w") as f:
+            json.dump({"status": "done", "batches": {}}, f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", fake_run_group)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps({"status": "done", "batches": {}}))  # a stale one
+    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft", "passthrough"])) == 1
+    err = capsys.readouterr().err
+    assert "setting disabled failed: exit 1: tools.e2e run: needs vllm" in err
+    assert "setting passthrough failed: exit 0 but 'started': engine died" in err
+    assert "opgraft failed" not in err and "2 of 3 settings failed" in err
+    assert not (tmp_path / "e2e-disabled.json").exists()
+
+
+def test_study_where_every_setting_failed_says_nothing_to_compare(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(e2e, "run_group", lambda cmd, env, out, timeout: "timeout")
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 1
+    err = capsys.readouterr().err
+    assert "setting disabled failed: timed out" in err and "setting opgraft failed: timed out" in err
+    assert "2 of 2 settings failed: nothing to compare" in err
+
+
+def test_study_that_ran_every_setting_succeeds(tmp_path, monkeypatch):
+    def done(cmd, env, out, timeout):
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"status": "done", "batches": {}}, f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", done)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 0
+
+
+def test_model_config_that_is_not_utf8(tmp_path):
+    (tmp_path / "config.json").write_bytes(b'{"architectures": ["\xff"]}')
+    with pytest.raises(SystemExit, match=r"not UTF-8 text \(byte 0xff at offset 20\)"):
+        e2e.model_config(str(tmp_path))
