@@ -16,7 +16,8 @@ deps:
 	PYTHON=$(PYTHON) bash ci/test-deps.sh
 
 # With NEWEST_VLLM_PYTHON (an interpreter with the newest vLLM; .ci/run makes one), make test also
-# runs the plugin's tests against that vLLM, expecting version $(OPGRAFT_EXPECT_VLLM_NEWEST).
+# runs the plugin's tests and the linear seam's against that vLLM, expecting version
+# $(OPGRAFT_EXPECT_VLLM_NEWEST).
 NEWEST_VLLM_PYTHON ?=
 
 # The ops' compile tests keep their cubins and resource reports here across runs (keyed by the
@@ -33,7 +34,7 @@ test: deps lib
 	@if [ -n "$(NEWEST_VLLM_PYTHON)" ]; then \
 	  echo "plugin tests against the newest vLLM ($(NEWEST_VLLM_PYTHON))"; \
 	  OPGRAFT_EXPECT_VLLM=$(OPGRAFT_EXPECT_VLLM_NEWEST) PYTHONPATH=python \
-	    $(NEWEST_VLLM_PYTHON) -m pytest -q tests/python/vllm; \
+	    $(NEWEST_VLLM_PYTHON) -m pytest -q tests/python/vllm tests/python/linear; \
 	fi
 
 # On a machine with an NVIDIA GPU (sm_80+): correctness over odd cases, then the benchmark.

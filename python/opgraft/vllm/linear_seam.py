@@ -179,9 +179,9 @@ def _make_wrapper(cls, module, default_gemm, original):
             return "fuse_gemm_comms (vLLM's GEMM + collective fusion) is on"
         w = getattr(layer, "weight", None)
         if not isinstance(w, torch.Tensor) or w.dim() != 2:
-            return "the layer has no 2-D weight"
+            return "the layer has no two-dimensional weight"
         if x.dim() != 2:
-            return "x is not 2-D"
+            return "x is not two-dimensional"
         if x.device.type not in DEVICE_TYPES:
             return "tensors are not on a CUDA device"
         if x.dtype not in half or w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
