@@ -182,3 +182,95 @@ def test_gpu_check_cases_set_only_known_tunables():
     for c in cases:
         assert set(c["tunables"]) <= keys, c["name"]
     assert any(c["tunables"] for c in cases)
+
+
+def test_bench_helpers_and_presets():
+    from opgraft.bench import linear as linear_bench
+    from opgraft.presets import LINEAR_PRESETS
+
+    q = {s.proj: (s.out_features, s.in_features) for s in LINEAR_PRESETS["Qwen3-30B-A3B"]}
+    assert q == {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
+    l70 = {s.proj: (s.out_features, s.in_features) for s in LINEAR_PRESETS["Llama-3-70B/tp8"]}
+    assert l70 == {"qkv": (1280, 8192), "o": (8192, 1024), "gate_up": (7168, 8192), "down": (8192, 3584),
+                   "lm_head": (16032, 8192)}
+    l8 = {s.proj: (s.out_features, s.in_features) for s in LINEAR_PRESETS["Llama-3-8B"]}
+    assert l8["gate_up"] == (28672, 4096) and l8["down"] == (4096, 14336) and l8["qkv"] == (6144, 4096)
+    qkv = LINEAR_PRESETS["Qwen3-30B-A3B"][0]
+    assert qkv.tune_key() == "linear:bf16:N5120:K2048"
+    assert linear_bench.copies_for(qkv) == 7  # 7 x 21 MB >= 128 MiB
+    assert linear_bench.copies_for(LINEAR_PRESETS["Qwen3-30B-A3B"][2]) == linear_bench.MAX_COPIES
+    assert linear_bench.copies_for(LINEAR_PRESETS["Qwen3-30B-A3B"][3]) == 1
+    assert linear_bench.call_bytes(qkv, 2) == 2 * (5120 * 2048 + 2 * 2048 + 2 * 5120)
+    w = linear_bench.make_weight(qkv, "bf16", "cpu")
+    assert w.shape == (5120, 2048) and w.dtype == torch.bfloat16
+    assert 0.5 < float(w.float().std() * 2048 ** 0.5) < 1.5
+
+
+class _FakeKernel:
+    """Stands in for the GPU kernel on CPU tensors (fp32 sums, rounded once), so that the GPU
+    check's and the bench's own code runs here: a typo in them must not cost a GPU run."""
+
+    def __init__(self, monkeypatch):
+        monkeypatch.setattr(ops, "linear_supports", self.supports)
+        monkeypatch.setattr(ops, "linear_into", self.into)
+        monkeypatch.setattr(ops, "linear_or_torch", self.or_torch)
+
+    @staticmethod
+    def _ok(x, w, b):
+        return x.dim() == 2 and 1 <= x.shape[0] <= ops.MAX_ROWS and x.data_ptr() % 16 == 0
+
+    def supports(self, x, w, b=None):
+        return (True, "") if self._ok(x, w, b) else (False, "fake: refused")
+
+    def into(self, out, x, w, b=None):
+        y = x.float() @ w.float().T
+        out.copy_((y + b.float() if b is not None else y).to(out.dtype))
+        return out
+
+    def or_torch(self, x, w, b=None):
+        if not self._ok(x, w, b):
+            dispatch.stats_of("linear").delegate("fake: refused")
+            return torch.nn.functional.linear(x, w, b)
+        dispatch.stats_of("linear").take()
+        return self.into(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype), x, w, b)
+
+
+def test_gpu_check_harness_runs_on_a_fake_kernel(monkeypatch, stats):
+    from tools.checks import linear as linear_checks
+
+    _FakeKernel(monkeypatch)
+    monkeypatch.setattr(linear_checks.linear_bench, "make_weight",
+                        lambda s, dt, dev, seed=0: torch.randn(s.out_features, s.in_features,
+                                                               generator=torch.Generator().manual_seed(seed))
+                        .mul_(s.in_features ** -0.5).to(linear_checks.linear_bench.TORCH_DTYPES[dt]))
+    small = [c for c in linear_checks.cases() if c["path"] != "graph" and c["N"] * c["K"] <= (1 << 22)]
+    assert len(small) > 20
+    for c in small:
+        r = linear_checks.run_case(c, device="cpu")
+        assert r["passed"], r
+
+
+def test_bench_rows_on_a_fake_kernel(monkeypatch):
+    from opgraft.bench import linear as linear_bench
+    from opgraft.presets import LinearShape
+
+    _FakeKernel(monkeypatch)
+    monkeypatch.setattr(linear_bench, "run_facts", lambda: {"gpu": "fake", "date": "today"})
+    monkeypatch.setattr(linear_bench, "device_of", lambda device: (90, "NVIDIA H200"))
+    monkeypatch.setattr(linear_bench, "between_traffic", lambda mib, device: None)
+    times = {"opgraft": 2.0, "torch-linear": 3.0}
+
+    def timed(call, schedule, between, reps, timing):
+        call(0, None)
+        return times["opgraft" if call.__name__ == "call" else "torch-linear"], {"timing": timing}
+
+    monkeypatch.setattr(linear_bench, "timed_calls", timed)
+    rows = linear_bench.bench_shape(LinearShape("toy", "qkv", 40, 64), rows=(1, 3), device="cpu", ceiling_tbps=4.5)
+    assert [(r["impl"], r["M"]) for r in rows] == [("opgraft", 1), ("torch-linear", 1), ("opgraft", 3),
+                                                    ("torch-linear", 3)]
+    r = rows[0]
+    assert r["op"] == "linear" and r["N"] == 40 and r["K"] == 64 and r["gpu"] == "fake" and r["date"] == "today"
+    assert r["speedup"] == 1.5 and r["median_us"] == 2.0 and r["bytes"] == 2 * (40 * 64 + 64 + 40)
+    assert r["fraction_of_ceiling"] == round(r["bytes"] / 2e-6 / 1e12 / 4.5, 3)
+    assert r["rel_err"] < 1e-2 and r["deterministic"] and r["guard"] == "take" and r["max_rows"] == 8
+    assert "opgraft" in linear_bench.format_table(rows)
