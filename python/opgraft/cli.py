@@ -526,8 +526,13 @@ def cmd_doctor(args) -> int:
         except ValueError as e:
             say("attention seam", f"not installed: {e}")
         from . import dispatch
+        from .vllm import linear_seam
 
         say("MoE variant", dispatch.selected_variant())
+        off = linear_seam.disabled()
+        targets, _, lwhy = linear_seam._targets()
+        say("linear seam", off or (f"ready, variant {dispatch.selected_variant('linear')}" if targets
+                                   else f"unavailable: {lwhy}"))
     print("\n".join(out))
     if args.model:
         try:
