@@ -175,7 +175,7 @@ def _make_wrapper(cls, module, default_gemm, original):
             gemm = module.dispatch_unquantized_gemm()
         if gemm is not default_gemm:
             return "vLLM's GEMM is not torch.nn.functional.linear here"
-        if fused_traced() if tracing else _gemm_comms_fused():
+        if tracing and fused_traced():  # (an Inductor pass: eager calls never meet it)
             return "fuse_gemm_comms (vLLM's GEMM + collective fusion) is on"
         w = getattr(layer, "weight", None)
         if not isinstance(w, torch.Tensor) or w.dim() != 2:

@@ -340,3 +340,38 @@ def test_real_layers_through_the_op():
     assert all(res["equal"].values()), res["equal"]
     assert res["compiled_equal"] and res["graph_has_op"]
     assert res["reasons"] == {"tensors are not on a CUDA device": 10, "rows N > N (kernel limit)": 5}
+
+
+def test_gemm_collective_fusion_keeps_vllms_matmuls(clean, monkeypatch):
+    """With 0.26's AsyncTP pass (pass_config.fuse_gemm_comms), which pattern-matches aten.mm, the
+    traced calls stay vLLM's."""
+    monkeypatch.setattr(linear_seam, "_gemm_comms_fused", lambda: True)
+    monkeypatch.setattr(linear_seam, "DEVICE_TYPES", ("cuda", "cpu"))
+    register()
+    layer, method = layer_of(), ULM()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: method.apply(layer, x, layer.bias), backend=backend, fullgraph=True, dynamic=True)
+    x = x_of(M=3)
+    assert torch.equal(f(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert "opgraft.linear" not in graphs[0]
+    assert reasons() == {"fuse_gemm_comms (vLLM's GEMM + collective fusion) is on (at trace)": 1}
+
+
+def test_gemm_collective_fusion_is_read_from_vllms_config():
+    from vllm.config import CompilationConfig, DeviceConfig, VllmConfig, set_current_vllm_config
+
+    assert linear_seam._gemm_comms_fused() is False  # no current config
+    pass_config = CompilationConfig().pass_config
+    if not hasattr(pass_config, "fuse_gemm_comms"):
+        pytest.skip("this vLLM has no GEMM + collective fusion pass")
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(cfg):
+        assert linear_seam._gemm_comms_fused() is bool(cfg.compilation_config.pass_config.fuse_gemm_comms)
+        cfg.compilation_config.pass_config.fuse_gemm_comms = True
+        assert linear_seam._gemm_comms_fused() is True
