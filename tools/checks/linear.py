@@ -82,6 +82,12 @@ def cases() -> list[dict]:
         _case("op: M=9 goes to torch", 5120, 2048, 9, bias=True, path="op", expect="torch"),
         _case("op: x not 16-byte aligned goes to torch", 129, 2048, 2, path="op", expect="torch", misaligned=True),
         _case("op: fp16 N=7 K=72 M=1", 7, 72, 1, dtype="fp16", path="op"),
+        # torch.compile (Inductor): the op's hand-back inside a compiled graph against stock
+        # vLLM's compiled torch.nn.functional.linear, bit for bit; and the op taken when compiled
+        _case("inductor: M=16 bias goes to torch, stock bits", 5120, 2048, 16, bias=True, path="inductor",
+              expect="torch"),
+        _case("inductor: M=300 goes to torch, stock bits", 2048, 4096, 300, path="inductor", expect="torch"),
+        _case("inductor: M=4 bias, our kernel", 5120, 2048, 4, bias=True, path="inductor"),
         # CUDA graphs (with and without programmatic dependent launch)
         _case("graph: N=5120 K=2048 M=4 bias", 5120, 2048, 4, bias=True, path="graph"),
         _case("graph, pdl: N=2048 K=4096 M=1", 2048, 4096, 1, path="graph", tunables={"linear.pdl": 1}),
@@ -127,6 +133,8 @@ def _run_case(c: dict, device) -> dict:
         return _run_op(res, x, w, b, ref, tol)
     if c["path"] == "graph":
         return _run_graph(res, x, w, b, tol, gen)
+    if c["path"] == "inductor":
+        return _run_inductor(res, x, w, b, ref, tol)
     ok, reason = ops.linear_supports(x, w, b)
     res.update(supported=ok, reason=reason)
     if not ok:
@@ -163,6 +171,26 @@ def _run_op(res, x, w, b, ref, tol) -> dict:
         res["passed"] = same and taken == 0 and det
     else:
         res["passed"] = bool(err <= tol and det and taken == 2 and y.shape == ref.shape)
+    return res
+
+
+def _run_inductor(res, x, w, b, ref, tol) -> dict:
+    torch._dynamo.reset()
+    stock = torch.compile(lambda t: torch.nn.functional.linear(t, w, b) * 2, fullgraph=True, dynamic=True)
+    ours = torch.compile(lambda t: torch.ops.opgraft.linear(t, w, b) * 2, fullgraph=True, dynamic=True)
+    stats = dispatch.stats_of("linear")
+    before = stats.snapshot()["taken"]
+    y, want = ours(x), stock(x)
+    taken = stats.snapshot()["taken"] - before
+    err = bench.rel_err(y / 2, ref)
+    det = bool(torch.equal(y, ours(x)))
+    res.update(rel_err=err, deterministic=det, taken=taken)
+    if res["expect"] == "torch":
+        same = bool(torch.equal(y, want))
+        res.update(bit_identical_to_stock_compiled=same)
+        res["passed"] = same and taken == 0 and det
+    else:
+        res["passed"] = bool(err <= tol and det and taken >= 1)
     return res
 
 
