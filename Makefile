@@ -16,7 +16,8 @@ deps:
 	PYTHON=$(PYTHON) bash ci/test-deps.sh
 
 # With NEWEST_VLLM_PYTHON (an interpreter with the newest vLLM; .ci/run makes one), make test also
-# runs the plugin's tests against that vLLM, expecting version $(OPGRAFT_EXPECT_VLLM_NEWEST).
+# runs the plugin's tests and the linear seam's against that vLLM, expecting version
+# $(OPGRAFT_EXPECT_VLLM_NEWEST).
 NEWEST_VLLM_PYTHON ?=
 
 # The ops' compile tests keep their cubins and resource reports here across runs (keyed by the
@@ -36,7 +37,7 @@ test: deps lib
 	@if [ -n "$(NEWEST_VLLM_PYTHON)" ]; then \
 	  echo "== [4/4] plugin tests against the newest vLLM ($(NEWEST_VLLM_PYTHON))"; \
 	  OPGRAFT_EXPECT_VLLM=$(OPGRAFT_EXPECT_VLLM_NEWEST) PYTHONPATH=python \
-	    $(NEWEST_VLLM_PYTHON) -m pytest -q -rs tests/python/vllm; \
+	    $(NEWEST_VLLM_PYTHON) -m pytest -q -rs tests/python/vllm tests/python/linear; \
 	else \
 	  echo "== [4/4] plugin tests against the newest vLLM: skipped (NEWEST_VLLM_PYTHON is not set; .ci/run sets it)"; \
 	fi

@@ -59,6 +59,28 @@ class MoeArgs(ctypes.Structure):
     ]
 
 
+class LinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("dtype", ctypes.c_int32),
+        ("weight_dtype", ctypes.c_int32),
+        ("bias_dtype", ctypes.c_int32),
+        ("out_dtype", ctypes.c_int32),
+        ("rows", ctypes.c_int64),
+        ("out_features", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+        ("x", ctypes.c_void_p),
+        ("x_stride", _I64_2),
+        ("weight", ctypes.c_void_p),
+        ("weight_stride", _I64_2),
+        ("bias", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("out_stride", _I64_2),
+        ("arch", ctypes.c_int32),
+        ("gpu_name", ctypes.c_char_p),
+    ]
+
+
 class RuntimeInfo(ctypes.Structure):
     _fields_ = [
         ("nvrtc_path", ctypes.c_char * 512),
@@ -92,7 +114,7 @@ class TuneQuery(ctypes.Structure):
 
 
 # The public structs by their C names, for the layout check.
-STRUCTS = {"opgraft_moe_args": MoeArgs, "opgraft_runtime_info": RuntimeInfo, "opgraft_kernel_info": KernelInfo,
+STRUCTS = {"opgraft_moe_args": MoeArgs, "opgraft_linear_args": LinearArgs, "opgraft_runtime_info": RuntimeInfo, "opgraft_kernel_info": KernelInfo,
            "opgraft_tune_query": TuneQuery}
 
 _LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_char_p, ctypes.c_void_p)
@@ -144,6 +166,20 @@ _SIGNATURES = {
         [ctypes.POINTER(MoeArgs), ctypes.c_int32, ctypes.POINTER(KernelInfo), ctypes.c_int32,
          ctypes.POINTER(ctypes.c_int32)],
     ),
+    "opgraft_linear_supports": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_linear_plan_create": (
+        ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.POINTER(_P), ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_linear_plan_destroy": (None, [_P]),
+    "opgraft_linear_plan_run": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P]),
+    "opgraft_linear_run": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.c_void_p]),
+    "opgraft_linear_reference": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.POINTER(ctypes.c_double)]),
+    "opgraft_linear_compile_report": (
+        ctypes.c_int32,
+        [ctypes.POINTER(LinearArgs), ctypes.c_int32, ctypes.POINTER(KernelInfo), ctypes.c_int32,
+         ctypes.POINTER(ctypes.c_int32)],
+    ),
+    "opgraft_linear_describe": (
+        ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]),
     "opgraft_stream_read": (
         ctypes.c_int32,
         [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p],

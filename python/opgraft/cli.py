@@ -254,6 +254,97 @@ def cmd_bench(args) -> int:
     return rc
 
 
+def linear_args_struct(N: int, K: int, M: int, dtype: str, arch: int) -> _lib.LinearArgs:
+    """Arguments that describe a linear shape only (fake aligned pointers): for the guard and
+    the compiler."""
+    a = _lib.LinearArgs()
+    a.struct_size = ctypes.sizeof(_lib.LinearArgs)
+    a.dtype = a.weight_dtype = a.bias_dtype = a.out_dtype = _lib.DTYPE_BF16 if dtype == "bf16" else _lib.DTYPE_FP16
+    a.rows, a.out_features, a.in_features = M, N, K
+    a.x = a.weight = a.out = 1 << 20  # never dereferenced: the guard and the compiler look at shapes only
+    a.x_stride[:] = [K, 1]
+    a.weight_stride[:] = [K, 1]
+    a.out_stride[:] = [N, 1]
+    a.arch = arch
+    return a
+
+
+def _linear_models(text: str) -> list[str]:
+    from .presets import LINEAR_PRESETS
+
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in LINEAR_PRESETS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--models takes names from {', '.join(LINEAR_PRESETS)}; got {text!r}")
+    return names
+
+
+def _cpu_bench_linear(models: list[str], rows: list[int], dtype: str, why: str) -> int:
+    from .presets import LINEAR_PRESETS
+
+    print(f"no GPU here ({why}): the guard's decision and the NVRTC compile of each shape's kernel for sm_90 "
+          f"with its resource report.", file=sys.stderr)
+    info = _lib.runtime_info()
+    print(f"{'model':<16} {'proj':<8} {'N':>7} {'K':>6}  {'guard (sm_90)':<34} configuration; registers / spill bytes")
+    for m in models:
+        for s in LINEAR_PRESETS[m]:
+            guard = []
+            for M in rows:
+                a = linear_args_struct(s.out_features, s.in_features, M, dtype, 90)
+                reason = ctypes.create_string_buffer(256)
+                st = _lib.lib().opgraft_linear_supports(ctypes.byref(a), reason, len(reason))
+                guard.append(f"M={M}:" + ("take" if st == _lib.OK else "no"))
+            a = linear_args_struct(s.out_features, s.in_features, 1, dtype, 90)
+            buf = ctypes.create_string_buffer(512)
+            _lib.check(_lib.lib().opgraft_linear_describe(ctypes.byref(a), 90, buf, len(buf)))
+            cfg = " ".join(o.split("=", 1)[0][5:].lower() + "=" + o.split("=", 1)[1]
+                           for o in buf.value.decode().split() if o.startswith("-DOG_") and "DTYPE" not in o)
+            res = "-"
+            if info["nvrtc_path"]:
+                ki = _lib.KernelInfo()
+                n = ctypes.c_int32()
+                st = _lib.lib().opgraft_linear_compile_report(ctypes.byref(a), 90, ctypes.byref(ki), 1, ctypes.byref(n))
+                res = (f"{ki.registers}r/{ki.spill_store_bytes + ki.spill_load_bytes}s" if st == _lib.OK
+                       else _lib.lib().opgraft_last_error().decode()[:60])
+            print(f"{s.model:<16} {s.proj:<8} {s.out_features:>7} {s.in_features:>6}  {' '.join(guard):<34} {cfg}; {res}")
+    return 0
+
+
+def cmd_bench_linear(args) -> int:
+    if not 0 <= args.between_mib <= 4096:
+        print("error: --between-mib must be in 0..4096", file=sys.stderr)
+        return 2
+    if any(m > 8 for m in args.rows):
+        print("error: --rows values must be in 1..8 (the kernel's limit)", file=sys.stderr)
+        return 2
+    ok, why = _gpu_status()
+    if not ok:
+        return _cpu_bench_linear(args.models, args.rows, args.dtype, why)
+    from . import bench
+    from .bench import linear as linear_bench
+
+    rows: list[dict] = []
+    t0 = time.time()
+    try:
+        ceiling = bench.measure_read_ceiling("cuda")
+        print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
+        rows = linear_bench.bench_models(
+            args.models, args.rows, args.dtype, ceiling_tbps=ceiling, between_mib=args.between_mib,
+            timing=args.timing,
+            progress=lambda m: print(f"[{time.time() - t0:6.1f} s] {m} ...", file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("\ninterrupted: results so far", file=sys.stderr)
+    print(linear_bench.format_table(rows))
+    if args.json:
+        text = json.dumps({"rows": rows}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
+    return 0
+
+
 def write_plot(rows: list[dict], path: str) -> bool:
     """Time against tokens, one line per implementation, with the byte floor (bytes over the
     measured read ceiling) drawn as the roofline. Needs matplotlib; says so if it is missing."""
@@ -504,8 +595,13 @@ def cmd_doctor(args) -> int:
         except ValueError as e:
             say("attention seam", f"not installed: {e}")
         from . import dispatch
+        from .vllm import linear_seam
 
         say("MoE variant", dispatch.selected_variant())
+        off = linear_seam.disabled()
+        targets, _, lwhy = linear_seam._targets()
+        say("linear seam", off or (f"ready, variant {dispatch.selected_variant('linear')}" if targets
+                                   else f"unavailable: {lwhy}"))
     print("\n".join(out))
     if args.model:
         try:
@@ -572,6 +668,20 @@ def main(argv=None) -> int:
     b.add_argument("--plot", default=None, metavar="FILE",
                    help="write a PNG: time against tokens with the roofline (needs matplotlib; default: no plot)")
     b.set_defaults(fn=cmd_bench)
+    from .presets import LINEAR_PRESETS
+
+    bl = bench_ops.add_parser("linear", help="decode projections (1..8 rows) against torch.nn.functional.linear")
+    bl.add_argument("--models", type=_linear_models, default=list(LINEAR_PRESETS),
+                    help=f"comma-separated, from {', '.join(LINEAR_PRESETS)} (default: all)")
+    bl.add_argument("--rows", type=_parse_tokens, default=[1, 2, 4, 8], help="row counts M (1..8)")
+    bl.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    bl.add_argument("--between-mib", type=int, default=64,
+                    help="read this many MiB of other data before each timed call (0: back to back)")
+    bl.add_argument("--timing", choices=["subtract", "span"], default="subtract",
+                    help="with --between-mib: (read + call) minus the read alone, or from the kernels' start/end "
+                         "times (span, torch profiler: slower)")
+    bl.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
+    bl.set_defaults(fn=cmd_bench_linear)
     profile_ops = sub.add_parser("profile", help="time split and roofline verdict per token count").add_subparsers(
         dest="op", required=True, metavar="OP")
     pr = profile_ops.add_parser("moe", help="MoE experts: gate/up and down stages")

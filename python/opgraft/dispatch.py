@@ -5,8 +5,9 @@ of a call as its `delegate` and hands the call here; torch is imported with the 
 first call arrives.
 
 Each op has variants, functions (call) -> output: `passthrough` always delegates (bitwise what
-vLLM does), `opgraft` runs our kernel where the op's guard says yes. OPGRAFT_<OP>_EXPERTS (for the
-MoE op, OPGRAFT_MOE_EXPERTS) selects one; the default is opgraft.
+vLLM does), `opgraft` runs our kernel where the op's guard says yes. The op's environment variable
+(VARIANT_ENV: OPGRAFT_MOE_EXPERTS for the MoE op, OPGRAFT_LINEAR_VARIANT for the linear op)
+selects one; the default is opgraft.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ logger = logging.getLogger("opgraft")
 
 DEFAULT_VARIANT = "opgraft"
 # The environment variable that picks each op's variant.
-VARIANT_ENV = {"moe": "OPGRAFT_MOE_EXPERTS"}
+VARIANT_ENV = {"moe": "OPGRAFT_MOE_EXPERTS", "linear": "OPGRAFT_LINEAR_VARIANT"}
 
 _VARIANTS: dict[str, dict[str, Callable[[Any], Any]]] = {}
 
@@ -130,6 +131,11 @@ def _info_once(msg: str) -> None:
     logger.info("opgraft: %s", msg)
 
 
+def variant_fn(op: str, name: str) -> Callable[[Any], Any]:
+    """The registered variant `name` of op (a plain lookup, which Dynamo can trace)."""
+    return _VARIANTS[op][name]
+
+
 def dispatch(op: str, call) -> Any:
     """Runs call with the op's selected variant."""
     return _VARIANTS[op][selected_variant(op)](call)
@@ -195,6 +201,34 @@ def _moe_opgraft(call: ExpertsCall):
         return kernel_failed("moe", e, call)
     stats_of("moe").take("expert_map" if call.expert_map is not None else "")
     return None if call.output is not None else dst
+
+
+# ---- the linear op -------------------------------------------------------------------------
+
+
+@dataclass
+class LinearCall:
+    """One unquantized linear call, y = x weight^T (+ bias), as vLLM's linear method makes it.
+
+    The seam (opgraft.vllm.linear_seam) builds it, possibly while Dynamo traces the model, so the
+    variants below only route: the counting is the seam's and the op's (see linear_seam)."""
+
+    x: Any
+    weight: Any
+    bias: Any
+    delegate: Callable[[], Any]  # vLLM's own implementation of this very call
+    ours: Callable[[], Any]  # torch.ops.opgraft.linear on these tensors (decides per call at run time)
+    extra_reason: str = ""  # a reason the seam already knows it must hand back ("" if none)
+
+
+@register_variant("linear", "passthrough")
+def _linear_passthrough(call: LinearCall):
+    return call.delegate()
+
+
+@register_variant("linear", "opgraft")
+def _linear_opgraft(call: LinearCall):
+    return call.delegate() if call.extra_reason else call.ours()
 
 
 def stats() -> dict:

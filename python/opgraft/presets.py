@@ -150,3 +150,53 @@ def resolve(model: str) -> MoeShape:
         return from_config(load_config(path), model)
     raise ConfigError(f"unknown model {model!r}: use one of {', '.join(PRESETS)}, a config.json path or a model "
                       "folder holding one")
+
+
+# ---- the linear op: the projections vLLM's unquantized linear layers run, per rank ----------
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One projection: weight [out_features, in_features] (N, K), as one rank holds it."""
+
+    model: str
+    proj: str  # qkv, o, gate_up, down, router, lm_head
+    out_features: int  # N
+    in_features: int  # K
+
+    def weight_bytes(self, elem_bytes: int = 2) -> int:
+        return self.out_features * self.in_features * elem_bytes
+
+    def tune_key(self, dtype: str = "bf16") -> str:
+        """The shape field of tunable rows and tune-file entries (as the library builds it)."""
+        return f"linear:{dtype}:N{self.out_features}:K{self.in_features}"
+
+
+def projections(model: str, hidden: int, heads: int, kv_heads: int, head_dim: int, vocab: int, inter: int = 0,
+                experts: int = 0, tp: int = 1) -> list[LinearShape]:
+    """A decoder layer's projections and the lm_head on one of tp ranks, as vLLM shards them:
+    QKVParallelLinear (q heads split, kv heads split or replicated when fewer than tp), the
+    row-parallel o and down projections, the merged gate_up of a dense MLP (inter > 0), the
+    replicated router gate of a MoE layer (experts > 0), and ParallelLMHead (the vocabulary padded
+    to a multiple of 64, then split)."""
+    name = model if tp == 1 else f"{model}/tp{tp}"
+    kv = max(1, kv_heads // tp) * head_dim
+    out = [LinearShape(name, "qkv", heads * head_dim // tp + 2 * kv, hidden),
+           LinearShape(name, "o", hidden, heads * head_dim // tp)]
+    if inter:
+        out += [LinearShape(name, "gate_up", 2 * inter // tp, hidden), LinearShape(name, "down", hidden, inter // tp)]
+    if experts:
+        out.append(LinearShape(name, "router", experts, hidden))
+    out.append(LinearShape(name, "lm_head", (vocab + 63) // 64 * 64 // tp, hidden))
+    return out
+
+
+# config.json fields: hidden_size, num_attention_heads, num_key_value_heads, head_dim,
+# vocab_size, intermediate_size (dense MLPs), num_experts / num_local_experts (router gates).
+LINEAR_PRESETS = {
+    "Qwen3-30B-A3B": projections("Qwen3-30B-A3B", 2048, 32, 4, 128, 151936, experts=128),
+    "Qwen3-235B-A22B": projections("Qwen3-235B-A22B", 4096, 64, 4, 128, 151936, experts=128),
+    "Mixtral-8x7B": projections("Mixtral-8x7B", 4096, 32, 8, 128, 32000, experts=8),
+    "Llama-3-8B": projections("Llama-3-8B", 4096, 32, 8, 128, 128256, inter=14336),
+    "Llama-3-70B/tp8": projections("Llama-3-70B", 8192, 64, 8, 128, 128256, inter=28672, tp=8),
+}

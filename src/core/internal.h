@@ -40,6 +40,11 @@ void opgraft__hash_update(og_hash *h, const void *data, size_t len);
 void opgraft__hash_hex(const og_hash *h, char out[33]);
 uint64_t opgraft__fnv1a64(const void *data, size_t len);
 
+/* ---- half.c: bf16 / fp16 (dtype OPGRAFT_DTYPE_BF16 or _FP16) on the host, for the CPU oracles ---- */
+double opgraft__half_to_double(int32_t dtype, uint16_t h);
+/* Rounds to the nearest even value of the dtype (infinity past its largest finite value). */
+uint16_t opgraft__double_to_half(int32_t dtype, double d);
+
 /* ---- runtime.c: libcuda and libnvrtc through dlopen, with our own minimal declarations ---- */
 typedef int og_CUresult;
 typedef int og_CUdevice;

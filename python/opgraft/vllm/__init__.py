@@ -77,7 +77,6 @@ def register() -> None:
             _summary = f"{why}: nothing patched"
             log.info("opgraft: %s", _summary)
             return
-        from . import attn_seam, moe_seam
         from .. import _lib, dispatch
 
         # libopgraft's warnings (malformed tunables, cache trouble) and the dispatch messages go
@@ -85,15 +84,28 @@ def register() -> None:
         _lib.logger = dispatch.logger = log
 
         parts = []
-        for name, seam in (("moe", moe_seam), ("attention", attn_seam)):
+        for name, seam in seams():
+            off = getattr(seam, "disabled", lambda: "")()
+            if off:  # a seam's own kill switch: nothing installed, nothing to warn about
+                parts.append(off)
+                continue
             installed, msg = seam.install()
             parts.append(msg)
             if not installed:
                 log.warning("opgraft: %s seam not installed: %s; that seam stays vLLM's", name, msg)
         dispatch.install_exit_summary()
         version_note = "" if vllm_version_is(TESTED_VLLM) else f" (tested with vLLM {TESTED_VLLM}, found {vllm_version() or 'unknown'})"
-        _summary = "; ".join(parts) + f"; MoE variant {dispatch.selected_variant()}{version_note}"
+        _summary = ("; ".join(parts) + f"; MoE variant {dispatch.selected_variant()}, linear variant "
+                    f"{dispatch.selected_variant('linear')}{version_note}")
         log.info("opgraft %s: %s", _version(), _summary)
+
+
+def seams():
+    """The seams register() installs, in order: (name, module with install/uninstall/installed and
+    optionally disabled() -> why not)."""
+    from . import attn_seam, linear_seam, moe_seam
+
+    return (("moe", moe_seam), ("attention", attn_seam), ("linear", linear_seam))
 
 
 def _version() -> str:
@@ -110,10 +122,8 @@ def summary() -> str:
 def _reset_for_tests() -> None:
     """Undoes register(): restores vLLM's methods and lets register() run again."""
     global _done, _summary
-    from . import attn_seam, moe_seam
-
     with _lock:
-        moe_seam.uninstall()
-        attn_seam.uninstall()
+        for _, seam in seams():
+            seam.uninstall()
         _done = False
         _summary = ""

@@ -6,58 +6,8 @@
 
 #include "moe.h"
 
-static double bf16_to_double(uint16_t h) {
-  const uint32_t bits = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static double fp16_to_double(uint16_t h) {
-  const int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  double v;
-  if (exp == 0) v = ldexp(man, -24);
-  else if (exp == 31) v = man ? NAN : INFINITY;
-  else v = ldexp(1024 + man, exp - 25);
-  return sign ? -v : v;
-}
-
-/* Rounds straight from fp64 to nearest even (going through float first would round twice). */
-static uint16_t double_to_bf16(double d) {
-  const uint16_t sign = signbit(d) ? 0x8000u : 0u;
-  const double a = fabs(d);
-  if (isnan(d)) return 0x7fc0u;
-  if (a >= ldexp(2.0 - ldexp(1, -8), 127)) return sign | 0x7f80u; /* rounds to infinity */
-  if (a < ldexp(1, -126)) return sign | (uint16_t)nearbyint(a * ldexp(1, 133)); /* subnormal */
-  int e;
-  const double m = frexp(a, &e); /* a = m * 2^e, m in [0.5, 1) */
-  long q = (long)nearbyint(m * 256.0); /* 8 significant bits */
-  if (q == 256) q = 128, e += 1;
-  const int exp = e - 1 + 127;
-  if (exp >= 255) return sign | 0x7f80u;
-  return sign | (uint16_t)(exp << 7) | (uint16_t)(q - 128);
-}
-
-static uint16_t double_to_fp16(double d) {
-  const uint16_t sign = signbit(d) ? 0x8000u : 0u;
-  double a = fabs(d);
-  if (isnan(d)) return 0x7e00u;
-  if (a >= 65520.0) return sign | 0x7c00u; /* rounds to infinity */
-  if (a < ldexp(1, -14)) {                  /* subnormal: multiples of 2^-24 */
-    return sign | (uint16_t)nearbyint(a * ldexp(1, 24));
-  }
-  int e;
-  double m = frexp(a, &e); /* a = m * 2^e, m in [0.5, 1) */
-  long q = (long)nearbyint(m * 2048.0); /* 11 significant bits */
-  if (q == 2048) q = 1024, e += 1;
-  const int exp = e - 1 + 15;
-  if (exp >= 31) return sign | 0x7c00u;
-  return sign | (uint16_t)(exp << 10) | (uint16_t)(q - 1024);
-}
-
 static double load_act(const opgraft_moe_args *a, const void *base, int64_t idx) {
-  const uint16_t h = ((const uint16_t *)base)[idx];
-  return a->dtype == OPGRAFT_DTYPE_BF16 ? bf16_to_double(h) : fp16_to_double(h);
+  return opgraft__half_to_double(a->dtype, ((const uint16_t *)base)[idx]);
 }
 
 static int64_t load_id(const opgraft_moe_args *a, int64_t t, int64_t j) {
@@ -119,7 +69,7 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
         out_f64[t * H + h] = acc[h];
       } else {
         uint16_t *o = (uint16_t *)a->out + t * a->out_stride[0] + h * a->out_stride[1];
-        *o = a->dtype == OPGRAFT_DTYPE_BF16 ? double_to_bf16(acc[h]) : double_to_fp16(acc[h]);
+        *o = opgraft__double_to_half(a->dtype, acc[h]);
       }
     }
   }

@@ -1,5 +1,6 @@
 /* Tunables: set > environment > $OPGRAFT_TUNE_FILE > the op's baked rows > its rule > default,
- * and malformed sources. The MoE op's keys serve as the registered keys. */
+ * and malformed sources. The MoE op's keys serve as the examples; the baked-table checks cover the
+ * keys of every registered op. */
 #include <fcntl.h>
 
 #include "og_test.h"
@@ -72,12 +73,16 @@ static int64_t lookup(const char *key, int32_t arch, const char *gpu, const char
 #define BAKED (opgraft__moe_op.rows)
 #define NBAKED (opgraft__moe_op.nrows)
 
-/* What the baked table gives for a query, per the documented rule (the most specific matching
- * row, then the later one), else the op's rule, else the default; writes the expected source. */
+/* What the baked table of the key's op gives for a query, per the documented rule (the most
+ * specific matching row, then the later one), else the op's rule, else the key's fallback; writes
+ * the expected source. */
 static int64_t baked_expect(const opgraft_tune_query *q, char *source, size_t len) {
+  const og_op *op = NULL;
+  const og_tunable *tun = opgraft__find_tunable(q->key, &op);
+  if (!tun || !op) fail_msg("%s is not a registered key", q->key);
   int best = -1, best_score = -1;
-  for (int i = 0; i < NBAKED; ++i) {
-    const og_tune_entry *r = &BAKED[i];
+  for (int i = 0; i < op->nrows; ++i) {
+    const og_tune_entry *r = &op->rows[i];
     if (strcmp(r->key, q->key) != 0) continue;
     if (r->arch && r->arch != q->arch) continue;
     if (r->tokens_lo && (q->tokens < r->tokens_lo || q->tokens > r->tokens_hi)) continue;
@@ -87,21 +92,28 @@ static int64_t baked_expect(const opgraft_tune_query *q, char *source, size_t le
     if (score >= best_score) best = i, best_score = score;
   }
   if (best >= 0) {
-    const og_tune_entry *r = &BAKED[best];
+    const og_tune_entry *r = &op->rows[best];
     if (r->arch) snprintf(source, len, "baked:sm_%d", r->arch);
     else snprintf(source, len, "baked:any");
     return r->value;
   }
   int64_t v = 0;
-  if (opgraft__moe_rule(q, &v)) {
+  if (op->rule && op->rule(q, &v)) {
     snprintf(source, len, "rule");
     return v;
   }
   snprintf(source, len, "default");
   for (int i = 0; i < N_KEYS; ++i)
-    if (strcmp(defaults[i].key, q->key) == 0) return defaults[i].fallback;
-  fail_msg("no default for %s", q->key);
-  return 0;
+    if (strcmp(defaults[i].key, q->key) == 0) assert_int_equal(defaults[i].fallback, tun->fallback);
+  return tun->fallback;
+}
+
+/* The keys of every registered op. */
+static int registered_keys(void) {
+  int n = 0, nops = 0;
+  const og_op *const *ops = opgraft__ops(&nops);
+  for (int i = 0; i < nops; ++i) n += ops[i]->ntunables;
+  return n;
 }
 
 /* Asserts that a lookup resolves from the baked table (or the default), as baked_expect says. */
@@ -133,9 +145,9 @@ static void test_keys(void **state) {
   while (keys[n]) {
     for (int j = 0; j < n; ++j) assert_string_not_equal(keys[j], keys[n]);
     ++n;
-    assert_true(n <= 64);
+    assert_true(n <= 256);
   }
-  assert_int_equal(n, N_KEYS);
+  assert_int_equal(n, registered_keys());
   for (int i = 0; i < N_KEYS; ++i) {
     int found = 0;
     for (int j = 0; j < n; ++j) found |= strcmp(keys[j], defaults[i].key) == 0;
@@ -187,15 +199,19 @@ static void test_baked_table(void **state) {
       for (size_t t = 0; t < sizeof tokens / sizeof *tokens; ++t) {
         assert_baked(keys[k], archs[a], NULL, NULL, tokens[t]);
         assert_baked(keys[k], archs[a], "NVIDIA H200", "moe:bf16:E1:H32:I32:k1", tokens[t]);
-        for (int i = 0; i < NBAKED; ++i) {
-          const og_tune_entry *r = &BAKED[i];
-          assert_baked(keys[k], archs[a], r->gpu, r->shape, tokens[t]);
-          if (r->tokens_lo) {
-            assert_baked(keys[k], archs[a], r->gpu, r->shape, r->tokens_lo);
-            assert_baked(keys[k], archs[a], r->gpu, r->shape, r->tokens_hi);
-            assert_baked(keys[k], archs[a], r->gpu, r->shape, r->tokens_hi + 1);
+        assert_baked(keys[k], archs[a], "NVIDIA H200", "linear:bf16:N5120:K2048", tokens[t]);
+        int nops = 0;
+        const og_op *const *ops = opgraft__ops(&nops);
+        for (int o = 0; o < nops; ++o)
+          for (int i = 0; i < ops[o]->nrows; ++i) {
+            const og_tune_entry *r = &ops[o]->rows[i];
+            assert_baked(keys[k], archs[a], r->gpu, r->shape, tokens[t]);
+            if (r->tokens_lo) {
+              assert_baked(keys[k], archs[a], r->gpu, r->shape, r->tokens_lo);
+              assert_baked(keys[k], archs[a], r->gpu, r->shape, r->tokens_hi);
+              assert_baked(keys[k], archs[a], r->gpu, r->shape, r->tokens_hi + 1);
+            }
           }
-        }
       }
   /* The convenience wrapper agrees. */
   char src[64];

@@ -1,0 +1,81 @@
+/* opgraft's linear op (decode projections). Included by opgraft/opgraft.h. */
+#ifndef OPGRAFT_LINEAR_H
+#define OPGRAFT_LINEAR_H
+
+#include "opgraft/opgraft.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Linear (torch.nn.functional.linear for a few rows):
+ *   out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]),  m < rows <= 8
+ * with fp32 accumulation, rounded once to the output dtype. Each weight byte is read once per
+ * call; the summation order is fixed, so the same inputs give the same bits every run.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct opgraft_linear_args {
+  uint32_t struct_size; /* sizeof(opgraft_linear_args), checked */
+  int32_t dtype;        /* x: OPGRAFT_DTYPE_BF16 or _FP16 */
+  int32_t weight_dtype; /* must equal dtype */
+  int32_t bias_dtype;   /* must equal dtype when bias is set */
+  int32_t out_dtype;    /* must equal dtype */
+  int64_t rows;         /* M: rows of x and out (the tokens of a decode step) */
+  int64_t out_features; /* N: rows of weight, columns of out */
+  int64_t in_features;  /* K: columns of x and weight, a multiple of 8 */
+  const void *x;
+  int64_t x_stride[2]; /* [M, K]: a 16-byte aligned base, rows 16-byte aligned, columns contiguous */
+  const void *weight;
+  int64_t weight_stride[2]; /* [N, K]: likewise */
+  const void *bias;         /* NULL, or [N] contiguous */
+  void *out;
+  int64_t out_stride[2]; /* [M, N]: columns contiguous */
+  /* The GPU the call runs on, as major*10 + minor, and its name; 0 / NULL = the current device. */
+  int32_t arch;
+  const char *gpu_name;
+} opgraft_linear_args;
+
+/* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
+ * "rows 16 > linear.max_rows 8") written to reason. Looks only at the arguments, never at the
+ * data, and needs no GPU when args->arch is set. */
+OPGRAFT_EXTERN int32_t opgraft_linear_supports(const opgraft_linear_args *args, char *reason, size_t reason_len);
+
+/* A plan: the guard's decision, the tunables and the compiled kernel for one layout (rows, sizes,
+ * dtypes, strides, bias or not, GPU), resolved once, so that a call is one cheap launch. The
+ * pointers in args are not kept. On OPGRAFT_EUNSUPPORTED, reason says why (as
+ * opgraft_linear_supports). The plan belongs to the CUDA context current at creation. */
+typedef struct opgraft_linear_plan opgraft_linear_plan;
+OPGRAFT_EXTERN int32_t opgraft_linear_plan_create(const opgraft_linear_args *args, opgraft_linear_plan **plan,
+                                                  char *reason, size_t reason_len);
+OPGRAFT_EXTERN void opgraft_linear_plan_destroy(opgraft_linear_plan *plan);
+/* Runs the plan on tensors laid out as at creation (same strides) on stream (a CUstream; NULL =
+ * the legacy default stream). bias must be set iff it was at creation. Misaligned pointers give
+ * OPGRAFT_EINVAL; a plan made before the tunables changed, or used under another CUDA context,
+ * gives OPGRAFT_ESTALE. Either way nothing runs. Enqueues one kernel: no host synchronisation,
+ * no allocation (CUDA-graph capturable). */
+OPGRAFT_EXTERN int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight,
+                                               const void *bias, void *out, void *stream);
+
+/* The argument-struct form through plans cached inside the library (a convenience for C callers;
+ * the Python layer keeps its own plans). The first call for a layout compiles the kernel (NVRTC)
+ * or loads it from the cache. */
+OPGRAFT_EXTERN int32_t opgraft_linear_run(const opgraft_linear_args *args, void *stream);
+
+/* CPU oracle: the same function in fp64 on host pointers. Writes out_f64 ([M, N], contiguous)
+ * when it is not NULL; otherwise rounds to args->out_dtype into args->out. */
+OPGRAFT_EXTERN int32_t opgraft_linear_reference(const opgraft_linear_args *args, double *out_f64);
+
+/* Compiles the kernel this call would use for the given arch (needs NVRTC, no GPU) and reports
+ * its resources (count receives 1; at most cap entries are written). */
+OPGRAFT_EXTERN int32_t opgraft_linear_compile_report(const opgraft_linear_args *args, int32_t arch,
+                                                     opgraft_kernel_info *out, int32_t cap, int32_t *count);
+
+/* The kernel configuration a call would get on arch (its compile options and launch shape, e.g.
+ * "-DOG_K=2048 ... grid=214 threads=256"), for tools and tests; no GPU needed. */
+OPGRAFT_EXTERN int32_t opgraft_linear_describe(const opgraft_linear_args *args, int32_t arch, char *buf,
+                                               size_t buf_len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* OPGRAFT_LINEAR_H */

@@ -1,0 +1,141 @@
+// Linear for decode (a few rows): y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]), m < M <= 8.
+//
+// One kernel, each weight byte read once. A block owns OG_TILES tiles of 8 rows of W (8 * OG_TILES
+// output features); its OG_WARPS warps split K into contiguous ranges of 32-wide k-steps, balanced
+// to within one step. Per k-step a lane loads 16 bytes of one W row per tile (og_load_stream) and
+// 16 bytes of one row of x (reused by every tile), and the warp multiplies them on tensor cores
+// (m16n8k16): x is the A operand (its rows the tokens, rows 8..15 zero), W the B operand (its 8
+// columns are the tile's 8 rows of W), so the accumulator holds D[token][row of the tile]. The k
+// order inside a step is permuted the same way for both operands (og_mma_k32), so every lane
+// loads its operands straight from global memory: lane 4g + c reads W row g and x row g at the
+// step's 16-byte chunk c. The block then sums its warps' partials in warp order and adds the bias
+// in fp32: no atomics, no split-K, the same bits every run.
+//
+// Compile-time constants (src/ops/linear/config.c): OG_DTYPE (1 bf16, 2 fp16), OG_K (K, a
+// multiple of 8), OG_WARPS, OG_TILES (8-row tiles a block), OG_U (k-steps a warp loads before its
+// MMAs), OG_MINB (launch-bounds minimum blocks per SM, 0 = none), OG_LOAD (the weight load's
+// form, og_common.cuh), OG_L2_FETCH, OG_PDL.
+//
+// OG_PDL (sm_90; the launcher sets the programmatic-serialization attribute): the kernel may start
+// while the stream's previous kernel still runs. Each warp issues its first weight loads (weights
+// are never written by another kernel), then waits (griddepcontrol.wait) before it reads x;
+// every thread has waited before the block writes y.
+#include "og_common.cuh"
+#include "linear_params.h"
+
+#ifndef OG_K
+#error "OG_K (in_features) must be defined"
+#endif
+#if OG_K % 8 != 0 || OG_K < 8
+#error "OG_K must be a positive multiple of 8"
+#endif
+#ifndef OG_WARPS
+#define OG_WARPS 8
+#endif
+#ifndef OG_TILES
+#define OG_TILES 1
+#endif
+#ifndef OG_U
+#define OG_U 4
+#endif
+#ifndef OG_MINB
+#define OG_MINB 0
+#endif
+#ifndef OG_LOAD
+#define OG_LOAD 4
+#endif
+#ifndef OG_PDL
+#define OG_PDL 0
+#endif
+
+#define OG_NCH (OG_K / 8)            // 16-byte chunks of a row
+#define OG_STEPS ((OG_NCH + 3) / 4)  // 32-wide k-steps (the last one partial when K % 32 != 0)
+#define OG_ROWS (8 * OG_TILES)       // rows of W a block owns
+
+// Is chunk 4s + c of a row inside K? Only the last step of a K that is not a multiple of 32 has
+// chunks past the end; their operands are zero, which adds nothing to the sums.
+__device__ __forceinline__ bool og_chunk_in(int s, int c) { return OG_NCH % 4 == 0 || 4 * s + c < OG_NCH; }
+
+extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
+    OG_SUFFIX(linear_gemv)(const og_linear_params p) {
+  __shared__ float s_red[OG_WARPS][OG_TILES][2][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const long long n0 = (long long)blockIdx.x * OG_ROWS;
+
+  // This lane's W row in each tile (row n0 + 8t + g), and its x row (token g), at chunk c.
+  const char *wrow[OG_TILES];
+  bool wok[OG_TILES];
+#pragma unroll
+  for (int t = 0; t < OG_TILES; ++t) {
+    const long long n = n0 + t * 8 + g;
+    wok[t] = n < p.N;
+    wrow[t] = (const char *)p.w + 2 * (wok[t] ? n : 0LL) * p.w_stride + 16 * c;
+  }
+  const bool xok = g < p.M;
+  const char *xrow = (const char *)p.x + 2 * (long long)(xok ? g : 0) * p.x_stride + 16 * c;
+
+  float acc[OG_TILES][4];
+#pragma unroll
+  for (int t = 0; t < OG_TILES; ++t)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[t][q] = 0.f;
+  const og_vec4 zero = og_zero4();
+
+  // The warp's contiguous range of k-steps.
+  const int s_begin = warp * OG_STEPS / OG_WARPS, s_end = (warp + 1) * OG_STEPS / OG_WARPS;
+#if OG_PDL
+  bool waited = false;
+#endif
+  for (int s0 = s_begin; s0 < s_end; s0 += OG_U) {
+    og_vec4 b[OG_U][OG_TILES], a[OG_U];
+#pragma unroll
+    for (int q = 0; q < OG_U; ++q) {
+      const int s = s0 + q;
+      const bool ok = s < s_end && og_chunk_in(s, c);
+#pragma unroll
+      for (int t = 0; t < OG_TILES; ++t)
+        b[q][t] = ok && wok[t] ? og_load_stream<OG_LOAD>(wrow[t] + 64LL * s) : zero;
+    }
+#if OG_PDL
+    if (!waited) {  // x may be the previous kernel's output: read it only after that kernel ends
+      og_pdl_wait();
+      waited = true;
+    }
+#endif
+#pragma unroll
+    for (int q = 0; q < OG_U; ++q) {
+      const int s = s0 + q;
+      a[q] = s < s_end && og_chunk_in(s, c) && xok ? og_load_shared_operand(xrow + 64LL * s) : zero;
+    }
+#pragma unroll
+    for (int q = 0; q < OG_U; ++q) {
+      if (s0 + q < s_end) {  // the same for the whole warp: mma.sync needs every lane
+#pragma unroll
+        for (int t = 0; t < OG_TILES; ++t) og_mma_k32(acc[t], a[q], zero, b[q][t]);
+      }
+    }
+  }
+#if OG_PDL
+  if (!waited) og_pdl_wait();  // a warp without k-steps still writes y below
+#endif
+
+  // acc[t][0..1] = D[token g][rows 2c, 2c+1 of tile t]; acc[t][2..3] belong to tokens 8..15 (zero).
+#pragma unroll
+  for (int t = 0; t < OG_TILES; ++t) {
+    s_red[warp][t][0][lane] = acc[t][0];
+    s_red[warp][t][1][lane] = acc[t][1];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < OG_TILES * 64; idx += OG_WARPS * 32) {
+    const int t = idx >> 6, q = (idx >> 5) & 1, l = idx & 31;
+    const int m = l >> 2;
+    const long long n = n0 + t * 8 + 2 * (l & 3) + q;
+    if (m >= p.M || n >= p.N) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < OG_WARPS; ++w) sum += s_red[w][t][q][l];  // warp order: fixed
+    if (p.bias) sum += og_to_float(((const og_u16 *)p.bias)[n]);
+    ((og_u16 *)p.y)[(long long)m * p.y_stride + n] = og_from_float(sum);
+  }
+}

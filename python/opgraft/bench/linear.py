@@ -1,0 +1,153 @@
+"""The linear bench: opgraft's kernel against torch.nn.functional.linear (the call vLLM's
+unquantized linear layers make: cuBLAS) at the projection shapes of the presets and of dense
+models, with an fp64 reference and the read ceiling of the same run.
+
+Each timed replay makes one call per copy of the weights, rotating over enough copies that L2
+(60 MB on an H200) holds none of them, with 64 MiB of other reads before each call (a decode
+step's other kernels between two projections), timed as in the MoE bench (bench.timed_calls).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import _lib
+from ..ops import linear as ops
+from ..presets import LINEAR_PRESETS, LinearShape
+from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, timed_calls
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ROWS = (1, 2, 4, 8)
+# Weight copies a timed replay rotates over: at least this many bytes of them (twice L2), at most
+# MAX_COPIES copies (with the reads between calls, L2 holds none of a small matrix anyway).
+ROTATE_BYTES = 128 << 20
+MAX_COPIES = 16
+
+
+def measure_whole_row_range() -> None:
+    """Lets the kernel take every row count it supports in this process (unless the caller set
+    the threshold): measuring is separate from the shipped hand-back threshold linear.max_rows."""
+    os.environ.setdefault("OPGRAFT_TUNE_LINEAR_MAX_ROWS", str(ops.MAX_ROWS))
+
+
+def make_weight(shape: LinearShape, dtype: str, device, seed: int = 0) -> torch.Tensor:
+    """Random normal weights, std 1/sqrt(K) so the outputs stay O(1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.empty((shape.out_features, shape.in_features), dtype=TORCH_DTYPES[dtype], device=device)
+    step = max(1, (256 << 20) // (shape.in_features * 4))  # rows a draw, so fp32 draws stay small
+    for r in range(0, shape.out_features, step):
+        n = min(step, shape.out_features - r)
+        w[r:r + n] = torch.randn((n, shape.in_features), generator=g, device=device).mul_(shape.in_features ** -0.5)
+    return w
+
+
+def copies_for(shape: LinearShape, elem_bytes: int = 2) -> int:
+    return max(1, min(MAX_COPIES, -(-ROTATE_BYTES // shape.weight_bytes(elem_bytes))))
+
+
+def call_bytes(shape: LinearShape, M: int, bias: bool = False, elem_bytes: int = 2) -> int:
+    """Bytes a call must move: the weights once, x, the output (and the bias)."""
+    N, K = shape.out_features, shape.in_features
+    return elem_bytes * (N * K + M * K + M * N + (N if bias else 0))
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 on the tensors' device."""
+    y = x.double() @ w.double().T
+    return y + bias.double() if bias is not None else y
+
+
+def device_of(device) -> tuple[int, str]:
+    """(compute capability as major*10 + minor, name) of the GPU."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor, torch.cuda.get_device_name(device)
+
+
+def bench_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device="cuda", ceiling_tbps: float | None = None,
+                reps: int = 30, between_mib: int = BETWEEN_MIB, timing: str = "subtract", progress=None) -> list[dict]:
+    """Rows for one projection at each row count: opgraft and torch-linear, checked against fp64."""
+    measure_whole_row_range()
+    L = copies_for(shape)
+    weights = [make_weight(shape, dtype, device, seed=i) for i in range(L)]
+    gen = torch.Generator(device=device).manual_seed(4321)
+    between = between_traffic(between_mib, device)
+    arch, gpu = device_of(device)
+    base = {**run_facts(), "op": "linear", "model": shape.model, "proj": shape.proj, "N": shape.out_features,
+            "K": shape.in_features, "dtype": dtype, "copies": L, "between_mib": max(between_mib, 0)}
+    max_rows, max_rows_src = _lib.tune_get("linear.max_rows", arch, gpu, shape.tune_key(dtype), 1)
+    out_rows = []
+    w64 = weights[0].double()  # the oracle's weights, once for every row count
+    for M in rows:
+        if progress:
+            progress(f"{shape.model} {shape.proj} [{shape.out_features}, {shape.in_features}] M={M}")
+        xs = [torch.randn((M, shape.in_features), generator=gen, device=device).to(TORCH_DTYPES[dtype])
+              for _ in range(L)]
+        schedule = [(i, None) for i in range(L)]
+        ref = xs[0].double() @ w64.T
+        nbytes = call_bytes(shape, M)
+        ok, reason = ops.linear_supports(xs[0], weights[0])
+        results = {}
+        if ok:
+            out = torch.full((M, shape.out_features), float("nan"), dtype=xs[0].dtype, device=device)
+            ops.linear_into(out, xs[0], weights[0])
+            err = rel_err(out, ref)
+            again = torch.full_like(out, float("nan"))
+            ops.linear_into(again, xs[0], weights[0])
+            outs = [torch.empty_like(out) for _ in range(L)]
+
+            def call(i, _):
+                ops.linear_into(outs[i], xs[i], weights[i])
+
+            us, how = timed_calls(call, schedule, between, reps, timing)
+            results["opgraft"] = (us, err, {"deterministic": bool(torch.equal(out, again)), **how})
+        terr = rel_err(torch.nn.functional.linear(xs[0], weights[0]), ref)
+
+        def tcall(i, _):
+            torch.nn.functional.linear(xs[i], weights[i])
+
+        us, how = timed_calls(tcall, schedule, between, reps, timing)
+        results["torch-linear"] = (us, terr, how)
+        torch_us = results["torch-linear"][0]
+        for impl, (us, err, extra) in results.items():
+            tbps = nbytes / (us * 1e-6) / 1e12
+            row = dict(base, impl=impl, M=M, median_us=round(us, 2), bytes=nbytes, tbps=round(tbps, 3),
+                       ceiling_tbps=round(ceiling_tbps, 3) if ceiling_tbps else None,
+                       fraction_of_ceiling=round(tbps / ceiling_tbps, 3) if ceiling_tbps else None,
+                       speedup=round(torch_us / us, 2), rel_err=float(f"{err:.3g}"), tolerance=TOLERANCE[dtype],
+                       max_rows=max_rows, max_rows_source=max_rows_src,
+                       guard="take" if ok else f"delegate: {reason}")
+            row.update(extra)
+            out_rows.append(row)
+        if not ok:
+            out_rows.append(dict(base, impl="opgraft", M=M, median_us=None, bytes=nbytes, guard=f"delegate: {reason}"))
+    del weights, w64
+    torch.cuda.empty_cache()
+    return out_rows
+
+
+def bench_models(models=tuple(LINEAR_PRESETS), rows=ROWS, dtype: str = "bf16", ceiling_tbps: float | None = None,
+                 between_mib: int = BETWEEN_MIB, timing: str = "subtract", progress=None) -> list[dict]:
+    out = []
+    for m in models:
+        for shape in LINEAR_PRESETS[m]:
+            out += bench_shape(shape, rows, dtype, ceiling_tbps=ceiling_tbps, between_mib=between_mib, timing=timing,
+                               progress=progress)
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'model':<16} {'proj':<8} {'N':>7} {'K':>6} {'M':>2} {'impl':<13} {'us':>8} {'MB':>7} {'TB/s':>5} "
+            f"{'ceil%':>6} {'xtorch':>6} {'relerr':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("median_us") is None:
+            lines.append(f"{r['model']:<16} {r['proj']:<8} {r['N']:>7} {r['K']:>6} {r['M']:>2} {r['impl']:<13} "
+                         f"{r.get('guard', '')}")
+            continue
+        frac = r.get("fraction_of_ceiling") or 0
+        lines.append(f"{r['model']:<16} {r['proj']:<8} {r['N']:>7} {r['K']:>6} {r['M']:>2} {r['impl']:<13} "
+                     f"{r['median_us']:>8.2f} {r['bytes'] / 1e6:>7.1f} {r['tbps']:>5.2f} {frac * 100:>5.1f}% "
+                     f"{r['speedup']:>6.2f} {r['rel_err']:>8.1e}")
+    return "\n".join(lines)

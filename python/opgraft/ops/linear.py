@@ -1,0 +1,225 @@
+"""The linear op: torch.nn.functional.linear for decode-sized inputs (1..8 rows) on libopgraft's
+kernel, and the custom op `opgraft::linear` that vLLM's traced model calls.
+
+A plan (the guard's decision, the tunables and the compiled kernel) is made once per layout
+(rows, sizes, strides, dtypes, bias or not, device) and kept; a call is one ctypes crossing.
+
+`torch.ops.opgraft.linear(x, weight, bias)` decides at run time, on every eager call (and so at
+each CUDA-graph capture, never at a replay): our kernel where the plan says yes, otherwise exactly
+`torch.nn.functional.linear(x, weight, bias)`, the call vLLM's unquantized GEMM makes. Under
+torch.compile the row count is symbolic when the graph is traced, so the decision cannot be taken
+there; the op is opaque to Dynamo and its fake implementation gives the output's shape.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from .. import _lib, dispatch
+from . import current_stream, dtype_code, strides
+
+# The kernel's own row limit (OG_LINEAR_MAX_ROWS, src/ops/linear/linear.h): larger calls are
+# handed back without building a plan key.
+MAX_ROWS = 8
+
+
+def linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
+                arch: int = 0) -> _lib.LinearArgs:
+    """The C argument struct for these tensors; dtype -1 when their shapes or devices do not
+    describe one linear call (the guard then refuses it)."""
+    a = _lib.LinearArgs()
+    a.struct_size = ctypes.sizeof(_lib.LinearArgs)
+    consistent = (
+        x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.device == x.device
+        and (bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0] and bias.is_contiguous()
+                              and bias.device == x.device))
+        and (out is None or (tuple(out.shape) == (x.shape[0], weight.shape[0]) and out.device == x.device))
+    )
+    if not consistent:
+        a.dtype = -1
+        return a
+    a.dtype, a.weight_dtype = dtype_code(x), dtype_code(weight)
+    a.bias_dtype = dtype_code(bias) if bias is not None else 0
+    a.rows, a.out_features, a.in_features = x.shape[0], weight.shape[0], x.shape[1]
+    a.x, a.x_stride = x.data_ptr(), strides(x, 2)
+    a.weight, a.weight_stride = weight.data_ptr(), strides(weight, 2)
+    a.bias = bias.data_ptr() if bias is not None else None
+    if out is not None:
+        a.out, a.out_dtype, a.out_stride = out.data_ptr(), dtype_code(out), strides(out, 2)
+    else:  # the contiguous output the op allocates, in x's dtype
+        a.out, a.out_dtype, a.out_stride = 16, a.dtype, (ctypes.c_int64 * 2)(weight.shape[0], 1)
+    a.arch = arch
+    return a
+
+
+class Plan:
+    """A C plan (or why there is none) for one call layout."""
+
+    __slots__ = ("handle", "reason")
+
+    def __init__(self, handle, reason: str):
+        self.handle, self.reason = handle, reason
+
+    def __del__(self):
+        if self.handle and _lib._lib is not None:
+            _lib._lib.opgraft_linear_plan_destroy(self.handle)
+
+
+_plans: dict = {}
+_plans_lock = threading.Lock()
+_MAX_PLANS = 4096
+
+
+def _layout_key(x, weight, bias, out):
+    return (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype),
+            None if out is None else (out.shape, out.stride(), out.dtype))
+
+
+def plan_for(x, weight, bias=None, out=None) -> Plan:
+    """The plan of this call's layout, made on first sight (the guard runs then, and only then).
+    A kernel that cannot be built (no NVRTC, a compile error) gives a plan without a handle whose
+    reason says so, and warns once: the calls then go to torch."""
+    key = _layout_key(x, weight, bias, out)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    if not x.is_cuda:
+        plan = Plan(None, "tensors are not on a CUDA device")
+    else:
+        a = linear_args(x, weight, bias, out)
+        if a.dtype == -1:
+            plan = Plan(None, "tensor shapes or devices are not those of one linear call")
+        else:
+            handle = ctypes.c_void_p()
+            reason = ctypes.create_string_buffer(256)
+            try:
+                with torch.cuda.device(x.device):
+                    st = _lib.lib().opgraft_linear_plan_create(ctypes.byref(a), ctypes.byref(handle), reason,
+                                                               len(reason))
+                if st == _lib.OK:
+                    plan = Plan(handle.value, "")
+                elif st == _lib.EUNSUPPORTED:
+                    plan = Plan(None, reason.value.decode(errors="replace"))
+                else:
+                    _lib.check(st)
+            except _lib.OpgraftError as e:
+                dispatch._warn_once(f"opgraft linear kernel unavailable, handing calls back to torch: {e}")
+                plan = Plan(None, f"kernel error: {_lib.lib().opgraft_status_name(e.status).decode()}")
+    with _plans_lock:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def forget_plans() -> None:
+    """Drops every plan (they are re-made, with the tunables as they are now, at the next call)."""
+    with _plans_lock:
+        _plans.clear()
+
+
+def linear_supports(x, weight, bias=None) -> tuple[bool, str]:
+    """(True, "") if the kernel takes the call, else (False, reason)."""
+    if x.dim() == 2 and x.shape[0] > MAX_ROWS:
+        return False, f"rows {x.shape[0]} > {MAX_ROWS} (kernel limit)"
+    plan = plan_for(x, weight, bias)
+    if plan.handle is not None and not _aligned(x, weight, bias):
+        return False, _MISALIGNED
+    return plan.handle is not None, plan.reason
+
+
+_MISALIGNED = "x or weight not 16-byte aligned, or bias misaligned"
+
+
+def _aligned(x, weight, bias, out=None) -> bool:
+    return not ((x.data_ptr() | weight.data_ptr()) & 15 or (bias is not None and bias.data_ptr() & 1)
+                or (out is not None and out.data_ptr() & 1))
+
+
+def _run(plan: Plan, x, weight, bias, out) -> int:
+    return _lib.lib().opgraft_linear_plan_run(plan.handle, x.data_ptr(), weight.data_ptr(),
+                                              None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                              current_stream(x.device))
+
+
+def linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """Runs the kernel into out ([M, N], x's dtype). Raises OpgraftError if the kernel cannot take
+    the call (linear_supports says why)."""
+    for _ in range(2):
+        plan = plan_for(x, weight, bias, out)
+        if plan.handle is None:
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
+        if not _aligned(x, weight, bias, out):
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, _MISALIGNED)
+        st = _run(plan, x, weight, bias, out)
+        if st != _lib.ESTALE:
+            _lib.check(st)
+            return out
+        forget_plans()  # the tunables changed (or the context): plan again, once
+    _lib.check(st)
+    return out
+
+
+def linear_or_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Our kernel where it takes the call, else torch.nn.functional.linear (vLLM's call, bit for
+    bit). Counts each decision in dispatch.stats_of("linear")."""
+    stats = dispatch.stats_of("linear")
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[0] > MAX_ROWS:
+        why = (f"rows {x.shape[0]} > {MAX_ROWS} (kernel limit)" if x.dim() == 2 and x.shape[0] > MAX_ROWS
+               else "no rows" if x.dim() == 2 else f"x has {x.dim()} dimensions")
+        stats.delegate(why)
+        return torch.nn.functional.linear(x, weight, bias)
+    for _ in range(2):
+        plan = plan_for(x, weight, bias)
+        if plan.handle is None:
+            stats.delegate(plan.reason)
+            return torch.nn.functional.linear(x, weight, bias)
+        if not _aligned(x, weight, bias):
+            stats.delegate(_MISALIGNED)
+            return torch.nn.functional.linear(x, weight, bias)
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        st = _run(plan, x, weight, bias, out)
+        if st == _lib.OK:
+            stats.take()
+            return out
+        if st != _lib.ESTALE:
+            break
+        forget_plans()
+    name = _lib.lib().opgraft_status_name(st).decode()
+    stats.delegate(f"kernel error: {name}")
+    dispatch._warn_once(f"opgraft linear kernel failed, handing calls back to torch: {name}: "
+                        f"{_lib.lib().opgraft_last_error().decode(errors='replace')}")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@torch.library.custom_op("opgraft::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x weight^T (+ bias) for 2-D x: our kernel for 1..8 rows where the guard takes the call,
+    else torch.nn.functional.linear."""
+    if x.dim() != 2:
+        raise ValueError(f"opgraft::linear takes a 2-D x, got {x.dim()} dimensions")
+    return linear_or_torch(x, weight, bias)
+
+
+@linear.register_fake
+def _(x, weight, bias=None):
+    if x.dim() != 2:
+        raise ValueError(f"opgraft::linear takes a 2-D x, got {x.dim()} dimensions")
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def linear_reference_cpu(x, weight, bias=None) -> torch.Tensor:
+    """The C fp64 oracle on CPU copies of the tensors; returns float64 [M, N]."""
+    xc, wc = x.detach().cpu(), weight.detach().cpu()
+    bc = bias.detach().cpu().contiguous() if bias is not None else None
+    a = linear_args(xc, wc, bc)
+    if a.dtype == -1:
+        raise ValueError("tensor shapes are not those of one linear call")
+    out = torch.empty((xc.shape[0], wc.shape[0]), dtype=torch.float64)
+    ptr = ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))
+    _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a), ptr))
+    return out

@@ -1,0 +1,295 @@
+"""Linear seam: vLLM's unquantized linear method, for decode-sized inputs.
+
+What is patched: `apply(self, layer, x, bias=None)` of `UnquantizedLinearMethod`
+(vllm/model_executor/layers/linear.py: every unquantized ColumnParallel, MergedColumnParallel,
+QKVParallel, RowParallel and Replicated linear layer, router gates included) and of
+`UnquantizedEmbeddingMethod` (vllm/model_executor/layers/vocab_parallel_embedding.py: the lm_head's
+projection, which LogitsProcessor calls as `lm_head.quant_method.apply(lm_head, h, bias=...)`). Same
+signature in vLLM 0.26.0 (the pinned release) and 0.33.0 (the newest), both tested in CI.
+
+Why there: both methods end in one GEMM that vLLM picks per platform, `dispatch_unquantized_gemm()`
+(0.26; 0.33: `UnquantizedLinearMethod._gemm_impl`, chosen at construction), which on CUDA is
+`default_unquantized_gemm`, i.e. `torch.nn.functional.linear(x, layer.weight, bias)`. The tensor-
+parallel layers have already split their weights and pass the bias they want added on this rank
+(RowParallelLinear: only rank 0, the others None), so a call here is one plain local linear.
+Quantized layers have their own methods (Fp8LinearMethod, AWQ, GPTQ, ...), which never reach this
+code; subclasses of the unquantized method (0.33: GateLinear's ROCm method, model-specific
+methods) are handed back.
+
+How: the original method is kept. For a call the seam can take (CUDA, bf16/fp16 x and weight of
+one dtype, 2-D x, K a multiple of 8, vLLM's GEMM being torch's, no VLLM_BATCH_INVARIANT, no GEMM +
+collective fusion pass that matches vLLM's matmuls) the wrapper calls `torch.ops.opgraft.linear`
+(opgraft/ops/linear.py): at run time it runs our kernel for 1..linear.max_rows rows and
+`torch.nn.functional.linear(x, weight, bias)` (vLLM's own call, bit for bit) for anything else.
+Every other call goes to the original method with the same arguments.
+
+torch.compile: vLLM traces the model's forward with Dynamo and drops its guards, so a branch on
+the row count in Python would be frozen at the first trace (with the profiling run's thousands of
+rows). The row count is therefore decided inside the custom op, which Dynamo sees as opaque (its
+fake implementation gives the shape). What the wrapper decides in Python looks only at what does
+not change between calls (classes, dtypes, devices, weight shapes, settings). vLLM's compile cache
+is keyed by its own settings, not opgraft's: install() adds one factor (OPGRAFT_LINEAR_SEAM: the
+opgraft version and the linear variant) to the environment factors vLLM hashes into that key, so a
+graph traced with this seam is never reused without it, and the reverse.
+
+Counting (dispatch.stats_of("linear")): the op counts each of its decisions when it runs eagerly
+(enforce_eager, the lm_head, the router gate inside vLLM's MoE op, CUDA-graph warm-up and capture;
+a graph replay counts nothing). The wrapper counts its own hand-backs per call when it runs
+eagerly, and once per trace under Dynamo, with " (at trace)" after the reason; trace_counts() says
+how many calls Dynamo routed into the op. A graph loaded from vLLM's compile cache is not traced,
+and then only the op's eager decisions are counted.
+
+Kill switches: OPGRAFT_LINEAR=0 installs nothing; OPGRAFT_LINEAR_VARIANT=passthrough keeps the
+seam but hands every call back (OPGRAFT_DISABLE=1 turns all of opgraft off).
+Remove it: delete the ("linear", linear_seam) entry of the seam list in opgraft/vllm/__init__.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .. import dispatch
+
+logger = logging.getLogger("opgraft")
+
+_PATCH_ATTR = "_opgraft_original_apply"
+# The key install() adds to the environment factors of vLLM's compile cache.
+COMPILE_FACTOR = "OPGRAFT_LINEAR_SEAM"
+_APPLY_PARAMS = ("layer", "x", "bias")
+
+_lock = threading.Lock()
+_traced_routes = 0
+# The device types whose calls may go to the op (the tests add "cpu" to trace the op's path on a
+# machine without a GPU: the op then hands every call to torch itself).
+DEVICE_TYPES = ("cuda",)
+
+
+def disabled() -> str:
+    """Why the seam must not be installed ("" if it may): OPGRAFT_LINEAR=0."""
+    v = os.environ.get("OPGRAFT_LINEAR", "").strip().lower()
+    return "linear seam disabled by OPGRAFT_LINEAR=0" if v in ("0", "false", "no", "off") else ""
+
+
+def _targets():
+    """[(class, the module whose dispatch_unquantized_gemm it calls)] and the GEMM it must be, or
+    ([], None, why)."""
+    try:
+        from vllm.model_executor.layers import linear as linear_mod
+        from vllm.model_executor.layers import utils as utils_mod
+        from vllm.model_executor.layers import vocab_parallel_embedding as vpe_mod
+    except Exception as e:  # moved or failing import
+        return [], None, f"cannot import vllm's linear layers ({type(e).__name__}: {e})"
+    out = []
+    for mod, name in ((linear_mod, "UnquantizedLinearMethod"), (vpe_mod, "UnquantizedEmbeddingMethod")):
+        cls = getattr(mod, name, None)
+        if cls is None or not callable(getattr(cls, "apply", None)):
+            return [], None, f"vllm's {name}.apply is not where opgraft expects it"
+        out.append((cls, mod))
+    default = getattr(utils_mod, "default_unquantized_gemm", None)
+    if default is None:
+        return [], None, "vllm's default_unquantized_gemm is not where opgraft expects it"
+    return out, default, ""
+
+
+def _signature_matches(fn) -> bool:
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return tuple(p.name for p in params) == _APPLY_PARAMS and params[2].default is None
+
+
+# ---- what runs at trace time must be traceable by Dynamo (no locks, no logging, no os.environ):
+# those helpers run once per trace through torch._dynamo.assume_constant_result, which calls them
+# while tracing and puts their (constant) result into the graph.
+
+def _variant() -> str:
+    return dispatch.selected_variant("linear")
+
+
+def _gemm_comms_fused() -> bool:
+    """Does vLLM's current config enable a pass that fuses its matmuls with collectives (0.26's
+    AsyncTP, pass_config.fuse_gemm_comms)? Such a pass pattern-matches aten.mm, which our op would
+    hide from it."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        cfg = get_current_vllm_config_or_none()
+    except Exception:
+        return False
+    pc = getattr(getattr(cfg, "compilation_config", None), "pass_config", None)
+    return bool(getattr(pc, "fuse_gemm_comms", False))
+
+
+def _note_hand_back(reason: str) -> bool:
+    dispatch.stats_of("linear").delegate(reason)
+    dispatch._info_once(f"linear call handed back to vLLM: {reason}")
+    return True
+
+
+def _note_traced_route() -> bool:
+    global _traced_routes
+    with _lock:
+        _traced_routes += 1
+    return True
+
+
+def trace_counts() -> dict:
+    """{"routed": calls Dynamo traced into opgraft::linear} in this process."""
+    with _lock:
+        return {"routed": _traced_routes}
+
+
+def _reset_trace_counts() -> None:
+    global _traced_routes
+    with _lock:
+        _traced_routes = 0
+
+
+def _make_wrapper(cls, module, default_gemm, original):
+    import torch
+    import vllm.envs as envs
+
+    from ..ops import linear as linear_op
+
+    const = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+    if const is None:  # pragma: no cover - every torch vLLM supports has it
+        const = lambda fn: fn  # noqa: E731
+    variant_traced, fused_traced = const(_variant), const(_gemm_comms_fused)
+    hand_back_traced = const(lambda reason: _note_hand_back(reason + " (at trace)"))
+    route_traced = const(_note_traced_route)
+    half = (torch.bfloat16, torch.float16)
+
+    def static_reason(self, layer, x, bias, tracing) -> str:
+        """Why vLLM keeps this call whatever its row count ("" if the op may take it)."""
+        if type(self) is not cls:
+            return f"linear method {type(self).__name__}"
+        if envs.VLLM_BATCH_INVARIANT:
+            return "VLLM_BATCH_INVARIANT"
+        gemm = getattr(self, "_gemm_impl", None)
+        if gemm is None:
+            gemm = module.dispatch_unquantized_gemm()
+        if gemm is not default_gemm:
+            return "vLLM's GEMM is not torch.nn.functional.linear here"
+        if tracing and fused_traced():  # (an Inductor pass: eager calls never meet it)
+            return "fuse_gemm_comms (vLLM's GEMM + collective fusion) is on"
+        w = getattr(layer, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            return "the layer has no two-dimensional weight"
+        if x.dim() != 2:
+            return "x is not two-dimensional"
+        if x.device.type not in DEVICE_TYPES:
+            return "tensors are not on a CUDA device"
+        if x.dtype not in half or w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+            return "dtypes are not one of bf16 or fp16"
+        if w.shape[1] % 8:
+            return "in_features is not a multiple of 8"
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.shape[0]):
+            return "bias is not [out_features]"
+        return ""
+
+    def apply(self, layer, x, bias=None):
+        def delegate():
+            return original(self, layer, x, bias)
+
+        tracing = torch.compiler.is_compiling()
+        name = variant_traced() if tracing else _variant()
+        reason = "passthrough variant" if name == "passthrough" else static_reason(self, layer, x, bias, tracing)
+        if reason:
+            if tracing:
+                hand_back_traced(reason)
+            else:
+                _note_hand_back(reason)
+        elif tracing:
+            route_traced()
+
+        def ours():
+            # Traced: the opaque op, which decides per call at run time. Eager: the same function
+            # without the dispatcher's cost (the lm_head runs eagerly every step).
+            if tracing:
+                return torch.ops.opgraft.linear(x, layer.weight, bias)
+            return linear_op.linear_or_torch(x, layer.weight, bias)
+
+        call = dispatch.LinearCall(x=x, weight=getattr(layer, "weight", None), bias=bias, delegate=delegate, ours=ours,
+                                   extra_reason=reason)
+        return dispatch.variant_fn("linear", name)(call)
+
+    apply.__doc__ = (original.__doc__ or "") + "\n\n(wrapped by opgraft: see opgraft/vllm/linear_seam.py)"
+    setattr(apply, _PATCH_ATTR, original)
+    return apply
+
+
+def make_wrapper(cls, original):
+    """The wrapper of cls.apply around original (tests call it with a recording original)."""
+    targets, default, why = _targets()
+    for c, mod in targets:
+        if issubclass(cls, c):
+            return _make_wrapper(cls, mod, default, original)
+    raise ValueError(why or f"{cls.__name__} is not a class the linear seam patches")
+
+
+def _compile_factor() -> str:
+    from .. import __version__
+
+    return f"opgraft {__version__}, linear variant {dispatch.selected_variant('linear')}"
+
+
+def _add_compile_factor() -> None:
+    try:
+        import vllm.envs as envs
+    except Exception:
+        return
+    table = getattr(envs, "environment_variables", None)
+    if isinstance(table, dict):
+        table[COMPILE_FACTOR] = _compile_factor
+
+
+def _remove_compile_factor() -> None:
+    try:
+        import vllm.envs as envs
+    except Exception:
+        return
+    table = getattr(envs, "environment_variables", None)
+    if isinstance(table, dict) and table.get(COMPILE_FACTOR) is _compile_factor:
+        del table[COMPILE_FACTOR]
+
+
+def install() -> tuple[bool, str]:
+    """Patches both methods once; returns (installed, message)."""
+    targets, default, why = _targets()
+    if not targets:
+        return False, why
+    for cls, _ in targets:
+        current = cls.__dict__.get("apply")
+        if current is None or (not hasattr(current, _PATCH_ATTR) and not _signature_matches(current)):
+            return False, f"vllm's {cls.__name__}.apply has an unexpected signature (another vLLM version?)"
+    try:
+        from ..ops import linear as _op  # noqa: F401  (registers torch.ops.opgraft.linear)
+    except Exception as e:
+        return False, f"the linear op cannot be loaded ({type(e).__name__}: {e})"
+    if all(hasattr(cls.__dict__["apply"], _PATCH_ATTR) for cls, _ in targets):
+        return True, "linear seam already installed"
+    for cls, mod in targets:
+        current = cls.__dict__["apply"]
+        if not hasattr(current, _PATCH_ATTR):
+            cls.apply = _make_wrapper(cls, mod, default, current)
+    _add_compile_factor()
+    return True, "linear seam installed (UnquantizedLinearMethod.apply, UnquantizedEmbeddingMethod.apply)"
+
+
+def uninstall() -> None:
+    targets, _, _ = _targets()
+    for cls, _ in targets:
+        current = cls.__dict__.get("apply")
+        if current is not None and hasattr(current, _PATCH_ATTR):
+            cls.apply = getattr(current, _PATCH_ATTR)
+    _remove_compile_factor()
+
+
+def installed() -> bool:
+    targets, _, _ = _targets()
+    return bool(targets) and all(hasattr(cls.__dict__.get("apply"), _PATCH_ATTR) for cls, _ in targets)

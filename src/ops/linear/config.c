@@ -1,0 +1,102 @@
+/* The linear op's configuration: tunables (rows, rules) -> the kernel's compile-time constants,
+ * clamped to what compiles without spills; the compile options; describe and compile report. */
+#include <stdio.h>
+#include <string.h>
+
+#include "linear.h"
+
+/* The clamps keep one k-step group's 16-byte operands (x and each tile's W) at 16 or fewer, 64
+ * registers, and the launch-bounds minimum at 16 warps an SM or fewer (128 registers a thread):
+ * the compile test checks that every such variant is spill-free on sm_80 and sm_90. */
+void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const char *gpu, og_linear_cfg *c) {
+  char shape[96];
+  opgraft__linear_shape_key(a, shape, sizeof shape);
+  const int32_t M = (int32_t)a->rows;
+  c->warps = (int)opgraft__tune_value("linear.warps", arch, gpu, shape, M);
+  c->tiles = (int)opgraft__tune_value("linear.tiles", arch, gpu, shape, M);
+  c->unroll = (int)opgraft__tune_value("linear.unroll", arch, gpu, shape, M);
+  c->min_blocks = (int)opgraft__tune_value("linear.min_blocks", arch, gpu, shape, M);
+  /* Forms 1 and 4 exist (og_common.cuh); any other value reads as 4. */
+  c->load = opgraft__tune_value("linear.load", arch, gpu, shape, M) == 1 ? 1 : 4;
+  const int64_t f = opgraft__tune_value("linear.l2_fetch", arch, gpu, shape, M);
+  c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
+  c->pdl = arch >= 90 && opgraft__tune_value("linear.pdl", arch, gpu, shape, M) != 0;
+  const int64_t steps = (a->in_features / 8 + 3) / 4;
+  const int64_t per_warp = (steps + c->warps - 1) / c->warps;
+  while (c->unroll > 1 && c->unroll * (c->tiles + 1) > 16) c->unroll--;
+  if (c->unroll > per_warp) c->unroll = per_warp > 0 ? (int)per_warp : 1; /* no loads a warp never issues */
+  while (c->min_blocks > 1 && c->min_blocks * c->warps > 16) c->min_blocks--;
+}
+
+int32_t opgraft__linear_options(const opgraft_linear_args *a, const og_linear_cfg *c, og_opts *o) {
+  memset(o, 0, sizeof *o);
+#define OG_OPT(...) opgraft__opt(o, __VA_ARGS__)
+  OG_OPT("-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
+  OG_OPT("-DOG_K=%lld", (long long)a->in_features);
+  OG_OPT("-DOG_WARPS=%d", c->warps);
+  OG_OPT("-DOG_TILES=%d", c->tiles);
+  OG_OPT("-DOG_U=%d", c->unroll);
+  OG_OPT("-DOG_MINB=%d", c->min_blocks);
+  OG_OPT("-DOG_LOAD=%d", c->load);
+  OG_OPT("-DOG_L2_FETCH=%d", c->l2_fetch);
+  OG_OPT("-DOG_PDL=%d", c->pdl);
+#undef OG_OPT
+  return opgraft__opts_check(o, "linear");
+}
+
+unsigned opgraft__linear_grid(const opgraft_linear_args *a, const og_linear_cfg *c) {
+  const int64_t rows = 8 * (int64_t)c->tiles;
+  return (unsigned)((a->out_features + rows - 1) / rows);
+}
+
+void opgraft__linear_fn_name(int32_t dtype, char name[64]) {
+  snprintf(name, 64, "linear_gemv_%s", dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
+}
+
+/* The checks a compile-only call needs (no device, no pointers). */
+static int32_t compile_check(const opgraft_linear_args *a, const char *what) {
+  char reason[256];
+  if (!a || a->struct_size < sizeof *a) return opgraft__fail(OPGRAFT_EINVAL, "%s: bad arguments", what);
+  if (!opgraft__op_ok(&opgraft__linear_op))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the linear op is not registered");
+  const int32_t st = opgraft__linear_check_static(a, reason, sizeof reason);
+  if (st) return opgraft__fail(st, "%s: %s", what, reason);
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft_linear_describe(const opgraft_linear_args *a, int32_t arch, char *buf, size_t buf_len) {
+  int32_t st = compile_check(a, "opgraft_linear_describe");
+  if (st) return st;
+  if (!buf || !buf_len) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_describe: no buffer");
+  og_linear_cfg cfg;
+  opgraft__linear_config(a, arch, a->gpu_name, &cfg);
+  og_opts o;
+  if ((st = opgraft__linear_options(a, &cfg, &o))) return st;
+  if ((st = opgraft__opts_join(&o, buf, buf_len))) return st;
+  const size_t used = strlen(buf);
+  const int w = snprintf(buf + used, buf_len - used, " grid=%u threads=%d", opgraft__linear_grid(a, &cfg),
+                         32 * cfg.warps);
+  if (w < 0 || (size_t)w >= buf_len - used) return opgraft__fail(OPGRAFT_ERANGE, "opgraft_linear_describe: buffer too small");
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft_linear_compile_report(const opgraft_linear_args *a, int32_t arch, opgraft_kernel_info *out,
+                                      int32_t cap, int32_t *count) {
+  if (!count || (cap > 0 && !out))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_compile_report: bad arguments");
+  int32_t st = compile_check(a, "opgraft_linear_compile_report");
+  if (st) return st;
+  og_linear_cfg cfg;
+  opgraft__linear_config(a, arch, a->gpu_name, &cfg);
+  og_opts o;
+  if ((st = opgraft__linear_options(a, &cfg, &o))) return st;
+  /* Through the cache: the compiler log is kept with the cubin, so a report needs no recompile. */
+  og_cubin cub;
+  if ((st = opgraft__cubin_cached(OG_LINEAR_SOURCE, o.ptr, o.n, arch, &cub))) return st;
+  char name[64];
+  opgraft__linear_fn_name(a->dtype, name);
+  *count = 1;
+  if (cap > 0) st = opgraft__parse_resources(cub.log, name, &out[0]);
+  opgraft__cubin_free(&cub);
+  return st;
+}

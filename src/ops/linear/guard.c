@@ -1,0 +1,97 @@
+/* The linear op's guard ("can we take this call, and why not") and its shape key. */
+#include <stdio.h>
+#include <string.h>
+
+#include "linear.h"
+
+const char *opgraft__linear_dtype_name(int32_t d) {
+  switch (d) {
+  case OPGRAFT_DTYPE_BF16: return "bf16";
+  case OPGRAFT_DTYPE_FP16: return "fp16";
+  case OPGRAFT_DTYPE_FP32: return "fp32";
+  case OPGRAFT_DTYPE_INT32: return "int32";
+  case OPGRAFT_DTYPE_INT64: return "int64";
+  case OPGRAFT_DTYPE_FP8_E4M3: return "fp8_e4m3";
+  case OPGRAFT_DTYPE_UINT8: return "uint8";
+  }
+  return "unknown";
+}
+
+void opgraft__linear_shape_key(const opgraft_linear_args *a, char *buf, size_t len) {
+  snprintf(buf, len, "linear:%s:N%lld:K%lld", opgraft__linear_dtype_name(a->dtype), (long long)a->out_features,
+           (long long)a->in_features);
+}
+
+#define OG_REASON(...) (snprintf(reason, reason_len, __VA_ARGS__), OPGRAFT_EUNSUPPORTED)
+
+int32_t opgraft__linear_check_static(const opgraft_linear_args *a, char *reason, size_t reason_len) {
+  if (!a) return OG_REASON("no arguments");
+  if (a->struct_size < sizeof(opgraft_linear_args))
+    return OG_REASON("opgraft_linear_args.struct_size %u < %zu: caller built against an older ABI", a->struct_size,
+                     sizeof(opgraft_linear_args));
+  if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
+    return OG_REASON("dtype %s (the kernel takes bf16 and fp16)", opgraft__linear_dtype_name(a->dtype));
+  if (a->weight_dtype != a->dtype || a->out_dtype != a->dtype || (a->bias && a->bias_dtype != a->dtype))
+    return OG_REASON("dtype mismatch: x %s, weight %s, bias %s, out %s", opgraft__linear_dtype_name(a->dtype),
+                     opgraft__linear_dtype_name(a->weight_dtype),
+                     a->bias ? opgraft__linear_dtype_name(a->bias_dtype) : "none",
+                     opgraft__linear_dtype_name(a->out_dtype));
+  const int64_t M = a->rows, N = a->out_features, K = a->in_features;
+  if (M < 0) return OG_REASON("negative row count %lld", (long long)M);
+  if (M > OG_LINEAR_MAX_ROWS) return OG_REASON("rows %lld > %d (kernel limit)", (long long)M, OG_LINEAR_MAX_ROWS);
+  if (K < 8 || K % 8) return OG_REASON("in_features %lld is not a positive multiple of 8", (long long)K);
+  if (K > OG_LINEAR_MAX_K) return OG_REASON("in_features %lld > %d", (long long)K, OG_LINEAR_MAX_K);
+  if (N < 1 || N > OG_LINEAR_MAX_N) return OG_REASON("out_features %lld outside 1..%d", (long long)N, OG_LINEAR_MAX_N);
+  if (a->x_stride[1] != 1 || a->weight_stride[1] != 1 || a->out_stride[1] != 1)
+    return OG_REASON("a tensor's last dimension is not contiguous");
+  if (a->weight_stride[0] < K)
+    return OG_REASON("weight row stride %lld < in_features %lld", (long long)a->weight_stride[0], (long long)K);
+  if (a->weight_stride[0] % 8)
+    return OG_REASON("weight row stride %lld is not a multiple of 8 elements (16 bytes)", (long long)a->weight_stride[0]);
+  /* One row needs no row stride (a [1, K] view may carry any). */
+  if (M > 1 && a->x_stride[0] < K)
+    return OG_REASON("x row stride %lld < in_features %lld", (long long)a->x_stride[0], (long long)K);
+  if (M > 1 && a->x_stride[0] % 8)
+    return OG_REASON("x row stride %lld is not a multiple of 8 elements (16 bytes)", (long long)a->x_stride[0]);
+  if (M > 1 && a->out_stride[0] < N)
+    return OG_REASON("out row stride %lld < out_features %lld", (long long)a->out_stride[0], (long long)N);
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft__linear_check_pointers(const opgraft_linear_args *a, char *reason, size_t reason_len) {
+  if (a->rows > 0 && (!a->x || !a->weight || !a->out)) return OG_REASON("a tensor pointer is NULL");
+  if ((((uintptr_t)a->x | (uintptr_t)a->weight) & 15u)) return OG_REASON("x or weight not 16-byte aligned");
+  if ((((uintptr_t)a->out | (uintptr_t)a->bias) & 1u)) return OG_REASON("out or bias misaligned");
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft__linear_check_device(const opgraft_linear_args *a, int32_t *arch_out, char *gpu, size_t gpu_len,
+                                     char *reason, size_t reason_len) {
+  int32_t arch = a->arch;
+  if (gpu && gpu_len) opgraft__copy(gpu, gpu_len, a->gpu_name);
+  if (!arch) {
+    const int32_t st = opgraft__current_device(NULL, &arch, gpu, gpu_len);
+    if (st) return OG_REASON("no GPU: %s", opgraft_last_error());
+  }
+  if (arch < OG_LINEAR_MIN_ARCH) return OG_REASON("sm_%d is older than sm_%d", arch, OG_LINEAR_MIN_ARCH);
+  char shape[96];
+  opgraft__linear_shape_key(a, shape, sizeof shape);
+  const char *g = gpu && *gpu ? gpu : NULL;
+  const int64_t max_rows = opgraft__tune_value("linear.max_rows", arch, g, shape, (int32_t)a->rows);
+  if (a->rows > max_rows)
+    return OG_REASON("rows %lld > linear.max_rows %lld", (long long)a->rows, (long long)max_rows);
+  if (arch_out) *arch_out = arch;
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft_linear_supports(const opgraft_linear_args *args, char *reason, size_t reason_len) {
+  char local[256];
+  if (!reason || !reason_len) reason = local, reason_len = sizeof local;
+  reason[0] = 0;
+  char gpu[256];
+  int32_t st = opgraft__linear_check_static(args, reason, reason_len);
+  if (!st) st = opgraft__linear_check_pointers(args, reason, reason_len);
+  if (!st) st = opgraft__linear_check_device(args, NULL, gpu, sizeof gpu, reason, reason_len);
+  if (st) opgraft__fail(st, "linear call not supported: %s", reason);
+  return st;
+}

@@ -1,0 +1,73 @@
+/* The linear op's rules: tunable values derived from the shape and the GPU, used wherever no baked
+ * row (table.c) matches. No GPU has measured them yet: they follow from the kernel's structure and
+ * the MoE kernels' measurements (bench/NOTES.md), and the baked rows will say where a measurement
+ * beats them.
+ *
+ * - linear.max_rows (hand-back threshold): 8 on sm_90, where the kernel is meant to win (weights
+ *   streamed once at the read ceiling against cuBLAS's ~40% measured in a Qwen3-30B-A3B decode
+ *   step, issue 23) and its cost barely grows with the rows. Conservative elsewhere: one row on
+ *   other sm_80+ GPUs, where nothing was measured.
+ * - linear.warps: 8 warps split K; 16 when the call has fewer 8-row tiles than the GPU has SMs
+ *   (router gates: [128, 2048] gives 16 blocks), so that more loads are in flight; halved while a
+ *   warp would get fewer than 4 k-steps of 32.
+ * - linear.tiles: as few 8-row tiles a block as let every block be resident at once (the GPU's SMs
+ *   x 16 warps an SM at 128 registers a thread): the blocks then stream side by side and end
+ *   together, with no partial last wave. Qwen3-30B-A3B's qkv [5120, 2048]: 640 tiles, 264 resident
+ *   blocks of 8 warps -> 3 tiles, 214 blocks. Where even 4 tiles need several waves (lm_head,
+ *   dense MLPs) blocks of 2 tiles stream wave after wave.
+ * - linear.unroll: 8 k-steps in flight a warp at one tile, 4 from two (4 KB or more of weights in
+ *   flight a warp), never more than a warp's k-steps.
+ * - linear.min_blocks: 16 warps an SM (MoE v13: without a minimum ptxas trades the loads issued
+ *   together for fewer registers).
+ * - linear.l2_fetch 128 (the MoE kernels' largest single gain, NOTES v2), linear.load 4 (the form
+ *   that kept its speed after other kernels had filled L2, NOTES v9), linear.pdl 0 (unmeasured). */
+#include <stdio.h>
+#include <string.h>
+
+#include "linear.h"
+
+int opgraft__linear_parse_shape(const char *shape, og_linear_shape *s) {
+  char dt[8];
+  long long N, K;
+  if (!shape || sscanf(shape, "linear:%7[a-z0-9]:N%lld:K%lld", dt, &N, &K) != 3) return 0;
+  if (N < 1 || K < 8) return 0;
+  s->N = N, s->K = K;
+  return 1;
+}
+
+/* SMs of the usual GPU of an arch (the rule cannot see the device): H100/H200 SXM 132, A100 108. */
+static int64_t sms_of(int32_t arch) { return arch == 90 ? 132 : arch >= 100 ? 148 : 108; }
+
+static int64_t rule_warps(const og_linear_shape *s, int32_t arch) {
+  const int64_t steps = (s->K / 8 + 3) / 4, tiles8 = (s->N + 7) / 8;
+  int64_t w = tiles8 < sms_of(arch) ? 16 : 8;
+  while (w > 1 && steps < 4 * w) w /= 2;
+  return w;
+}
+
+static int64_t rule_tiles(const og_linear_shape *s, int32_t arch) {
+  const int64_t tiles8 = (s->N + 7) / 8;
+  const int64_t resident = sms_of(arch) * (16 / rule_warps(s, arch));
+  const int64_t t = (tiles8 + resident - 1) / resident;
+  return t < 1 ? 1 : t > 4 ? 2 : t;
+}
+
+int opgraft__linear_rule(const opgraft_tune_query *q, int64_t *value) {
+  const char *key = q->key;
+  if (strcmp(key, "linear.max_rows") == 0) return *value = q->arch == 90 ? 8 : 1, 1;
+  if (strcmp(key, "linear.load") == 0) return *value = 4, 1;
+  if (strcmp(key, "linear.l2_fetch") == 0) return *value = 128, 1;
+  if (strcmp(key, "linear.pdl") == 0) return *value = 0, 1;
+  og_linear_shape s;
+  if (!opgraft__linear_parse_shape(q->shape, &s)) return 0;
+  if (strcmp(key, "linear.warps") == 0) return *value = rule_warps(&s, q->arch), 1;
+  if (strcmp(key, "linear.tiles") == 0) return *value = rule_tiles(&s, q->arch), 1;
+  if (strcmp(key, "linear.min_blocks") == 0) return *value = 16 / rule_warps(&s, q->arch), 1;
+  if (strcmp(key, "linear.unroll") == 0) {
+    const int64_t steps = (s.K / 8 + 3) / 4, w = rule_warps(&s, q->arch);
+    const int64_t per_warp = (steps + w - 1) / w;
+    const int64_t u = rule_tiles(&s, q->arch) == 1 ? 8 : 4;
+    return *value = u < per_warp ? u : per_warp, 1;
+  }
+  return 0;
+}

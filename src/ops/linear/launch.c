@@ -1,0 +1,167 @@
+/* The linear op's plans and launches: a plan resolves the guard, the tunables and the compiled
+ * kernel once per layout; a run fills the pointers and enqueues one kernel. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../../kernels/linear/linear_params.h"
+#include "linear.h"
+
+struct opgraft_linear_plan {
+  og_CUcontext ctx;
+  uint32_t tune_gen;
+  opgraft_linear_args args; /* the arguments the plan was made for, pointers cleared */
+  int32_t arch;
+  og_linear_cfg cfg;
+  og_CUfunction fn;
+  unsigned grid, threads;
+  og_linear_params proto; /* strides and sizes; a run adds the pointers */
+};
+
+static int32_t current_ctx(const og_cuda_api **cu, og_CUcontext *ctx) {
+  if (!(*cu = opgraft__cuda())) return OPGRAFT_ENOLIB;
+  int32_t st = opgraft__cu_check((*cu)->cuCtxGetCurrent(ctx), "cuCtxGetCurrent");
+  if (st) return st;
+  if (!*ctx) return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread");
+  return OPGRAFT_OK;
+}
+
+#define OG_REASON_FAIL(st) opgraft__fail(st, "linear call not supported: %s", reason)
+
+int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_plan **out, char *reason,
+                                   size_t reason_len) {
+  char local[256];
+  if (!reason || !reason_len) reason = local, reason_len = sizeof local;
+  reason[0] = 0;
+  if (!out) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_create: no plan pointer");
+  *out = NULL;
+  if (!opgraft__op_ok(&opgraft__linear_op)) {
+    snprintf(reason, reason_len, "the linear op is not registered (its descriptor was refused)");
+    return OG_REASON_FAIL(OPGRAFT_EUNSUPPORTED);
+  }
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  int32_t st = current_ctx(&cu, &ctx);
+  if (st) return st;
+  if ((st = opgraft__linear_check_static(a, reason, reason_len))) return OG_REASON_FAIL(st);
+  char gpu[256] = "";
+  int32_t arch = 0;
+  const uint32_t gen = opgraft__tune_generation();
+  if ((st = opgraft__linear_check_device(a, &arch, gpu, sizeof gpu, reason, reason_len))) return OG_REASON_FAIL(st);
+
+  opgraft_linear_plan *p = calloc(1, sizeof *p);
+  if (!p) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
+  p->ctx = ctx, p->tune_gen = gen, p->arch = arch, p->args = *a;
+  p->args.x = p->args.weight = NULL;
+  p->args.bias = a->bias ? (const void *)1 : NULL; /* only whether there is one */
+  p->args.out = NULL, p->args.gpu_name = NULL;
+  opgraft__linear_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
+  og_opts o;
+  char name[64];
+  opgraft__linear_fn_name(a->dtype, name);
+  const char *np[1] = {name};
+  if (!(st = opgraft__linear_options(a, &p->cfg, &o)))
+    st = opgraft__get_functions(OG_LINEAR_SOURCE, o.ptr, o.n, arch, np, 1, &p->fn);
+  if (st) {
+    free(p);
+    return st;
+  }
+  p->grid = opgraft__linear_grid(a, &p->cfg);
+  p->threads = 32u * (unsigned)p->cfg.warps;
+  og_linear_params *q = &p->proto;
+  q->x_stride = a->x_stride[0], q->w_stride = a->weight_stride[0], q->y_stride = a->out_stride[0];
+  q->M = (int)a->rows, q->N = (int)a->out_features;
+  *out = p;
+  return OPGRAFT_OK;
+}
+
+void opgraft_linear_plan_destroy(opgraft_linear_plan *p) { free(p); }
+
+/* One launch; with linear.pdl as a programmatic dependent of the stream's previous kernel. */
+static int32_t launch(const og_cuda_api *cu, const opgraft_linear_plan *plan, og_linear_params *p, og_CUstream s) {
+  void *params[] = {p};
+  if (!plan->cfg.pdl)
+    return opgraft__cu_check(cu->cuLaunchKernel(plan->fn, plan->grid, 1, 1, plan->threads, 1, 1, 0, s, params, NULL),
+                             "launch linear_gemv");
+  og_CUlaunchAttribute attr;
+  memset(&attr, 0, sizeof attr);
+  attr.id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.flag = 1;
+  og_CUlaunchConfig lc = {plan->grid, 1, 1, plan->threads, 1, 1, 0, s, &attr, 1};
+  return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan->fn, params, NULL),
+                           "launch linear_gemv (programmatic dependent launch)");
+}
+
+int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight, const void *bias,
+                                void *out, void *stream) {
+  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: no plan");
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  int32_t st = current_ctx(&cu, &ctx);
+  if (st) return st;
+  if (ctx != plan->ctx || plan->tune_gen != opgraft__tune_generation())
+    return opgraft__fail(OPGRAFT_ESTALE, "linear plan made under %s: make a new one",
+                         ctx != plan->ctx ? "another CUDA context" : "other tunables");
+  if (plan->args.rows == 0) return OPGRAFT_OK;
+  if (!x || !weight || !out || !bias != !plan->args.bias)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a NULL pointer (or bias unlike the plan's)");
+  if ((((uintptr_t)x | (uintptr_t)weight) & 15u) || (((uintptr_t)out | (uintptr_t)bias) & 1u))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a pointer is misaligned");
+  og_linear_params p = plan->proto;
+  p.x = x, p.w = weight, p.bias = bias, p.y = out;
+  return launch(cu, plan, &p, (og_CUstream)stream);
+}
+
+/* ---- the argument-struct entry point, through plans cached here ---- */
+
+#define OG_PLANS 128
+static opgraft_linear_plan *plans[OG_PLANS];
+static int nplans, next_evict;
+static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Do two argument sets give the same plan? Strides are not compared: this entry point takes them
+ * from each call's arguments. */
+static int same_plan(const opgraft_linear_args *p, const opgraft_linear_args *q) {
+  return p->dtype == q->dtype && p->weight_dtype == q->weight_dtype && p->out_dtype == q->out_dtype &&
+         !p->bias == !q->bias && (!p->bias || p->bias_dtype == q->bias_dtype) && p->rows == q->rows &&
+         p->out_features == q->out_features && p->in_features == q->in_features && p->arch == q->arch;
+}
+
+int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
+  char reason[256];
+  int32_t st;
+  if ((st = opgraft__linear_check_static(a, reason, sizeof reason)) ||
+      (st = opgraft__linear_check_pointers(a, reason, sizeof reason)))
+    return opgraft__fail(st, "linear call not supported: %s", reason);
+  if (a->rows == 0) return OPGRAFT_OK;
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  if ((st = current_ctx(&cu, &ctx))) return st;
+
+  const uint32_t gen = opgraft__tune_generation();
+  opgraft_linear_plan local, *plan = NULL; /* a copy: the cached one may be evicted meanwhile */
+  pthread_mutex_lock(&plan_lock);
+  for (int i = 0; i < nplans && !plan; ++i)
+    if (plans[i]->ctx == ctx && plans[i]->tune_gen == gen && same_plan(&plans[i]->args, a))
+      local = *plans[i], plan = &local;
+  pthread_mutex_unlock(&plan_lock);
+  if (!plan) {
+    opgraft_linear_plan *made = NULL;
+    if ((st = opgraft_linear_plan_create(a, &made, reason, sizeof reason))) return st;
+    local = *made, plan = &local;
+    pthread_mutex_lock(&plan_lock);
+    if (nplans < OG_PLANS) {
+      plans[nplans++] = made;
+    } else {
+      free(plans[next_evict]);
+      plans[next_evict] = made;
+      next_evict = (next_evict + 1) % OG_PLANS;
+    }
+    pthread_mutex_unlock(&plan_lock);
+  }
+  og_linear_params p = plan->proto;
+  p.x = a->x, p.w = a->weight, p.bias = a->bias, p.y = a->out;
+  p.x_stride = a->x_stride[0], p.w_stride = a->weight_stride[0], p.y_stride = a->out_stride[0];
+  return launch(cu, plan, &p, (og_CUstream)stream);
+}

@@ -1,0 +1,59 @@
+/* The linear op's tunable keys and its baked per-arch rows, and its descriptor for the core's
+ * registry. Rows match like tune-file entries (src/core/tune.c); where none matches, the rule in
+ * heuristics.c decides from the shape. Rows exist only where a measurement beat that rule: none
+ * yet (no GPU has run the kernel). */
+#include "linear.h"
+
+/* Ranges are what the kernel accepts; the fallback applies only where neither a row nor the rule
+ * gives a value; the last field is what `opgraft tune` tries (config.c clamps what would not fit).
+ * linear.max_rows is a hand-back threshold, not a speed choice the tuner makes. */
+static const og_tunable tunables[] = {
+    {"linear.max_rows", 0, OG_LINEAR_MAX_ROWS, 1, NULL},
+    {"linear.warps", 1, 16, 8, "2 4 8 16"},
+    {"linear.tiles", 1, 4, 1, "1 2 3 4"},
+    {"linear.unroll", 1, 8, 4, "2 4 8"},
+    {"linear.min_blocks", 0, 16, 0, "0 1 2 4"},
+    {"linear.load", 1, 4, 4, "4 1"},
+    {"linear.l2_fetch", 0, 256, 0, "0 128 256"},
+    {"linear.pdl", 0, 1, 0, "0 1"},
+};
+
+/* A placeholder row keeps the array non-empty for the compiler; nrows below excludes it. */
+static const og_tune_entry rows[] = {
+    /* BEGIN TUNED ROWS */
+    /* END TUNED ROWS */
+    {0, NULL, NULL, 0, 0, NULL, 0, NULL},
+};
+
+static void linear_abi(og_sbuf *b) {
+  OG_ABI_STRUCT(b, opgraft_linear_args);
+  OG_ABI_FIELD(b, opgraft_linear_args, struct_size);
+  OG_ABI_FIELD(b, opgraft_linear_args, dtype);
+  OG_ABI_FIELD(b, opgraft_linear_args, weight_dtype);
+  OG_ABI_FIELD(b, opgraft_linear_args, bias_dtype);
+  OG_ABI_FIELD(b, opgraft_linear_args, out_dtype);
+  OG_ABI_FIELD(b, opgraft_linear_args, rows);
+  OG_ABI_FIELD(b, opgraft_linear_args, out_features);
+  OG_ABI_FIELD(b, opgraft_linear_args, in_features);
+  OG_ABI_FIELD(b, opgraft_linear_args, x);
+  OG_ABI_FIELD(b, opgraft_linear_args, x_stride);
+  OG_ABI_FIELD(b, opgraft_linear_args, weight);
+  OG_ABI_FIELD(b, opgraft_linear_args, weight_stride);
+  OG_ABI_FIELD(b, opgraft_linear_args, bias);
+  OG_ABI_FIELD(b, opgraft_linear_args, out);
+  OG_ABI_FIELD(b, opgraft_linear_args, out_stride);
+  OG_ABI_FIELD(b, opgraft_linear_args, arch);
+  OG_ABI_FIELD(b, opgraft_linear_args, gpu_name);
+  opgraft__abi_end(b);
+}
+
+const og_op opgraft__linear_op = {
+    .name = "linear",
+    .kernel_dir = "linear",
+    .tunables = tunables,
+    .ntunables = (int)(sizeof tunables / sizeof *tunables),
+    .rows = rows,
+    .nrows = (int)(sizeof rows / sizeof *rows) - 1,
+    .rule = opgraft__linear_rule,
+    .abi = linear_abi,
+};

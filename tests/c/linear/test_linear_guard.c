@@ -1,0 +1,393 @@
+/* The linear op's guard (which calls the kernel takes and why it refuses the others), its rule
+ * and its configuration. No GPU and no data are needed: the pointers are fake but aligned, and
+ * neither the guard nor the configuration reads them. */
+#include "og_test.h"
+#include "linear/linear.h"
+
+static char tmp[512];
+
+static int setup(void **state) {
+  og_tmpdir(tmp, sizeof tmp);
+  setenv("OPGRAFT_CACHE_DIR", tmp, 1); /* nothing here should write a cache file */
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  return 0;
+}
+
+static int teardown(void **state) {
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  unsetenv("OPGRAFT_CACHE_DIR");
+  og_rm_rf(tmp);
+  return 0;
+}
+
+static int reset_tunables(void **state) {
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  return 0;
+}
+
+static void set_shape(opgraft_linear_args *a, int64_t M, int64_t N, int64_t K) {
+  a->rows = M, a->out_features = N, a->in_features = K;
+  a->x_stride[0] = K, a->x_stride[1] = 1;
+  a->weight_stride[0] = K, a->weight_stride[1] = 1;
+  a->out_stride[0] = N, a->out_stride[1] = 1;
+}
+
+/* bf16, M=1, Qwen3-30B-A3B's qkv projection [5120, 2048] with a bias, on sm_90. */
+static opgraft_linear_args valid_args(void) {
+  opgraft_linear_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = a.weight_dtype = a.bias_dtype = a.out_dtype = OPGRAFT_DTYPE_BF16;
+  set_shape(&a, 1, 5120, 2048);
+  a.x = (const void *)0x10000;
+  a.weight = (const void *)0x100000;
+  a.bias = (const void *)0x200000;
+  a.out = (void *)0x300000;
+  a.arch = 90;
+  return a;
+}
+
+static void expect_ok(const opgraft_linear_args *a, const char *what) {
+  char reason[256] = "unset";
+  const int32_t st = opgraft_linear_supports(a, reason, sizeof reason);
+  if (st != OPGRAFT_OK) fail_msg("%s: %s, reason \"%s\"", what, opgraft_status_name(st), reason);
+  assert_string_equal(reason, "");
+}
+
+static void expect_refusal(const opgraft_linear_args *a, const char *needle, const char *what) {
+  char reason[256] = "unset";
+  const int32_t st = opgraft_linear_supports(a, reason, sizeof reason);
+  if (st != OPGRAFT_EUNSUPPORTED)
+    fail_msg("%s: %s, expected OPGRAFT_EUNSUPPORTED (reason \"%s\")", what, opgraft_status_name(st), reason);
+  if (!strstr(reason, needle)) fail_msg("%s: reason \"%s\" lacks \"%s\"", what, reason, needle);
+  if (!strstr(opgraft_last_error(), reason))
+    fail_msg("%s: last error \"%s\" lacks the reason", what, opgraft_last_error());
+}
+
+static void test_valid(void **state) {
+  opgraft_linear_args a = valid_args();
+  expect_ok(&a, "qkv M=1 with bias");
+  a.bias = NULL, a.bias_dtype = 0; /* no bias: its dtype is not looked at */
+  expect_ok(&a, "qkv M=1 without bias");
+  for (int64_t M = 1; M <= 8; ++M) {
+    set_shape(&a, M, 5120, 2048);
+    expect_ok(&a, "M 1..8 on sm_90");
+  }
+  a.dtype = a.weight_dtype = a.out_dtype = OPGRAFT_DTYPE_FP16;
+  expect_ok(&a, "fp16");
+  /* Odd N and the smallest K; padded rows; a one-row x with any row stride. */
+  set_shape(&a, 3, 7, 8);
+  expect_ok(&a, "N=7 K=8");
+  set_shape(&a, 2, 129, 72);
+  a.x_stride[0] = 80, a.weight_stride[0] = 136, a.out_stride[0] = 200;
+  expect_ok(&a, "padded rows");
+  set_shape(&a, 1, 151936, 2048);
+  a.x_stride[0] = 3;
+  expect_ok(&a, "one row: its row stride is never used");
+}
+
+static void test_zero_rows(void **state) {
+  opgraft_linear_args a = valid_args();
+  a.rows = 0;
+  expect_ok(&a, "M=0");
+  a.x = a.weight = a.bias = NULL;
+  a.out = NULL;
+  expect_ok(&a, "M=0 with NULL pointers");
+}
+
+/* ---- one refusal per case ---- */
+
+typedef struct refusal {
+  void (*mutate)(opgraft_linear_args *a);
+  const char *needle;
+} refusal;
+
+static void m_struct_size(opgraft_linear_args *a) { a->struct_size = (uint32_t)sizeof *a - 8; }
+static void m_dtype_fp32(opgraft_linear_args *a) { a->dtype = a->weight_dtype = a->bias_dtype = a->out_dtype = OPGRAFT_DTYPE_FP32; }
+static void m_weight_fp16(opgraft_linear_args *a) { a->weight_dtype = OPGRAFT_DTYPE_FP16; }
+static void m_bias_fp32(opgraft_linear_args *a) { a->bias_dtype = OPGRAFT_DTYPE_FP32; }
+static void m_out_fp32(opgraft_linear_args *a) { a->out_dtype = OPGRAFT_DTYPE_FP32; }
+static void m_rows_9(opgraft_linear_args *a) { set_shape(a, 9, 5120, 2048); }
+static void m_rows_neg(opgraft_linear_args *a) { a->rows = -1; }
+static void m_k_12(opgraft_linear_args *a) { set_shape(a, 1, 5120, 12); }
+static void m_k_0(opgraft_linear_args *a) { set_shape(a, 1, 5120, 0); }
+static void m_k_huge(opgraft_linear_args *a) { set_shape(a, 1, 16, (1 << 20) + 8); }
+static void m_n_0(opgraft_linear_args *a) { set_shape(a, 1, 0, 2048); }
+static void m_x_col_stride(opgraft_linear_args *a) { a->x_stride[1] = 2; }
+static void m_w_col_stride(opgraft_linear_args *a) { a->weight_stride[1] = 2; }
+static void m_out_col_stride(opgraft_linear_args *a) { a->out_stride[1] = 2; }
+static void m_w_rows_short(opgraft_linear_args *a) { a->weight_stride[0] = 2040; }
+static void m_w_row_stride(opgraft_linear_args *a) { a->weight_stride[0] = 2052; }
+static void m_x_rows_short(opgraft_linear_args *a) {
+  set_shape(a, 2, 5120, 2048);
+  a->x_stride[0] = 2040;
+}
+static void m_x_row_stride(opgraft_linear_args *a) {
+  set_shape(a, 2, 5120, 2048);
+  a->x_stride[0] = 2052;
+}
+static void m_out_rows_short(opgraft_linear_args *a) {
+  set_shape(a, 2, 5120, 2048);
+  a->out_stride[0] = 5119;
+}
+static void m_x_misaligned(opgraft_linear_args *a) { a->x = (const void *)0x10008; }
+static void m_w_misaligned(opgraft_linear_args *a) { a->weight = (const void *)0x100004; }
+static void m_out_odd(opgraft_linear_args *a) { a->out = (void *)0x300001; }
+static void m_bias_odd(opgraft_linear_args *a) { a->bias = (const void *)0x200001; }
+static void m_null_x(opgraft_linear_args *a) { a->x = NULL; }
+static void m_null_out(opgraft_linear_args *a) { a->out = NULL; }
+static void m_arch_75(opgraft_linear_args *a) { a->arch = 75; }
+
+static const refusal r_struct_size = {m_struct_size, "struct_size"};
+static const refusal r_dtype_fp32 = {m_dtype_fp32, "dtype fp32 (the kernel takes bf16 and fp16)"};
+static const refusal r_weight_fp16 = {m_weight_fp16, "dtype mismatch: x bf16, weight fp16, bias bf16, out bf16"};
+static const refusal r_bias_fp32 = {m_bias_fp32, "dtype mismatch: x bf16, weight bf16, bias fp32"};
+static const refusal r_out_fp32 = {m_out_fp32, "out fp32"};
+static const refusal r_rows_9 = {m_rows_9, "rows 9 > 8 (kernel limit)"};
+static const refusal r_rows_neg = {m_rows_neg, "negative row count"};
+static const refusal r_k_12 = {m_k_12, "in_features 12 is not a positive multiple of 8"};
+static const refusal r_k_0 = {m_k_0, "in_features 0 is not a positive multiple of 8"};
+static const refusal r_k_huge = {m_k_huge, "in_features 1048584 >"};
+static const refusal r_n_0 = {m_n_0, "out_features 0 outside"};
+static const refusal r_x_col_stride = {m_x_col_stride, "not contiguous"};
+static const refusal r_w_col_stride = {m_w_col_stride, "not contiguous"};
+static const refusal r_out_col_stride = {m_out_col_stride, "not contiguous"};
+static const refusal r_w_rows_short = {m_w_rows_short, "weight row stride 2040 < in_features 2048"};
+static const refusal r_w_row_stride = {m_w_row_stride, "weight row stride 2052 is not a multiple of 8 elements"};
+static const refusal r_x_rows_short = {m_x_rows_short, "x row stride 2040 < in_features"};
+static const refusal r_x_row_stride = {m_x_row_stride, "x row stride 2052 is not a multiple of 8 elements"};
+static const refusal r_out_rows_short = {m_out_rows_short, "out row stride 5119 < out_features 5120"};
+static const refusal r_x_misaligned = {m_x_misaligned, "16-byte aligned"};
+static const refusal r_w_misaligned = {m_w_misaligned, "16-byte aligned"};
+static const refusal r_out_odd = {m_out_odd, "misaligned"};
+static const refusal r_bias_odd = {m_bias_odd, "misaligned"};
+static const refusal r_null_x = {m_null_x, "NULL"};
+static const refusal r_null_out = {m_null_out, "NULL"};
+static const refusal r_arch_75 = {m_arch_75, "sm_75 is older than sm_80"};
+
+static void test_refusal(void **state) {
+  const refusal *r = *state;
+  opgraft_linear_args a = valid_args();
+  r->mutate(&a);
+  expect_refusal(&a, r->needle, r->needle);
+}
+
+static void test_null_args(void **state) {
+  char reason[128] = "";
+  assert_int_equal(opgraft_linear_supports(NULL, reason, sizeof reason), OPGRAFT_EUNSUPPORTED);
+  assert_true(reason[0] != 0);
+}
+
+static void test_max_rows_rule_and_tunable(void **state) {
+  /* The rule: up to 8 rows on sm_90, one row on other GPUs (unmeasured there). */
+  opgraft_linear_args a = valid_args();
+  set_shape(&a, 8, 5120, 2048);
+  expect_ok(&a, "M=8 on sm_90");
+  a.arch = 80;
+  set_shape(&a, 1, 5120, 2048);
+  expect_ok(&a, "M=1 on sm_80");
+  set_shape(&a, 2, 5120, 2048);
+  expect_refusal(&a, "rows 2 > linear.max_rows 1", "M=2 on sm_80");
+  /* The tunable moves the threshold; the kernel's own limit stays. */
+  a.arch = 90;
+  setenv("OPGRAFT_TUNE_LINEAR_MAX_ROWS", "4", 1);
+  opgraft_tune_reload();
+  set_shape(&a, 4, 5120, 2048);
+  expect_ok(&a, "M=4 with linear.max_rows=4");
+  set_shape(&a, 5, 5120, 2048);
+  expect_refusal(&a, "rows 5 > linear.max_rows 4", "M=5 with linear.max_rows=4");
+  setenv("OPGRAFT_TUNE_LINEAR_MAX_ROWS", "0", 1);
+  opgraft_tune_reload();
+  set_shape(&a, 1, 5120, 2048);
+  expect_refusal(&a, "rows 1 > linear.max_rows 0", "linear.max_rows=0 hands every call back");
+}
+
+static void test_no_gpu_without_arch(void **state) {
+  opgraft_linear_args a = valid_args();
+  a.arch = 0;
+  expect_refusal(&a, "no GPU", "arch 0 without a current CUDA context");
+}
+
+static void test_run_without_gpu(void **state) {
+  opgraft_runtime_info info;
+  assert_int_equal(opgraft_runtime_query(&info), OPGRAFT_OK);
+  opgraft_linear_args a = valid_args();
+  const int32_t st = opgraft_linear_run(&a, NULL);
+  assert_int_not_equal(st, OPGRAFT_OK);
+  if (!info.libcuda_path[0]) assert_int_equal(st, OPGRAFT_ENOLIB);
+  else assert_int_equal(st, OPGRAFT_ENODEV);
+  opgraft_linear_plan *plan = (opgraft_linear_plan *)0x1;
+  char reason[256];
+  assert_int_not_equal(opgraft_linear_plan_create(&a, &plan, reason, sizeof reason), OPGRAFT_OK);
+  assert_null(plan);
+  assert_int_equal(opgraft_linear_plan_create(&a, NULL, reason, sizeof reason), OPGRAFT_EINVAL);
+  assert_int_equal(opgraft_linear_plan_run(NULL, NULL, NULL, NULL, NULL, NULL), OPGRAFT_EINVAL);
+  opgraft_linear_plan_destroy(NULL);
+  /* A refused call is refused before anything is loaded. */
+  a.rows = 9;
+  assert_int_equal(opgraft_linear_run(&a, NULL), OPGRAFT_EUNSUPPORTED);
+  assert_non_null(strstr(opgraft_last_error(), "rows 9 > 8"));
+}
+
+/* ---- the rule and the configuration ---- */
+
+static og_linear_cfg config_of(int64_t M, int64_t N, int64_t K, int32_t arch) {
+  opgraft_linear_args a = valid_args();
+  set_shape(&a, M, N, K);
+  og_linear_cfg c;
+  opgraft__linear_config(&a, arch, NULL, &c);
+  return c;
+}
+
+static void expect_cfg(int64_t N, int64_t K, int warps, int tiles, int unroll, int min_blocks, unsigned grid) {
+  opgraft_linear_args a = valid_args();
+  set_shape(&a, 1, N, K);
+  og_linear_cfg c;
+  opgraft__linear_config(&a, 90, NULL, &c);
+  const unsigned g = opgraft__linear_grid(&a, &c);
+  if (c.warps != warps || c.tiles != tiles || c.unroll != unroll || c.min_blocks != min_blocks || g != grid)
+    fail_msg("[%lld, %lld] on sm_90: warps %d tiles %d unroll %d min blocks %d grid %u, expected %d %d %d %d %u",
+             (long long)N, (long long)K, c.warps, c.tiles, c.unroll, c.min_blocks, g, warps, tiles, unroll,
+             min_blocks, grid);
+  assert_int_equal(c.load, 4);
+  assert_int_equal(c.l2_fetch, 128);
+  assert_int_equal(c.pdl, 0);
+}
+
+static void test_rule_shapes(void **state) {
+  /* Every block resident at once where 4 tiles a block allow it (132 SMs x 16 warps an SM). */
+  expect_cfg(5120, 2048, 8, 3, 4, 2, 214);    /* Qwen3-30B-A3B qkv: 640 tiles over 264 blocks */
+  expect_cfg(2048, 4096, 8, 1, 8, 2, 256);    /* Qwen3-30B-A3B o */
+  expect_cfg(128, 2048, 16, 1, 4, 1, 16);     /* Qwen3-30B-A3B router gate: 16 tiles < 132 SMs */
+  expect_cfg(151936, 2048, 8, 2, 4, 2, 9496); /* lm_head: many waves of 16-row blocks */
+  expect_cfg(6144, 4096, 8, 3, 4, 2, 256);    /* Llama-3-8B qkv */
+  expect_cfg(1280, 8192, 8, 1, 8, 2, 160);    /* Llama-3-70B/tp8 qkv */
+  expect_cfg(8192, 1024, 8, 4, 3, 2, 256);    /* Llama-3-70B/tp8 o: 4 tiles at 3 k-steps in flight */
+  expect_cfg(7, 72, 1, 1, 3, 16, 1);          /* tiny: one warp, its 3 k-steps */
+  expect_cfg(1, 8, 1, 1, 1, 16, 1);
+  /* The rule's values are what the tunables give where no row exists. */
+  int64_t v = 0;
+  char src[64];
+  const opgraft_tune_query q = {"linear.tiles", 90, NULL, "linear:bf16:N5120:K2048", 1};
+  assert_int_equal(opgraft_tune_get(&q, &v, src, sizeof src), OPGRAFT_OK);
+  assert_int_equal(v, 3);
+  assert_string_equal(src, "rule");
+  /* Without a shape the fallbacks apply. */
+  const opgraft_tune_query nos = {"linear.warps", 90, NULL, NULL, 1};
+  assert_int_equal(opgraft_tune_get(&nos, &v, src, sizeof src), OPGRAFT_OK);
+  assert_int_equal(v, 8);
+  assert_string_equal(src, "default");
+}
+
+static void test_config_clamps(void **state) {
+  /* Tunables set past what compiles without spills are clamped; values are those of config.c. */
+  setenv("OPGRAFT_TUNE_LINEAR_TILES", "4", 1);
+  setenv("OPGRAFT_TUNE_LINEAR_UNROLL", "8", 1);
+  setenv("OPGRAFT_TUNE_LINEAR_WARPS", "16", 1);
+  setenv("OPGRAFT_TUNE_LINEAR_MIN_BLOCKS", "4", 1);
+  setenv("OPGRAFT_TUNE_LINEAR_L2_FETCH", "200", 1);
+  setenv("OPGRAFT_TUNE_LINEAR_LOAD", "2", 1);
+  setenv("OPGRAFT_TUNE_LINEAR_PDL", "1", 1);
+  opgraft_tune_reload();
+  og_linear_cfg c = config_of(1, 5120, 2048, 90);
+  assert_int_equal(c.tiles, 4);
+  assert_int_equal(c.unroll, 3);     /* (4 tiles + x) x 3 steps = 15 operands of 16 bytes */
+  assert_int_equal(c.warps, 16);
+  assert_int_equal(c.min_blocks, 1); /* 16 warps an SM */
+  assert_int_equal(c.l2_fetch, 128);
+  assert_int_equal(c.load, 4);
+  assert_int_equal(c.pdl, 1);
+  c = config_of(1, 5120, 2048, 80);
+  assert_int_equal(c.pdl, 0); /* programmatic dependent launch needs sm_90 */
+  /* A warp never gets more steps in flight than it has: K=64 is 2 k-steps, 16 warps. */
+  c = config_of(1, 5120, 64, 90);
+  assert_int_equal(c.unroll, 1);
+  setenv("OPGRAFT_TUNE_LINEAR_LOAD", "1", 1);
+  setenv("OPGRAFT_TUNE_LINEAR_L2_FETCH", "256", 1);
+  opgraft_tune_reload();
+  c = config_of(1, 5120, 2048, 90);
+  assert_int_equal(c.load, 1);
+  assert_int_equal(c.l2_fetch, 256);
+}
+
+static void test_describe(void **state) {
+  opgraft_linear_args a = valid_args();
+  char buf[512];
+  assert_int_equal(opgraft_linear_describe(&a, 90, buf, sizeof buf), OPGRAFT_OK);
+  assert_string_equal(buf, "-DOG_DTYPE=1 -DOG_K=2048 -DOG_WARPS=8 -DOG_TILES=3 -DOG_U=4 -DOG_MINB=2 -DOG_LOAD=4 "
+                           "-DOG_L2_FETCH=128 -DOG_PDL=0 grid=214 threads=256");
+  char small[40];
+  assert_int_equal(opgraft_linear_describe(&a, 90, small, sizeof small), OPGRAFT_ERANGE);
+  assert_int_equal(opgraft_linear_describe(NULL, 90, buf, sizeof buf), OPGRAFT_EINVAL);
+  a.in_features = 12;
+  assert_int_equal(opgraft_linear_describe(&a, 90, buf, sizeof buf), OPGRAFT_EUNSUPPORTED);
+  assert_non_null(strstr(opgraft_last_error(), "multiple of 8"));
+  /* fp16, and sm_80 (108 SMs: 640 tiles over 216 resident blocks, 3 tiles a block). */
+  a = valid_args();
+  a.dtype = a.weight_dtype = a.bias_dtype = a.out_dtype = OPGRAFT_DTYPE_FP16;
+  assert_int_equal(opgraft_linear_describe(&a, 80, buf, sizeof buf), OPGRAFT_OK);
+  assert_non_null(strstr(buf, "-DOG_DTYPE=2 "));
+  assert_non_null(strstr(buf, "-DOG_TILES=3 "));
+  assert_non_null(strstr(buf, "grid=214 "));
+}
+
+static void test_shape_key(void **state) {
+  opgraft_linear_args a = valid_args();
+  char key[96];
+  opgraft__linear_shape_key(&a, key, sizeof key);
+  assert_string_equal(key, "linear:bf16:N5120:K2048");
+  og_linear_shape s;
+  assert_true(opgraft__linear_parse_shape(key, &s));
+  assert_int_equal(s.N, 5120);
+  assert_int_equal(s.K, 2048);
+  assert_false(opgraft__linear_parse_shape("moe:bf16:E128:H2048:I768:k8", &s));
+  assert_false(opgraft__linear_parse_shape("linear:bf16:N0:K2048", &s));
+  assert_false(opgraft__linear_parse_shape(NULL, &s));
+}
+
+#define REFUSAL(r) {"refuse_" #r, test_refusal, NULL, reset_tunables, (void *)&r_##r}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(test_valid, reset_tunables),
+      cmocka_unit_test_teardown(test_zero_rows, reset_tunables),
+      REFUSAL(struct_size),
+      REFUSAL(dtype_fp32),
+      REFUSAL(weight_fp16),
+      REFUSAL(bias_fp32),
+      REFUSAL(out_fp32),
+      REFUSAL(rows_9),
+      REFUSAL(rows_neg),
+      REFUSAL(k_12),
+      REFUSAL(k_0),
+      REFUSAL(k_huge),
+      REFUSAL(n_0),
+      REFUSAL(x_col_stride),
+      REFUSAL(w_col_stride),
+      REFUSAL(out_col_stride),
+      REFUSAL(w_rows_short),
+      REFUSAL(w_row_stride),
+      REFUSAL(x_rows_short),
+      REFUSAL(x_row_stride),
+      REFUSAL(out_rows_short),
+      REFUSAL(x_misaligned),
+      REFUSAL(w_misaligned),
+      REFUSAL(out_odd),
+      REFUSAL(bias_odd),
+      REFUSAL(null_x),
+      REFUSAL(null_out),
+      REFUSAL(arch_75),
+      cmocka_unit_test(test_null_args),
+      cmocka_unit_test_teardown(test_max_rows_rule_and_tunable, reset_tunables),
+      cmocka_unit_test(test_no_gpu_without_arch),
+      cmocka_unit_test(test_run_without_gpu),
+      cmocka_unit_test_teardown(test_rule_shapes, reset_tunables),
+      cmocka_unit_test_teardown(test_config_clamps, reset_tunables),
+      cmocka_unit_test_teardown(test_describe, reset_tunables),
+      cmocka_unit_test(test_shape_key),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

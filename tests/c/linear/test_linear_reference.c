@@ -1,0 +1,208 @@
+/* The CPU oracle opgraft_linear_reference against a brute-force fp64 loop written here (its own
+ * 16-bit decoding and rounding), with strides, bias, odd sizes and both dtypes. */
+#include <math.h>
+
+#include "og_test.h"
+
+/* ---- 16-bit floats, decoded and rounded independently of the library ---- */
+
+static double dec(int32_t dtype, uint16_t h) {
+  if (dtype == OPGRAFT_DTYPE_BF16) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  double v;
+  if (e == 0x1f) v = m ? NAN : INFINITY;
+  else if (e == 0) v = ldexp((double)m, -24);
+  else v = ldexp(1.0 + m / 1024.0, e - 15);
+  return (h & 0x8000) ? -v : v;
+}
+
+/* The 16-bit value nearest to d, ties to the even encoding, found by search over the encodings
+ * of d's sign (slow and plain; finite values only). */
+static uint16_t nearest(int32_t dtype, double d) {
+  const uint16_t sign = signbit(d) ? 0x8000 : 0;
+  const uint16_t top = dtype == OPGRAFT_DTYPE_BF16 ? 0x7f80 : 0x7c00; /* infinity */
+  uint16_t best = sign;
+  double best_err = INFINITY;
+  for (uint32_t b = 0; b <= top; ++b) {
+    const double v = dec(dtype, (uint16_t)(sign | b));
+    if (isinf(v)) continue;
+    const double err = fabs(v - d);
+    if (err < best_err || (err == best_err && (b & 1) == 0)) best = (uint16_t)(sign | b), best_err = err;
+  }
+  return best;
+}
+
+/* Deterministic pseudo-random 16-bit values with a bounded exponent (bf16 in [2^-7, 2), fp16 in
+ * [2^-5, 2), either sign): every product then has few enough bits, and the sums of up to a few
+ * hundred terms stay exact in fp64, so the oracle must match the brute force exactly. */
+static uint32_t rng_state = 12345;
+static uint32_t rnd(void) {
+  rng_state = rng_state * 1664525u + 1013904223u;
+  return rng_state >> 8;
+}
+static uint16_t rand_half(int32_t dtype) {
+  const uint32_t r = rnd();
+  const uint16_t sign = (r & 1) ? 0x8000 : 0;
+  if (dtype == OPGRAFT_DTYPE_BF16) return sign | (uint16_t)((120 + (r >> 1) % 8) << 7) | (uint16_t)((r >> 4) & 0x7f);
+  return sign | (uint16_t)((10 + (r >> 1) % 6) << 10) | (uint16_t)((r >> 4) & 0x3ff);
+}
+
+typedef struct problem {
+  int32_t dtype;
+  int64_t M, N, K, xs, ws, os; /* row strides in elements */
+  int bias;
+  uint16_t *x, *w, *b, *out;
+} problem;
+
+static problem make(int32_t dtype, int64_t M, int64_t N, int64_t K, int64_t x_pad, int64_t w_pad, int64_t o_pad,
+                    int bias) {
+  problem p = {dtype, M, N, K, K + x_pad, K + w_pad, N + o_pad, bias, NULL, NULL, NULL, NULL};
+  p.x = calloc((size_t)(M * p.xs + 1), 2);
+  p.w = calloc((size_t)(N * p.ws + 1), 2);
+  p.b = calloc((size_t)N + 1, 2);
+  p.out = calloc((size_t)(M * p.os + 1), 2);
+  assert_non_null(p.x);
+  assert_non_null(p.w);
+  assert_non_null(p.b);
+  assert_non_null(p.out);
+  /* A 16-bit value the brute-force decoder will recognise if the oracle reads past a row. */
+  const uint16_t poison = dtype == OPGRAFT_DTYPE_BF16 ? 0x7fc1 : 0x7e01;
+  for (int64_t i = 0; i < M * p.xs; ++i) p.x[i] = i % p.xs < K ? rand_half(dtype) : poison;
+  for (int64_t i = 0; i < N * p.ws; ++i) p.w[i] = i % p.ws < K ? rand_half(dtype) : poison;
+  for (int64_t i = 0; i < N; ++i) p.b[i] = rand_half(dtype);
+  for (int64_t i = 0; i < M * p.os; ++i) p.out[i] = poison;
+  return p;
+}
+
+static void release(problem *p) { free(p->x), free(p->w), free(p->b), free(p->out); }
+
+static opgraft_linear_args args_of(const problem *p) {
+  opgraft_linear_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = a.weight_dtype = a.bias_dtype = a.out_dtype = p->dtype;
+  a.rows = p->M, a.out_features = p->N, a.in_features = p->K;
+  a.x = p->x, a.x_stride[0] = p->xs, a.x_stride[1] = 1;
+  a.weight = p->w, a.weight_stride[0] = p->ws, a.weight_stride[1] = 1;
+  a.bias = p->bias ? p->b : NULL;
+  a.out = p->out, a.out_stride[0] = p->os, a.out_stride[1] = 1;
+  return a;
+}
+
+/* The brute force: y[m][n] = sum_k x[m][k] w[n][k] + b[n], term by term in long double. */
+static long double brute(const problem *p, int64_t m, int64_t n) {
+  long double acc = 0;
+  for (int64_t k = 0; k < p->K; ++k)
+    acc += (long double)dec(p->dtype, p->x[m * p->xs + k]) * (long double)dec(p->dtype, p->w[n * p->ws + k]);
+  if (p->bias) acc += dec(p->dtype, p->b[n]);
+  return acc;
+}
+
+static void check(int32_t dtype, int64_t M, int64_t N, int64_t K, int64_t x_pad, int64_t w_pad, int64_t o_pad,
+                  int bias, const char *what) {
+  problem p = make(dtype, M, N, K, x_pad, w_pad, o_pad, bias);
+  opgraft_linear_args a = args_of(&p);
+  double *y = malloc(sizeof(double) * (size_t)(M * N + 1));
+  assert_non_null(y);
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_OK);
+  assert_int_equal(opgraft_linear_reference(&a, NULL), OPGRAFT_OK); /* rounded into out */
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      const long double want = brute(&p, m, n);
+      const double got = y[m * N + n];
+      if ((long double)got != want)
+        fail_msg("%s: y[%lld][%lld] = %.17g, brute force %.17Lg", what, (long long)m, (long long)n, got, want);
+      const uint16_t r = p.out[m * p.os + n], w = nearest(dtype, (double)want);
+      if (r != w) fail_msg("%s: out[%lld][%lld] = 0x%04x, nearest to %.17Lg is 0x%04x", what, (long long)m, (long long)n,
+                           r, want, w);
+    }
+    for (int64_t n = N; n < p.os; ++n) /* the padding of out is never written */
+      assert_int_equal(p.out[m * p.os + n], dtype == OPGRAFT_DTYPE_BF16 ? 0x7fc1 : 0x7e01);
+  }
+  free(y);
+  release(&p);
+}
+
+static void test_own_helpers(void **state) {
+  assert_int_equal(nearest(OPGRAFT_DTYPE_BF16, 1.0), 0x3f80);
+  assert_int_equal(nearest(OPGRAFT_DTYPE_BF16, -2.0), 0xc000);
+  assert_int_equal(nearest(OPGRAFT_DTYPE_BF16, 1.0 + ldexp(1, -8)), 0x3f80); /* a tie: to even */
+  assert_int_equal(nearest(OPGRAFT_DTYPE_BF16, 1.0 + 3 * ldexp(1, -8)), 0x3f82);
+  assert_int_equal(nearest(OPGRAFT_DTYPE_FP16, 1.0), 0x3c00);
+  assert_int_equal(nearest(OPGRAFT_DTYPE_FP16, 65504.0), 0x7bff);
+  assert_int_equal(nearest(OPGRAFT_DTYPE_FP16, ldexp(1, -24)), 0x0001);
+  assert_true(dec(OPGRAFT_DTYPE_FP16, 0x3555) > 0.333 && dec(OPGRAFT_DTYPE_FP16, 0x3555) < 0.334);
+}
+
+static void test_shapes_bf16(void **state) {
+  check(OPGRAFT_DTYPE_BF16, 1, 1, 8, 0, 0, 0, 0, "M=1 N=1 K=8");
+  check(OPGRAFT_DTYPE_BF16, 3, 7, 72, 0, 0, 0, 1, "M=3 N=7 K=72 bias");
+  check(OPGRAFT_DTYPE_BF16, 8, 129, 40, 8, 16, 5, 1, "M=8 N=129 K=40 padded rows, bias");
+  check(OPGRAFT_DTYPE_BF16, 5, 33, 256, 0, 8, 0, 0, "M=5 N=33 K=256");
+}
+
+static void test_shapes_fp16(void **state) {
+  check(OPGRAFT_DTYPE_FP16, 1, 5, 8, 0, 0, 0, 1, "fp16 M=1 N=5 K=8 bias");
+  check(OPGRAFT_DTYPE_FP16, 8, 17, 96, 24, 8, 3, 1, "fp16 M=8 N=17 K=96 padded rows, bias");
+  check(OPGRAFT_DTYPE_FP16, 2, 64, 136, 0, 0, 0, 0, "fp16 M=2 N=64 K=136");
+}
+
+static void test_rounding_at_ties(void **state) {
+  /* x = [1, 2^-8] and w = [1, 1]: the sum 1 + 2^-8 is a bf16 tie and rounds to even (1.0); with
+   * 3 * 2^-8 it rounds up. The oracle rounds once, from fp64. */
+  uint16_t x[2] = {0x3f80, 0x3b80}, w[2] = {0x3f80, 0x3f80}, out[1] = {0};
+  opgraft_linear_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = a.weight_dtype = a.out_dtype = OPGRAFT_DTYPE_BF16;
+  a.rows = 1, a.out_features = 1, a.in_features = 2;
+  a.x = x, a.x_stride[0] = 2, a.x_stride[1] = 1;
+  a.weight = w, a.weight_stride[0] = 2, a.weight_stride[1] = 1;
+  a.out = out, a.out_stride[0] = 1, a.out_stride[1] = 1;
+  assert_int_equal(opgraft_linear_reference(&a, NULL), OPGRAFT_OK);
+  assert_int_equal(out[0], 0x3f80);
+  x[1] = 0x3c40; /* 3 * 2^-8 */
+  assert_int_equal(opgraft_linear_reference(&a, NULL), OPGRAFT_OK);
+  assert_int_equal(out[0], 0x3f82);
+}
+
+static void test_zero_rows_and_bad_arguments(void **state) {
+  problem p = make(OPGRAFT_DTYPE_BF16, 1, 4, 8, 0, 0, 0, 1);
+  opgraft_linear_args a = args_of(&p);
+  double y[4];
+  a.rows = 0;
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_OK);
+  a.rows = 1;
+  assert_int_equal(opgraft_linear_reference(NULL, y), OPGRAFT_EINVAL);
+  a.struct_size = 8;
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EINVAL);
+  a.struct_size = sizeof a;
+  a.weight_dtype = OPGRAFT_DTYPE_FP16;
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EUNSUPPORTED);
+  a.weight_dtype = OPGRAFT_DTYPE_BF16;
+  a.dtype = a.weight_dtype = a.bias_dtype = a.out_dtype = OPGRAFT_DTYPE_FP32;
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EUNSUPPORTED);
+  a = args_of(&p);
+  a.in_features = 0;
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EINVAL);
+  a = args_of(&p);
+  a.x = NULL;
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EINVAL);
+  release(&p);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_own_helpers),
+      cmocka_unit_test(test_shapes_bf16),
+      cmocka_unit_test(test_shapes_fp16),
+      cmocka_unit_test(test_rounding_at_ties),
+      cmocka_unit_test(test_zero_rows_and_bad_arguments),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

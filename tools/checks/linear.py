@@ -1,0 +1,234 @@
+"""The linear op's GPU correctness cases (tools.gpucheck runs them): M = 1..8, odd N, K from 8 to
+14336 (a partial last k-step included), bias on and off, strided x and out, fp16, each tunable
+path, through the custom op (and its hand-back to torch, bit for bit), under CUDA-graph capture,
+against the fp64 oracle, with poisoned outputs and a bit-identical rerun; then the bench rows."""
+
+from __future__ import annotations
+
+import torch
+
+from opgraft import _lib, bench, dispatch
+from opgraft.bench import linear as linear_bench
+from opgraft.ops import linear as ops
+from opgraft.presets import LINEAR_PRESETS, LinearShape
+
+NAME = "linear"
+
+
+def prepare() -> None:
+    """Before the cases: every row count the kernel supports."""
+    linear_bench.measure_whole_row_range()
+
+
+def _case(name, N, K, M, dtype="bf16", bias=False, x_pad=0, out_pad=0, tunables=None, seed=0, path="into",
+          expect="opgraft", misaligned=False):
+    """path: "into" (ops.linear_into into a poisoned, possibly strided out), "op"
+    (torch.ops.opgraft.linear; expect "opgraft" or "torch", the op's hand-back), "graph" (captured
+    into a CUDA graph, replayed with new x). tunables: {key: value} set for this case only."""
+    return dict(name=name, N=N, K=K, M=M, dtype=dtype, bias=bias, x_pad=x_pad, out_pad=out_pad,
+                tunables=tunables or {}, seed=seed, path=path, expect=expect, misaligned=misaligned)
+
+
+def cases() -> list[dict]:
+    out = [_case(f"M={M} [129, 2048]{' bias' if M % 2 else ''}", 129, 2048, M, bias=bool(M % 2), seed=M)
+           for M in range(1, 9)]
+    out += [
+        # odd N, K from 8 to 14336
+        _case("N=1 K=8 M=1", 1, 8, 1),
+        _case("N=7 K=72 M=3 bias (a partial k-step)", 7, 72, 3, bias=True),
+        _case("N=129 K=8 M=8", 129, 8, 8),
+        _case("N=1 K=14336 M=2 bias", 1, 14336, 2, bias=True),
+        _case("N=7 K=14336 M=8", 7, 14336, 8),
+        _case("N=129 K=4096 M=5", 129, 4096, 5),
+        _case("N=5120 K=72 M=4", 5120, 72, 4),
+        _case("N=5120 K=2048 M=1 (Qwen3-30B-A3B qkv)", 5120, 2048, 1),
+        _case("N=5120 K=2048 M=8 bias", 5120, 2048, 8, bias=True),
+        _case("N=2048 K=4096 M=2 (Qwen3-30B-A3B o)", 2048, 4096, 2),
+        _case("N=128 K=2048 M=1 (router gate)", 128, 2048, 1),
+        _case("N=4096 K=14336 M=3 (Llama-3-8B down)", 4096, 14336, 3),
+        _case("N=8192 K=1024 M=1 (Llama-3-70B/tp8 o, 4 tiles)", 8192, 1024, 1),
+        _case("N=151936 K=2048 M=1 (lm_head)", 151936, 2048, 1),
+        _case("N=151936 K=2048 M=8 bias (lm_head)", 151936, 2048, 8, bias=True),
+        _case("N=151936 K=72 M=3", 151936, 72, 3),
+        # fp16
+        _case("fp16 N=129 K=2048 M=5 bias", 129, 2048, 5, dtype="fp16", bias=True),
+        _case("fp16 N=5120 K=4096 M=1", 5120, 4096, 1, dtype="fp16"),
+        _case("fp16 N=7 K=72 M=8 bias", 7, 72, 8, dtype="fp16", bias=True),
+        _case("fp16 N=151936 K=2048 M=2", 151936, 2048, 2, dtype="fp16"),
+        # strided x and out
+        _case("strided x and out N=129 K=2048 M=4 bias", 129, 2048, 4, bias=True, x_pad=64, out_pad=3),
+        _case("strided x and out N=5120 K=2048 M=8", 5120, 2048, 8, x_pad=8, out_pad=1),
+        _case("strided x, one row N=5120 K=4096", 5120, 4096, 1, x_pad=24, out_pad=5),
+        # each tunable path (K=2056: 64 full k-steps and a partial one)
+    ]
+    for t in (1, 2, 3, 4):
+        out.append(_case(f"tiles {t}: N=5120 K=2056 M=3 bias", 5120, 2056, 3, bias=True,
+                         tunables={"linear.tiles": t}))
+    out += [
+        _case("warps 1: N=129 K=2056 M=7", 129, 2056, 7, tunables={"linear.warps": 1}),
+        _case("warps 2, unroll 8: N=5120 K=4096 M=2", 5120, 4096, 2, tunables={"linear.warps": 2, "linear.unroll": 8}),
+        _case("warps 16, tiles 4: N=1000 K=2056 M=8 bias", 1000, 2056, 8, bias=True,
+              tunables={"linear.warps": 16, "linear.tiles": 4}),
+        _case("unroll 1: N=129 K=2048 M=1", 129, 2048, 1, tunables={"linear.unroll": 1}),
+        _case("min blocks 0: N=5120 K=2048 M=4", 5120, 2048, 4, tunables={"linear.min_blocks": 0}),
+        _case("load form 1: N=5120 K=2048 M=2 bias", 5120, 2048, 2, bias=True, tunables={"linear.load": 1}),
+        _case("L2 fetch 0: N=2048 K=4096 M=1", 2048, 4096, 1, tunables={"linear.l2_fetch": 0}),
+        _case("L2 fetch 256: N=2048 K=4096 M=8", 2048, 4096, 8, tunables={"linear.l2_fetch": 256}),
+        _case("pdl: N=5120 K=2056 M=3 bias", 5120, 2056, 3, bias=True, tunables={"linear.pdl": 1}),
+        _case("pdl, 16 warps, K=72 (warps without k-steps): N=129 M=8", 129, 72, 8,
+              tunables={"linear.pdl": 1, "linear.warps": 16}),
+        # the custom op: ours, and its hand-backs to torch (bit for bit)
+        _case("op: N=5120 K=2048 M=3 bias", 5120, 2048, 3, bias=True, path="op"),
+        _case("op: M=9 goes to torch", 5120, 2048, 9, bias=True, path="op", expect="torch"),
+        _case("op: x not 16-byte aligned goes to torch", 129, 2048, 2, path="op", expect="torch", misaligned=True),
+        _case("op: fp16 N=7 K=72 M=1", 7, 72, 1, dtype="fp16", path="op"),
+        # torch.compile (Inductor): the op's hand-back inside a compiled graph against stock
+        # vLLM's compiled torch.nn.functional.linear, bit for bit; and the op taken when compiled
+        _case("inductor: M=16 bias goes to torch, stock bits", 5120, 2048, 16, bias=True, path="inductor",
+              expect="torch"),
+        _case("inductor: M=300 goes to torch, stock bits", 2048, 4096, 300, path="inductor", expect="torch"),
+        _case("inductor: M=4 bias, our kernel", 5120, 2048, 4, bias=True, path="inductor"),
+        # CUDA graphs (with and without programmatic dependent launch)
+        _case("graph: N=5120 K=2048 M=4 bias", 5120, 2048, 4, bias=True, path="graph"),
+        _case("graph, pdl: N=2048 K=4096 M=1", 2048, 4096, 1, path="graph", tunables={"linear.pdl": 1}),
+    ]
+    return out
+
+
+def configure(cfg: dict) -> None:
+    """Exactly cfg's tunables set through the library's API; the op's plans are re-made."""
+    _lib.tune_clear()
+    _lib.tune_set(cfg)
+    ops.forget_plans()
+
+
+def run_case(c: dict, device="cuda") -> dict:
+    configure(c["tunables"])
+    try:
+        return _run_case(c, device)
+    finally:
+        configure({})
+
+
+def _reference(x, w, b):
+    y = x.double() @ w.double().T
+    return y + b.double() if b is not None else y
+
+
+def _run_case(c: dict, device) -> dict:
+    N, K, M, dtype = c["N"], c["K"], c["M"], c["dtype"]
+    dt = linear_bench.TORCH_DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(100 + c["seed"])
+    w = linear_bench.make_weight(LinearShape("check", "w", N, K), dtype, device, seed=c["seed"])
+    b = torch.randn(N, generator=gen, device=device).to(dt) if c["bias"] else None
+    if c["misaligned"]:  # 8 bytes past an aligned base
+        x = torch.randn(M * K + 8, generator=gen, device=device).to(dt)[4:4 + M * K].view(M, K)
+    else:
+        x = torch.randn((M, K + c["x_pad"]), generator=gen, device=device).to(dt)[:, :K]
+    ref = _reference(x, w, b)
+    tol = bench.TOLERANCE[dtype]
+    res = {k: v for k, v in c.items()}
+    res["tolerance"] = tol
+    if c["path"] == "op":
+        return _run_op(res, x, w, b, ref, tol)
+    if c["path"] == "graph":
+        return _run_graph(res, x, w, b, tol, gen)
+    if c["path"] == "inductor":
+        return _run_inductor(res, x, w, b, ref, tol)
+    ok, reason = ops.linear_supports(x, w, b)
+    res.update(supported=ok, reason=reason)
+    if not ok:
+        res.update(passed=False)
+        return res
+    ofull = torch.full((M, N + c["out_pad"]), float("nan"), dtype=dt, device=device)
+    out = ofull[:, :N]
+    ops.linear_into(out, x, w, b)
+    err = bench.rel_err(out, ref)
+    pad_ok = bool(torch.isnan(ofull[:, N:]).all()) if c["out_pad"] else True
+    again = torch.full_like(out, float("nan"))
+    ops.linear_into(again, x, w, b)
+    det = bool(torch.equal(out, again))
+    res.update(rel_err=err, deterministic=det, padding_untouched=pad_ok)
+    if N * K * M <= (8 << 20):  # the C fp64 oracle against torch's fp64
+        cref = ops.linear_reference_cpu(x, w, b)
+        res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm().clamp_min(1e-300))
+    res["passed"] = bool(err <= tol and det and pad_ok and res.get("c_oracle_vs_torch_fp64", 0) < 1e-9)
+    return res
+
+
+def _run_op(res, x, w, b, ref, tol) -> dict:
+    stats = dispatch.stats_of("linear")
+    before = stats.snapshot()["taken"]
+    y = torch.ops.opgraft.linear(x, w, b)
+    again = torch.ops.opgraft.linear(x, w, b)
+    taken = stats.snapshot()["taken"] - before
+    err = bench.rel_err(y, ref)
+    det = bool(torch.equal(y, again))
+    res.update(rel_err=err, deterministic=det, taken=taken, reason="")
+    if res["expect"] == "torch":  # handed back: exactly torch's call
+        same = bool(torch.equal(y, torch.nn.functional.linear(x, w, b)))
+        res.update(bit_identical_to_torch=same, reason=ops.linear_supports(x, w, b)[1])
+        res["passed"] = same and taken == 0 and det
+    else:
+        res["passed"] = bool(err <= tol and det and taken == 2 and y.shape == ref.shape)
+    return res
+
+
+def _run_inductor(res, x, w, b, ref, tol) -> dict:
+    torch._dynamo.reset()
+    stock = torch.compile(lambda t: torch.nn.functional.linear(t, w, b) * 2, fullgraph=True, dynamic=True)
+    ours = torch.compile(lambda t: torch.ops.opgraft.linear(t, w, b) * 2, fullgraph=True, dynamic=True)
+    stats = dispatch.stats_of("linear")
+    before = stats.snapshot()["taken"]
+    y, want = ours(x), stock(x)
+    taken = stats.snapshot()["taken"] - before
+    err = bench.rel_err(y / 2, ref)
+    det = bool(torch.equal(y, ours(x)))
+    res.update(rel_err=err, deterministic=det, taken=taken)
+    if res["expect"] == "torch":
+        same = bool(torch.equal(y, want))
+        res.update(bit_identical_to_stock_compiled=same)
+        res["passed"] = same and taken == 0 and det
+    else:
+        res["passed"] = bool(err <= tol and det and taken >= 1)
+    return res
+
+
+def _run_graph(res, x, w, b, tol, gen) -> dict:
+    xbuf = x.clone()
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops.linear_into(out, xbuf, w, b)  # plans and compiles outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.linear_into(out, xbuf, w, b)
+    errs, det = [], True
+    for _ in range(2):
+        xbuf.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(x.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        first = out.clone()
+        errs.append(bench.rel_err(first, _reference(xbuf, w, b)))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        det &= bool(torch.equal(first, out))
+    res.update(rel_err=max(errs), deterministic=det)
+    res["passed"] = bool(max(errs) <= tol and det)
+    return res
+
+
+def bench_rows(ceiling: float, models: str = ",".join(LINEAR_PRESETS), rows: str = "1,2,4,8", dtype: str = "bf16",
+               progress=print) -> list[dict]:
+    """The linear bench at the presets' projections, against torch.nn.functional.linear."""
+    return linear_bench.bench_models(models.split(","), [int(r) for r in rows.split(",")], dtype, ceiling_tbps=ceiling,
+                                     progress=lambda m: progress("  bench " + m))
+
+
+def format_rows(rows: list[dict]) -> str:
+    return linear_bench.format_table(rows)
