@@ -15,6 +15,13 @@ static int regs_needed(int64_t D, int64_t G) {
   return 248;
 }
 
+/* The registers a thread may take with mb blocks of W warps on an SM: each of the SM's 4
+ * schedulers holds its warps' registers in its own 16K, allocated 8 registers a thread at a time. */
+static int regs_cap(int W, int mb) {
+  const int per_scheduler = (W * mb + 3) / 4;
+  return 16384 / (per_scheduler * 32) / 8 * 8;
+}
+
 void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const char *gpu, og_attn_cfg *c) {
   char shape[128];
   opgraft__attn_shape_key(a, shape, sizeof shape);
@@ -25,9 +32,10 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   while (c->warps > 1 && (int64_t)c->warps * G * a->head_size * 4 > (64 << 10)) c->warps /= 2;
   /* A block must fit the register file at the register need (else ptxas would spill). */
   const int need = regs_needed(a->head_size, G);
-  while (c->warps > 1 && 65536 / (32 * c->warps * need) < 1) c->warps /= 2;
+  while (c->warps > 1 && regs_cap(c->warps, 1) < need) c->warps /= 2;
   /* 0: as many blocks an SM as the register need allows; a value is clamped down to that. */
-  const int fit = 65536 / (32 * c->warps * need);
+  int fit = 16;
+  while (fit > 1 && regs_cap(c->warps, fit) < need) --fit;
   const int64_t mb = opgraft__tune_value("attention.min_blocks", arch, gpu, shape, 0);
   c->min_blocks = mb == 0 || mb > fit ? fit : (int)mb;
   if (c->min_blocks < 1) c->min_blocks = 1;
