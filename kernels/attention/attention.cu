@@ -35,9 +35,6 @@
 #ifndef OG_G
 #define OG_G 8
 #endif
-#ifndef OG_BS
-#define OG_BS 16
-#endif
 #ifndef OG_W
 #define OG_W 4
 #endif
@@ -69,9 +66,6 @@
 #endif
 #if OG_G < 1 || OG_G > 16
 #error "OG_G must be in 1..16"
-#endif
-#if OG_BS < 16 || OG_BS % 16 != 0
-#error "OG_BS must be a positive multiple of 16"
 #endif
 
 #define OG_FULL 0xffffffffu
@@ -146,9 +140,10 @@ __device__ __forceinline__ void og_write_out(const og_attn_params &p, int b, int
 }
 
 // The block id of the tile that starts at token tb (tb % 16 == 0, so the whole tile is in it), or
-// -1 where the table or the cache has no such block.
-__device__ __forceinline__ int og_tile_block(const og_attn_params &p, const int *bt, int tb) {
-  const int bi = tb / OG_BS;
+// -1 where the table or the cache has no such block; *row receives tb's row in the block.
+__device__ __forceinline__ int og_tile_block(const og_attn_params &p, const int *bt, int tb, int *row) {
+  const int bi = tb / p.block_size;
+  *row = tb - bi * p.block_size;
   if (bi >= p.max_blocks) return -1;
   const int blk = __ldg(bt + bi);
   return blk >= 0 && blk < p.num_blocks ? blk : -1;
@@ -263,12 +258,12 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 
   // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8.
   og_vec4 kg[OG_DK], k8[OG_DK];
-  int t = warp;
-  int blk = t < ntiles ? og_tile_block(p, bt, r0 + 16 * t) : -1;
+  int t = warp, row = 0;
+  int blk = t < ntiles ? og_tile_block(p, bt, r0 + 16 * t, &row) : -1;
   {
     const int tb = r0 + 16 * t;
     const bool v0 = blk >= 0 && tb + g >= start && tb + g < r1, v1 = blk >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
-    const og_u16 *kp = kbase + (long long)max(blk, 0) * p.k_sb + (long long)(tb % OG_BS + g) * p.k_st;
+    const og_u16 *kp = kbase + (long long)max(blk, 0) * p.k_sb + (long long)(row + g) * p.k_st;
 #pragma unroll
     for (int k = 0; k < OG_DK; ++k) {
       kg[k] = og_kv_load(kp + 32 * k, v0);
@@ -278,7 +273,8 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   for (; t < ntiles; t += OG_W) {
     const int tb = r0 + 16 * t;
     const int tn = t + OG_W;
-    const int blk_next = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn) : -1;
+    int row_next = 0;
+    const int blk_next = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next) : -1;
     // V rows of this tile: tokens c, c+8, c+4, c+12, dims 64j + 8g .. +8.
     og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];
     {
@@ -286,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
       const bool ok = blk >= 0;
       const bool w0 = ok && j0 >= start && j0 < r1, w8 = ok && j0 + 8 >= start && j0 + 8 < r1;
       const bool w4 = ok && j0 + 4 >= start && j0 + 4 < r1, w12 = ok && j0 + 12 >= start && j0 + 12 < r1;
-      const og_u16 *vp = vbase + (long long)max(blk, 0) * p.v_sb + (long long)(tb % OG_BS + c) * p.v_st;
+      const og_u16 *vp = vbase + (long long)max(blk, 0) * p.v_sb + (long long)(row + c) * p.v_st;
 #pragma unroll
       for (int j = 0; j < OG_DV; ++j) {
         vc[j] = og_kv_load(vp + 64 * j, w0);
@@ -311,7 +307,7 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     if (tn < ntiles) {
       const int tbn = r0 + 16 * tn;
       const bool v0 = blk_next >= 0 && tbn + g < r1, v1 = blk_next >= 0 && tbn + g + 8 < r1;
-      const og_u16 *kp = kbase + (long long)max(blk_next, 0) * p.k_sb + (long long)(tbn % OG_BS + g) * p.k_st;
+      const og_u16 *kp = kbase + (long long)max(blk_next, 0) * p.k_sb + (long long)(row_next + g) * p.k_st;
 #pragma unroll
       for (int k = 0; k < OG_DK; ++k) {
         kg[k] = og_kv_load(kp + 32 * k, v0);
@@ -367,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 #pragma unroll
         for (int nh = 0; nh < OG_NH; ++nh) og_mma16816(o[nh][4 * j + i], a0, a1, a2, a3, pb0[nh], pb1[nh]);
       }
-    blk = blk_next;
+    blk = blk_next, row = row_next;
   }
 
   // The warps' results into shared memory: maxima, sums (over the lanes' tokens) and outputs.

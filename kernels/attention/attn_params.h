@@ -20,6 +20,8 @@ typedef struct og_attn_params {
   long long k_sb, k_st, k_sh;
   long long v_sb, v_st, v_sh;
   long long bt_stride;
+  int block_size; /* tokens a cache block, a multiple of 16 (a run-time value: the kernel can be
+                   * compiled before the cache exists) */
   int max_blocks; /* the block table's columns */
   int num_blocks; /* the cache's blocks: a block id outside [0, num_blocks) contributes nothing */
   int window_left; /* OG_WINDOW: keys j >= seq_len - 1 - window_left only (-1: all) */

@@ -56,7 +56,6 @@ int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg
   OG_OPT("-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
   OG_OPT("-DOG_D=%lld", (long long)a->head_size);
   OG_OPT("-DOG_G=%lld", (long long)(a->num_heads / a->num_kv_heads));
-  OG_OPT("-DOG_BS=%lld", (long long)a->block_size);
   OG_OPT("-DOG_W=%d", c->warps);
   OG_OPT("-DOG_MIN_BLOCKS=%d", c->min_blocks);
   OG_OPT("-DOG_SOFTCAP=%d", c->softcap);

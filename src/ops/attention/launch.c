@@ -114,6 +114,7 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
   q->k_sb = a->k_stride[0], q->k_st = a->k_stride[1], q->k_sh = a->k_stride[2];
   q->v_sb = a->v_stride[0], q->v_st = a->v_stride[1], q->v_sh = a->v_stride[2];
   q->bt_stride = a->block_table_stride[0];
+  q->block_size = (int)a->block_size;
   q->max_blocks = (int)a->max_blocks;
   q->num_blocks = (int)a->num_blocks;
   q->window_left = (int)a->window_left;

@@ -272,7 +272,7 @@ static void test_config(void **state) {
   assert_int_equal(c.min_chunk, 128);
   assert_int_equal(c.pdl, 0);
   assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
-  assert_true(has_opt(&o, "-DOG_D=128") && has_opt(&o, "-DOG_G=8") && has_opt(&o, "-DOG_BS=16"));
+  assert_true(has_opt(&o, "-DOG_D=128") && has_opt(&o, "-DOG_G=8"));
   assert_true(has_opt(&o, "-DOG_SOFTCAP=0") && has_opt(&o, "-DOG_WINDOW=0") && has_opt(&o, "-DOG_SINKS=0"));
   char buf[1024];
   assert_int_equal(opgraft_attention_describe(&a, 90, buf, sizeof buf), OPGRAFT_OK);
