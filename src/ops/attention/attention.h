@@ -11,7 +11,7 @@
 #define OG_ATTN_MAX_BATCH 65535 /* the grid's z dimension */
 /* The most blocks one launch puts in the split tree, on any GPU (sizes the workspace of
  * opgraft_attention_run, which has no plan to ask). */
-#define OG_ATTN_MAX_SLOTS 4096
+#define OG_ATTN_MAX_SLOTS 2048
 
 extern const og_op opgraft__attention_op;
 
