@@ -305,11 +305,16 @@ def cmd_bench_attention(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ab.PRESETS.update(presets)
+    impls = tuple(args.impls.split(","))
+    unknown = [i for i in impls if i not in ab.IMPLS]
+    if unknown:
+        print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(ab.IMPLS)})", file=sys.stderr)
+        return 2
     rows: list[dict] = []
     try:
         ceiling = bench.measure_read_ceiling("cuda")
         print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
-        rows = ab.bench_rows(ceiling, points, args.dtype, args.reps, args.between_mib, args.hint,
+        rows = ab.bench_rows(ceiling, points, args.dtype, args.reps, args.between_mib, args.hint, impls,
                              progress=lambda m: print(m, file=sys.stderr, flush=True))
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
@@ -622,6 +627,8 @@ def main(argv=None) -> int:
                     help="read this many MiB of other data before each timed call (0: back to back)")
     ba.add_argument("--hint", type=int, default=0,
                     help="the max_seq_len our kernel gets (0: unknown, as in a CUDA graph; it caps splits only)")
+    ba.add_argument("--impls", default="opgraft,vllm-fa3,vllm-flashinfer,vllm-triton",
+                    help="the implementations to time (default: %(default)s)")
     ba.add_argument("--json", nargs="?", const="-", default=None, help="write JSON rows (to FILE, or stdout)")
     ba.set_defaults(fn=cmd_bench_attention)
     profile_ops = sub.add_parser("profile", help="time split and roofline verdict per token count").add_subparsers(

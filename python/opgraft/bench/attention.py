@@ -324,12 +324,15 @@ DEFAULT_POINTS = [("Qwen3-30B-A3B", b, c) for b in (1, 8, 64) for c in (1024, 81
     ("head-256", 8, 8192)]
 
 
+IMPLS = ("opgraft", *BASELINES)
+
+
 def bench_rows(ceiling_tbps: float, points=DEFAULT_POINTS, dtype: str = "bf16", reps: int = 20,
-               between_mib: int = BETWEEN_MIB, hint: int = 0, progress=print) -> list[dict]:
+               between_mib: int = BETWEEN_MIB, hint: int = 0, impls=IMPLS, progress=print) -> list[dict]:
     rows = []
     for name, batch, context in points:
-        rows += bench_point(PRESETS[name], batch, context, dtype, ceiling_tbps, reps, between_mib, hint=hint,
-                            progress=lambda m: progress("  bench " + m))
+        rows += bench_point(PRESETS[name], batch, context, dtype, ceiling_tbps, reps, between_mib, impls=impls,
+                            hint=hint, progress=lambda m: progress("  bench " + m))
     return rows
 
 
