@@ -15,10 +15,16 @@ extern "C" {
  *   s_j = scale * q[b,h] . k_j           (with softcap > 0: s_j = softcap * tanh(s_j / softcap))
  *   out[b,h] = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sinks[h]))   (no sinks: without the last term)
  * Key j of sequence b lives in cache block block_table[b][j / block_size] at row j % block_size.
- * This is vLLM's decode attention with FlashAttention's window and soft-cap semantics
- * (window_left = sliding_window - 1; FlashAttention's (left, 0) window of a causal decoder).
- * Rows with L <= 0 (vLLM's padding of a CUDA-graph batch) are written as zeros. A block id outside
- * [0, num_blocks) contributes no keys. Accumulation is fp32; out has the query's dtype.
+ * This is vLLM's decode attention with FlashAttention's window, soft-cap and sink semantics, as
+ * read in vLLM 0.26.0 and 0.33.0 (v1/attention/backends/flash_attn.py): window_left is the left
+ * edge of FlashAttention's (sliding_window - 1, 0) window of a causal decoder; the soft cap applies
+ * after the scale; a sink is a per-head logit in the softmax's denominator (FA3's s_aux). The K and
+ * V caches are the views FlashAttentionImpl.forward splits from vLLM's cache (logical (blocks,
+ * kv_heads, block_size, 2*D), physically [block, token, head, K|V] or [block, head, token, K|V]):
+ * any strides that are multiples of 16 bytes, taken from the tensors. Rows with L <= 0 (vLLM's
+ * padding of a CUDA-graph batch: seq_len 0, block-table row 0) are written as zeros, which is what
+ * FlashAttention gives a row without keys. A block id outside [0, num_blocks) contributes no keys.
+ * Accumulation is fp32; out has the query's dtype.
  * ------------------------------------------------------------------------------------------- */
 enum {
   OPGRAFT_ATTN_MLA = 1,        /* multi-head latent attention (a compressed cache): not supported */
