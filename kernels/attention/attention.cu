@@ -75,6 +75,8 @@
 #define OG_MT (OG_D / 16)       // 16-dim row tiles of O^T
 #define OG_NT (OG_W * 32)
 #define OG_QROW OG_ATTN_QROW(OG_D)
+#define OG_QITEMS (OG_NH * 8 * (OG_D / 8))             // 16-byte pieces of the block's query rows
+#define OG_QREGS ((OG_QITEMS + OG_NT - 1) / OG_NT)  // of them per thread
 
 __device__ __forceinline__ float og_ninf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float og_exp2(float x) {
@@ -211,6 +213,15 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 #if OG_PDL
   og_pdl_wait();
 #endif
+  og_vec4 qreg[OG_QREGS];
+  {
+    const og_u16 *qb = (const og_u16 *)p.q + (long long)b * p.q_st + (long long)hq0 * p.q_sh;
+#pragma unroll
+    for (int r = 0; r < OG_QREGS; ++r) {
+      const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+      qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_shared_operand(qb + (long long)h * p.q_sh + d) : og_zero4();
+    }
+  }
   const int L = __ldg(p.seq_lens + b);
   if (L <= 0) {  // a padded row: zeros
     if (s == 0)
@@ -233,13 +244,12 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   const int r0 = a0 + s * chunk, r1 = min(L, r0 + chunk);
   const int ntiles = (r1 - r0 + 15) >> 4;
 
-  // The block's query rows (heads hq0 .. hq0+G-1; rows up to the 8-head tile are zero).
-  {
-    const og_u16 *qb = (const og_u16 *)p.q + (long long)b * p.q_st + (long long)hq0 * p.q_sh;
-    for (int i = tid; i < OG_NH * 8 * (OG_D / 8); i += OG_NT) {
-      const int h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
-      *(og_vec4 *)(sq + h * OG_QROW + d) = h < OG_G ? og_load_shared_operand(qb + (long long)h * p.q_sh + d) : og_zero4();
-    }
+  // The block's query rows (heads hq0 .. hq0+G-1; rows up to the 8-head tile are zero), loaded
+  // before the length so that both loads are in flight together.
+#pragma unroll
+  for (int r = 0; r < OG_QREGS; ++r) {
+    const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+    if (i < OG_QITEMS) *(og_vec4 *)(sq + h * OG_QROW + d) = qreg[r];
   }
   const int *bt = p.block_table + (long long)b * p.bt_stride;
   const og_u16 *kbase = (const og_u16 *)p.k + (long long)hk * p.k_sh + 8 * c;  // this lane's 8 dims of a 32

@@ -11,8 +11,8 @@
  * test checks each variant): the launch-bounds minimum never squeezes a thread below this. */
 static int regs_needed(int64_t D, int64_t G) {
   if (D == 64) return G <= 8 ? 128 : 136;
-  if (D == 128) return G <= 8 ? 168 : 200;
-  return 248;
+  if (D == 128) return G <= 8 ? 168 : 208;
+  return 256;
 }
 
 /* The registers a thread may take with mb blocks of W warps on an SM: each of the SM's 4

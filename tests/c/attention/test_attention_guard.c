@@ -268,7 +268,7 @@ static void test_config(void **state) {
   og_opts o;
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(c.warps, 4);
-  assert_int_equal(c.min_blocks, 3); /* 65536 / (128 threads x 168 registers) */
+  assert_int_equal(c.min_blocks, 3); /* 3 warps a scheduler x 168 registers fill its 16K */
   assert_int_equal(c.min_chunk, 128);
   assert_int_equal(c.pdl, 0);
   assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
