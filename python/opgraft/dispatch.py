@@ -218,7 +218,6 @@ class AttentionCall:
     max_seq_len: int
     delegate: Callable[[], Any]  # runs vLLM's own implementation of this very call
     extra_reason: str = ""  # a reason the seam already knows it must hand back ("" if none)
-    result: Any = None  # what the caller returns when our kernel took the call
 
 
 @register_variant("attention", "passthrough")
@@ -244,7 +243,7 @@ def _attention_opgraft(call: AttentionCall):
     except Exception as e:
         return kernel_failed("attention", e, call)
     stats_of("attention").take()
-    return call.result if call.result is not None else call.output
+    return call.output
 
 
 def stats() -> dict:
