@@ -191,5 +191,6 @@ OPGRAFT_EXTERN int32_t opgraft_stream_read(const void *data, size_t bytes, void 
 /* The ops' own headers. */
 #include "opgraft/moe.h"
 #include "opgraft/linear.h"
+#include "opgraft/attention.h"
 
 #endif /* OPGRAFT_OPGRAFT_H */

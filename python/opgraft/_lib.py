@@ -81,6 +81,48 @@ class LinearArgs(ctypes.Structure):
     ]
 
 
+_I64_4 = ctypes.c_int64 * 4
+ATTN_MLA, ATTN_ENCODER, ATTN_ALIBI, ATTN_NON_CAUSAL = 1, 2, 4, 8
+
+
+class AttentionArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("dtype", ctypes.c_int32),
+        ("kv_dtype", ctypes.c_int32),
+        ("flags", ctypes.c_int32),
+        ("batch", ctypes.c_int64),
+        ("query_len", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_size", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("max_blocks", ctypes.c_int64),
+        ("scale", ctypes.c_double),
+        ("softcap", ctypes.c_double),
+        ("window_left", ctypes.c_int64),
+        ("q", ctypes.c_void_p),
+        ("q_stride", _I64_3),
+        ("k_cache", ctypes.c_void_p),
+        ("k_stride", _I64_4),
+        ("v_cache", ctypes.c_void_p),
+        ("v_stride", _I64_4),
+        ("block_table", ctypes.c_void_p),
+        ("block_table_dtype", ctypes.c_int32),
+        ("block_table_stride", _I64_2),
+        ("seq_lens", ctypes.c_void_p),
+        ("seq_lens_dtype", ctypes.c_int32),
+        ("sinks", ctypes.c_void_p),
+        ("sinks_dtype", ctypes.c_int32),
+        ("out", ctypes.c_void_p),
+        ("out_stride", _I64_3),
+        ("max_seq_len", ctypes.c_int64),
+        ("arch", ctypes.c_int32),
+        ("gpu_name", ctypes.c_char_p),
+    ]
+
+
 class RuntimeInfo(ctypes.Structure):
     _fields_ = [
         ("nvrtc_path", ctypes.c_char * 512),
@@ -114,8 +156,8 @@ class TuneQuery(ctypes.Structure):
 
 
 # The public structs by their C names, for the layout check.
-STRUCTS = {"opgraft_moe_args": MoeArgs, "opgraft_linear_args": LinearArgs, "opgraft_runtime_info": RuntimeInfo, "opgraft_kernel_info": KernelInfo,
-           "opgraft_tune_query": TuneQuery}
+STRUCTS = {"opgraft_moe_args": MoeArgs, "opgraft_linear_args": LinearArgs, "opgraft_attention_args": AttentionArgs,
+           "opgraft_runtime_info": RuntimeInfo, "opgraft_kernel_info": KernelInfo, "opgraft_tune_query": TuneQuery}
 
 _LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_char_p, ctypes.c_void_p)
 _P = ctypes.c_void_p
@@ -180,6 +222,24 @@ _SIGNATURES = {
     ),
     "opgraft_linear_describe": (
         ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_attention_supports": (ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_attention_plan_create": (
+        ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.POINTER(_P), ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_attention_plan_destroy": (None, [_P]),
+    "opgraft_attention_plan_workspace_size": (ctypes.c_size_t, [_P]),
+    "opgraft_attention_plan_run": (
+        ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P]),
+    "opgraft_attention_workspace_size": (
+        ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.POINTER(ctypes.c_size_t)]),
+    "opgraft_attention_run": (ctypes.c_int32, [ctypes.POINTER(AttentionArgs), _P, ctypes.c_size_t, _P]),
+    "opgraft_attention_reference": (ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.POINTER(ctypes.c_double)]),
+    "opgraft_attention_describe": (
+        ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]),
+    "opgraft_attention_compile_report": (
+        ctypes.c_int32,
+        [ctypes.POINTER(AttentionArgs), ctypes.c_int32, ctypes.POINTER(KernelInfo), ctypes.c_int32,
+         ctypes.POINTER(ctypes.c_int32)],
+    ),
     "opgraft_stream_read": (
         ctypes.c_int32,
         [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p],

@@ -345,6 +345,127 @@ def cmd_bench_linear(args) -> int:
     return 0
 
 
+def _parse_ints(text: str, what: str, lo: int, hi: int) -> list[int]:
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} takes comma-separated integers, got {text!r}") from None
+    if not vals or any(v < lo or v > hi for v in vals):
+        raise argparse.ArgumentTypeError(f"{what} values must be between {lo} and {hi}")
+    return vals
+
+
+def attention_args_struct(heads_q: int, heads_kv: int, head_size: int, batch: int, dtype: str, arch: int,
+                          block_size: int = 16) -> _lib.AttentionArgs:
+    """Arguments that describe a decode-attention shape only (fake aligned pointers, vLLM's NHD
+    cache strides): for the guard and the compiler."""
+    a = _lib.AttentionArgs()
+    a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
+    a.dtype = a.kv_dtype = _lib.DTYPE_BF16 if dtype == "bf16" else _lib.DTYPE_FP16
+    a.batch, a.query_len, a.num_heads, a.num_kv_heads, a.head_size = batch, 1, heads_q, heads_kv, head_size
+    a.block_size, a.num_blocks, a.max_blocks = block_size, 1 << 16, 4096
+    a.scale, a.window_left = head_size ** -0.5, -1
+    fake = 1 << 20  # never dereferenced
+    a.q = a.k_cache = a.v_cache = a.block_table = a.seq_lens = a.out = fake
+    a.q_stride[:] = a.out_stride[:] = [heads_q * head_size, head_size, 1]
+    a.k_stride[:] = a.v_stride[:] = [block_size * heads_kv * 2 * head_size, heads_kv * 2 * head_size, 2 * head_size, 1]
+    a.block_table_dtype = a.seq_lens_dtype = _lib.DTYPE_INT32
+    a.block_table_stride[:] = [4096, 1]
+    a.arch = arch
+    return a
+
+
+def _attention_points(args):
+    from .bench import attention as ab
+
+    if args.model is None:
+        return ab.DEFAULT_POINTS, ab.PRESETS
+    presets = dict(ab.PRESETS)
+    if args.model not in presets:
+        try:
+            hq, hk, d = (int(x) for x in args.model.split("/"))
+        except ValueError:
+            raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(ab.PRESETS)}) nor HQ/HKV/D") from None
+        presets[args.model] = ab.AttnShape(args.model, hq, hk, d)
+    return [(args.model, b, c) for b in args.batch for c in args.context], presets
+
+
+def _cpu_bench_attention(args, why: str) -> int:
+    print(f"no GPU here ({why}): running what works without one -- the guard and the NVRTC compile of the "
+          f"kernel for sm_90 with its resource report.", file=sys.stderr)
+    try:
+        points, presets = _attention_points(args)
+        info = _lib.runtime_info()
+    except (ValueError, _lib.OpgraftError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = []
+    for name, batch, context in points:
+        s = presets[name]
+        a = attention_args_struct(s.heads_q, s.heads_kv, s.head_size, batch, args.dtype, 90)
+        reason = ctypes.create_string_buffer(256)
+        st = _lib.lib().opgraft_attention_supports(ctypes.byref(a), reason, len(reason))
+        row = {"op": "attention", "model": name, "batch": batch, "context": context, "heads_q": s.heads_q,
+               "heads_kv": s.heads_kv, "head_size": s.head_size, "arch": "sm_90",
+               "guard": "take" if st == _lib.OK else f"delegate: {reason.value.decode()}"}
+        if info["nvrtc_path"] and st == _lib.OK:
+            ki, n = _lib.KernelInfo(), ctypes.c_int32()
+            st = _lib.lib().opgraft_attention_compile_report(ctypes.byref(a), 90, ctypes.byref(ki), 1, ctypes.byref(n))
+            if st == _lib.OK:
+                row["kernel"] = {"name": ki.name.decode(), "registers": ki.registers,
+                                 "spill_bytes": ki.spill_store_bytes + ki.spill_load_bytes}
+            else:
+                row["compile_error"] = _lib.lib().opgraft_last_error().decode()
+        rows.append(row)
+    if args.json == "-":
+        print(json.dumps({"gpu": None, "why": why, "rows": rows}, indent=1))
+        return 0
+    for r in rows:
+        k = r.get("kernel")
+        print(f"{r['model']:<14} batch {r['batch']:>3} context {r['context']:>6}  {r['guard'][:40]:<40} "
+              f"{(k['name'] + ' ' + str(k['registers']) + 'r/' + str(k['spill_bytes']) + 's') if k else r.get('compile_error', '-')}")
+    return 0
+
+
+def cmd_bench_attention(args) -> int:
+    if not 0 <= args.between_mib <= 4096:
+        print("error: --between-mib must be in 0..4096", file=sys.stderr)
+        return 2
+    ok, why = _gpu_status()
+    if not ok:
+        return _cpu_bench_attention(args, why)
+    from . import bench
+    from .bench import attention as ab
+
+    try:
+        points, presets = _attention_points(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ab.PRESETS.update(presets)
+    impls = tuple(args.impls.split(","))
+    unknown = [i for i in impls if i not in ab.IMPLS]
+    if unknown:
+        print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(ab.IMPLS)})", file=sys.stderr)
+        return 2
+    rows: list[dict] = []
+    try:
+        ceiling = bench.measure_read_ceiling("cuda")
+        print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
+        rows = ab.bench_rows(ceiling, points, args.dtype, args.reps, args.between_mib, args.hint, impls,
+                             progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("\ninterrupted: results so far", file=sys.stderr)
+        ceiling = None
+    print(ab.format_table(rows))
+    if args.json:
+        if args.json == "-":
+            print(json.dumps({"rows": rows}, indent=1))
+        else:
+            bench.write_rows(args.json, ceiling or 0.0, rows)
+    return 0
+
+
 def write_plot(rows: list[dict], path: str) -> bool:
     """Time against tokens, one line per implementation, with the byte floor (bytes over the
     measured read ceiling) drawn as the roofline. Needs matplotlib; says so if it is missing."""
@@ -542,6 +663,12 @@ def _pkg_version(name: str) -> str:
         return "not installed"
 
 
+def dispatch_variant(op: str) -> str:
+    from . import dispatch
+
+    return dispatch.selected_variant(op)
+
+
 def cmd_doctor(args) -> int:
     """What opgraft would do in a vLLM process on this machine, and why."""
     from .vllm import attn_seam, moe_seam, platform_gate
@@ -594,6 +721,8 @@ def cmd_doctor(args) -> int:
             say("attention seam", f"inject {override}" if override else "pass-through")
         except ValueError as e:
             say("attention seam", f"not installed: {e}")
+        say("decode attention", f"opgraft kernel for FLASH_ATTN decode (variant {dispatch_variant('attention')})"
+            if attn_seam.kernel_enabled() else "off (OPGRAFT_ATTENTION=0): vLLM's FlashAttention as shipped")
         from . import dispatch
         from .vllm import linear_seam
 
@@ -682,6 +811,23 @@ def main(argv=None) -> int:
                          "times (span, torch profiler: slower)")
     bl.add_argument("--json", nargs="?", const="-", default=None, help="write JSON (to FILE, or stdout)")
     bl.set_defaults(fn=cmd_bench_linear)
+    ba = bench_ops.add_parser("attention", aliases=["attn"],
+                              help="paged decode attention, against vLLM's FA3, FlashInfer and Triton decode")
+    ba.add_argument("--model", default=None,
+                    help="a preset (Qwen3-30B-A3B, Llama-3-8B, head-64, head-256) or HQ/HKV/D, e.g. 32/8/128; "
+                         "default: the preset sweep (Qwen3-30B-A3B at batch 1/8/64 x 1K/8K/32K and the others)")
+    ba.add_argument("--batch", type=lambda t: _parse_ints(t, "--batch", 1, 4096), default=[1, 8, 64])
+    ba.add_argument("--context", type=lambda t: _parse_ints(t, "--context", 1, 1 << 20), default=[1024, 8192, 32768])
+    ba.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ba.add_argument("--reps", type=int, default=20)
+    ba.add_argument("--between-mib", type=int, default=64,
+                    help="read this many MiB of other data before each timed call (0: back to back)")
+    ba.add_argument("--hint", type=int, default=0,
+                    help="the max_seq_len our kernel gets (0: unknown, as in a CUDA graph; it caps splits only)")
+    ba.add_argument("--impls", default="opgraft,vllm-fa3,vllm-flashinfer,vllm-triton",
+                    help="the implementations to time (default: %(default)s)")
+    ba.add_argument("--json", nargs="?", const="-", default=None, help="write JSON rows (to FILE, or stdout)")
+    ba.set_defaults(fn=cmd_bench_attention)
     profile_ops = sub.add_parser("profile", help="time split and roofline verdict per token count").add_subparsers(
         dest="op", required=True, metavar="OP")
     pr = profile_ops.add_parser("moe", help="MoE experts: gate/up and down stages")

@@ -5,9 +5,9 @@ of a call as its `delegate` and hands the call here; torch is imported with the 
 first call arrives.
 
 Each op has variants, functions (call) -> output: `passthrough` always delegates (bitwise what
-vLLM does), `opgraft` runs our kernel where the op's guard says yes. The op's environment variable
-(VARIANT_ENV: OPGRAFT_MOE_EXPERTS for the MoE op, OPGRAFT_LINEAR_VARIANT for the linear op)
-selects one; the default is opgraft.
+vLLM does), `opgraft` runs our kernel where the op's guard says yes. An environment variable per
+op selects one (VARIANT_ENV: OPGRAFT_MOE_EXPERTS, OPGRAFT_LINEAR_VARIANT, OPGRAFT_ATTENTION_VARIANT);
+the default is opgraft.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ logger = logging.getLogger("opgraft")
 
 DEFAULT_VARIANT = "opgraft"
 # The environment variable that picks each op's variant.
-VARIANT_ENV = {"moe": "OPGRAFT_MOE_EXPERTS", "linear": "OPGRAFT_LINEAR_VARIANT"}
+VARIANT_ENV = {"moe": "OPGRAFT_MOE_EXPERTS", "linear": "OPGRAFT_LINEAR_VARIANT",
+               "attention": "OPGRAFT_ATTENTION_VARIANT"}
 
 _VARIANTS: dict[str, dict[str, Callable[[Any], Any]]] = {}
 
@@ -229,6 +230,54 @@ def _linear_passthrough(call: LinearCall):
 @register_variant("linear", "opgraft")
 def _linear_opgraft(call: LinearCall):
     return call.delegate() if call.extra_reason else call.ours()
+# ---- the paged decode-attention op -----------------------------------------------------------
+
+
+@dataclass
+class AttentionCall:
+    """One decode-attention call in vLLM's FlashAttention terms: the KV cache as the K and V views
+    FlashAttentionImpl.forward splits from it, the metadata's lengths and block table, and where
+    the output goes (rows 0 .. batch-1, batch = len(seq_lens))."""
+
+    query: Any
+    key_cache: Any
+    value_cache: Any
+    block_table: Any
+    seq_lens: Any
+    output: Any
+    scale: float
+    softcap: float
+    window_left: int
+    sinks: Any
+    max_seq_len: int
+    delegate: Callable[[], Any]  # runs vLLM's own implementation of this very call
+    extra_reason: str = ""  # a reason the seam already knows it must hand back ("" if none)
+
+
+@register_variant("attention", "passthrough")
+def _attention_passthrough(call: AttentionCall):
+    stats_of("attention").delegate("passthrough variant")
+    return call.delegate()
+
+
+@register_variant("attention", "opgraft")
+def _attention_opgraft(call: AttentionCall):
+    if call.extra_reason:
+        return handed_back("attention", call.extra_reason, call)
+    from .ops import attention  # torch is imported only once a call arrives
+
+    try:
+        plan = attention.plan_for(call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
+                                  call.output, call.scale, call.softcap, call.window_left, call.sinks)
+        if plan.handle is None:
+            return handed_back("attention", plan.reason, call)
+        attention.attention_decode_into(call.output, call.query, call.key_cache, call.value_cache, call.block_table,
+                                        call.seq_lens, call.scale, call.softcap, call.window_left, call.sinks,
+                                        call.max_seq_len)
+    except Exception as e:
+        return kernel_failed("attention", e, call)
+    stats_of("attention").take()
+    return call.output
 
 
 def stats() -> dict:

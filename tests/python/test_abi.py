@@ -37,4 +37,4 @@ def test_the_abi_version_is_the_headers():
 
 
 def test_the_registered_ops():
-    assert {"moe", "linear"} <= set(_lib.op_names())
+    assert {"moe", "linear", "attention"} <= set(_lib.op_names())

@@ -267,3 +267,17 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as ei:
         cli.main(["--version"])
     assert ei.value.code == 0 and capsys.readouterr().out.strip() == f"opgraft {opgraft.__version__}"
+
+
+def test_bench_attention_without_gpu_reports_guard_and_compile():
+    r = run("bench", "attention", "--model", "Qwen3-30B-A3B", "--batch", "1", "--context", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "no GPU here" in r.stderr
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["guard"] == "take" and row["heads_q"] == 32 and row["heads_kv"] == 4
+    assert row["kernel"]["name"] == "attention_decode_bf16" and row["kernel"]["spill_bytes"] == 0
+    r = run("bench", "attn", "--model", "32/4/96", "--batch", "2", "--context", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["rows"][0]["guard"].startswith("delegate: head size 96")
+    r = run("bench", "attention", "--model", "nonsense")
+    assert r.returncode == 2 and "neither a preset" in r.stderr

@@ -1,20 +1,66 @@
-"""Attention seam: the resolved platform's get_attn_backend_cls.
+"""Attention seam: vLLM's FlashAttention backend, with decode-only batches on opgraft's kernel.
 
-What is patched: `get_attn_backend_cls` of the class of `vllm.platforms.current_platform` (vLLM
-0.26.0, the pinned release, and 0.33.0, the newest, both tested in CI: a classmethod,
-`(selected_backend, attn_selector_config, num_heads=None) -> str`, the class path of the backend). Why: it is the one place every attention layer's backend is chosen,
-and our decode-attention backend will plug in here while reusing vLLM's KV-cache layout. How: by
-default the wrapper returns exactly what vLLM chose; OPGRAFT_ATTN_BACKEND=module:Class makes it
-return that class instead. It must be installed before the first model is built (vLLM caches the
-choice), which the general-plugin hook guarantees.
+What is patched (vLLM 0.26.0, the pinned release, and 0.33.0, the newest; both tested in CI):
+1. The FLASH_ATTN entry of vLLM's attention-backend registry
+   (vllm/v1/attention/backends/registry.py): register_backend(AttentionBackendEnum.FLASH_ATTN,
+   "opgraft.vllm.attn_seam.OpgraftFlashAttentionBackend"). The CUDA platform's selector resolves
+   every backend through AttentionBackendEnum.get_class(), which honours that override, so every
+   layer that would get FlashAttention gets our subclass instead. Undone by restoring the entry
+   (clear_override(), or the override that was there before).
+2. The resolved platform's get_attn_backend_cls (a classmethod, `(selected_backend,
+   attn_selector_config, num_heads=None) -> str` in both versions): returns exactly what vLLM chose,
+   unless OPGRAFT_ATTN_BACKEND=module:Class names a backend to return instead.
+Both must happen before the first model is built: vLLM caches the selector's choice
+(vllm/v1/attention/selector.py, _cached_get_attn_backend); the general-plugin hook runs first.
+OPGRAFT_ATTENTION=0 leaves the registry alone (FlashAttention as shipped);
+OPGRAFT_ATTENTION_VARIANT=passthrough keeps our class but hands every call back.
 Remove it: delete this module's install() call in opgraft/vllm/__init__.py.
+
+Why a subclass: it keeps everything of vLLM's backend but one method. OpgraftFlashAttentionBackend
+is FlashAttentionBackend with get_impl_cls() returning OpgraftFlashAttentionImpl: the same name
+("FLASH_ATTN", which vLLM compares in places), the same metadata builder (and so its CUDA-graph
+support, AttentionCGSupport.ALWAYS with FA3), the same KV-cache shape, stride order, block sizes,
+supported dtypes and head sizes. OpgraftFlashAttentionImpl.forward runs our kernel for decode-only
+batches it can take and otherwise calls FlashAttentionImpl.forward with the same arguments (the
+same bits as stock vLLM); process_weights_after_loading also compiles and loads our kernel, so
+that a forward under CUDA graph capture only makes a plan.
+
+Facts this relies on, read in both versions' v1/attention/backends/flash_attn.py:
+- The cache is `(num_blocks, num_kv_heads, block_size, 2 * head_size)` logically, K and V packed
+  in the last dim; physically [block, token, head, K|V] (NHD, stride order (0, 2, 1, 3)) or
+  [block, head, token, K|V] (HND). forward() takes `kv_cache.transpose(1, 2).split(head_size, -1)`:
+  K and V views [num_blocks, block_size, kv_heads, head_size] head_size elements apart; we take
+  the same views and pass their strides (never a layout).
+- The KV write is FlashAttentionImpl.do_kv_cache_update (reshape_and_cache_flash), which the
+  attention layer calls before forward (forward_includes_kv_cache_update = False): it stays vLLM's.
+- FlashAttentionMetadata: max_query_len (1 for a decode-only batch), seq_lens int32 [num_reqs]
+  (CUDA-graph padding rows have seq_len 0 and block-table row 0), block_table int32 [num_reqs,
+  max_blocks], max_seq_len (an int; max_model_len while capturing), causal; 0.26 also use_cascade
+  and sliding_window (the KV group's window, which forward prefers over the layer's), 0.33 neither
+  (no cascade; the layer's window). A decode-only batch schedules one token per request, so
+  query row i is request i's (query_start_loc[i] = i for the requests with tokens).
+- FlashAttention semantics: window (left, right) = (sliding_window - 1, 0) for a causal decoder
+  (keys j >= seq_len - 1 - left); softcap s -> softcap * tanh(s / softcap) after the scale; sinks
+  (s_aux, one logit per query head) add exp(sink) to the softmax denominator; a row with no keys
+  is zero. Padded rows get zeros from our kernel (FlashAttention writes nothing there: their query
+  length is 0); nothing reads them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
+from .. import dispatch
+
+logger = logging.getLogger("opgraft")
+
 _PATCH_ATTR = "_opgraft_original_get_attn_backend_cls"
+BACKEND_PATH = "opgraft.vllm.attn_seam.OpgraftFlashAttentionBackend"
+_HEAD_SIZES = (64, 128, 256)
+
+# The registry entry FLASH_ATTN had before install() (None: vLLM's default), to restore it.
+_previous_override: list = []
 
 
 def requested_backend() -> str | None:
@@ -29,10 +75,218 @@ def requested_backend() -> str | None:
     return f"{mod}.{cls}"
 
 
+def kernel_enabled() -> bool:
+    """OPGRAFT_ATTENTION=0 (or false/no/off) keeps vLLM's FlashAttention backend as shipped."""
+    return os.environ.get("OPGRAFT_ATTENTION", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# ---- the backend -----------------------------------------------------------------------------
+
+_classes: dict = {}
+
+
+def _static_reason(impl) -> str:
+    """Why no call of this layer can take our kernel ("" if some can), from its configuration."""
+    from vllm.v1.attention.backend import AttentionType
+
+    if impl.attn_type != AttentionType.DECODER:
+        return f"{getattr(impl.attn_type, 'value', impl.attn_type)} attention (decoder self-attention only)"
+    if impl.alibi_slopes is not None:
+        return "ALiBi"
+    if impl.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+        return f"KV cache dtype {impl.kv_cache_dtype} (FP8 and other quantized caches are vLLM's)"
+    if impl.head_size not in _HEAD_SIZES:
+        return f"head size {impl.head_size} (64, 128 or 256 supported)"
+    if getattr(impl, "dcp_world_size", 1) > 1:
+        return "decode context parallelism"
+    try:
+        import vllm.envs as envs
+
+        if envs.VLLM_BATCH_INVARIANT:
+            return "batch-invariant mode (VLLM_BATCH_INVARIANT): our split count follows the batch"
+    except Exception:
+        pass
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        cfg = get_current_vllm_config_or_none()
+        if cfg is not None and getattr(cfg.parallel_config, "enable_dbo", False):
+            return "dual-batch overlap (two streams would share the kernel's workspace)"
+    except Exception:
+        pass
+    return ""
+
+
+def _window_of(impl, md) -> tuple[int, int]:
+    """The (left, right) window FlashAttentionImpl.forward would pass for this call."""
+    window = getattr(md, "sliding_window", None)  # 0.26: the KV group's window wins
+    if window is None:
+        window = impl.sliding_window
+    return (-1, -1) if window is None else (int(window[0]), int(window[1]))
+
+
+def _call_reason(impl, md, output_scale, output_block_scale, kv_cache) -> str:
+    """Why this call goes to FlashAttention ("" if our kernel may take it)."""
+    if md is None:
+        return "no attention metadata (profile run)"
+    if output_scale is not None or output_block_scale is not None:
+        return "fused output quantization"
+    if md.max_query_len != 1:
+        return "prefill or mixed batch (max_query_len > 1)"
+    if getattr(md, "use_cascade", False):
+        return "cascade attention"
+    if md.causal is not True:
+        return "non-causal or per-sequence causal attention"
+    if getattr(md, "mm_prefix_range_tensor", None) is not None or getattr(md, "mm_prefix_query_range_tensor",
+                                                                          None) is not None:
+        return "multimodal prefix ranges"
+    if getattr(md, "rswa_prefix_lens", None) is not None:
+        return "reference sliding-window attention (R-SWA)"
+    if _window_of(impl, md)[1] > 0:
+        return "a two-sided sliding window"
+    if kv_cache is None or kv_cache.dim() != 4:
+        return "KV cache is not vLLM's 4-D FlashAttention cache"
+    return ""
+
+
+def _build():
+    """Defines the backend classes on top of the installed vLLM's (once)."""
+    if _classes:
+        return _classes
+    from vllm.v1.attention.backends import flash_attn as fa
+
+    class OpgraftFlashAttentionImpl(fa.FlashAttentionImpl):
+        """FlashAttentionImpl with decode-only batches on opgraft's paged decode kernel."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._og_reason = _static_reason(self)
+            self._og_kv = None  # (kv_cache, key view, value view) of the last call
+
+        def process_weights_after_loading(self, act_dtype):
+            super().process_weights_after_loading(act_dtype)
+            if self._og_reason or dispatch.selected_variant("attention") != "opgraft":
+                return
+            try:
+                import torch
+
+                from ..ops import attention
+
+                block_size = 16
+                try:
+                    from vllm.config import get_current_vllm_config_or_none
+
+                    cfg = get_current_vllm_config_or_none()
+                    block_size = int(getattr(cfg.cache_config, "block_size", None) or 16) if cfg else 16
+                except Exception:
+                    pass
+                left = _window_of(self, None)[0]
+                sinks_dtype = self.sinks.dtype if self.sinks is not None else None
+                ok, why = attention.prepare(self.num_heads, self.num_kv_heads, self.head_size, act_dtype,
+                                            torch.device("cuda", torch.cuda.current_device()), self.logits_soft_cap,
+                                            left, sinks_dtype, block_size)
+                if not ok:
+                    self._og_reason = why
+            except Exception as e:  # no NVRTC, a compile error: this layer stays FlashAttention's
+                self._og_reason = f"kernel error: {type(e).__name__}"
+                dispatch._warn_once(f"opgraft attention kernel could not be prepared, handing calls back: {e}")
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                    output_block_scale=None):
+            parent = super().forward
+
+            def delegate():
+                return parent(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                              output_block_scale)
+
+            md = attn_metadata
+            reason = self._og_reason or _call_reason(self, md, output_scale, output_block_scale, kv_cache)
+            if reason:
+                call = dispatch.AttentionCall(query, None, None, None, None, output, self.scale, 0.0, -1, None, 0,
+                                              delegate, extra_reason=reason)
+                return dispatch.dispatch("attention", call)
+            kv = self._og_kv
+            if kv is None or kv[0] is not kv_cache:  # the same views as FlashAttentionImpl.forward's
+                key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+                self._og_kv = kv = (kv_cache, key_cache, value_cache)
+            call = dispatch.AttentionCall(query, kv[1], kv[2], md.block_table, md.seq_lens, output, self.scale,
+                                          float(self.logits_soft_cap or 0.0), _window_of(self, md)[0], self.sinks,
+                                          int(md.max_seq_len), delegate)
+            return dispatch.dispatch("attention", call)
+
+    class OpgraftFlashAttentionBackend(fa.FlashAttentionBackend):
+        """FlashAttentionBackend whose impl runs decode-only batches on opgraft's kernel."""
+
+        @staticmethod
+        def get_impl_cls():
+            return OpgraftFlashAttentionImpl
+
+    for cls in (OpgraftFlashAttentionImpl, OpgraftFlashAttentionBackend):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__  # resolvable by path, picklable
+    _classes.update(OpgraftFlashAttentionImpl=OpgraftFlashAttentionImpl,
+                    OpgraftFlashAttentionBackend=OpgraftFlashAttentionBackend)
+    return _classes
+
+
+def __getattr__(name):
+    """The backend classes are built on first access (they need vLLM): vLLM resolves
+    BACKEND_PATH through this module's attributes."""
+    if name in ("OpgraftFlashAttentionImpl", "OpgraftFlashAttentionBackend"):
+        return _build()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---- install / uninstall ---------------------------------------------------------------------
+
+
 def _platform_class():
     from vllm.platforms import current_platform
 
     return type(current_platform)
+
+
+def _registry():
+    from vllm.v1.attention.backends import registry
+
+    return registry
+
+
+def _register_backend() -> tuple[bool, str]:
+    """Points FLASH_ATTN at our subclass; (done, message)."""
+    if not kernel_enabled():
+        return False, "decode kernel off (OPGRAFT_ATTENTION=0)"
+    try:
+        reg = _registry()
+        entry = reg.AttentionBackendEnum.FLASH_ATTN
+        _build()
+    except Exception as e:
+        return False, f"cannot load vLLM's FlashAttention backend ({type(e).__name__}: {e})"
+    if entry.get_path() == BACKEND_PATH:
+        return True, "FLASH_ATTN already runs opgraft's decode kernel"
+    _previous_override[:] = [entry.get_path() if entry.is_overridden() else None]
+    reg.register_backend(entry, BACKEND_PATH)
+    return True, f"FLASH_ATTN decode on opgraft's kernel (variant {dispatch.selected_variant('attention')})"
+
+
+def _unregister_backend() -> None:
+    try:
+        entry = _registry().AttentionBackendEnum.FLASH_ATTN
+    except Exception:
+        return
+    if entry.is_overridden() and entry.get_path() == BACKEND_PATH:
+        previous = _previous_override[0] if _previous_override else None
+        if previous:
+            _registry().register_backend(entry, previous)
+        else:
+            entry.clear_override()
+    _previous_override.clear()
+
+
+def backend_registered() -> bool:
+    try:
+        return _registry().AttentionBackendEnum.FLASH_ATTN.get_path() == BACKEND_PATH
+    except Exception:
+        return False
 
 
 def install() -> tuple[bool, str]:
@@ -64,10 +318,12 @@ def install() -> tuple[bool, str]:
     setattr(get_attn_backend_cls, _PATCH_ATTR, original)
     cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     what = f"injecting {override}" if override else "pass-through"
-    return True, f"attention seam installed on {cls.__name__} ({what})"
+    _, backend_msg = _register_backend()
+    return True, f"attention seam installed on {cls.__name__} ({what}); {backend_msg}"
 
 
 def uninstall() -> None:
+    _unregister_backend()
     try:
         cls = _platform_class()
     except Exception:

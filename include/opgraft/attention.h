@@ -1,0 +1,130 @@
+/* opgraft's paged decode-attention op. Included by opgraft/opgraft.h. */
+#ifndef OPGRAFT_ATTENTION_H
+#define OPGRAFT_ATTENTION_H
+
+#include "opgraft/opgraft.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Paged decode attention: one query token per sequence against the sequence's paged K/V cache.
+ * For sequence b and query head h (kv head h / G, G = num_heads / num_kv_heads), over the keys
+ * j < L = seq_lens[b] (with window_left >= 0 only j >= L - 1 - window_left):
+ *   s_j = scale * q[b,h] . k_j           (with softcap > 0: s_j = softcap * tanh(s_j / softcap))
+ *   out[b,h] = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sinks[h]))   (no sinks: without the last term)
+ * Key j of sequence b lives in cache block block_table[b][j / block_size] at row j % block_size.
+ * This is vLLM's decode attention with FlashAttention's window, soft-cap and sink semantics, as
+ * read in vLLM 0.26.0 and 0.33.0 (v1/attention/backends/flash_attn.py): window_left is the left
+ * edge of FlashAttention's (sliding_window - 1, 0) window of a causal decoder; the soft cap applies
+ * after the scale; a sink is a per-head logit in the softmax's denominator (FA3's s_aux). The K and
+ * V caches are the views FlashAttentionImpl.forward splits from vLLM's cache (logical (blocks,
+ * kv_heads, block_size, 2*D), physically [block, token, head, K|V] or [block, head, token, K|V]):
+ * any strides that are multiples of 16 bytes, taken from the tensors. Rows with L <= 0 (vLLM's
+ * padding of a CUDA-graph batch: seq_len 0, block-table row 0) are written as zeros, which is what
+ * FlashAttention gives a row without keys. A block id outside [0, num_blocks) contributes no keys.
+ * Accumulation is fp32; out has the query's dtype.
+ * ------------------------------------------------------------------------------------------- */
+enum {
+  OPGRAFT_ATTN_MLA = 1,        /* multi-head latent attention (a compressed cache): not supported */
+  OPGRAFT_ATTN_ENCODER = 2,    /* encoder, encoder-only or cross attention: not supported */
+  OPGRAFT_ATTN_ALIBI = 4,      /* ALiBi position biases: not supported */
+  OPGRAFT_ATTN_NON_CAUSAL = 8, /* non-causal attention: not supported */
+};
+
+typedef struct opgraft_attention_args {
+  uint32_t struct_size; /* sizeof(opgraft_attention_args), checked */
+  int32_t dtype;        /* q, out: OPGRAFT_DTYPE_BF16 or _FP16 */
+  int32_t kv_dtype;     /* the K/V cache's dtype: must be dtype (an FP8 cache is handed back) */
+  int32_t flags;        /* OPGRAFT_ATTN_* that the call needs (each one is refused) */
+  int64_t batch;        /* sequences: rows of q, out, block_table and seq_lens */
+  int64_t query_len;    /* query tokens per sequence: the kernel takes 1 */
+  int64_t num_heads;    /* query heads */
+  int64_t num_kv_heads;
+  int64_t head_size;    /* 64, 128 or 256 */
+  int64_t block_size;   /* tokens per cache block: a multiple of 16 */
+  int64_t num_blocks;   /* blocks in the cache */
+  int64_t max_blocks;   /* columns of block_table */
+  double scale;         /* softmax scale (> 0) */
+  double softcap;       /* logits soft cap, 0 = none */
+  int64_t window_left;  /* -1 = no sliding window */
+  const void *q;
+  int64_t q_stride[3]; /* [batch, num_heads, head_size] */
+  const void *k_cache;
+  int64_t k_stride[4]; /* [num_blocks, block_size, num_kv_heads, head_size] */
+  const void *v_cache;
+  int64_t v_stride[4]; /* as k_stride */
+  const void *block_table;
+  int32_t block_table_dtype; /* OPGRAFT_DTYPE_INT32 */
+  int64_t block_table_stride[2];
+  const void *seq_lens;
+  int32_t seq_lens_dtype; /* OPGRAFT_DTYPE_INT32, [batch] contiguous */
+  const void *sinks;      /* NULL, or [num_heads] logits (fp32 or dtype) */
+  int32_t sinks_dtype;
+  void *out;
+  int64_t out_stride[3]; /* [batch, num_heads, head_size] */
+  /* An upper bound of seq_lens (0 = unknown): it only caps the number of splits. Lengths are read
+   * on the device, so a CUDA graph captured with one bound replays correctly with any lengths. */
+  int64_t max_seq_len;
+  /* The GPU the call runs on, as major*10 + minor, and its name; 0 / NULL = the current device. */
+  int32_t arch;
+  const char *gpu_name;
+} opgraft_attention_args;
+
+/* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
+ * "head size 96 (64, 128 or 256 supported)") written to reason. Looks only at the arguments,
+ * never at the data, and needs no GPU when args->arch is set. */
+OPGRAFT_EXTERN int32_t opgraft_attention_supports(const opgraft_attention_args *args, char *reason,
+                                                  size_t reason_len);
+
+/* A plan: the guard's decision, the tunables and the compiled kernel for one layout (dtypes,
+ * heads, head size, block size, strides, options, GPU), resolved once. The batch, the lengths,
+ * max_seq_len and the pointers are a run's; the pointers in args are not kept. On
+ * OPGRAFT_EUNSUPPORTED, reason says why. The plan belongs to the CUDA context current at
+ * creation. */
+typedef struct opgraft_attention_plan opgraft_attention_plan;
+OPGRAFT_EXTERN int32_t opgraft_attention_plan_create(const opgraft_attention_args *args,
+                                                     opgraft_attention_plan **plan, char *reason,
+                                                     size_t reason_len);
+OPGRAFT_EXTERN void opgraft_attention_plan_destroy(opgraft_attention_plan *plan);
+/* Bytes of device workspace a run of the plan needs (16-byte aligned). It must be zeroed once
+ * before its first use; every run leaves it zeroed where it matters (the split counters), so one
+ * workspace serves every call of the plan on one stream, CUDA graphs included. Two runs that may
+ * execute at the same time need two workspaces. */
+OPGRAFT_EXTERN size_t opgraft_attention_plan_workspace_size(const opgraft_attention_plan *plan);
+/* Runs the plan for batch sequences on tensors laid out as at creation, on stream. No host
+ * synchronisation and no allocation: capturable into a CUDA graph. sinks must be set iff it was
+ * at creation. Misaligned or NULL pointers give OPGRAFT_EINVAL; a plan made before the tunables
+ * changed, or used under another CUDA context, gives OPGRAFT_ESTALE and runs nothing. */
+OPGRAFT_EXTERN int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const void *q,
+                                                  const void *k_cache, const void *v_cache,
+                                                  const void *block_table, const void *seq_lens,
+                                                  const void *sinks, void *out, void *workspace,
+                                                  int64_t batch, int64_t max_seq_len, void *stream);
+
+/* Bytes of workspace opgraft_attention_run needs for these arguments on any GPU (an upper bound
+ * of the plan's), zeroed once as above. */
+OPGRAFT_EXTERN int32_t opgraft_attention_workspace_size(const opgraft_attention_args *args, size_t *bytes);
+/* Runs the call through a plan cached inside the library (a convenience for C callers). */
+OPGRAFT_EXTERN int32_t opgraft_attention_run(const opgraft_attention_args *args, void *workspace,
+                                             size_t workspace_bytes, void *stream);
+
+/* CPU oracle: the same function in fp64 on host pointers. Writes out_f64 ([batch, num_heads,
+ * head_size], contiguous) when it is not NULL; otherwise rounds to args->dtype into args->out. */
+OPGRAFT_EXTERN int32_t opgraft_attention_reference(const opgraft_attention_args *args, double *out_f64);
+
+/* Compiles the kernel this call would use for the given arch (needs NVRTC, no GPU) and reports
+ * its resources. count receives the number of kernels (at most cap are written). */
+OPGRAFT_EXTERN int32_t opgraft_attention_compile_report(const opgraft_attention_args *args, int32_t arch,
+                                                        opgraft_kernel_info *out, int32_t cap,
+                                                        int32_t *count);
+
+/* The kernel configuration a call would get on arch (compile options such as "-DOG_W=4 ..."). */
+OPGRAFT_EXTERN int32_t opgraft_attention_describe(const opgraft_attention_args *args, int32_t arch, char *buf,
+                                                  size_t buf_len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* OPGRAFT_ATTENTION_H */

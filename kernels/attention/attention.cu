@@ -1,0 +1,451 @@
+// Paged decode attention: one query token per sequence against its paged K/V cache, for every
+// query head, with grouped-query attention, sliding window, logits soft cap and attention sinks.
+//
+//   out[b, h] = sum_j softmax_j(s_j) v_j,  s_j = scale * q[b, h] . k_j  (or softcap * tanh(. / softcap))
+//   over the keys j of sequence b (j < seq_lens[b]; with a window, j >= seq_lens[b] - 1 - window_left),
+//   a sink (per head) adding exp(sink_h) to the softmax denominator.
+//
+// One block per (split, kv head, sequence). Its warps share the split's tokens in 16-token tiles
+// (interleaved), each tile read once for all G = heads / kv_heads query heads of the kv head:
+//   S^T = K Q^T on tensor cores (m16n8k16, the tile's 16 tokens as M, the query heads as N), the
+//   online softmax per head, then O^T += V^T P^T (the head dims as M, tokens as K, heads as N).
+// Every lane loads 16 contiguous bytes per (token, 32 or 64 dims) straight from the cache into
+// registers (og_mma_k32's trick for K; for V the lane's 8 dims of 4 tokens are paired into A
+// fragments with byte permutes, so no shared-memory staging). The next tile's K is loaded while
+// the current one is computed.
+//
+// Splits: the host picks the split count S (gridDim.x) from batch, kv heads and the context hint
+// so that one wave of blocks fills the GPU; each block reads seq_lens on the device and derives
+// the same split size (at least min_chunk tokens), so lengths are never needed on the host and a
+// CUDA graph replays with new lengths. Blocks whose split is empty exit. A sequence with one split
+// is written directly; otherwise each split writes its unnormalised partial (fp32), and a tree of
+// 16-wide combines fixed by split index merges them: the last block to arrive at a node (counters
+// in the workspace, reset by that block) merges the node's children in order. The same bits every
+// run, whichever block comes last; one launch, and a combine no wider than 16 partials per block
+// (one block reading all of many splits' partials would be bound by one SM's bandwidth).
+//
+// Padded rows (seq_lens[b] <= 0, vLLM's CUDA-graph padding) get zeros: finite, and what
+// FlashAttention returns for a row with no keys.
+#include "og_common.cuh"
+#include "attn_params.h"
+
+#ifndef OG_D
+#define OG_D 128
+#endif
+#ifndef OG_G
+#define OG_G 8
+#endif
+#ifndef OG_W
+#define OG_W 4
+#endif
+#ifndef OG_MIN_BLOCKS
+#define OG_MIN_BLOCKS 1
+#endif
+#ifndef OG_SOFTCAP
+#define OG_SOFTCAP 0
+#endif
+#ifndef OG_WINDOW
+#define OG_WINDOW 0
+#endif
+// OG_SINKS: 0 none, 1 sinks in the activations' dtype, 2 fp32 sinks.
+#ifndef OG_SINKS
+#define OG_SINKS 0
+#endif
+#ifndef OG_LOAD
+#define OG_LOAD 4
+#endif
+// OG_PDL (sm_90): launched as a programmatic dependent of the stream's previous kernel (the KV
+// write); the kernel waits for it before its first global access, so only the launch overlaps.
+#ifndef OG_PDL
+#define OG_PDL 0
+#endif
+#define OG_FAN OG_ATTN_FAN
+
+#if OG_D != 64 && OG_D != 128 && OG_D != 256
+#error "OG_D must be 64, 128 or 256"
+#endif
+#if OG_G < 1 || OG_G > 16
+#error "OG_G must be in 1..16"
+#endif
+
+#define OG_FULL 0xffffffffu
+#define OG_NH ((OG_G + 7) / 8)  // 8-head column tiles
+#define OG_DK (OG_D / 32)       // 32-dim steps of S
+#define OG_DV (OG_D / 64)       // 64-dim chunks of V a lane loads per token
+#define OG_MT (OG_D / 16)       // 16-dim row tiles of O^T
+#define OG_NT (OG_W * 32)
+#define OG_QROW OG_ATTN_QROW(OG_D)
+#define OG_QITEMS (OG_NH * 8 * (OG_D / 8))             // 16-byte pieces of the block's query rows
+#define OG_QREGS ((OG_QITEMS + OG_NT - 1) / OG_NT)  // of them per thread
+
+__device__ __forceinline__ float og_ninf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float og_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float og_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, about 1e-7 absolute error elsewhere
+// (tanh.approx's 2^-11 relative error, times a soft cap of 30-50, would move logits too far).
+__device__ __forceinline__ float og_tanh(float x) {
+  return 1.f - 2.f * og_rcp(og_exp2(x * 2.8853900817779268f) + 1.f);
+}
+// 16-byte load that bypasses L1: partials other blocks of this grid wrote.
+__device__ __forceinline__ float4 og_ld_cg4(const float *p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float2 og_ld_cg2(const float *p) {
+  float2 v;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ og_u32 og_reg(const og_vec4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// The logit in log2 units from a raw dot product q . k.
+__device__ __forceinline__ float og_logit(const og_attn_params &p, float qk) {
+#if OG_SOFTCAP
+  return p.cap_log2 * og_tanh(qk * p.qk_scale);
+#else
+  return qk * p.qk_scale;
+#endif
+}
+
+#if OG_SINKS
+__device__ __forceinline__ float og_sink_log2(const og_attn_params &p, int head) {
+#if OG_SINKS == 2
+  const float s = __ldg((const float *)p.sinks + head);
+#else
+  const float s = og_to_float(__ldg((const unsigned short *)p.sinks + head));
+#endif
+  return s * 1.4426950408889634f;
+}
+#endif
+
+// Writes one head's 4 output dims, normalised: acc / (sum + exp2(sink - max)).
+__device__ __forceinline__ void og_write_out(const og_attn_params &p, int b, int head, int d, float4 acc, float sum,
+                                             float mu) {
+  float den = sum;
+#if OG_SINKS
+  den += og_exp2(og_sink_log2(p, head) - mu);
+#endif
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  uint2 w;
+  w.x = og_pack2(acc.x * inv, acc.y * inv);
+  w.y = og_pack2(acc.z * inv, acc.w * inv);
+  *(uint2 *)((og_u16 *)p.out + (long long)b * p.o_st + (long long)head * p.o_sh + d) = w;
+}
+
+// The block id of the tile that starts at token tb (tb % 16 == 0, so the whole tile is in it), or
+// -1 where the table or the cache has no such block; *row receives tb's row in the block.
+__device__ __forceinline__ int og_tile_block(const og_attn_params &p, const int *bt, int tb, int *row) {
+  const int bi = tb / p.block_size;
+  *row = tb - bi * p.block_size;
+  if (bi >= p.max_blocks) return -1;
+  const int blk = __ldg(bt + bi);
+  return blk >= 0 && blk < p.num_blocks ? blk : -1;
+}
+
+__device__ __forceinline__ og_vec4 og_kv_load(const og_u16 *ptr, bool valid) {
+  return valid ? og_load_stream<OG_LOAD>(ptr) : og_zero4();
+}
+
+// Combines count (<= OG_FAN) consecutive partials src .. src+count-1 in order: into the output
+// (root) or into the partial dst. All threads of the block take part.
+__device__ __forceinline__ void og_combine(const og_attn_params &p, int b, int hq0, long long src, int count, bool root,
+                                        long long dst, float *region) {
+  float *sw = region, *sl = sw + OG_FAN * OG_G, *ssum = sl + OG_FAN * OG_G, *smu = ssum + OG_G, *smx = smu + OG_G;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < count * OG_G; i += OG_NT) {
+    const float2 ml = og_ld_cg2(p.part_ml + (src * OG_G + i) * 2);
+    sw[i] = ml.x, sl[i] = ml.y;
+  }
+  __syncthreads();
+  for (int h = tid; h < OG_G; h += OG_NT) {
+    float mx = og_ninf();
+    for (int i = 0; i < count; ++i) mx = fmaxf(mx, sw[i * OG_G + h]);
+    const float mu = mx == og_ninf() ? 0.f : mx;
+    float sum = 0.f;
+    for (int i = 0; i < count; ++i) {
+      const float e = og_exp2(sw[i * OG_G + h] - mu);
+      sw[i * OG_G + h] = e;
+      sum += sl[i * OG_G + h] * e;
+    }
+    ssum[h] = sum, smu[h] = mu, smx[h] = mx;
+  }
+  __syncthreads();
+  for (int it = tid; it < OG_G * (OG_D / 4); it += OG_NT) {
+    const int h = it / (OG_D / 4), d = (it % (OG_D / 4)) * 4;
+    float4 v[OG_FAN];
+#pragma unroll
+    for (int i = 0; i < OG_FAN; ++i)  // every load in flight before the first product
+      if (i < count) v[i] = og_ld_cg4(p.part + ((src + i) * OG_G + h) * OG_D + d);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < OG_FAN; ++i)
+      if (i < count) {
+        const float e = sw[i * OG_G + h];
+        acc.x += v[i].x * e, acc.y += v[i].y * e, acc.z += v[i].z * e, acc.w += v[i].w * e;
+      }
+    if (root) {
+      og_write_out(p, b, hq0 + h, d, acc, ssum[h], smu[h]);
+    } else {
+      *(float4 *)(p.part + (dst * OG_G + h) * OG_D + d) = acc;
+      if (d == 0) *(float2 *)(p.part_ml + (dst * OG_G + h) * 2) = make_float2(smx[h], ssum[h]);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(attention_decode)(const og_attn_params p) {
+  extern __shared__ __align__(16) unsigned char og_smem[];
+  og_u16 *sq = (og_u16 *)og_smem;
+  float *region = (float *)(og_smem + OG_NH * 8 * OG_QROW * 2);
+  __shared__ int s_last;
+  const int s = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int hq0 = hk * OG_G;  // the block's first query head
+#if OG_PDL
+  og_pdl_wait();
+#endif
+  og_vec4 qreg[OG_QREGS];
+  {
+    const og_u16 *qb = (const og_u16 *)p.q + (long long)b * p.q_st + (long long)hq0 * p.q_sh;
+#pragma unroll
+    for (int r = 0; r < OG_QREGS; ++r) {
+      const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+      qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_shared_operand(qb + (long long)h * p.q_sh + d) : og_zero4();
+    }
+  }
+  const int L = __ldg(p.seq_lens + b);
+  if (L <= 0) {  // a padded row: zeros
+    if (s == 0)
+      for (int i = tid; i < OG_G * (OG_D / 8); i += OG_NT) {
+        const int h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+        *(og_vec4 *)((og_u16 *)p.out + (long long)b * p.o_st + (long long)(hq0 + h) * p.o_sh + d) = og_zero4();
+      }
+    return;
+  }
+  int start = 0;
+#if OG_WINDOW
+  if (p.window_left >= 0 && L - 1 - p.window_left > 0) start = L - 1 - p.window_left;
+#endif
+  // Tiles start at multiples of 16 tokens, so a tile never straddles a block; the split size is
+  // derived from the length alone, the same in every block of the sequence.
+  const int S = gridDim.x;
+  int a0, chunk;
+  const int n = og_attn_split(L, start, S, p.min_chunk, &a0, &chunk);
+  if (s >= n) return;
+  const int r0 = a0 + s * chunk, r1 = min(L, r0 + chunk);
+  const int ntiles = (r1 - r0 + 15) >> 4;
+
+  // The block's query rows (heads hq0 .. hq0+G-1; rows up to the 8-head tile are zero), loaded
+  // before the length so that both loads are in flight together.
+#pragma unroll
+  for (int r = 0; r < OG_QREGS; ++r) {
+    const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+    if (i < OG_QITEMS) *(og_vec4 *)(sq + h * OG_QROW + d) = qreg[r];
+  }
+  const int *bt = p.block_table + (long long)b * p.bt_stride;
+  const og_u16 *kbase = (const og_u16 *)p.k + (long long)hk * p.k_sh + 8 * c;  // this lane's 8 dims of a 32
+  const og_u16 *vbase = (const og_u16 *)p.v + (long long)hk * p.v_sh + 8 * g;  // this lane's 8 dims of a 64
+  __syncthreads();
+
+  float o[OG_NH][OG_MT][4];
+  float m[OG_NH][2], l[OG_NH][2];
+#pragma unroll
+  for (int nh = 0; nh < OG_NH; ++nh) {
+    m[nh][0] = m[nh][1] = og_ninf();
+    l[nh][0] = l[nh][1] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < OG_MT; ++mt) o[nh][mt][0] = o[nh][mt][1] = o[nh][mt][2] = o[nh][mt][3] = 0.f;
+  }
+
+  // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8.
+  og_vec4 kg[OG_DK], k8[OG_DK];
+  int t = warp, row = 0;
+  int blk = t < ntiles ? og_tile_block(p, bt, r0 + 16 * t, &row) : -1;
+  {
+    const int tb = r0 + 16 * t;
+    const bool v0 = blk >= 0 && tb + g >= start && tb + g < r1, v1 = blk >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
+    const og_u16 *kp = kbase + (long long)max(blk, 0) * p.k_sb + (long long)(row + g) * p.k_st;
+#pragma unroll
+    for (int k = 0; k < OG_DK; ++k) {
+      kg[k] = og_kv_load(kp + 32 * k, v0);
+      k8[k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
+    }
+  }
+  for (; t < ntiles; t += OG_W) {
+    const int tb = r0 + 16 * t;
+    const int tn = t + OG_W;
+    int row_next = 0;
+    const int blk_next = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next) : -1;
+    // V rows of this tile: tokens c, c+8, c+4, c+12, dims 64j + 8g .. +8.
+    og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];
+    {
+      const int j0 = tb + c;
+      const bool ok = blk >= 0;
+      const bool w0 = ok && j0 >= start && j0 < r1, w8 = ok && j0 + 8 >= start && j0 + 8 < r1;
+      const bool w4 = ok && j0 + 4 >= start && j0 + 4 < r1, w12 = ok && j0 + 12 >= start && j0 + 12 < r1;
+      const og_u16 *vp = vbase + (long long)max(blk, 0) * p.v_sb + (long long)(row + c) * p.v_st;
+#pragma unroll
+      for (int j = 0; j < OG_DV; ++j) {
+        vc[j] = og_kv_load(vp + 64 * j, w0);
+        v8[j] = og_kv_load(vp + 8 * p.v_st + 64 * j, w8);
+        v4[j] = og_kv_load(vp + 4 * p.v_st + 64 * j, w4);
+        v12[j] = og_kv_load(vp + 12 * p.v_st + 64 * j, w12);
+      }
+    }
+    // S^T: [token g / g+8][head 2c / 2c+1] of each 8-head tile.
+    float sc[OG_NH][4];
+#pragma unroll
+    for (int nh = 0; nh < OG_NH; ++nh) {
+      sc[nh][0] = sc[nh][1] = sc[nh][2] = sc[nh][3] = 0.f;
+#pragma unroll
+      for (int k = 0; k < OG_DK; ++k) {
+        const og_vec4 qv = *(const og_vec4 *)(sq + (nh * 8 + g) * OG_QROW + 32 * k + 8 * c);
+        og_mma_k32(sc[nh], kg[k], k8[k], qv);
+      }
+    }
+    const bool sv0 = blk >= 0 && tb + g >= start && tb + g < r1, sv1 = blk >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
+    // The next tile's K, in flight while this tile's softmax and V products run.
+    if (tn < ntiles) {
+      const int tbn = r0 + 16 * tn;
+      const bool v0 = blk_next >= 0 && tbn + g < r1, v1 = blk_next >= 0 && tbn + g + 8 < r1;
+      const og_u16 *kp = kbase + (long long)max(blk_next, 0) * p.k_sb + (long long)(row_next + g) * p.k_st;
+#pragma unroll
+      for (int k = 0; k < OG_DK; ++k) {
+        kg[k] = og_kv_load(kp + 32 * k, v0);
+        k8[k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
+      }
+    }
+    // Online softmax per head; P^T fragments for the V products.
+    og_u32 pb0[OG_NH], pb1[OG_NH];
+#pragma unroll
+    for (int nh = 0; nh < OG_NH; ++nh) {
+      float x[4];
+      x[0] = sv0 ? og_logit(p, sc[nh][0]) : og_ninf();
+      x[1] = sv0 ? og_logit(p, sc[nh][1]) : og_ninf();
+      x[2] = sv1 ? og_logit(p, sc[nh][2]) : og_ninf();
+      x[3] = sv1 ? og_logit(p, sc[nh][3]) : og_ninf();
+      float mx0 = fmaxf(x[0], x[2]), mx1 = fmaxf(x[1], x[3]);
+#pragma unroll
+      for (int sh = 4; sh < 32; sh <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(OG_FULL, mx0, sh));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(OG_FULL, mx1, sh));
+      }
+      const float mn0 = fmaxf(m[nh][0], mx0), mn1 = fmaxf(m[nh][1], mx1);
+      const float mu0 = mn0 == og_ninf() ? 0.f : mn0, mu1 = mn1 == og_ninf() ? 0.f : mn1;
+      const float al0 = og_exp2(m[nh][0] - mu0), al1 = og_exp2(m[nh][1] - mu1);
+      m[nh][0] = mn0, m[nh][1] = mn1;
+      const float p0 = og_exp2(x[0] - mu0), p1 = og_exp2(x[1] - mu1);
+      const float p2 = og_exp2(x[2] - mu0), p3 = og_exp2(x[3] - mu1);
+      l[nh][0] = l[nh][0] * al0 + (p0 + p2);
+      l[nh][1] = l[nh][1] * al1 + (p1 + p3);
+#pragma unroll
+      for (int mt = 0; mt < OG_MT; ++mt) {
+        o[nh][mt][0] *= al0, o[nh][mt][2] *= al0;
+        o[nh][mt][1] *= al1, o[nh][mt][3] *= al1;
+      }
+      // Lane (g', c') holds P[head 2c' / 2c'+1][token g' and g'+8]; lane (g, c) needs, for head
+      // g, tokens c, c+8 (b0) and c+4, c+12 (b1): those of lanes (c, g/2) and (c+4, g/2).
+      const og_u32 ph0 = og_pack2(p0, p2), ph1 = og_pack2(p1, p3);
+      const int src = 4 * c + (g >> 1);
+      const og_u32 a_lo = __shfl_sync(OG_FULL, ph0, src), a_hi = __shfl_sync(OG_FULL, ph1, src);
+      const og_u32 b_lo = __shfl_sync(OG_FULL, ph0, src + 16), b_hi = __shfl_sync(OG_FULL, ph1, src + 16);
+      pb0[nh] = (g & 1) ? a_hi : a_lo;
+      pb1[nh] = (g & 1) ? b_hi : b_lo;
+    }
+    // O^T += V^T P^T: row g of row tile (j, i) is dim 64j + 8g + 2i, row g+8 the next dim; the
+    // K index pairs (2c, 2c+1) and (2c+8, 2c+9) are tokens (c, c+8) and (c+4, c+12).
+#pragma unroll
+    for (int j = 0; j < OG_DV; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const og_u32 x0 = og_reg(vc[j], i), x8 = og_reg(v8[j], i), x4 = og_reg(v4[j], i), x12 = og_reg(v12[j], i);
+        const og_u32 a0 = __byte_perm(x0, x8, 0x5410), a1 = __byte_perm(x0, x8, 0x7632);
+        const og_u32 a2 = __byte_perm(x4, x12, 0x5410), a3 = __byte_perm(x4, x12, 0x7632);
+#pragma unroll
+        for (int nh = 0; nh < OG_NH; ++nh) og_mma16816(o[nh][4 * j + i], a0, a1, a2, a3, pb0[nh], pb1[nh]);
+      }
+    blk = blk_next, row = row_next;
+  }
+
+  // The warps' results into shared memory: maxima, sums (over the lanes' tokens) and outputs.
+  float *so = region, *sml = region + OG_W * OG_G * OG_D;
+#pragma unroll
+  for (int nh = 0; nh < OG_NH; ++nh) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int sh = 4; sh < 32; sh <<= 1) l[nh][e] += __shfl_xor_sync(OG_FULL, l[nh][e], sh);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = nh * 8 + 2 * c + e;
+      if (h >= OG_G) continue;
+      if (g == 0) sml[(warp * OG_G + h) * 2] = m[nh][e], sml[(warp * OG_G + h) * 2 + 1] = l[nh][e];
+#pragma unroll
+      for (int j = 0; j < OG_DV; ++j) {
+        float *dst = so + (warp * OG_G + h) * OG_D + 64 * j + 8 * g;
+        *(float4 *)dst = make_float4(o[nh][4 * j][e], o[nh][4 * j][e + 2], o[nh][4 * j + 1][e], o[nh][4 * j + 1][e + 2]);
+        *(float4 *)(dst + 4) =
+            make_float4(o[nh][4 * j + 2][e], o[nh][4 * j + 2][e + 2], o[nh][4 * j + 3][e], o[nh][4 * j + 3][e + 2]);
+      }
+    }
+  }
+  __syncthreads();
+
+  // The block's result, warps in order; written out (one split) or as this split's partial.
+  const int group = b * gridDim.y + hk;
+  const long long base = (long long)group * p.slots_per_group;
+  for (int it = tid; it < OG_G * (OG_D / 4); it += OG_NT) {
+    const int h = it / (OG_D / 4), d = (it % (OG_D / 4)) * 4;
+    float mx = og_ninf();
+#pragma unroll
+    for (int w = 0; w < OG_W; ++w) mx = fmaxf(mx, sml[(w * OG_G + h) * 2]);
+    const float mu = mx == og_ninf() ? 0.f : mx;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < OG_W; ++w) {
+      const float e = og_exp2(sml[(w * OG_G + h) * 2] - mu);
+      const float4 v = *(const float4 *)(so + (w * OG_G + h) * OG_D + d);
+      sum += sml[(w * OG_G + h) * 2 + 1] * e;
+      acc.x += v.x * e, acc.y += v.y * e, acc.z += v.z * e, acc.w += v.w * e;
+    }
+    if (n == 1) {
+      og_write_out(p, b, hq0 + h, d, acc, sum, mu);
+    } else {
+      *(float4 *)(p.part + ((base + s) * OG_G + h) * OG_D + d) = acc;
+      if (d == 0) *(float2 *)(p.part_ml + ((base + s) * OG_G + h) * 2) = make_float2(mx, sum);
+    }
+  }
+  if (n == 1) return;
+
+  // A tree of OG_FAN-wide combines over the splits, fixed by split index: the last block to
+  // arrive at a node (a counter in the workspace, which that block resets) combines the node's
+  // children in order into the node's partial, or into the output at the root. Level l's
+  // partials are slots off_l .. off_l + c_l of the group (c_0 = S, c_{l+1} = ceil(c_l / FAN)).
+  og_attn_node node = {s, n, S, 0, 0};
+  for (;;) {
+    __threadfence();
+    __syncthreads();
+    const int members = og_attn_members(&node);
+    unsigned *counter = p.counters + (long long)group * p.counters_per_group + node.coff + og_attn_parent(&node);
+    if (tid == 0) s_last = atomicAdd(counter, 1u) == (unsigned)(members - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (tid == 0) *counter = 0u;  // every child has arrived: ready for the next call
+    const bool root = og_attn_parent_is_root(&node);
+    og_combine(p, b, hq0, base + node.off + (long long)og_attn_parent(&node) * OG_FAN, members, root,
+               base + og_attn_parent_slot(&node), region);
+    if (root) return;
+    og_attn_up(&node);
+  }
+}

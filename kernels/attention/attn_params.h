@@ -1,0 +1,103 @@
+/* Kernel parameters of the paged decode-attention kernel, shared by the host launcher (C11) and
+ * the kernel (NVRTC C++): plain types only, passed by value as the kernel's single parameter.
+ * Strides are in elements. */
+#ifndef OPGRAFT_ATTN_PARAMS_H
+#define OPGRAFT_ATTN_PARAMS_H
+
+typedef struct og_attn_params {
+  const void *q;          /* [batch, heads, D] */
+  const void *k;          /* the K cache: [blocks, block_size, kv_heads, D] through its strides */
+  const void *v;          /* the V cache, likewise */
+  void *out;              /* [batch, heads, D] */
+  const int *block_table; /* [batch, max_blocks] */
+  const int *seq_lens;    /* [batch] */
+  const void *sinks;      /* OG_SINKS: [heads] in the dtype OG_SINKS names */
+  float *part;            /* split partials: [groups][slots_per_group][G][D] unnormalised outputs */
+  float *part_ml;         /* [groups][slots_per_group][G][2]: each partial's max (log2 units) and sum */
+  unsigned *counters;     /* [groups][counters_per_group] arrivals at the combine tree's nodes; 0 between calls */
+  long long q_st, q_sh;
+  long long o_st, o_sh;
+  long long k_sb, k_st, k_sh;
+  long long v_sb, v_st, v_sh;
+  long long bt_stride;
+  int block_size; /* tokens a cache block, a multiple of 16 (a run-time value: the kernel can be
+                   * compiled before the cache exists) */
+  int max_blocks; /* the block table's columns */
+  int num_blocks; /* the cache's blocks: a block id outside [0, num_blocks) contributes nothing */
+  int window_left; /* OG_WINDOW: keys j >= seq_len - 1 - window_left only (-1: all) */
+  int min_chunk;   /* tokens a split takes at least (a multiple of 16) */
+  int slots_per_group, counters_per_group; /* og_attn_tree(gridDim.x) */
+  float qk_scale;  /* scale * log2(e); with OG_SOFTCAP scale / softcap */
+  float cap_log2;  /* OG_SOFTCAP: softcap * log2(e) */
+} og_attn_params;
+
+/* A query row in shared memory, in elements: 64 bytes of padding spread the banks. */
+#define OG_ATTN_QROW(D) ((D) + 32)
+/* The split combine's fan-in: a node of the combine tree merges this many partials at most. */
+#define OG_ATTN_FAN 16
+
+/* The split and tree arithmetic, shared by the kernel and the host (whose tests check it). */
+#ifdef __CUDACC_RTC__
+#define OG_ATTN_FN __device__ __forceinline__
+#else
+#define OG_ATTN_FN static inline
+#endif
+
+/* How a sequence of length L whose keys start at `start` splits over S blocks: tiles begin at
+ * a0 = start rounded down to 16 tokens, each split takes chunk tokens (a multiple of 16, at least
+ * min_chunk) from a0 on; returns the number of non-empty splits n (1 <= n <= S). */
+OG_ATTN_FN int og_attn_split(int L, int start, int S, int min_chunk, int *a0, int *chunk) {
+  const int first = start & ~15, span = L - first;
+  int ch = (span + S - 1) / S;
+  if (ch < min_chunk) ch = min_chunk;
+  ch = (ch + 15) & ~15;
+  *a0 = first, *chunk = ch;
+  return (span + ch - 1) / ch;
+}
+
+/* A node of the combine tree: child idx of a level with cnt live nodes out of cap, whose partials
+ * are slots off.. of the group and whose parents' counters are coff.. of the group. */
+typedef struct og_attn_node {
+  int idx, cnt, cap, off, coff;
+} og_attn_node;
+OG_ATTN_FN int og_attn_parent(const og_attn_node *n) { return n->idx / OG_ATTN_FAN; }
+OG_ATTN_FN int og_attn_members(const og_attn_node *n) {
+  const int rest = n->cnt - og_attn_parent(n) * OG_ATTN_FAN;
+  return rest < OG_ATTN_FAN ? rest : OG_ATTN_FAN;
+}
+/* Is the parent the root (its merge is the output)? */
+OG_ATTN_FN int og_attn_parent_is_root(const og_attn_node *n) { return n->cnt <= OG_ATTN_FAN; }
+/* The parent's slot (where its merge goes when it is not the root). */
+OG_ATTN_FN int og_attn_parent_slot(const og_attn_node *n) { return n->off + n->cap + og_attn_parent(n); }
+/* Moves to the parent. */
+OG_ATTN_FN void og_attn_up(og_attn_node *n) {
+  const int pcap = (n->cap + OG_ATTN_FAN - 1) / OG_ATTN_FAN;
+  n->off += n->cap, n->coff += pcap;
+  n->idx = og_attn_parent(n), n->cnt = (n->cnt + OG_ATTN_FAN - 1) / OG_ATTN_FAN, n->cap = pcap;
+}
+#ifndef __CUDACC_RTC__
+/* The combine tree of S splits: the partial slots and node counters one group (a sequence's kv
+ * head) needs. Level l has c_l nodes (c_0 = S, c_{l+1} = ceil(c_l / FAN)); every level with more
+ * than one node keeps its partials, every node above level 0 a counter. */
+static inline void og_attn_tree(int S, int *slots, int *counters) {
+  int c = S, sl = 0, co = 0;
+  while (c > 1) {
+    sl += c;
+    c = (c + OG_ATTN_FAN - 1) / OG_ATTN_FAN;
+    co += c;
+  }
+  *slots = sl, *counters = co;
+}
+
+/* Bytes of dynamic shared memory the kernel takes for (D, G, warps): the query rows, then either
+ * the warps' partials (outputs, maxima, sums) or, reusing that room, a combine's weights. */
+static inline unsigned og_attn_smem_bytes(int D, int G, int W) {
+  const unsigned nh8 = (unsigned)((G + 7) / 8) * 8u;
+  const unsigned sq = nh8 * (unsigned)OG_ATTN_QROW(D) * 2u;
+  const unsigned warps = (unsigned)(W * G * D) * 4u + (unsigned)(W * G) * 8u;
+  const unsigned comb = (unsigned)OG_ATTN_FAN * (unsigned)G * 8u + (unsigned)G * 12u;
+  return sq + (warps > comb ? warps : comb);
+}
+#endif
+
+#endif

@@ -1,0 +1,307 @@
+"""The paged decode-attention op: one query token per sequence against its paged K/V cache, on
+libopgraft's kernel.
+
+Tensors (vLLM's FlashAttention views, any strides the guard takes):
+  query        [tokens >= batch, heads, head_size]
+  key_cache    [num_blocks, block_size, kv_heads, head_size] (value_cache likewise)
+  block_table  int32 [>= batch, max_blocks]
+  seq_lens     int32 [batch], contiguous: the batch is its length; 0 marks a padded row
+  out          [tokens >= batch, heads, head_size]
+
+A plan (the guard's decision, the tunables, the compiled kernel) is made once per layout and kept;
+the batch, the lengths and the pointers are each call's, so a call is one ctypes crossing with no
+host synchronisation and no allocation (CUDA-graph capturable). The workspace of the split
+combine is one zeroed buffer per device, grown only outside CUDA graph capture and never freed
+(captured graphs keep its address).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from .. import _lib
+from . import current_stream, dtype_code, strides
+
+
+def attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, out: torch.Tensor | None, scale: float, softcap: float = 0.0,
+                   window_left: int = -1, sinks: torch.Tensor | None = None, max_seq_len: int = 0, flags: int = 0,
+                   query_len: int = 1, arch: int = 0) -> _lib.AttentionArgs:
+    """The C argument struct for these tensors; dtype -1 when their shapes or devices do not
+    describe a paged decode-attention call (the guard then refuses it)."""
+    a = _lib.AttentionArgs()
+    a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
+    a.dtype = dtype_code(query) if out is None or out.dtype == query.dtype else 0
+    a.kv_dtype = dtype_code(key_cache) if key_cache.dtype == value_cache.dtype else 0
+    a.flags, a.query_len = flags, query_len
+    dev = query.device
+    consistent = (
+        query.dim() == 3 and key_cache.dim() == 4 and value_cache.shape == key_cache.shape
+        and block_table.dim() == 2 and seq_lens.dim() == 1
+        and (seq_lens.numel() <= 1 or seq_lens.stride(0) == 1)
+        and query.shape[0] >= seq_lens.shape[0] and block_table.shape[0] >= seq_lens.shape[0]
+        and key_cache.shape[3] == query.shape[2] and key_cache.shape[2] >= 1
+        and (out is None or (out.dim() == 3 and out.shape[0] >= seq_lens.shape[0] and out.shape[1:] == query.shape[1:]))
+        and all(t.device == dev for t in (key_cache, value_cache, block_table, seq_lens))
+        and (out is None or out.device == dev)
+        and (sinks is None or (sinks.dim() == 1 and sinks.shape[0] == query.shape[1] and sinks.is_contiguous()
+                               and sinks.device == dev))
+    )
+    if not consistent:
+        a.dtype = -1
+        return a
+    a.batch = seq_lens.shape[0]
+    a.num_heads, a.head_size = query.shape[1], query.shape[2]
+    a.num_blocks, a.block_size, a.num_kv_heads = key_cache.shape[0], key_cache.shape[1], key_cache.shape[2]
+    a.max_blocks = block_table.shape[1]
+    a.scale, a.softcap, a.window_left = float(scale), float(softcap or 0.0), int(window_left)
+    a.q, a.q_stride = query.data_ptr(), strides(query, 3)
+    a.k_cache, a.k_stride = key_cache.data_ptr(), strides(key_cache, 4)
+    a.v_cache, a.v_stride = value_cache.data_ptr(), strides(value_cache, 4)
+    a.block_table, a.block_table_dtype = block_table.data_ptr(), dtype_code(block_table)
+    a.block_table_stride = strides(block_table, 2)
+    a.seq_lens, a.seq_lens_dtype = seq_lens.data_ptr(), dtype_code(seq_lens)
+    if sinks is not None:
+        a.sinks, a.sinks_dtype = sinks.data_ptr(), dtype_code(sinks)
+    if out is not None:
+        a.out, a.out_stride = out.data_ptr(), strides(out, 3)
+    else:  # a contiguous output the op allocates
+        a.out, a.out_stride = 16, (ctypes.c_int64 * 3)(query.shape[1] * query.shape[2], query.shape[2], 1)
+    a.max_seq_len = max(0, int(max_seq_len))
+    a.arch = arch
+    return a
+
+
+class Plan:
+    """A C plan (or why there is none) for one layout."""
+
+    __slots__ = ("handle", "workspace_bytes", "reason")
+
+    def __init__(self, handle, workspace_bytes: int, reason: str):
+        self.handle, self.workspace_bytes, self.reason = handle, workspace_bytes, reason
+
+    def __del__(self):
+        if self.handle and _lib._lib is not None:
+            _lib._lib.opgraft_attention_plan_destroy(self.handle)
+
+
+_plans: dict = {}
+_plans_lock = threading.Lock()
+_MAX_PLANS = 1024
+
+
+def _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks, flags,
+                query_len):
+    return (query.shape[1:], query.stride(), query.dtype, query.device, key_cache.shape, key_cache.stride(),
+            key_cache.dtype, value_cache.shape, value_cache.stride(), value_cache.dtype, block_table.shape[1:],
+            block_table.stride(), block_table.dtype, seq_lens.dtype, None if out is None else (out.stride(), out.dtype),
+            float(scale), float(softcap or 0.0), int(window_left),
+            None if sinks is None else (sinks.shape, sinks.dtype), flags, query_len)
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except Exception:  # pragma: no cover - a torch without CUDA
+        return False
+
+
+# The static configurations prepare() compiled and loaded the kernel for (with the tunables of
+# that time): a plan of one of them can be made under CUDA graph capture, as it loads nothing.
+_prepared: set = set()
+
+
+def _static_key(a: _lib.AttentionArgs, device_index: int):
+    return (device_index, a.dtype, a.num_heads // max(1, a.num_kv_heads), a.head_size, a.softcap > 0,
+            a.window_left >= 0, a.sinks_dtype if a.sinks else None, _lib.lib().opgraft_tune_generation())
+
+
+def plan_for(query, key_cache, value_cache, block_table, seq_lens, out=None, scale=1.0, softcap=0.0, window_left=-1,
+             sinks=None, flags=0, query_len=1) -> Plan:
+    """The plan of this call's layout, made on first sight (the guard runs then, and only then).
+    Under CUDA graph capture a plan is made only where prepare() already loaded its kernel
+    (compiling and loading one then could break the capture); otherwise the call is refused for
+    now and planned at the next call outside a capture."""
+    key = _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
+                      flags, query_len)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    if not query.is_cuda:
+        plan = Plan(None, 0, "tensors are not on a CUDA device")
+    else:
+        a = attention_args(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left,
+                           sinks, 0, flags, query_len)
+        if a.dtype == -1:
+            plan = Plan(None, 0, "tensor shapes or devices are not those of paged decode attention")
+        else:
+            reason = ctypes.create_string_buffer(256)
+            st = _lib.lib().opgraft_attention_supports(ctypes.byref(a), reason, len(reason)) if a.batch else _lib.OK
+            if st == _lib.EUNSUPPORTED:
+                plan = Plan(None, 0, reason.value.decode(errors="replace"))
+            elif _capturing() and _static_key(a, _device_index(query.device)) not in _prepared:
+                return Plan(None, 0, "kernel not prepared before CUDA graph capture")  # not kept
+            else:
+                handle = ctypes.c_void_p()
+                with torch.cuda.device(query.device):
+                    st = _lib.lib().opgraft_attention_plan_create(ctypes.byref(a), ctypes.byref(handle), reason,
+                                                                  len(reason))
+                if st == _lib.OK:
+                    plan = Plan(handle.value, _lib.lib().opgraft_attention_plan_workspace_size(handle.value), "")
+                    reserve_workspace(query.device, plan.workspace_bytes)
+                elif st == _lib.EUNSUPPORTED:
+                    plan = Plan(None, 0, reason.value.decode(errors="replace"))
+                else:
+                    _lib.check(st)
+    with _plans_lock:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def forget_plans() -> None:
+    """Drops every plan (they are re-made, with the tunables as they are now, at the next call)."""
+    with _plans_lock:
+        _plans.clear()
+
+
+# ---- the split combine's workspace: one zeroed buffer per device ----------------------------
+
+_workspaces: dict = {}  # device index -> uint8 tensor
+_retired: list = []  # smaller buffers a captured graph may still use: kept alive
+_ws_lock = threading.Lock()
+
+
+def _device_index(device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def reserve_workspace(device, nbytes: int) -> None:
+    """Makes the device's workspace at least nbytes (zeroed). Outside CUDA graph capture only."""
+    idx = _device_index(device)
+    ws = _workspaces.get(idx)
+    if nbytes <= 0 or (ws is not None and ws.numel() >= nbytes):
+        return
+    if _capturing():
+        raise _lib.OpgraftError(_lib.EUNSUPPORTED, "the attention workspace would be allocated under CUDA graph capture")
+    with _ws_lock:
+        ws = _workspaces.get(idx)
+        if ws is None or ws.numel() < nbytes:
+            if ws is not None:
+                _retired.append(ws)
+            _workspaces[idx] = torch.zeros(nbytes, dtype=torch.uint8, device=torch.device("cuda", idx))
+
+
+def workspace(device, nbytes: int) -> torch.Tensor | None:
+    """The device's workspace if it has nbytes (None when nbytes is 0)."""
+    if nbytes <= 0:
+        return None
+    ws = _workspaces.get(_device_index(device))
+    if ws is None or ws.numel() < nbytes:
+        reserve_workspace(device, nbytes)
+        ws = _workspaces[_device_index(device)]
+    return ws
+
+
+def prepare(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, device, softcap: float = 0.0,
+            window_left: int = -1, sinks_dtype: torch.dtype | None = None, block_size: int = 16) -> tuple[bool, str]:
+    """Compiles and loads the kernel for a layer's static configuration and reserves the
+    workspace, so that the first real call (maybe under CUDA graph capture) only makes its plan.
+    (True, "") or (False, why the layer's calls will be handed back)."""
+    code = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}.get(dtype)
+    if code is None:
+        return False, f"dtype {dtype} (the kernel takes bf16 and fp16)"
+    a = _lib.AttentionArgs()
+    a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
+    a.dtype = a.kv_dtype = code
+    a.batch, a.query_len, a.num_heads, a.num_kv_heads, a.head_size = 1, 1, num_heads, num_kv_heads, head_size
+    a.block_size, a.num_blocks, a.max_blocks = block_size, 1, 1
+    a.scale, a.softcap, a.window_left = 1.0, float(softcap or 0.0), int(window_left)
+    fake = 1 << 20  # never dereferenced: a plan keeps no pointers
+    a.q = a.k_cache = a.v_cache = a.block_table = a.seq_lens = a.out = fake
+    a.q_stride[:] = a.out_stride[:] = [num_heads * head_size, head_size, 1]
+    a.k_stride[:] = a.v_stride[:] = [block_size * num_kv_heads * head_size, num_kv_heads * head_size, head_size, 1]
+    a.block_table_dtype = a.seq_lens_dtype = _lib.DTYPE_INT32
+    a.block_table_stride[:] = [1, 1]
+    if sinks_dtype is not None:
+        a.sinks, a.sinks_dtype = fake, {torch.float32: _lib.DTYPE_FP32, torch.bfloat16: _lib.DTYPE_BF16,
+                                        torch.float16: _lib.DTYPE_FP16}.get(sinks_dtype, 0)
+    handle = ctypes.c_void_p()
+    reason = ctypes.create_string_buffer(256)
+    with torch.cuda.device(device):
+        st = _lib.lib().opgraft_attention_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
+    if st == _lib.EUNSUPPORTED:
+        return False, reason.value.decode(errors="replace")
+    _lib.check(st)
+    try:
+        reserve_workspace(device, _lib.lib().opgraft_attention_plan_workspace_size(handle.value))
+    finally:
+        _lib.lib().opgraft_attention_plan_destroy(handle.value)
+    _prepared.add(_static_key(a, _device_index(device)))
+    return True, ""
+
+
+def supports(query, key_cache, value_cache, block_table, seq_lens, out=None, scale=1.0, softcap=0.0, window_left=-1,
+             sinks=None, flags=0, query_len=1) -> tuple[bool, str]:
+    """(True, "") if the kernel can take the call, else (False, reason)."""
+    plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
+                    flags, query_len)
+    return plan.handle is not None, plan.reason
+
+
+def attention_decode_into(out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0,
+                          window_left=-1, sinks=None, max_seq_len=0):
+    """Runs the kernel into out (rows 0 .. batch-1). Raises OpgraftError if unsupported.
+    max_seq_len is an upper bound of seq_lens (0 = unknown): it caps the split count only."""
+    for _ in range(2):
+        plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks)
+        if plan.handle is None:
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
+        ws = workspace(query.device, plan.workspace_bytes)
+        st = _lib.lib().opgraft_attention_plan_run(
+            plan.handle, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
+            seq_lens.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(),
+            None if ws is None else ws.data_ptr(), seq_lens.shape[0], max(0, int(max_seq_len)),
+            current_stream(query.device))
+        if st != _lib.ESTALE:
+            _lib.check(st)
+            return out
+        forget_plans()  # the tunables changed (or the context): plan again, once
+    _lib.check(st)
+    return out
+
+
+@torch.library.custom_op("opgraft::paged_decode_attention", mutates_args=())
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float = 0.0,
+                           window_left: int = -1, sinks: torch.Tensor | None = None,
+                           max_seq_len: int = 0) -> torch.Tensor:
+    """Decode attention over a paged cache: [batch, heads, head_size] for the batch's queries."""
+    out = torch.empty((seq_lens.shape[0], query.shape[1], query.shape[2]), dtype=query.dtype, device=query.device)
+    return attention_decode_into(out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap,
+                                 window_left, sinks, max_seq_len)
+
+
+@paged_decode_attention.register_fake
+def _(query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0, window_left=-1, sinks=None,
+      max_seq_len=0):
+    return query.new_empty((seq_lens.shape[0], query.shape[1], query.shape[2]))
+
+
+def reference_cpu(query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0, window_left=-1,
+                  sinks=None) -> torch.Tensor:
+    """The C fp64 oracle on CPU copies of the tensors (strides kept); float64 [batch, heads, D]."""
+    t = [x.cpu() for x in (query, key_cache, value_cache, block_table, seq_lens)]
+    s = sinks.cpu() if sinks is not None else None
+    a = attention_args(*t, None, scale, softcap, window_left, s)
+    if a.dtype == -1:
+        raise _lib.OpgraftError(_lib.EINVAL, "tensor shapes do not describe paged decode attention")
+    out = torch.empty((t[4].shape[0], t[0].shape[1], t[0].shape[2]), dtype=torch.float64)
+    _lib.check(_lib.lib().opgraft_attention_reference(ctypes.byref(a),
+                                                       ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))))
+    return out

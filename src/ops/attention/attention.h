@@ -1,0 +1,60 @@
+/* Internal declarations of the decode-attention op (src/ops/attention/): guard.c, config.c,
+ * heuristics.c, launch.c, table.c, reference.c. */
+#ifndef OPGRAFT_OPS_ATTENTION_H
+#define OPGRAFT_OPS_ATTENTION_H
+
+#include "../../core/internal.h"
+
+#define OG_ATTN_MIN_ARCH 80    /* mma.sync bf16 and cvt.rn.bf16x2.f32 need sm_80 */
+#define OG_ATTN_MAX_GROUP 16   /* query heads per kv head: two 8-head column tiles */
+#define OG_ATTN_MAX_BLOCK 4096 /* tokens per cache block */
+#define OG_ATTN_MAX_BATCH 65535 /* the grid's z dimension */
+/* The most blocks one launch puts in the split tree, on any GPU (sizes the workspace of
+ * opgraft_attention_run, which has no plan to ask). */
+#define OG_ATTN_MAX_SLOTS 2048
+
+extern const og_op opgraft__attention_op;
+
+typedef struct og_attn_shape {
+  int64_t D, G, bs;
+} og_attn_shape;
+/* Parses a shape key ("attention:bf16:D128:G8:bs16"); 1 on success. */
+int opgraft__attn_parse_shape(const char *shape, og_attn_shape *s);
+/* heuristics.c: the op's rule (og_op.rule). */
+int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value);
+
+/* guard.c */
+const char *opgraft__attn_dtype_name(int32_t d);
+void opgraft__attn_shape_key(const opgraft_attention_args *a, char *buf, size_t len);
+/* The checks that look only at the arguments (no system calls, no pointers). */
+int32_t opgraft__attn_check_static(const opgraft_attention_args *a, char *reason, size_t reason_len);
+/* Alignment and NULL checks of the pointers a call carries. */
+int32_t opgraft__attn_check_pointers(const opgraft_attention_args *a, char *reason, size_t reason_len);
+/* The checks that need the device; arch_out and gpu receive the device. */
+int32_t opgraft__attn_check_device(const opgraft_attention_args *a, int32_t *arch_out, char *gpu, size_t gpu_len,
+                                   char *reason, size_t reason_len);
+
+/* config.c: tunables -> kernel constants */
+typedef struct og_attn_cfg {
+  int warps;       /* warps per block (OG_W) */
+  int min_blocks;  /* __launch_bounds__ minimum blocks per SM (OG_MIN_BLOCKS, 1 = none) */
+  int min_chunk;   /* tokens a split takes at least */
+  int max_splits;  /* splits of one sequence at most */
+  int load;        /* K/V load form (og_load_stream) */
+  int pdl;         /* programmatic dependent launch (sm_90+) */
+  int softcap, window, sinks; /* the options' code paths (OG_SOFTCAP, OG_WINDOW, OG_SINKS) */
+} og_attn_cfg;
+void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const char *gpu, og_attn_cfg *c);
+int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg *c, og_opts *o);
+void opgraft__attn_fn_name(int32_t dtype, char name[64]);
+/* The shape checks a compile-only call needs (no device). */
+int32_t opgraft__attn_compile_check(const opgraft_attention_args *a, const char *what);
+/* Bytes of workspace for a launch of at most max_slots blocks in split calls, up to max_splits
+ * splits a sequence (og_attn_tree's slots and counters). */
+size_t opgraft__attn_workspace_bytes(const opgraft_attention_args *a, int64_t max_slots, int max_splits);
+/* Where the partials' maxima/sums and outputs start in that workspace (the counters are first). */
+void opgraft__attn_workspace_offsets(const opgraft_attention_args *a, int64_t max_slots, int max_splits,
+                                     size_t *ml_off, size_t *part_off);
+#define OG_ATTN_SOURCE "attention/attention.cu"
+
+#endif

@@ -1,0 +1,37 @@
+/* The decode-attention op's rules: tunable values derived from the shape and the GPU, used where
+ * no baked row (table.c) matches. Nothing here is measured yet (the first GPU run of
+ * `opgraft bench attention` decides); the reasoning behind each value:
+ * - attention.warps 4: a block of 4 warps at the kernel's ~160 registers (head size 128) lets 3
+ *   blocks share an SM, 12 warps each with one 16-token tile (8 KB) of K/V in flight: about 96 KB
+ *   an SM, above the ~40 KB the H200's bandwidth needs at its ~1 us load latency under load.
+ * - attention.min_chunk 128 tokens: a short context splits into few blocks (1K tokens: 8 splits a
+ *   kv head, one combine level), each warp pipelining two tiles; a long one into up to
+ *   attention.max_splits splits so that batch x kv heads x splits fills one wave of blocks.
+ * - attention.max_splits 128: two combine levels at most (fan-in 16); batch 1 with 4 kv heads
+ *   fills the H200's 396 block slots with 99 splits.
+ * - attention.load 4 (plain read-only loads), attention.pdl 0: the forms the MoE op measured as
+ *   safe defaults; both are tuner candidates. */
+#include <stdio.h>
+#include <string.h>
+
+#include "attention.h"
+
+int opgraft__attn_parse_shape(const char *shape, og_attn_shape *s) {
+  char dt[8];
+  long long D, G, bs;
+  if (!shape || sscanf(shape, "attention:%7[a-z0-9]:D%lld:G%lld:bs%lld", dt, &D, &G, &bs) != 4) return 0;
+  if (D < 1 || G < 1 || bs < 1) return 0;
+  s->D = D, s->G = G, s->bs = bs;
+  return 1;
+}
+
+int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value) {
+  const char *key = q->key;
+  if (strcmp(key, "attention.warps") == 0) return *value = 4, 1;
+  if (strcmp(key, "attention.min_blocks") == 0) return *value = 0, 1;
+  if (strcmp(key, "attention.min_chunk") == 0) return *value = 128, 1;
+  if (strcmp(key, "attention.max_splits") == 0) return *value = 128, 1;
+  if (strcmp(key, "attention.load") == 0) return *value = 4, 1;
+  if (strcmp(key, "attention.pdl") == 0) return *value = 0, 1;
+  return 0;
+}

@@ -1,0 +1,265 @@
+/* The decode-attention op's plans and launches: a plan resolves the guard, the tunables, the
+ * compiled kernel and its occupancy once per layout; a run picks the split count from the batch
+ * and the length bound, fills the pointers and enqueues one kernel. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../../kernels/attention/attn_params.h"
+#include "attention.h"
+
+struct opgraft_attention_plan {
+  og_CUcontext ctx;
+  uint32_t tune_gen;
+  opgraft_attention_args args; /* the layout the plan was made for: pointers, batch and bound cleared */
+  int32_t arch;
+  og_attn_cfg cfg;
+  og_CUfunction fn;
+  unsigned threads, smem;
+  int64_t slots;      /* blocks of one wave: split calls put at most this many in the tree */
+  size_t workspace, ml_off, part_off;
+  og_attn_params proto; /* strides and scalars; a run adds the pointers */
+};
+
+static int32_t current_ctx(const og_cuda_api **cu, og_CUcontext *ctx) {
+  if (!(*cu = opgraft__cuda())) return OPGRAFT_ENOLIB;
+  int32_t st = opgraft__cu_check((*cu)->cuCtxGetCurrent(ctx), "cuCtxGetCurrent");
+  if (st) return st;
+  if (!*ctx) return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread");
+  return OPGRAFT_OK;
+}
+
+/* The layout fields of args, everything else zero (so that two layouts compare with memcmp). */
+static void layout_of(const opgraft_attention_args *a, opgraft_attention_args *k) {
+  memset(k, 0, sizeof *k);
+  k->struct_size = a->struct_size;
+  k->dtype = a->dtype, k->kv_dtype = a->kv_dtype, k->flags = a->flags;
+  k->query_len = a->query_len;
+  k->num_heads = a->num_heads, k->num_kv_heads = a->num_kv_heads, k->head_size = a->head_size;
+  k->block_size = a->block_size, k->num_blocks = a->num_blocks, k->max_blocks = a->max_blocks;
+  k->scale = a->scale, k->softcap = a->softcap, k->window_left = a->window_left;
+  memcpy(k->q_stride, a->q_stride, sizeof k->q_stride);
+  memcpy(k->k_stride, a->k_stride, sizeof k->k_stride);
+  memcpy(k->v_stride, a->v_stride, sizeof k->v_stride);
+  k->block_table_dtype = a->block_table_dtype;
+  memcpy(k->block_table_stride, a->block_table_stride, sizeof k->block_table_stride);
+  k->seq_lens_dtype = a->seq_lens_dtype;
+  k->sinks = a->sinks ? (const void *)1 : NULL; /* only whether there are sinks */
+  k->sinks_dtype = a->sinks ? a->sinks_dtype : 0;
+  memcpy(k->out_stride, a->out_stride, sizeof k->out_stride);
+  k->arch = a->arch;
+}
+
+#define OG_REASON_FAIL(st) opgraft__fail(st, "attention call not supported: %s", reason)
+
+enum { OG_ATTR_SM_COUNT = 16, OG_FUNC_ATTR_MAX_DYNAMIC_SHARED = 8 };
+
+int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_attention_plan **out, char *reason,
+                                      size_t reason_len) {
+  char local[256];
+  if (!reason || !reason_len) reason = local, reason_len = sizeof local;
+  reason[0] = 0;
+  if (!out) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_create: no plan pointer");
+  *out = NULL;
+  if (!opgraft__op_ok(&opgraft__attention_op)) {
+    snprintf(reason, reason_len, "the attention op is not registered (its descriptor was refused)");
+    return OG_REASON_FAIL(OPGRAFT_EUNSUPPORTED);
+  }
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  int32_t st = current_ctx(&cu, &ctx);
+  if (st) return st;
+  if ((st = opgraft__attn_check_static(a, reason, reason_len))) return OG_REASON_FAIL(st);
+  char gpu[256] = "";
+  int32_t arch = 0;
+  const uint32_t gen = opgraft__tune_generation();
+  if ((st = opgraft__attn_check_device(a, &arch, gpu, sizeof gpu, reason, reason_len))) return OG_REASON_FAIL(st);
+
+  opgraft_attention_plan *p = calloc(1, sizeof *p);
+  if (!p) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
+  p->ctx = ctx, p->tune_gen = gen, p->arch = arch;
+  layout_of(a, &p->args);
+  opgraft__attn_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
+  const int64_t G = a->num_heads / a->num_kv_heads;
+  p->threads = 32u * (unsigned)p->cfg.warps;
+  p->smem = og_attn_smem_bytes((int)a->head_size, (int)G, p->cfg.warps);
+  og_opts o;
+  char name[64];
+  opgraft__attn_fn_name(a->dtype, name);
+  const char *np[1] = {name};
+  if (!(st = opgraft__attn_options(a, &p->cfg, &o))) st = opgraft__get_functions(OG_ATTN_SOURCE, o.ptr, o.n, arch, np, 1, &p->fn);
+  if (!st && p->smem > (48u << 10))
+    st = opgraft__cu_check(cu->cuFuncSetAttribute(p->fn, OG_FUNC_ATTR_MAX_DYNAMIC_SHARED, (int)p->smem),
+                           "cuFuncSetAttribute (attention shared memory)");
+  og_CUdevice dev = 0;
+  int per_sm = 0, sms = 0;
+  if (!st) st = opgraft__cu_check(cu->cuCtxGetDevice(&dev), "cuCtxGetDevice");
+  if (!st) st = opgraft__cu_check(cu->cuDeviceGetAttribute(&sms, OG_ATTR_SM_COUNT, dev), "cuDeviceGetAttribute");
+  if (!st)
+    st = opgraft__cu_check(cu->cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, p->fn, (int)p->threads, p->smem),
+                           "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (!st && per_sm < 1) st = opgraft__fail(OPGRAFT_ECUDA, "the attention kernel cannot be resident on this GPU");
+  if (st) {
+    free(p);
+    return st;
+  }
+  p->slots = (int64_t)per_sm * sms;
+  if (p->slots > OG_ATTN_MAX_SLOTS) p->slots = OG_ATTN_MAX_SLOTS;
+  p->workspace = opgraft__attn_workspace_bytes(a, p->slots, p->cfg.max_splits);
+  opgraft__attn_workspace_offsets(a, p->slots, p->cfg.max_splits, &p->ml_off, &p->part_off);
+  og_attn_params *q = &p->proto;
+  q->q_st = a->q_stride[0], q->q_sh = a->q_stride[1];
+  q->o_st = a->out_stride[0], q->o_sh = a->out_stride[1];
+  q->k_sb = a->k_stride[0], q->k_st = a->k_stride[1], q->k_sh = a->k_stride[2];
+  q->v_sb = a->v_stride[0], q->v_st = a->v_stride[1], q->v_sh = a->v_stride[2];
+  q->bt_stride = a->block_table_stride[0];
+  q->block_size = (int)a->block_size;
+  q->max_blocks = (int)a->max_blocks;
+  q->num_blocks = (int)a->num_blocks;
+  q->window_left = (int)a->window_left;
+  q->min_chunk = p->cfg.min_chunk;
+  const double log2e = 1.4426950408889634;
+  if (a->softcap > 0) {
+    q->qk_scale = (float)(a->scale / a->softcap);
+    q->cap_log2 = (float)(a->softcap * log2e);
+  } else {
+    q->qk_scale = (float)(a->scale * log2e);
+  }
+  *out = p;
+  return OPGRAFT_OK;
+}
+
+void opgraft_attention_plan_destroy(opgraft_attention_plan *p) { free(p); }
+
+size_t opgraft_attention_plan_workspace_size(const opgraft_attention_plan *p) { return p ? p->workspace : 0; }
+
+/* The splits of a sequence for a batch: one wave of blocks over batch x kv heads, no more than
+ * max_splits, and no more than the length bound makes useful at min_chunk tokens a split. */
+static int split_count(const opgraft_attention_plan *plan, int64_t batch, int64_t max_seq_len) {
+  const opgraft_attention_args *a = &plan->args;
+  const int64_t groups = batch * a->num_kv_heads;
+  int64_t S = plan->slots / (groups > 0 ? groups : 1);
+  if (S > plan->cfg.max_splits) S = plan->cfg.max_splits;
+  if (max_seq_len > 0) {
+    int64_t span = max_seq_len + 15; /* the first tile starts up to 15 tokens early */
+    if (a->window_left >= 0 && a->window_left + 1 + 15 < span) span = a->window_left + 1 + 15;
+    const int64_t useful = (span + plan->cfg.min_chunk - 1) / plan->cfg.min_chunk;
+    if (S > useful) S = useful;
+  }
+  return S < 2 ? 1 : (int)S;
+}
+
+static int32_t launch(const og_cuda_api *cu, const opgraft_attention_plan *plan, og_attn_params *p, int64_t batch,
+                      int64_t max_seq_len, void *workspace, og_CUstream s) {
+  const int S = split_count(plan, batch, max_seq_len);
+  if (S > 1) {
+    og_attn_tree(S, &p->slots_per_group, &p->counters_per_group);
+    p->counters = (unsigned *)workspace;
+    p->part_ml = (float *)((char *)workspace + plan->ml_off);
+    p->part = (float *)((char *)workspace + plan->part_off);
+  }
+  void *params[] = {p};
+  const unsigned gy = (unsigned)plan->args.num_kv_heads, gz = (unsigned)batch;
+  if (plan->cfg.pdl) {
+    /* The kernel waits (griddepcontrol.wait) for the previous kernel before any global access. */
+    og_CUlaunchAttribute attr;
+    memset(&attr, 0, sizeof attr);
+    attr.id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.flag = 1;
+    og_CUlaunchConfig lc = {(unsigned)S, gy, gz, plan->threads, 1, 1, plan->smem, s, &attr, 1};
+    return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan->fn, params, NULL),
+                             "launch attention_decode (programmatic dependent launch)");
+  }
+  return opgraft__cu_check(cu->cuLaunchKernel(plan->fn, (unsigned)S, gy, gz, plan->threads, 1, 1, plan->smem, s, params,
+                                              NULL),
+                           "launch attention_decode");
+}
+
+static int misaligned(const void *p, unsigned n) { return ((uintptr_t)p & (n - 1u)) != 0; }
+
+int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const void *q, const void *k_cache,
+                                   const void *v_cache, const void *block_table, const void *seq_lens,
+                                   const void *sinks, void *out, void *workspace, int64_t batch, int64_t max_seq_len,
+                                   void *stream) {
+  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: no plan");
+  if (batch < 0 || batch > OG_ATTN_MAX_BATCH || max_seq_len < 0)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: batch %lld, max_seq_len %lld", (long long)batch,
+                         (long long)max_seq_len);
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  int32_t st = current_ctx(&cu, &ctx);
+  if (st) return st;
+  if (ctx != plan->ctx || plan->tune_gen != opgraft__tune_generation())
+    return opgraft__fail(OPGRAFT_ESTALE, "attention plan made under %s: make a new one",
+                         ctx != plan->ctx ? "another CUDA context" : "other tunables");
+  if (batch == 0) return OPGRAFT_OK;
+  if (!q || !k_cache || !v_cache || !block_table || !seq_lens || !out || !sinks != !plan->args.sinks ||
+      (plan->workspace && !workspace))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: a NULL pointer (or sinks unlike the plan's)");
+  if (misaligned(q, 16) || misaligned(k_cache, 16) || misaligned(v_cache, 16) || misaligned(out, 16) ||
+      misaligned(workspace, 16) || misaligned(block_table, 4) || misaligned(seq_lens, 4) ||
+      misaligned(sinks, plan->args.sinks_dtype == OPGRAFT_DTYPE_FP32 ? 4u : 2u))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: a pointer is misaligned");
+  og_attn_params p = plan->proto;
+  p.q = q, p.k = k_cache, p.v = v_cache, p.out = out;
+  p.block_table = (const int *)block_table, p.seq_lens = (const int *)seq_lens, p.sinks = sinks;
+  return launch(cu, plan, &p, batch, max_seq_len, workspace, (og_CUstream)stream);
+}
+
+/* ---- the argument-struct entry point, through plans cached here ---- */
+
+#define OG_PLANS 64
+static opgraft_attention_plan *plans[OG_PLANS];
+static int nplans, next_evict;
+static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int32_t opgraft_attention_workspace_size(const opgraft_attention_args *a, size_t *bytes) {
+  char reason[256];
+  if (!a || !bytes) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_workspace_size: bad arguments");
+  const int32_t st = opgraft__attn_check_static(a, reason, sizeof reason);
+  if (st) return opgraft__fail(st, "attention call not supported: %s", reason);
+  og_attn_cfg cfg;
+  opgraft__attn_config(a, a->arch ? a->arch : 90, a->gpu_name, &cfg);
+  *bytes = opgraft__attn_workspace_bytes(a, OG_ATTN_MAX_SLOTS, cfg.max_splits);
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft_attention_run(const opgraft_attention_args *a, void *workspace, size_t workspace_bytes, void *stream) {
+  char reason[256];
+  int32_t st;
+  if ((st = opgraft__attn_check_static(a, reason, sizeof reason)) ||
+      (st = opgraft__attn_check_pointers(a, reason, sizeof reason)))
+    return opgraft__fail(st, "attention call not supported: %s", reason);
+  if (a->batch == 0) return OPGRAFT_OK;
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  if ((st = current_ctx(&cu, &ctx))) return st;
+  opgraft_attention_args key;
+  layout_of(a, &key);
+  const uint32_t gen = opgraft__tune_generation();
+  opgraft_attention_plan local, *plan = NULL; /* a copy: the cached one may be evicted meanwhile */
+  pthread_mutex_lock(&plan_lock);
+  for (int i = 0; i < nplans && !plan; ++i)
+    if (plans[i]->ctx == ctx && plans[i]->tune_gen == gen && memcmp(&plans[i]->args, &key, sizeof key) == 0)
+      local = *plans[i], plan = &local;
+  pthread_mutex_unlock(&plan_lock);
+  if (!plan) {
+    opgraft_attention_plan *made = NULL;
+    if ((st = opgraft_attention_plan_create(a, &made, reason, sizeof reason))) return st;
+    local = *made, plan = &local;
+    pthread_mutex_lock(&plan_lock);
+    if (nplans < OG_PLANS) {
+      plans[nplans++] = made;
+    } else {
+      free(plans[next_evict]);
+      plans[next_evict] = made;
+      next_evict = (next_evict + 1) % OG_PLANS;
+    }
+    pthread_mutex_unlock(&plan_lock);
+  }
+  if (plan->workspace > workspace_bytes)
+    return opgraft__fail(OPGRAFT_EINVAL, "workspace of %zu bytes given, %zu needed", workspace_bytes, plan->workspace);
+  return opgraft_attention_plan_run(plan, a->q, a->k_cache, a->v_cache, a->block_table, a->seq_lens, a->sinks, a->out,
+                                    workspace, a->batch, a->max_seq_len, stream);
+}

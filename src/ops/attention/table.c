@@ -1,0 +1,70 @@
+/* The decode-attention op's tunable keys and baked per-arch rows, and its descriptor for the
+ * core's registry. There are no rows yet: nothing has been measured on a GPU, so the rule in
+ * heuristics.c decides everywhere (`opgraft tune --inject` adds rows between the markers). */
+#include "attention.h"
+
+/* Ranges are what the kernel accepts (the configuration clamps what would not fit); the last
+ * field is what `opgraft tune` tries. */
+static const og_tunable tunables[] = {
+    {"attention.warps", 1, 16, 4, "2 4 8"},
+    {"attention.min_blocks", 0, 16, 0, "0 1 2"},
+    {"attention.min_chunk", 16, 65536, 128, "64 128 256 512 1024"},
+    {"attention.max_splits", 1, 1024, 128, "16 32 64 128 256"},
+    {"attention.load", 1, 4, 4, "4 1"},
+    {"attention.pdl", 0, 1, 0, "0 1"},
+};
+
+static const og_tune_entry rows[] = {
+    /* BEGIN TUNED ROWS */
+    /* END TUNED ROWS */
+    {0, NULL, NULL, 0, 0, NULL, 0, NULL}, /* closes the list (C has no empty arrays); not a row */
+};
+
+static void attention_abi(og_sbuf *b) {
+  OG_ABI_STRUCT(b, opgraft_attention_args);
+  OG_ABI_FIELD(b, opgraft_attention_args, struct_size);
+  OG_ABI_FIELD(b, opgraft_attention_args, dtype);
+  OG_ABI_FIELD(b, opgraft_attention_args, kv_dtype);
+  OG_ABI_FIELD(b, opgraft_attention_args, flags);
+  OG_ABI_FIELD(b, opgraft_attention_args, batch);
+  OG_ABI_FIELD(b, opgraft_attention_args, query_len);
+  OG_ABI_FIELD(b, opgraft_attention_args, num_heads);
+  OG_ABI_FIELD(b, opgraft_attention_args, num_kv_heads);
+  OG_ABI_FIELD(b, opgraft_attention_args, head_size);
+  OG_ABI_FIELD(b, opgraft_attention_args, block_size);
+  OG_ABI_FIELD(b, opgraft_attention_args, num_blocks);
+  OG_ABI_FIELD(b, opgraft_attention_args, max_blocks);
+  OG_ABI_FIELD(b, opgraft_attention_args, scale);
+  OG_ABI_FIELD(b, opgraft_attention_args, softcap);
+  OG_ABI_FIELD(b, opgraft_attention_args, window_left);
+  OG_ABI_FIELD(b, opgraft_attention_args, q);
+  OG_ABI_FIELD(b, opgraft_attention_args, q_stride);
+  OG_ABI_FIELD(b, opgraft_attention_args, k_cache);
+  OG_ABI_FIELD(b, opgraft_attention_args, k_stride);
+  OG_ABI_FIELD(b, opgraft_attention_args, v_cache);
+  OG_ABI_FIELD(b, opgraft_attention_args, v_stride);
+  OG_ABI_FIELD(b, opgraft_attention_args, block_table);
+  OG_ABI_FIELD(b, opgraft_attention_args, block_table_dtype);
+  OG_ABI_FIELD(b, opgraft_attention_args, block_table_stride);
+  OG_ABI_FIELD(b, opgraft_attention_args, seq_lens);
+  OG_ABI_FIELD(b, opgraft_attention_args, seq_lens_dtype);
+  OG_ABI_FIELD(b, opgraft_attention_args, sinks);
+  OG_ABI_FIELD(b, opgraft_attention_args, sinks_dtype);
+  OG_ABI_FIELD(b, opgraft_attention_args, out);
+  OG_ABI_FIELD(b, opgraft_attention_args, out_stride);
+  OG_ABI_FIELD(b, opgraft_attention_args, max_seq_len);
+  OG_ABI_FIELD(b, opgraft_attention_args, arch);
+  OG_ABI_FIELD(b, opgraft_attention_args, gpu_name);
+  opgraft__abi_end(b);
+}
+
+const og_op opgraft__attention_op = {
+    .name = "attention",
+    .kernel_dir = "attention",
+    .tunables = tunables,
+    .ntunables = (int)(sizeof tunables / sizeof *tunables),
+    .rows = rows,
+    .nrows = (int)(sizeof rows / sizeof *rows) - 1,
+    .rule = opgraft__attn_rule,
+    .abi = attention_abi,
+};

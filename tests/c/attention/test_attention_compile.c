@@ -1,0 +1,267 @@
+/* Every decode-attention kernel variant that a shipped or tunable configuration can select
+ * compiles with NVRTC for sm_80 and sm_90 without register spills: each head size and group
+ * size, both dtypes, every option's code path (soft cap, window, sinks) and each tunable's other
+ * values (the block size is a run-time value: it does not change the code). Configurations are resolved first, identical option sets compiled once,
+ * on several threads through the kernel cache ($OPGRAFT_TEST_KERNEL_CACHE keeps cubins and their
+ * resource reports across runs; without it, a fresh directory). $OPGRAFT_TEST_JOBS overrides the
+ * thread count. */
+#include "og_test.h"
+#include "attention/attention.h"
+
+typedef struct job {
+  char what[200];
+  int32_t dtype, arch;
+  og_opts opts;
+  int32_t status;
+  opgraft_kernel_info info;
+  char error[512];
+  int dup_of;
+} job;
+
+enum { MAX_JOBS = 1024 };
+static job jobs[MAX_JOBS];
+static int n_jobs, n_unique;
+static int have_nvrtc;
+static char nvrtc_error[256];
+static _Atomic int next_job;
+static const int32_t archs[] = {80, 90};
+
+/* Options of a call: 0 none, else a mask of SOFTCAP 1, WINDOW 2, SINKS32 4, SINKS16 8. */
+static void add_job(int32_t dtype, int64_t D, int64_t G, int64_t bs, int options, int32_t arch, const char *setting) {
+  if (n_jobs >= MAX_JOBS) fail_msg("more than %d compile jobs", MAX_JOBS);
+  opgraft_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = a.kv_dtype = dtype;
+  a.batch = 1, a.query_len = 1, a.num_kv_heads = 2, a.num_heads = 2 * G, a.head_size = D;
+  a.block_size = bs, a.num_blocks = 1024, a.max_blocks = 64;
+  a.scale = 0.1, a.softcap = options & 1 ? 30.0 : 0.0, a.window_left = options & 2 ? 255 : -1;
+  if (options & 12) a.sinks = (const void *)0x1000, a.sinks_dtype = options & 4 ? OPGRAFT_DTYPE_FP32 : dtype;
+  a.block_table_dtype = a.seq_lens_dtype = OPGRAFT_DTYPE_INT32;
+  a.q_stride[0] = a.out_stride[0] = 2 * G * D, a.q_stride[1] = a.out_stride[1] = D, a.q_stride[2] = a.out_stride[2] = 1;
+  const int64_t st[4] = {bs * 2 * 2 * D, 2 * 2 * D, 2 * D, 1};
+  memcpy(a.k_stride, st, sizeof st), memcpy(a.v_stride, st, sizeof st);
+  a.block_table_stride[0] = 64, a.block_table_stride[1] = 1;
+  a.arch = arch;
+  job *j = &jobs[n_jobs];
+  memset(j, 0, sizeof *j);
+  snprintf(j->what, sizeof j->what, "%s D=%lld G=%lld bs=%lld options=%d sm_%d%s%s", dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16",
+           (long long)D, (long long)G, (long long)bs, options, arch, setting ? " with " : "", setting ? setting : "");
+  j->dtype = dtype, j->arch = arch, j->dup_of = -1;
+  char reason[256];
+  if (opgraft__attn_check_static(&a, reason, sizeof reason)) fail_msg("%s: refused: %s", j->what, reason);
+  og_attn_cfg cfg;
+  opgraft__attn_config(&a, arch, NULL, &cfg);
+  if (opgraft__attn_options(&a, &cfg, &j->opts) != OPGRAFT_OK) fail_msg("%s: %s", j->what, opgraft_last_error());
+  for (int i = 0; i < n_jobs && j->dup_of < 0; ++i) {
+    const job *o = &jobs[i];
+    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n) continue;
+    int same = 1;
+    for (int k = 0; k < o->opts.n && same; ++k) same = strcmp(o->opts.ptr[k], j->opts.ptr[k]) == 0;
+    if (same) j->dup_of = i;
+  }
+  n_unique += j->dup_of < 0;
+  ++n_jobs;
+}
+
+typedef struct variant {
+  int32_t dtype;
+  int64_t D, G, bs;
+  int options;
+} variant;
+
+/* The jobs of one setting (NULL: the shipped tables) over variants x both archs. */
+static void add_setting(const char *const *env, const variant *v, int nv) {
+  char setting[200] = "";
+  for (int e = 0; env && env[e]; e += 2) {
+    setenv(env[e], env[e + 1], 1);
+    snprintf(setting + strlen(setting), sizeof setting - strlen(setting), "%s%s=%s", e ? " " : "", env[e], env[e + 1]);
+  }
+  opgraft_tune_reload();
+  for (int i = 0; i < nv; ++i)
+    for (int a = 0; a < 2; ++a) add_job(v[i].dtype, v[i].D, v[i].G, v[i].bs, v[i].options, archs[a], env ? setting : NULL);
+  for (int e = 0; env && env[e]; e += 2) unsetenv(env[e]);
+  opgraft_tune_reload();
+}
+
+static void run_job(job *j) {
+  og_cubin c;
+  j->status = opgraft__cubin_cached(OG_ATTN_SOURCE, j->opts.ptr, j->opts.n, j->arch, &c);
+  if (j->status) {
+    opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
+    return;
+  }
+  char name[64];
+  opgraft__attn_fn_name(j->dtype, name);
+  j->status = opgraft__parse_resources(c.log, name, &j->info);
+  if (j->status) opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
+  opgraft__cubin_free(&c);
+}
+
+static void *worker(void *arg) {
+  for (int i; (i = next_job++) < n_jobs;)
+    if (jobs[i].dup_of < 0) run_job(&jobs[i]);
+  return arg;
+}
+
+static char tmp[512];
+
+#define BF OPGRAFT_DTYPE_BF16
+#define FP OPGRAFT_DTYPE_FP16
+
+static int setup(void **state) {
+  const char *keep = getenv("OPGRAFT_TEST_KERNEL_CACHE");
+  tmp[0] = 0;
+  if (keep && *keep) {
+    setenv("OPGRAFT_CACHE_DIR", keep, 1);
+  } else {
+    og_tmpdir(tmp, sizeof tmp);
+    setenv("OPGRAFT_CACHE_DIR", tmp, 1);
+  }
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  opgraft_runtime_info info;
+  assert_int_equal(opgraft_runtime_query(&info), OPGRAFT_OK);
+  have_nvrtc = info.nvrtc_version > 0;
+  opgraft__copy(nvrtc_error, sizeof nvrtc_error, info.nvrtc_error);
+  if (!have_nvrtc) return 0;
+  n_jobs = n_unique = 0;
+  /* The shipped configuration: every head size and group size in bf16, block 16. */
+  static const variant shipped[] = {
+      {BF, 64, 1, 16, 0},  {BF, 64, 2, 16, 0},  {BF, 64, 4, 16, 0},  {BF, 64, 8, 16, 0},  {BF, 64, 16, 16, 0},
+      {BF, 128, 1, 16, 0}, {BF, 128, 2, 16, 0}, {BF, 128, 4, 16, 0}, {BF, 128, 8, 16, 0}, {BF, 128, 16, 16, 0},
+      {BF, 256, 1, 16, 0}, {BF, 256, 2, 16, 0}, {BF, 256, 4, 16, 0}, {BF, 256, 8, 16, 0}, {BF, 128, 5, 16, 0},
+      {BF, 128, 12, 16, 0},
+      /* fp16 (the same code but for its conversions) */
+      {FP, 64, 8, 16, 0},  {FP, 128, 1, 16, 0}, {FP, 128, 8, 16, 0}, {FP, 128, 16, 16, 0}, {FP, 256, 8, 16, 0},
+      /* the options' code paths, and other block sizes */
+      {BF, 64, 8, 16, 3},  {BF, 128, 8, 16, 7}, {BF, 128, 16, 16, 7}, {BF, 256, 8, 16, 7}, {BF, 64, 16, 16, 15 & ~4},
+      {FP, 128, 8, 16, 11}, {BF, 128, 1, 16, 8}, {BF, 256, 1, 16, 3}, {FP, 64, 4, 16, 2},
+  };
+  add_setting(NULL, shipped, (int)(sizeof shipped / sizeof *shipped));
+  /* Each tunable's other values, where they change the code. */
+  static const variant some[] = {{BF, 64, 8, 16, 0},   {BF, 128, 8, 16, 0}, {BF, 128, 16, 16, 7},
+                                 {BF, 256, 8, 16, 0},  {BF, 128, 1, 16, 0}, {FP, 256, 4, 16, 3}};
+  const int nsome = (int)(sizeof some / sizeof *some);
+  for (const char *const *w = (const char *const[]){"1", "2", "8", "16", NULL}; *w; ++w)
+    add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", *w, NULL}, some, nsome);
+  for (const char *const *m = (const char *const[]){"1", "2", NULL}; *m; ++m)
+    add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_MIN_BLOCKS", *m, NULL}, some, nsome);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "2", "OPGRAFT_TUNE_ATTENTION_MIN_BLOCKS", "8", NULL}, some,
+              nsome);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_LOAD", "1", NULL}, some, nsome);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, some, nsome);
+  long threads = sysconf(_SC_NPROCESSORS_ONLN);
+  const char *env = getenv("OPGRAFT_TEST_JOBS");
+  if (env && atoi(env) > 0) threads = atoi(env);
+  if (threads < 1) threads = 1;
+  if (threads > 16) threads = 16;
+  pthread_t th[16];
+  next_job = 0;
+  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_create(&th[i], NULL, worker, NULL), 0);
+  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_join(th[i], NULL), 0);
+  print_message("%d attention configurations, %d distinct compiles\n", n_jobs, n_unique);
+  return 0;
+}
+
+static int teardown(void **state) {
+  if (tmp[0]) og_rm_rf(tmp);
+  unsetenv("OPGRAFT_CACHE_DIR");
+  return 0;
+}
+
+static void need_nvrtc(void) {
+  if (have_nvrtc) return;
+  if (og_allow_no_nvrtc()) {
+    print_message("skipping: NVRTC cannot be loaded (%s) and OPGRAFT_TEST_ALLOW_NO_NVRTC=1\n", nvrtc_error);
+    skip();
+  }
+  fail_msg("NVRTC cannot be loaded: %s (set OPGRAFT_TEST_ALLOW_NO_NVRTC=1 to skip the compile tests)", nvrtc_error);
+}
+
+static const job *result_of(const job *j) { return j->dup_of >= 0 ? &jobs[j->dup_of] : j; }
+
+static void test_every_variant_compiles(void **state) {
+  need_nvrtc();
+  assert_true(n_unique > 60 && n_unique <= n_jobs);
+  int bad = 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    const job *r = result_of(&jobs[i]);
+    char name[64];
+    opgraft__attn_fn_name(jobs[i].dtype, name);
+    if (r->status != OPGRAFT_OK) {
+      print_error("%s: %s: %.400s\n", jobs[i].what, opgraft_status_name(r->status), r->error);
+      ++bad;
+    } else if (strcmp(r->info.name, name) != 0 || r->info.registers <= 0) {
+      print_error("%s: kernel \"%s\" with %d registers, expected %s\n", jobs[i].what, r->info.name, r->info.registers, name);
+      ++bad;
+    }
+  }
+  if (bad) fail_msg("%d problems over %d kernel variants", bad, n_jobs);
+}
+
+static void test_no_spills(void **state) {
+  need_nvrtc();
+  int bad = 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    const job *r = result_of(&jobs[i]);
+    if (r->status != OPGRAFT_OK) continue; /* reported by test_every_variant_compiles */
+    const opgraft_kernel_info *ki = &r->info;
+    if (ki->spill_store_bytes > 0 || ki->spill_load_bytes > 0 || ki->stack_bytes > 0) {
+      print_error("%s: spills: %d bytes stored, %d loaded, %d registers, %d bytes stack\n", jobs[i].what,
+                  ki->spill_store_bytes, ki->spill_load_bytes, ki->registers, ki->stack_bytes);
+      ++bad;
+    }
+  }
+  if (bad) fail_msg("%d kernels spill registers", bad);
+}
+
+static void test_report_matches_the_jobs(void **state) {
+  /* opgraft_attention_compile_report (the public entry point) agrees with the job list's compile:
+   * jobs[1] is bf16 D=64 G=1 block 16 on sm_90. */
+  need_nvrtc();
+  opgraft_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = a.kv_dtype = BF;
+  a.batch = 1, a.query_len = 1, a.num_kv_heads = 2, a.num_heads = 2, a.head_size = 64;
+  a.block_size = 16, a.num_blocks = 1024, a.max_blocks = 64, a.scale = 0.1, a.window_left = -1;
+  a.block_table_dtype = a.seq_lens_dtype = OPGRAFT_DTYPE_INT32;
+  a.q_stride[2] = a.out_stride[2] = a.k_stride[3] = a.v_stride[3] = a.block_table_stride[1] = 1;
+  opgraft_kernel_info ki;
+  int32_t count = 0;
+  assert_int_equal(opgraft_attention_compile_report(&a, 90, &ki, 1, &count), OPGRAFT_OK);
+  assert_int_equal(count, 1);
+  assert_non_null(strstr(jobs[1].what, "bf16 D=64 G=1 bs=16 options=0 sm_90"));
+  assert_string_equal(ki.name, "attention_decode_bf16");
+  assert_int_equal(ki.registers, result_of(&jobs[1])->info.registers);
+  /* The main variants' resources, for the record. */
+  for (int i = 0; i < n_jobs; ++i)
+    if (strstr(jobs[i].what, "G=8 bs=16 options=0") && !strstr(jobs[i].what, " with "))
+      print_message("  %s: %d registers, %d bytes static shared\n", jobs[i].what, result_of(&jobs[i])->info.registers,
+                    result_of(&jobs[i])->info.shared_bytes);
+}
+
+static void test_compile_report_arguments(void **state) {
+  opgraft_kernel_info ki;
+  int32_t count = 0;
+  assert_int_equal(opgraft_attention_compile_report(NULL, 90, &ki, 1, &count), OPGRAFT_EINVAL);
+  opgraft_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  assert_int_equal(opgraft_attention_compile_report(&a, 90, &ki, 1, NULL), OPGRAFT_EINVAL);
+  assert_int_equal(opgraft_attention_compile_report(&a, 90, NULL, 1, &count), OPGRAFT_EINVAL);
+  assert_int_equal(opgraft_attention_compile_report(&a, 90, &ki, 1, &count), OPGRAFT_EUNSUPPORTED);
+  char buf[64];
+  assert_int_equal(opgraft_attention_describe(&a, 90, buf, sizeof buf), OPGRAFT_EUNSUPPORTED);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_compile_report_arguments),
+      cmocka_unit_test(test_every_variant_compiles),
+      cmocka_unit_test(test_no_spills),
+      cmocka_unit_test(test_report_matches_the_jobs),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

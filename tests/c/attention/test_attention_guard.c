@@ -1,0 +1,404 @@
+/* The decode-attention guard (which calls the kernel takes and why it refuses the others), its
+ * configuration, and the split and combine-tree arithmetic the kernel and the launcher share.
+ * No GPU and no data: the pointers are fake but aligned, and nothing here reads them. */
+#include <math.h>
+
+#include "og_test.h"
+#include "attention/attention.h"
+#include "../../../kernels/attention/attn_params.h"
+
+static char tmp[512];
+
+static int setup(void **state) {
+  og_tmpdir(tmp, sizeof tmp);
+  setenv("OPGRAFT_CACHE_DIR", tmp, 1);
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  return 0;
+}
+
+static int teardown(void **state) {
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  unsetenv("OPGRAFT_CACHE_DIR");
+  og_rm_rf(tmp);
+  return 0;
+}
+
+static int reset_tunables(void **state) {
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  return 0;
+}
+
+/* vLLM 0.26's FlashAttention cache: logical (blocks, kv_heads, block_size, 2*D), physically
+ * [block, token, head, K then V]; K and V are views D elements apart. */
+static void set_vllm_cache(opgraft_attention_args *a, int64_t blocks, int64_t bs, int64_t Hk, int64_t D) {
+  a->num_blocks = blocks, a->block_size = bs, a->num_kv_heads = Hk, a->head_size = D;
+  const int64_t st[4] = {bs * Hk * 2 * D, Hk * 2 * D, 2 * D, 1};
+  memcpy(a->k_stride, st, sizeof st);
+  memcpy(a->v_stride, st, sizeof st);
+}
+
+/* Qwen3-30B-A3B's attention (32 query heads, 4 kv heads, head 128), bf16, block 16, batch 8. */
+static opgraft_attention_args valid_args(void) {
+  opgraft_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = a.kv_dtype = OPGRAFT_DTYPE_BF16;
+  a.batch = 8, a.query_len = 1, a.num_heads = 32;
+  set_vllm_cache(&a, 4096, 16, 4, 128);
+  a.max_blocks = 2560;
+  a.scale = 1.0 / sqrt(128.0);
+  a.window_left = -1;
+  a.q = (const void *)0x100000, a.q_stride[0] = 32 * 128, a.q_stride[1] = 128, a.q_stride[2] = 1;
+  a.k_cache = (const void *)0x10000000, a.v_cache = (const void *)(0x10000000 + 256);
+  a.block_table = (const void *)0x200000, a.block_table_dtype = OPGRAFT_DTYPE_INT32;
+  a.block_table_stride[0] = 2560, a.block_table_stride[1] = 1;
+  a.seq_lens = (const void *)0x300000, a.seq_lens_dtype = OPGRAFT_DTYPE_INT32;
+  a.out = (void *)0x400000, a.out_stride[0] = 32 * 128, a.out_stride[1] = 128, a.out_stride[2] = 1;
+  a.arch = 90;
+  return a;
+}
+
+static void expect_ok(const opgraft_attention_args *a, const char *what) {
+  char reason[256] = "unset";
+  const int32_t st = opgraft_attention_supports(a, reason, sizeof reason);
+  if (st != OPGRAFT_OK) fail_msg("%s: %s, reason \"%s\"", what, opgraft_status_name(st), reason);
+  assert_string_equal(reason, "");
+}
+
+static void expect_refusal(const opgraft_attention_args *a, const char *needle, const char *what) {
+  char reason[256] = "unset";
+  const int32_t st = opgraft_attention_supports(a, reason, sizeof reason);
+  if (st != OPGRAFT_EUNSUPPORTED)
+    fail_msg("%s: %s, expected OPGRAFT_EUNSUPPORTED (reason \"%s\")", what, opgraft_status_name(st), reason);
+  if (!strstr(reason, needle)) fail_msg("%s: reason \"%s\" lacks \"%s\"", what, reason, needle);
+  if (!strstr(opgraft_last_error(), reason)) fail_msg("%s: last error \"%s\" lacks the reason", what, opgraft_last_error());
+}
+
+static void test_valid(void **state) {
+  opgraft_attention_args a = valid_args();
+  expect_ok(&a, "Qwen3-30B-A3B heads");
+  assert_int_equal(opgraft_attention_supports(&a, NULL, 0), OPGRAFT_OK);
+  a.dtype = a.kv_dtype = OPGRAFT_DTYPE_FP16;
+  expect_ok(&a, "fp16");
+  a = valid_args();
+  a.window_left = 4095, a.softcap = 50.0;
+  a.sinks = (const void *)0x500000, a.sinks_dtype = OPGRAFT_DTYPE_FP32;
+  expect_ok(&a, "window, soft cap, fp32 sinks");
+  a.sinks_dtype = OPGRAFT_DTYPE_BF16;
+  expect_ok(&a, "sinks in the query's dtype");
+  static const int64_t heads[][3] = {{32, 32, 64}, {32, 8, 128}, {64, 4, 128}, {16, 2, 256}, {8, 8, 256}, {7, 1, 64}};
+  for (int i = 0; i < 6; ++i) {
+    a = valid_args();
+    a.num_heads = heads[i][0];
+    set_vllm_cache(&a, 4096, 16, heads[i][1], heads[i][2]);
+    a.q_stride[0] = a.out_stride[0] = heads[i][0] * heads[i][2], a.q_stride[1] = a.out_stride[1] = heads[i][2];
+    char what[64];
+    snprintf(what, sizeof what, "%lld/%lld heads, head %lld", (long long)heads[i][0], (long long)heads[i][1],
+             (long long)heads[i][2]);
+    expect_ok(&a, what);
+  }
+  a = valid_args();
+  set_vllm_cache(&a, 4096, 48, 4, 128);
+  expect_ok(&a, "block size 48 (a multiple of 16, not a power of two)");
+  a = valid_args();
+  a.q_stride[0] = (32 + 2 * 4) * 128; /* q a view of a fused qkv projection */
+  expect_ok(&a, "q rows of the qkv projection");
+  a = valid_args();
+  a.k_stride[2] = a.v_stride[2] = 0; /* one kv head: its stride does not matter */
+  expect_ok(&a, "a zero stride on a kv-head dimension");
+  a = valid_args();
+  a.arch = 80;
+  expect_ok(&a, "sm_80");
+  a = valid_args();
+  a.batch = 0;
+  a.q = a.k_cache = a.v_cache = a.block_table = a.seq_lens = NULL;
+  a.out = NULL;
+  expect_ok(&a, "an empty batch with NULL pointers");
+}
+
+typedef struct refusal {
+  void (*mutate)(opgraft_attention_args *a);
+  const char *needle;
+} refusal;
+
+static void m_struct_size(opgraft_attention_args *a) { a->struct_size = (uint32_t)sizeof *a - 8; }
+static void m_mla(opgraft_attention_args *a) { a->flags = OPGRAFT_ATTN_MLA; }
+static void m_encoder(opgraft_attention_args *a) { a->flags = OPGRAFT_ATTN_ENCODER; }
+static void m_alibi(opgraft_attention_args *a) { a->flags = OPGRAFT_ATTN_ALIBI; }
+static void m_non_causal(opgraft_attention_args *a) { a->flags = OPGRAFT_ATTN_NON_CAUSAL; }
+static void m_flags(opgraft_attention_args *a) { a->flags = 64; }
+static void m_fp32(opgraft_attention_args *a) { a->dtype = a->kv_dtype = OPGRAFT_DTYPE_FP32; }
+static void m_fp8_kv(opgraft_attention_args *a) { a->kv_dtype = OPGRAFT_DTYPE_FP8_E4M3; }
+static void m_uint8_kv(opgraft_attention_args *a) { a->kv_dtype = OPGRAFT_DTYPE_UINT8; }
+static void m_kv_fp16(opgraft_attention_args *a) { a->kv_dtype = OPGRAFT_DTYPE_FP16; }
+static void m_query_len(opgraft_attention_args *a) { a->query_len = 2; }
+static void m_batch(opgraft_attention_args *a) { a->batch = 70000; }
+static void m_head_96(opgraft_attention_args *a) { a->head_size = 96; }
+static void m_head_512(opgraft_attention_args *a) { a->head_size = 512; }
+static void m_heads_ratio(opgraft_attention_args *a) { a->num_heads = 30; }
+static void m_group_32(opgraft_attention_args *a) { a->num_heads = 128; }
+static void m_group_16_d256(opgraft_attention_args *a) {
+  a->num_heads = 64;
+  set_vllm_cache(a, 4096, 16, 4, 256);
+}
+static void m_block_8(opgraft_attention_args *a) { a->block_size = 8; }
+static void m_block_24(opgraft_attention_args *a) { a->block_size = 24; }
+static void m_block_8192(opgraft_attention_args *a) { a->block_size = 8192; }
+static void m_blocks_0(opgraft_attention_args *a) { a->num_blocks = 0; }
+static void m_scale_0(opgraft_attention_args *a) { a->scale = 0; }
+static void m_scale_nan(opgraft_attention_args *a) { a->scale = NAN; }
+static void m_softcap_neg(opgraft_attention_args *a) { a->softcap = -1; }
+static void m_window(opgraft_attention_args *a) { a->window_left = -2; }
+static void m_bt_int64(opgraft_attention_args *a) { a->block_table_dtype = OPGRAFT_DTYPE_INT64; }
+static void m_lens_int64(opgraft_attention_args *a) { a->seq_lens_dtype = OPGRAFT_DTYPE_INT64; }
+static void m_sinks_fp16(opgraft_attention_args *a) {
+  a->sinks = (const void *)0x500000;
+  a->sinks_dtype = OPGRAFT_DTYPE_FP16;
+}
+static void m_q_dim(opgraft_attention_args *a) { a->q_stride[2] = 2; }
+static void m_k_dim(opgraft_attention_args *a) { a->k_stride[3] = 2; }
+static void m_bt_cols(opgraft_attention_args *a) { a->block_table_stride[1] = 2; }
+static void m_q_rows(opgraft_attention_args *a) { a->q_stride[0] = 32 * 128 + 4; }
+static void m_out_heads(opgraft_attention_args *a) { a->out_stride[1] = 132; }
+static void m_k_tokens(opgraft_attention_args *a) { a->k_stride[1] = 4 * 2 * 128 + 4; }
+static void m_v_blocks(opgraft_attention_args *a) { a->v_stride[0] = 12; }
+static void m_q_misaligned(opgraft_attention_args *a) { a->q = (const void *)0x100008; }
+static void m_v_misaligned(opgraft_attention_args *a) { a->v_cache = (const void *)0x10000008; }
+static void m_lens_misaligned(opgraft_attention_args *a) { a->seq_lens = (const void *)0x300002; }
+static void m_null_bt(opgraft_attention_args *a) { a->block_table = NULL; }
+static void m_max_seq_len(opgraft_attention_args *a) { a->max_seq_len = -1; }
+static void m_arch_75(opgraft_attention_args *a) { a->arch = 75; }
+
+static const refusal refusals[] = {
+    {m_struct_size, "struct_size"},
+    {m_mla, "MLA"},
+    {m_encoder, "encoder or cross attention"},
+    {m_alibi, "ALiBi"},
+    {m_non_causal, "non-causal"},
+    {m_flags, "unknown flags"},
+    {m_fp32, "dtype fp32"},
+    {m_fp8_kv, "FP8 KV cache"},
+    {m_uint8_kv, "FP8 KV cache"},
+    {m_kv_fp16, "KV cache dtype fp16 differs"},
+    {m_query_len, "2 query tokens per sequence"},
+    {m_batch, "batch 70000"},
+    {m_head_96, "head size 96"},
+    {m_head_512, "head size 512"},
+    {m_heads_ratio, "30 query heads over 4 kv heads"},
+    {m_group_32, "32 query heads per kv head"},
+    {m_group_16_d256, "head size 256"},
+    {m_block_8, "block size 8"},
+    {m_block_24, "block size 24"},
+    {m_block_8192, "block size 8192"},
+    {m_blocks_0, "cache of 0 blocks"},
+    {m_scale_0, "softmax scale"},
+    {m_scale_nan, "softmax scale"},
+    {m_softcap_neg, "soft cap"},
+    {m_window, "window -2"},
+    {m_bt_int64, "block table dtype int64"},
+    {m_lens_int64, "seq_lens dtype int64"},
+    {m_sinks_fp16, "sinks dtype fp16"},
+    {m_q_dim, "dims are not contiguous"},
+    {m_k_dim, "dims are not contiguous"},
+    {m_bt_cols, "block table rows"},
+    {m_q_rows, "multiples of 16 bytes"},
+    {m_out_heads, "multiples of 16 bytes"},
+    {m_k_tokens, "KV cache strides"},
+    {m_v_blocks, "KV cache strides"},
+    {m_q_misaligned, "16-byte aligned"},
+    {m_v_misaligned, "16-byte aligned"},
+    {m_lens_misaligned, "misaligned"},
+    {m_null_bt, "NULL"},
+    {m_max_seq_len, "max_seq_len"},
+    {m_arch_75, "sm_75 is older than sm_80"},
+};
+
+static void test_refusals(void **state) {
+  for (size_t i = 0; i < sizeof refusals / sizeof *refusals; ++i) {
+    opgraft_attention_args a = valid_args();
+    refusals[i].mutate(&a);
+    expect_refusal(&a, refusals[i].needle, refusals[i].needle);
+  }
+  char reason[64] = "";
+  assert_int_equal(opgraft_attention_supports(NULL, reason, sizeof reason), OPGRAFT_EUNSUPPORTED);
+  assert_true(reason[0] != 0);
+}
+
+static void test_registered_with_its_tunables(void **state) {
+  int found = 0;
+  for (const char *const *n = opgraft_op_names(); *n; ++n) found |= strcmp(*n, "attention") == 0;
+  assert_true(found);
+  int64_t lo, hi;
+  assert_int_equal(opgraft_tune_range("attention.warps", &lo, &hi), OPGRAFT_OK);
+  assert_true(lo == 1 && hi == 16);
+  assert_string_equal(opgraft_tune_space("attention.min_chunk"), "64 128 256 512 1024");
+  assert_non_null(strstr(opgraft_abi_layout(), "\"opgraft_attention_args\""));
+  /* The rule decides every key (there are no baked rows yet). */
+  const char *keys[] = {"attention.warps", "attention.min_blocks", "attention.min_chunk", "attention.max_splits",
+                        "attention.load", "attention.pdl"};
+  for (int i = 0; i < 6; ++i) {
+    const opgraft_tune_query q = {keys[i], 90, "NVIDIA H200", "attention:bf16:D128:G8:bs16", 0};
+    int64_t v;
+    char src[64];
+    assert_int_equal(opgraft_tune_get(&q, &v, src, sizeof src), OPGRAFT_OK);
+    assert_string_equal(src, "rule");
+  }
+  og_attn_shape s;
+  assert_true(opgraft__attn_parse_shape("attention:bf16:D128:G8:bs16", &s));
+  assert_true(s.D == 128 && s.G == 8 && s.bs == 16);
+  assert_false(opgraft__attn_parse_shape("moe:bf16:E1:H1:I1:k1", &s));
+  char key[128];
+  opgraft_attention_args a = valid_args();
+  opgraft__attn_shape_key(&a, key, sizeof key);
+  assert_string_equal(key, "attention:bf16:D128:G8:bs16");
+}
+
+static int has_opt(const og_opts *o, const char *opt) {
+  for (int i = 0; i < o->n; ++i)
+    if (strcmp(o->ptr[i], opt) == 0) return 1;
+  return 0;
+}
+
+static void test_config(void **state) {
+  opgraft_attention_args a = valid_args();
+  og_attn_cfg c;
+  og_opts o;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 4);
+  assert_int_equal(c.min_blocks, 3); /* 3 warps a scheduler x 168 registers fill its 16K */
+  assert_int_equal(c.min_chunk, 128);
+  assert_int_equal(c.pdl, 0);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_D=128") && has_opt(&o, "-DOG_G=8"));
+  assert_true(has_opt(&o, "-DOG_SOFTCAP=0") && has_opt(&o, "-DOG_WINDOW=0") && has_opt(&o, "-DOG_SINKS=0"));
+  char buf[1024];
+  assert_int_equal(opgraft_attention_describe(&a, 90, buf, sizeof buf), OPGRAFT_OK);
+  assert_non_null(strstr(buf, "-DOG_W=4"));
+  /* The options' code paths follow the call. */
+  a.softcap = 30, a.window_left = 127, a.sinks = (const void *)0x500000, a.sinks_dtype = OPGRAFT_DTYPE_FP32;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_true(c.softcap == 1 && c.window == 1 && c.sinks == 2);
+  a.sinks_dtype = OPGRAFT_DTYPE_BF16;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.sinks, 1);
+  /* PDL only from sm_90; warps and the launch-bounds minimum clamped to what fits. */
+  setenv("OPGRAFT_TUNE_ATTENTION_PDL", "1", 1);
+  setenv("OPGRAFT_TUNE_ATTENTION_WARPS", "16", 1);
+  setenv("OPGRAFT_TUNE_ATTENTION_MIN_BLOCKS", "4", 1);
+  setenv("OPGRAFT_TUNE_ATTENTION_MIN_CHUNK", "100", 1);
+  opgraft_tune_reload();
+  a = valid_args();
+  opgraft__attn_config(&a, 80, NULL, &c);
+  assert_int_equal(c.pdl, 0);
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.pdl, 1);
+  assert_int_equal(c.warps, 8); /* 16 warps x 168 registers do not fit one SM */
+  assert_int_equal(c.min_blocks, 1);
+  assert_int_equal(c.min_chunk, 112);
+  a.num_heads = 64; /* 16 query heads a kv head */
+  set_vllm_cache(&a, 4096, 16, 4, 128);
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 8); /* 8 x 16 x 128 floats = 64 KB of warp partials */
+  set_vllm_cache(&a, 4096, 16, 8, 256);
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 8);
+  assert_true(og_attn_smem_bytes(256, 8, 8) <= (64u << 10) + 8u * 288u * 2u + 512u);
+}
+
+static void test_workspace(void **state) {
+  opgraft_attention_args a = valid_args();
+  size_t bytes = 0;
+  assert_int_equal(opgraft_attention_workspace_size(&a, &bytes), OPGRAFT_OK);
+  /* counters, maxima/sums and outputs for up to OG_ATTN_MAX_SLOTS blocks of 8 heads x 128 dims */
+  assert_true(bytes >= (size_t)OG_ATTN_MAX_SLOTS * 8 * 130 * 4 && bytes % 256 == 0);
+  size_t ml, part;
+  opgraft__attn_workspace_offsets(&a, 396, 128, &ml, &part);
+  assert_true(ml > 0 && ml % 256 == 0 && part > ml && part % 256 == 0);
+  assert_true(opgraft__attn_workspace_bytes(&a, 396, 128) > part);
+  assert_int_equal(opgraft__attn_workspace_bytes(&a, 396, 1), 0); /* never split: no workspace */
+  a.dtype = OPGRAFT_DTYPE_FP32;
+  assert_int_equal(opgraft_attention_workspace_size(&a, &bytes), OPGRAFT_EUNSUPPORTED);
+}
+
+/* The split arithmetic: the non-empty splits tile [start rounded down to 16, L) exactly. */
+static void test_splits_partition_the_keys(void **state) {
+  static const int mins[] = {16, 64, 128, 1024};
+  for (int L = 1; L <= 700; L += (L < 80 ? 1 : 13))
+    for (int start = 0; start < L; start += (L / 7) + 1)
+      for (int S = 1; S <= 150; S += (S < 20 ? 1 : 29))
+        for (int mi = 0; mi < 4; ++mi) {
+          int a0, chunk;
+          const int n = og_attn_split(L, start, S, mins[mi], &a0, &chunk);
+          if (n < 1 || n > S || chunk % 16 || chunk < mins[mi] || a0 % 16 || a0 > start || start - a0 > 15)
+            fail_msg("L=%d start=%d S=%d min=%d: n=%d chunk=%d a0=%d", L, start, S, mins[mi], n, chunk, a0);
+          int next = a0;
+          for (int s = 0; s < n; ++s) {
+            const int r0 = a0 + s * chunk, r1 = r0 + chunk < L ? r0 + chunk : L;
+            if (r0 != next || r1 <= r0) fail_msg("L=%d S=%d: split %d is [%d, %d)", L, S, s, r0, r1);
+            next = r1;
+          }
+          if (next != L) fail_msg("L=%d start=%d S=%d: the splits end at %d", L, start, S, next);
+        }
+}
+
+/* The combine tree, simulated with random arrival orders: every counter ends at 0, every node
+ * merges children that have all been written, slots and counters stay inside og_attn_tree's
+ * sizes, and the root is written exactly once. */
+static void test_combine_tree(void **state) {
+  unsigned seed = 12345;
+  for (int S = 2; S <= 600; S += (S < 40 ? 1 : 37))
+    for (int n = 2; n <= S; n += (n < 34 ? 1 : 61)) {
+      int sp, sc;
+      og_attn_tree(S, &sp, &sc);
+      int *written = calloc((size_t)sp, sizeof(int)), *counters = calloc((size_t)(sc + 1), sizeof(int));
+      int *order = malloc(sizeof(int) * (size_t)n), roots = 0;
+      for (int i = 0; i < n; ++i) order[i] = i;
+      for (int i = n - 1; i > 0; --i) { /* a random arrival order */
+        seed = seed * 1103515245u + 12345u;
+        const int j = (int)((seed >> 8) % (unsigned)(i + 1)), t = order[i];
+        order[i] = order[j], order[j] = t;
+      }
+      for (int k = 0; k < n; ++k) {
+        og_attn_node node = {order[k], n, S, 0, 0};
+        assert_true(node.idx < sp);
+        written[node.idx] = 1;
+        for (;;) {
+          const int ci = node.coff + og_attn_parent(&node);
+          if (ci >= sc) fail_msg("S=%d n=%d: counter %d of %d", S, n, ci, sc);
+          if (++counters[ci] != og_attn_members(&node)) break;
+          counters[ci] = 0;
+          const int first = node.off + og_attn_parent(&node) * OG_ATTN_FAN;
+          for (int c = 0; c < og_attn_members(&node); ++c)
+            if (!written[first + c]) fail_msg("S=%d n=%d: slot %d merged before it was written", S, n, first + c);
+          if (og_attn_parent_is_root(&node)) {
+            ++roots;
+            break;
+          }
+          const int dst = og_attn_parent_slot(&node);
+          if (dst >= sp || written[dst]) fail_msg("S=%d n=%d: parent slot %d (of %d) twice or outside", S, n, dst, sp);
+          written[dst] = 1;
+          og_attn_up(&node);
+        }
+      }
+      assert_int_equal(roots, 1);
+      for (int i = 0; i < sc; ++i)
+        if (counters[i]) fail_msg("S=%d n=%d: counter %d left at %d", S, n, i, counters[i]);
+      free(written), free(counters), free(order);
+    }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(test_valid, reset_tunables),
+      cmocka_unit_test_teardown(test_refusals, reset_tunables),
+      cmocka_unit_test_teardown(test_registered_with_its_tunables, reset_tunables),
+      cmocka_unit_test_teardown(test_config, reset_tunables),
+      cmocka_unit_test_teardown(test_workspace, reset_tunables),
+      cmocka_unit_test(test_splits_partition_the_keys),
+      cmocka_unit_test(test_combine_tree),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

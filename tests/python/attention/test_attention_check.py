@@ -1,0 +1,31 @@
+"""The attention op's GPU check module (tools/checks/attention.py) on a machine without a GPU: its
+cases cover every value of each axis the issue lists, their names are unique, and the plumbing of
+a case runs up to the guard (which refuses CPU tensors)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tools.checks import attention as check  # noqa: E402
+
+
+def test_every_axis_value_is_covered():
+    cases = check.cases()
+    names = [c["name"] for c in cases]
+    assert len(names) == len(set(names))
+    batches = {len(c["lens"]) for c in cases}
+    contexts = {L for c in cases for L in c["lens"]}
+    groups = {c["hq"] // c["hk"] for c in cases}
+    heads = {c["d"] for c in cases}
+    assert {1, 3, 8, 64} <= batches
+    assert {1, 15, 16, 17, 1000, 8192, 32768} <= contexts
+    assert {1, 4, 8} <= groups and {64, 128, 256} <= heads
+    assert any(0 in c["lens"] and len(set(c["lens"])) > 3 for c in cases)  # ragged with padded rows
+    assert any(c["graph"] for c in cases) and any(c["window"] >= 0 for c in cases)
+    assert any(c["softcap"] > 0 for c in cases) and any(c["sinks"] for c in cases)
+    assert any(c["dtype"] == "fp16" for c in cases) and any(c["layout"] == "HND" for c in cases)
+
+
+def test_a_case_runs_up_to_the_guard_on_cpu():
+    c = check._case("tiny", [5, 0, 17], 8, 2, 64, window=7, sinks="fp32", q_pad=16)
+    r = check._run_case(c, "cpu")
+    assert r["supported"] is False and r["reason"] == "tensors are not on a CUDA device" and r["passed"] is False

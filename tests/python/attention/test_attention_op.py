@@ -1,0 +1,182 @@
+"""The attention op's torch layer on CPU tensors: the argument struct from vLLM's FlashAttention
+views (pointers, strides, batch), the guard's decisions on those arguments, the C fp64 oracle
+against the bench's independent torch fp64 reference, the custom op's fake, and the dispatch's
+hand-backs (no GPU needed)."""
+import ctypes
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from opgraft import _lib, dispatch  # noqa: E402
+from opgraft.bench import attention as attn_bench  # noqa: E402
+from opgraft.ops import attention as ops  # noqa: E402
+
+
+def problem(lens=(5, 0, 40), hq=8, hk=2, d=64, dtype="bf16", **kw):
+    return attn_bench.make_problem(list(lens), hq, hk, d, dtype, device="cpu", **kw)
+
+
+def args_of(p, out=None, arch=90, **kw):
+    a = ops.attention_args(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, out, p.scale, p.softcap,
+                           p.window_left, p.sinks, **kw)
+    a.arch = arch
+    return a
+
+
+def guard(a):
+    reason = ctypes.create_string_buffer(256)
+    st = _lib.lib().opgraft_attention_supports(ctypes.byref(a), reason, len(reason))
+    return st, reason.value.decode()
+
+
+def test_args_follow_vllm_views():
+    p = problem(block_size=16)
+    kv, k, v = p.kv_cache, p.key_cache, p.value_cache
+    B, Hk, bs, D2 = kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[3]
+    a = args_of(p)
+    assert (a.batch, a.num_heads, a.num_kv_heads, a.head_size, a.block_size) == (3, 8, 2, 64, 16)
+    assert a.num_blocks == B and a.max_blocks == p.block_table.shape[1]
+    # NHD: physically [block, token, head, K|V]; V is D elements after K
+    assert list(a.k_stride) == [bs * Hk * D2, Hk * D2, D2, 1] == list(a.v_stride)
+    assert a.v_cache - a.k_cache == 64 * 2
+    assert list(a.q_stride) == [8 * 64, 64, 1]
+    assert a.dtype == a.kv_dtype == _lib.DTYPE_BF16 and a.query_len == 1
+    assert a.seq_lens_dtype == a.block_table_dtype == _lib.DTYPE_INT32
+    assert guard(a) == (_lib.OK, "")
+    hnd = problem(layout="HND")
+    a = args_of(hnd)
+    assert list(a.k_stride) == [Hk * bs * D2, D2, bs * D2, 1]
+    assert guard(a) == (_lib.OK, "")
+
+
+def test_inconsistent_tensors_are_refused():
+    p = problem()
+    bad = [
+        dict(value_cache=p.value_cache[:-1]),
+        dict(seq_lens=p.seq_lens.view(3, 1)),
+        dict(query=p.query[:2]),
+        dict(block_table=p.block_table[:2]),
+        dict(seq_lens=torch.zeros(6, dtype=torch.int32)[::2]),
+    ]
+    for change in bad:
+        t = dict(query=p.query, key_cache=p.key_cache, value_cache=p.value_cache, block_table=p.block_table,
+                 seq_lens=p.seq_lens)
+        t.update(change)
+        a = ops.attention_args(t["query"], t["key_cache"], t["value_cache"], t["block_table"], t["seq_lens"], None,
+                               p.scale)
+        assert a.dtype == -1, change
+
+
+def test_guard_reasons_from_tensors():
+    p = problem()
+    cases = [
+        (dict(key_cache=p.key_cache.view(torch.uint8)[..., :64], value_cache=p.value_cache.view(torch.uint8)[..., :64]),
+         "FP8 KV cache"),
+        (dict(seq_lens=p.seq_lens.long()), "seq_lens dtype int64"),
+        (dict(block_table=p.block_table.long()), "block table dtype int64"),
+        (dict(query=p.query.to(torch.float16)), "differs from the query"),
+        (dict(query=p.query.float()), "dtype fp32"),
+    ]
+    if hasattr(torch, "float8_e4m3fn"):
+        cases.append((dict(key_cache=p.key_cache.to(torch.float8_e4m3fn), value_cache=p.value_cache.to(torch.float8_e4m3fn)),
+                      "FP8 KV cache"))
+    for change, needle in cases:
+        t = dict(query=p.query, key_cache=p.key_cache, value_cache=p.value_cache, block_table=p.block_table,
+                 seq_lens=p.seq_lens)
+        t.update(change)
+        a = ops.attention_args(t["query"], t["key_cache"], t["value_cache"], t["block_table"], t["seq_lens"], None,
+                               p.scale)
+        a.arch = 90
+        st, why = guard(a)
+        assert st == _lib.EUNSUPPORTED and needle in why, (needle, why)
+    st, why = guard(args_of(p, query_len=2))
+    assert st == _lib.EUNSUPPORTED and "2 query tokens per sequence" in why
+    st, why = guard(args_of(p, flags=_lib.ATTN_ENCODER))
+    assert "encoder or cross attention" in why
+    st, why = guard(args_of(problem(), arch=75))
+    assert "sm_75" in why
+    a = args_of(problem())
+    a.head_size = 96
+    assert "head size 96" in guard(a)[1]
+
+
+def test_cpu_tensors_are_handed_back():
+    p = problem()
+    assert ops.supports(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale) == (
+        False, "tensors are not on a CUDA device")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(dtype="fp16", layout="HND", window_left=30),
+    dict(hq=4, hk=4, d=128, softcap=30.0),
+    dict(hq=16, hk=1, d=256, sinks="fp32", lens=(1, 17, 0, 200)),
+    dict(hq=32, hk=2, d=64, sinks="dtype", window_left=15, block_size=32, q_pad=64),
+])
+def test_c_oracle_matches_the_torch_reference(kw):
+    p = problem(**kw)
+    c = ops.reference_cpu(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale, p.softcap,
+                          p.window_left, p.sinks)
+    t = attn_bench.reference(p)
+    assert c.shape == t.shape
+    assert float((c - t).norm() / t.norm()) < 1e-12
+    for b, L in enumerate(p.seq_lens.tolist()):
+        if L <= 0:
+            assert bool((c[b] == 0).all())
+
+
+def test_unused_blocks_are_nan_so_a_stray_read_shows():
+    p = problem(lens=(20,))
+    used = set(p.block_table[0, :2].tolist())
+    spare = [b for b in range(p.key_cache.shape[0]) if b not in used]
+    assert spare and bool(torch.isnan(p.key_cache[spare[0]].float()).all())
+
+
+def test_custom_op_and_fake():
+    assert hasattr(torch.ops.opgraft, "paged_decode_attention")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p = problem()
+    with FakeTensorMode() as mode:
+        ft = [mode.from_tensor(x) for x in (p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens)]
+        out = torch.ops.opgraft.paged_decode_attention(*ft, p.scale)
+    assert tuple(out.shape) == (3, 8, 64)
+
+
+def _call(p, out, reason=""):
+    seen = []
+
+    def delegate():
+        seen.append(True)
+        return out
+
+    call = dispatch.AttentionCall(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, out, p.scale, 0.0, -1,
+                                  None, 0, delegate, extra_reason=reason)
+    return call, seen
+
+
+def test_dispatch_hands_back_and_counts(monkeypatch):
+    dispatch.reset_stats()
+    p = problem()
+    out = torch.empty_like(p.query)
+    call, seen = _call(p, out, "prefill or mixed batch (max_query_len > 1)")
+    assert dispatch.dispatch("attention", call) is out and seen
+    call, seen = _call(p, out)
+    assert dispatch.dispatch("attention", call) is out and seen  # CPU tensors: the guard says no
+    monkeypatch.setenv("OPGRAFT_ATTENTION_VARIANT", "passthrough")
+    call, seen = _call(p, out)
+    dispatch.dispatch("attention", call)
+    s = dispatch.stats()["attention"]
+    assert s["taken"] == 0 and s["delegated_by_reason"] == {
+        "prefill or mixed batch (max_query_len > N)": 1, "tensors are not on a CUDA device": 1,
+        "passthrough variant": 1}
+    monkeypatch.setenv("OPGRAFT_ATTENTION_VARIANT", "no-such")
+    assert dispatch.selected_variant("attention") == "passthrough"
+    assert dispatch.VARIANT_ENV["attention"] == "OPGRAFT_ATTENTION_VARIANT"
+    dispatch.reset_stats()
+
+
+def test_prepare_refuses_what_the_guard_refuses():
+    ok, why = ops.prepare(8, 2, 64, torch.float32, "cpu")
+    assert not ok and "float32" in why

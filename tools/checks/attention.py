@@ -1,0 +1,201 @@
+"""The paged decode-attention op's GPU correctness cases (tools.gpucheck runs them), against an
+fp64 torch oracle that gathers keys through the block table: every value of batch {1, 3, 8, 64},
+context {1, 15, 16, 17, 1000, 8192, 32768}, query heads per kv head {1, 4, 8} and head size
+{64, 128, 256} appears in some case; ragged lengths and padded rows (seq_len 0) in one batch,
+shuffled block tables over a cache whose unused blocks hold NaN, vLLM's NHD and HND layouts, a
+query that is a view of a fused qkv row, sliding window, soft cap, sinks, fp16, each tunable path,
+and CUDA-graph replays with new lengths. Outputs are poisoned (NaN) before each run, rows past the
+batch must stay NaN, padded rows must be zeros, and a rerun must give the same bits."""
+
+from __future__ import annotations
+
+import torch
+
+from opgraft import _lib, bench
+from opgraft.bench import attention as attn_bench
+from opgraft.ops import attention as ops
+
+NAME = "attention"
+
+
+def prepare() -> None:
+    """Nothing to set: every case runs under the shipped tunables unless it says otherwise."""
+
+
+def _case(name, lens, hq, hk, d, dtype="bf16", bs=16, layout="NHD", softcap=0.0, window=-1, sinks=None, q_pad=0,
+          tunables=None, graph=False, hint=0, seed=0):
+    return dict(name=name, lens=list(lens), hq=hq, hk=hk, d=d, dtype=dtype, bs=bs, layout=layout, softcap=softcap,
+                window=window, sinks=sinks, q_pad=q_pad, tunables=tunables or {}, graph=graph, hint=hint, seed=seed)
+
+
+RAGGED = [1, 15, 16, 17, 1000, 0, 8192, 33]
+
+
+def cases() -> list[dict]:
+    c = [
+        # contexts at batch 1 (Qwen3-30B-A3B heads: 32 query / 4 kv, head 128)
+        *[_case(f"batch 1 context {L} GQA 8 head 128", [L], 32, 4, 128) for L in (1, 15, 16, 17, 1000, 8192, 32768)],
+        # group sizes and head sizes
+        _case("batch 3 context 1000 GQA 1 head 64 (MHA)", [1000, 999, 17], 8, 8, 64),
+        _case("batch 3 context 32768 GQA 4 head 128", [32768, 32768, 32767], 16, 4, 128),
+        _case("batch 8 context 8192 GQA 8 head 256", [8192] * 8, 16, 2, 256),
+        _case("batch 8 context 1000 GQA 1 head 256", [1000] * 8, 4, 4, 256),
+        _case("batch 8 context 17 GQA 4 head 64", [17] * 8, 8, 2, 64),
+        _case("batch 64 context 8192 GQA 8 head 128", [8192] * 64, 32, 4, 128),
+        _case("batch 64 context 15 GQA 1 head 128", [15] * 64, 4, 4, 128),
+        _case("batch 64 context 16 GQA 8 head 64", [16] * 64, 16, 2, 64),
+        _case("GQA 16 (64 / 4 heads) context 1000", [1000, 5], 64, 4, 128),
+        _case("GQA 5 (10 / 2 heads) head 64", [300, 77, 1], 10, 2, 64),
+        # ragged lengths, padded rows, layouts, strides, block sizes
+        _case("ragged with padded rows, GQA 8 head 128", RAGGED, 32, 4, 128),
+        _case("ragged with padded rows, GQA 4 head 64, HND layout", RAGGED, 8, 2, 64, layout="HND"),
+        _case("ragged, GQA 1 head 256, block 32", RAGGED, 4, 4, 256, bs=32),
+        _case("all rows padded", [0, 0, 0], 32, 4, 128),
+        _case("query rows a view of a fused qkv output", [1000, 64, 3], 32, 4, 128, q_pad=2 * 4 * 128),
+        _case("block 48 (a multiple of 16, not a power of two)", [1000, 47, 48, 49], 32, 8, 128, bs=48),
+        # fp16
+        _case("fp16 ragged GQA 8 head 128", RAGGED, 32, 4, 128, dtype="fp16"),
+        _case("fp16 batch 3 context 8192 GQA 4 head 64", [8192, 100, 1], 16, 4, 64, dtype="fp16"),
+        # options
+        _case("sliding window 1024 over ragged (Gemma-like)", RAGGED, 16, 8, 256, window=1023),
+        _case("sliding window 16 over ragged, GQA 8", RAGGED, 32, 4, 128, window=15),
+        _case("sliding window larger than every length", [1000, 17], 32, 4, 128, window=4095),
+        _case("soft cap 50 (Gemma-2), head 256", [1000, 8192, 1], 16, 8, 256, softcap=50.0),
+        _case("soft cap 30 and window 100, fp16", [1000, 64, 0], 8, 4, 128, dtype="fp16", softcap=30.0, window=99),
+        _case("fp32 sinks (gpt-oss), window 128, head 64", [1000, 100, 1, 0], 64, 8, 64, window=127, sinks="fp32"),
+        _case("bf16 sinks, ragged", RAGGED, 32, 4, 128, sinks="dtype"),
+        # the length hint (an upper bound of the lengths caps the split count)
+        _case("length hint 8192 for lengths up to 8192", RAGGED, 32, 4, 128, hint=8192),
+        # tunable paths
+        _case("warps 2, ragged", RAGGED, 32, 4, 128, tunables={"attention.warps": 2}),
+        _case("warps 8, context 32768", [32768], 32, 4, 128, tunables={"attention.warps": 8}),
+        _case("min_chunk 16 (many splits, two combine levels), context 8192", [8192, 300], 32, 4, 128,
+              tunables={"attention.min_chunk": 16, "attention.max_splits": 1024}),
+        _case("max_splits 1 (no split)", RAGGED, 32, 4, 128, tunables={"attention.max_splits": 1}),
+        _case("max_splits 17 (a partial second combine level)", [32768, 5000], 32, 4, 128,
+              tunables={"attention.max_splits": 17, "attention.min_chunk": 16}),
+        _case("load form 1 and PDL", RAGGED, 32, 4, 128, tunables={"attention.load": 1, "attention.pdl": 1}),
+        _case("min_blocks 1, head 64 GQA 16", [1000, 3], 32, 2, 64, tunables={"attention.min_blocks": 1}),
+        # CUDA graphs: captured with one set of lengths, replayed with others
+        _case("CUDA graph replayed with new lengths and padded rows", RAGGED, 32, 4, 128, graph=True),
+        _case("CUDA graph, window and sinks, fp16", RAGGED, 16, 4, 64, dtype="fp16", window=63, sinks="fp32",
+              graph=True),
+    ]
+    return c
+
+
+def run_case(c: dict, device="cuda") -> dict:
+    with attn_bench_tunables(c["tunables"]):
+        return _run_case(c, device)
+
+
+class attn_bench_tunables:
+    """A context in which the case's tunables are set (through the library's API), cleared again on exit."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+
+    def __enter__(self):
+        _lib.tune_clear()
+        _lib.tune_set(self.cfg)
+        ops.forget_plans()
+        return self
+
+    def __exit__(self, *exc):
+        _lib.tune_clear()
+        ops.forget_plans()
+        return False
+
+
+def _check_out(p, out, lens, tol) -> dict:
+    B = len(lens)
+    ref = attn_bench.reference(p)
+    err = bench.rel_err(out[:B], ref) if any(L > 0 for L in lens) else 0.0
+    pad = [b for b, L in enumerate(lens) if L <= 0]
+    pad_zero = all(bool((out[b] == 0).all()) for b in pad)
+    beyond_nan = bool(torch.isnan(out[B:]).all()) if out.shape[0] > B else True
+    return {"rel_err": err, "padded_rows_zero": pad_zero, "rows_past_batch_untouched": beyond_nan,
+            "ok": (err <= tol) and pad_zero and beyond_nan}
+
+
+def _run_case(c: dict, device) -> dict:
+    lens = c["lens"]
+    p = attn_bench.make_problem(lens, c["hq"], c["hk"], c["d"], c["dtype"], device, c["bs"], seed=100 + c["seed"],
+                                layout=c["layout"], softcap=c["softcap"], window_left=c["window"], sinks=c["sinks"],
+                                q_pad=c["q_pad"])
+    res = {k: v for k, v in c.items() if k not in ("lens",)}
+    res["lens"] = lens if len(lens) <= 16 else f"{len(lens)} x {lens[0]}"
+    B = len(lens)
+    extra = 2  # output rows past the batch: must stay poisoned
+    ok, reason = ops.supports(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale, p.softcap,
+                              p.window_left, p.sinks)
+    res.update(supported=ok, reason=reason)
+    if not ok:
+        res.update(passed=False)
+        return res
+    tol = bench.TOLERANCE[c["dtype"]]
+    res["tolerance"] = tol
+    if c["graph"]:
+        return _run_graph_case(c, p, res, tol, extra)
+    out = torch.full((B + extra, c["hq"], c["d"]), float("nan"), dtype=p.query.dtype, device=device)
+    attn_bench.run_ours(p, out, c["hint"])
+    torch.cuda.synchronize()
+    chk = _check_out(p, out, lens, tol)
+    again = torch.full_like(out, float("nan"))
+    attn_bench.run_ours(p, again, c["hint"])
+    third = torch.full_like(out, float("nan"))
+    attn_bench.run_ours(p, third, c["hint"])
+    det = bool(torch.equal(out[:B], again[:B]) and torch.equal(out[:B], third[:B]))
+    res.update(rel_err=chk["rel_err"], deterministic=det, padded_rows_zero=chk["padded_rows_zero"],
+               rows_past_batch_untouched=chk["rows_past_batch_untouched"])
+    if sum(max(L, 0) for L in lens) * c["hk"] <= 64 * 1024 and c["layout"] == "NHD":
+        cref = ops.reference_cpu(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale, p.softcap,
+                                 p.window_left, p.sinks)
+        tref = attn_bench.reference(p).cpu()
+        res["c_oracle_vs_torch_fp64"] = float((cref - tref).norm() / tref.norm().clamp_min(1e-300))
+    res["passed"] = bool(chk["ok"] and det and res.get("c_oracle_vs_torch_fp64", 0) < 1e-9)
+    return res
+
+
+def _run_graph_case(c, p, res, tol, extra) -> dict:
+    """Captured with all lengths at their case value, replayed with shorter, longer-padded and
+    permuted lengths (written into the same seq_lens tensor), three replays each."""
+    lens = c["lens"]
+    B = len(lens)
+    out = torch.full((B + extra, c["hq"], c["d"]), float("nan"), dtype=p.query.dtype, device="cuda")
+    graph = bench.capture(lambda: attn_bench.run_ours(p, out, c["hint"]), warmup=0)
+    variants = [lens, [max(0, L // 2) for L in lens], [0 if i % 2 else L for i, L in enumerate(lens)],
+                list(reversed([min(L, max(lens)) for L in lens]))]
+    worst, det, good = 0.0, True, True
+    for v in variants:
+        # lengths may only shrink below what the block table covers; reversing keeps per-row
+        # lengths within each row's blocks only where they fit, so clamp to the row's capacity
+        cap = [max(1, (L + c["bs"] - 1) // c["bs"]) * c["bs"] if L > 0 else c["bs"] for L in lens]
+        v = [min(x, cap[i]) for i, x in enumerate(v)]
+        p.seq_lens.copy_(torch.tensor(v, dtype=torch.int32))
+        outs = []
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            outs.append(out.clone())
+        chk = _check_out(p, outs[0], v, tol)
+        worst = max(worst, chk["rel_err"])
+        good &= chk["ok"]
+        det &= all(torch.equal(outs[0][:B], o[:B]) for o in outs[1:])
+    p.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    res.update(rel_err=worst, deterministic=det, passed=bool(good and det), replays=len(variants) * 3)
+    return res
+
+
+def bench_rows(ceiling: float) -> list[dict]:
+    """The preset sweep against every baseline that imports; OPGRAFT_ATTN_BENCH_IMPLS (a comma
+    list) narrows it, e.g. where FlashInfer would JIT-compile its kernels first."""
+    import os
+
+    impls = tuple(os.environ.get("OPGRAFT_ATTN_BENCH_IMPLS", ",".join(attn_bench.IMPLS)).split(","))
+    return attn_bench.bench_rows(ceiling, impls=impls, progress=print)
+
+
+def format_rows(rows: list[dict]) -> str:
+    return attn_bench.format_table(rows)
