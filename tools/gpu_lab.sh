@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# One GPU call for the ops' own checks, without vLLM (a development tool): build libopgraft, warm
+# the kernel cache with the compile tests on every core, run every op's GPU correctness cases,
+# compute-sanitizer on a few of them, then the timings that need no vLLM. Results land in $OUT.
+#
+#   OUT=DIR bash tools/gpu_lab.sh [STEP ...]      steps: build warm check sanitize host before moe linear attention
+#
+# With no steps, all of them but warm (which compiles every op's variants for both archs in
+# parallel; the checks and benches compile what they use on demand). BEFORE_TREE (default .before) is an older tree's python/, src/,
+# kernels/, include/, cmake/ and CMakeLists.txt: `host` and `before` time it next to this one.
+set -uo pipefail
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/python:$PWD PYTHONUNBUFFERED=1 OPGRAFT_CACHE_DIR=/tmp/og-kernels
+export OPGRAFT_TEST_KERNEL_CACHE=/tmp/og-kernels OPGRAFT_TEST_JOBS=$(nproc)
+BEFORE_TREE=${BEFORE_TREE:-.before}
+steps=${*:-build check sanitize host before moe linear attention}
+[ -f /tmp/og-build/libopgraft.so ] && export OPGRAFT_LIBRARY=/tmp/og-build/libopgraft.so
+t0=$(date +%s)
+say() { echo "[$(($(date +%s) - t0)) s] $*"; }
+summary=()
+note() { summary+=("$*"); say "$*"; }
+
+for step in $steps; do
+  case $step in
+  build)
+    cmake -S . -B /tmp/og-build -DOPGRAFT_BUILD_TESTS=ON >/tmp/og-build.log 2>&1 &&
+      cmake --build /tmp/og-build -j "$(nproc)" >>/tmp/og-build.log 2>&1 || { tail -30 /tmp/og-build.log; exit 1; }
+    export OPGRAFT_LIBRARY=/tmp/og-build/libopgraft.so
+    if [ -d "$BEFORE_TREE" ]; then
+      cmake -S "$BEFORE_TREE" -B /tmp/og-before -DOPGRAFT_BUILD_TESTS=OFF >/tmp/og-before.log 2>&1 &&
+        cmake --build /tmp/og-before -j "$(nproc)" >>/tmp/og-before.log 2>&1 || tail -5 /tmp/og-before.log
+    fi
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+    note "built"
+    ;;
+  warm)  # every op's shipped and tunable variants, compiled in parallel into the kernel cache
+    (cd /tmp/og-build && ctest -R compile --output-on-failure -j 3) >"$OUT/compile.log" 2>&1
+    note "compile tests: $(grep -c 'Passed' "$OUT/compile.log") passed, $(grep -c 'Failed' "$OUT/compile.log") failed"
+    ;;
+  check)
+    python3 -m tools.gpucheck --quick --out "$OUT" 2>&1 | tee "$OUT/check.log" | grep -E "FAIL|cases pass|error|Error"
+    note "$(grep 'cases pass' "$OUT/check.log" | tr '\n' ' ')"
+    ;;
+  sanitize)
+    # The new kernels on small cases (the MoE kernels were clean before and are unchanged).
+    for spec in "memcheck:attention:ragged with padded rows, GQA 8" "memcheck:linear:strided x and out N=129" \
+                "racecheck:linear:M=3 [129" "racecheck:attention:max_splits 17"; do
+      tool=${spec%%:*} rest=${spec#*:} op=${rest%%:*} only=${rest#*:}
+      timeout 150 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m tools.gpucheck --quick --ops "$op" \
+        --only "$only" --out /tmp/og-san >"$OUT/$tool-$op.log" 2>&1
+      note "$tool $op ($only): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool-$op.log" | tail -1) $(grep -cE '^  PASS' "$OUT/$tool-$op.log") pass"
+    done
+    ;;
+  host)  # host us per eager MoE call, this tree and the older one
+    python3 -m tools.host_time --label after --tokens 1,8 --json "$OUT/host-after.json" | tail -4
+    if [ -d /tmp/og-before ]; then
+      PYTHONPATH=$PWD/$BEFORE_TREE/python:$PWD OPGRAFT_LIBRARY=/tmp/og-before/libopgraft.so.0 \
+        python3 -m tools.host_time --label before --tokens 1,8 --json "$OUT/host-before.json" | tail -4
+    fi
+    note "host time: $(python3 -c "
+import json
+r = [x for f in ('$OUT/host-before.json', '$OUT/host-after.json') for x in json.load(open(f))['rows']]
+print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call']}\" for x in r))" 2>/dev/null)"
+    ;;
+  before)  # the same MoE calls under the older tree and this one (no vLLM here: ours only)
+    for m in Qwen3-30B-A3B:1 Qwen3-30B-A3B:2 Mixtral-8x7B:1; do
+      model=${m%%:*} tp=${m#*:}
+      python3 -m opgraft.cli bench moe --model "$model" --tp "$tp" --tokens 1,2,4,8 --no-baseline \
+        --json "$OUT/moe-after-$model-tp$tp.json" 2>/dev/null | grep -E "opgraft" | head -4
+      if [ -d /tmp/og-before ]; then
+        PYTHONPATH=$PWD/$BEFORE_TREE/python OPGRAFT_LIBRARY=/tmp/og-before/libopgraft.so.0 \
+          python3 -m opgraft.cli bench moe --model "$model" --tp "$tp" --tokens 1,2,4,8 --no-baseline \
+          --json "$OUT/moe-before-$model-tp$tp.json" 2>/dev/null | grep -E "opgraft" | head -4
+      fi
+    done
+    note "moe before/after benched"
+    ;;
+  moe)  # the rule on shapes that are not presets (ours only here; vLLM's kernel in the vLLM call)
+    for f in bench/configs/*.json; do
+      python3 -m opgraft.cli bench moe --model "$f" --tokens 1,8 --no-baseline --json "$OUT/moe-$(basename "$f")" \
+        2>/dev/null | grep -E " opgraft " | head -2
+    done
+    note "moe configs benched"
+    ;;
+  linear)
+    python3 -m opgraft.cli bench linear --rows 1,4,8 --json "$OUT/linear_bench.json" 2>&1 | tail -40
+    note "linear benched"
+    ;;
+  attention)
+    python3 -m opgraft.cli bench attention --impls opgraft --json "$OUT/attention_bench.json" 2>&1 | tail -20
+    note "attention benched"
+    ;;
+  *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+echo "==== summary"
+printf '%s\n' "${summary[@]}"
