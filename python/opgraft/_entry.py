@@ -59,4 +59,6 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):
         if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
             return action.help
+        if "default" in (action.help or ""):  # the help already says it, in its own words
+            return action.help
         return super()._get_help_string(action)
