@@ -20,14 +20,18 @@
 //   moe_gate_up_fp8_<out>: one block per (used expert or routing slot, 32 rows of I). A lane
 //     loads 8 bytes of each of its 8 rows (gate g, g+8, g+16, g+24 and the up rows) a k-step and
 //     8 bytes of x; the block sums its warps in a fixed order, then one warp per (token, slot)
-//     pair rounds act = w * silu(gate) * up to e4m3 with the scale absmax / 448 of its 32 rows
-//     (vLLM's group quantization, on groups of 32 instead of vLLM's 128 per token: finer, so at
-//     least as precise as the intermediate that vLLM's TritonExperts feeds its second GEMM).
+//     pair scales act = w * silu(gate) * up by absmax / 448 of its 32 rows (vLLM's group scale,
+//     on groups of 32 rows instead of vLLM's 128) and writes it as two e4m3 terms, hi + lo / 16
+//     (og_e4m3_split): about 8 significant bits, near bf16's 9, where vLLM's TritonExperts feeds
+//     its second GEMM one e4m3 term (4 bits). 2 bytes an element, as bf16 would take.
 //   moe_down_fp8_<out>: one block per 16 rows of H; warps share the (used expert, I chunk) items;
-//     a 32-k step's group of act has one scale, so the step's MMA is scaled per column token.
+//     a 32-k step's group of act has one scale, so the step's two MMAs (hi, lo on the same
+//     weights) are scaled per column token.
 // Why 32-row gate_up tiles: the second GEMM's MMA takes 32 consecutive rows of I (one 8-byte
 // load a lane), so each group of act must have one scale over those 32 rows; a block of 32 rows
-// computes them all and needs no cross-block maximum.
+// computes them all and needs no cross-block maximum. Why two e4m3 terms and not bf16: a bf16
+// intermediate would need the bf16 MMA and w2 converted in registers (the cost above); two e4m3
+// terms cost one more MMA a k-step, which the tensor cores have to spare.
 //
 // No atomics and fixed summation orders: the same inputs give the same bits every run. Paths:
 // routing by slot (OG_GU_SLOTS, OG_DOWN_WARP) or the general routing, OG_PDL / OG_DOWN_EARLY /

@@ -91,3 +91,27 @@ __device__ __forceinline__ unsigned char og_e4m3(float v) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.f), "f"(v));
   return (unsigned char)(h & 0xffu);
 }
+
+// The value of an e4m3 byte (exact: e4m3 converts to f16 exactly).
+__device__ __forceinline__ float og_e4m3_value(unsigned char b) {
+  og_u32 h2;
+  float f;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)b));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h2 & 0xffffu)));
+  return f;
+}
+
+// The intermediate activation as two e4m3 terms on one scale: v = a / scale (|v| <= 448) is
+// hi = e4m3(v) plus lo = e4m3(16 * (v - hi)) / 16. v - hi is exact in fp32 (hi is v rounded,
+// within a factor 2 of it, or 0), |16 (v - hi)| <= |v| stays in range, and lo's own rounding
+// leaves an error of at most 2^-8 |v| (plus 2^-14 where lo is subnormal): about bf16's 2^-9,
+// where one e4m3 term (vLLM's intermediate) has 2^-4.
+struct og_e4m3_pair {
+  unsigned char hi, lo;
+};
+__device__ __forceinline__ og_e4m3_pair og_e4m3_split(float v) {
+  og_e4m3_pair q;
+  q.hi = og_e4m3(v);
+  q.lo = og_e4m3(16.f * (v - og_e4m3_value(q.hi)));
+  return q;
+}

@@ -1,15 +1,26 @@
 // The FP8 down stage: out[t, h] = sum over used experts e of W2[e][h, :] . act(t, e) for one tile
-// of 16 rows of H, e4m3 weights times the e4m3 intermediate, each k-step's products scaled into
-// fp32 accumulators that sum over experts.
+// of 16 rows of H, e4m3 weights times each of the intermediate's two e4m3 terms, each k-step's
+// products scaled into fp32 accumulators that sum over experts.
 #pragma once
 #include "moe_down.cuh"
 #include "moe_fp8.cuh"
 
-// down for one tile: 16 rows of H, summed over every used expert and token. The B operand of
-// token tile nt is act of the lane's token nt*8 + g for the item's expert (workspace row src0),
-// or zero; the accumulators of column 2c (2c+1) take the scale of that column's token, found by
+// down for one tile: 16 rows of H, summed over every used expert and token. The B operands of
+// token tile nt are act's two terms of the lane's token nt*8 + g for the item's expert (workspace
+// row src0), or zero: two MMAs on the same weights, hi + lo / 16; the accumulators of column 2c (2c+1) take the scale of that column's token, found by
 // shuffle from lane 8c (8c+4), which holds its row. A token that lists the expert twice has one
 // act row (og_fp8_write_act), its first slot's: src0. EARLY as in og_down_tile.
+// Both terms of act's workspace row `row` (or zeros for -1) at byte offset off.
+__device__ __forceinline__ void og_load_act2(const unsigned char *hi, const unsigned char *lo, int row, long long off,
+                                             og_vec2 &b, og_vec2 &bl) {
+  if (row >= 0) {
+    b = og_load_coherent8(hi + (long long)row * OG_I + off);
+    bl = og_load_coherent8(lo + (long long)row * OG_I + off);
+  } else {
+    b = bl = og_zero2();
+  }
+}
+
 template <int W, bool EARLY = false>
 __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, const og_routing &r, int htile,
                                                  float (*s_red)[OG_NT][4][32]) {
@@ -22,7 +33,7 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
   const int nchunks = (steps + OG_U2 - 1) / OG_U2;
   const int items = r.nused * nchunks;
   const long long row8 = 8 * p.w2_rstride;
-  const unsigned char *act = (const unsigned char *)p.act;
+  const unsigned char *act = (const unsigned char *)p.act, *act_lo = (const unsigned char *)q.act_lo;
 
   float acc[OG_NT][4];
 #pragma unroll
@@ -52,7 +63,7 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
         col1[nt] = __shfl_sync(OG_FULL, src0[nt], 8 * c + 4);
       }
     }
-    og_vec2 a[OG_U2], a8[OG_U2], b[OG_U2][OG_NT];
+    og_vec2 a[OG_U2], a8[OG_U2], b[OG_U2][OG_NT], bl[OG_U2][OG_NT];
 #pragma unroll
     for (int u = 0; u < OG_U2; ++u) {
       const int s = ch * OG_U2 + u;
@@ -62,8 +73,7 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
         a8[u] = og_load_stream8<OG_DOWN_LOAD>(wrow + row8 + off);
         if (!EARLY)
 #pragma unroll
-          for (int nt = 0; nt < OG_NT; ++nt)
-            b[u][nt] = src0[nt] >= 0 ? og_load_coherent8(act + (long long)src0[nt] * OG_I + off) : og_zero2();
+          for (int nt = 0; nt < OG_NT; ++nt) og_load_act2(act, act_lo, src0[nt], off, b[u][nt], bl[u][nt]);
       }
     }
     if (EARLY) {  // act's loads after the wait (the first item's), after the weights' in any case
@@ -77,8 +87,7 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
         if (steps % OG_U2 == 0 || s < steps) {
           const long long off = (long long)(s * 32 + c * 8);
 #pragma unroll
-          for (int nt = 0; nt < OG_NT; ++nt)
-            b[u][nt] = src0[nt] >= 0 ? og_load_coherent8(act + (long long)src0[nt] * OG_I + off) : og_zero2();
+          for (int nt = 0; nt < OG_NT; ++nt) og_load_act2(act, act_lo, src0[nt], off, b[u][nt], bl[u][nt]);
         }
       }
     }
@@ -96,10 +105,11 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
           if (nt * 8 < T) {
             const float f0 = col0[nt] >= 0 ? w * og_load_coherent_f32(q.act_scale + (long long)col0[nt] * OG_AS + s) : 0.f;
             const float f1 = col1[nt] >= 0 ? w * og_load_coherent_f32(q.act_scale + (long long)col1[nt] * OG_AS + s) : 0.f;
-            float d[4];
+            float d[4], dl[4];
             og_mma_e4m3(d, a[u], a8[u], b[u][nt]);
-            acc[nt][0] += d[0] * f0, acc[nt][1] += d[1] * f1;
-            acc[nt][2] += d[2] * f0, acc[nt][3] += d[3] * f1;
+            og_mma_e4m3(dl, a[u], a8[u], bl[u][nt]);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[nt][k] += fmaf(dl[k], 0.0625f, d[k]) * (k & 1 ? f1 : f0);
           }
         }
       }

@@ -8,8 +8,9 @@
 /* FP8 weights (moe/moe_fp8.cu): the same keys, resolved under the FP8 shape key
  * ("moe:fp8block:..." / "moe:fp8tensor:..."), for the paths the FP8 kernels have: two kernels
  * (no cooperative one), routing by slot for calls of up to 32 routing slots (one token included),
- * else the general routing. gate_up's tiles are 32 rows of I and hold both halves' accumulators
- * (16 a token tile per thread), its k-steps 8 loads of 8 bytes; down's k-steps 2 of 8 bytes. */
+ * else the general routing. gate_up's tiles are 32 rows of I, a half (16 rows) a pass over H,
+ * its k-steps 4 weight loads of 8 bytes a lane; down's k-steps 2 weight loads of 8 bytes and
+ * act's two e4m3 terms a token tile. */
 static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c) {
   char shape[128];
   opgraft__moe_shape_key(a, shape, sizeof shape);
@@ -53,7 +54,12 @@ static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu,
       c->u1 = u;
       break;
     }
-  while (c->u2 > 1 && 4 * c->nt + c->u2 * (4 + 2 * c->nt) > 64) c->u2--;
+  while (c->u2 > 1 && 4 * c->nt + c->u2 * (4 + 4 * c->nt) > 72) c->u2--; /* act: two terms */
+  for (int u = c->u2; u * 2 > c->u2; --u) /* chunks of whole k-steps over I, likewise */
+    if ((a->inter / 32) % u == 0) {
+      c->u2 = u;
+      break;
+    }
   c->down_min_blocks = c->nt <= 2 ? (int)opgraft__tune_value("moe.down.min_blocks", arch, gpu, shape, T) : 0;
   while (c->down_min_blocks > 1 && c->down_min_blocks * c->w2 > 16) c->down_min_blocks--;
   if (c->down_min_blocks < 2) c->down_min_blocks = 0;
