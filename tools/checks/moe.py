@@ -136,9 +136,10 @@ FP8_TOL = 1e-2  # the intermediate's two e4m3 terms keep ~8 significant bits, th
 
 def _fp8_case(name, shape, T, kind="fp8-block", block=(128, 128), out_dtype="bf16", ids64=False, x_pad=0,
               out_pad=0, dup=False, invalid=False, seed=0, ep=0, tunables=None, hot=False, transposed=False,
-              vllm=True):
+              vllm=False):
     """An FP8 case (see _case); block: the weight blocks (fp8-block); transposed: the weight
-    scales in a transposed (DeepGEMM-like) layout; vllm: compare with vLLM's TritonExperts too."""
+    scales in a transposed (DeepGEMM-like) layout; vllm: compare with vLLM's TritonExperts too
+    (a few cases: each new shape costs vLLM a Triton compile)."""
     c = _case(name, shape, T, out_dtype, ids64, False, x_pad, out_pad, dup, invalid, seed, ep, tunables, hot)
     c.update(kind=kind, block=block if kind == "fp8-block" else None, transposed=transposed, vllm=vllm)
     return c
@@ -153,21 +154,22 @@ def fp8_cases() -> list[dict]:
     pdl = {"moe.pdl": 1, "moe.down.early": 1, "moe.pdl_in": 1}
     cases = []
     for T in (1, 2, 8):
-        cases.append(_fp8_case(f"fp8 block Qwen3-30B-A3B T={T}", q30, T))
+        cases.append(_fp8_case(f"fp8 block Qwen3-30B-A3B T={T}", q30, T, vllm=T != 2))
     for T in (1, 4):
-        cases.append(_fp8_case(f"fp8 tensor Mixtral-8x7B T={T}", PRESETS["Mixtral-8x7B"], T, kind="fp8-tensor"))
+        cases.append(_fp8_case(f"fp8 tensor Mixtral-8x7B T={T}", PRESETS["Mixtral-8x7B"], T, kind="fp8-tensor",
+                               vllm=T == 1))
     cases += [
-        _fp8_case("fp8 tensor Qwen3-30B-A3B T=3", q30, 3, kind="fp8-tensor"),
-        _fp8_case("fp8 block small T=1..64: T=5", small, 5),
-        _fp8_case("fp8 block small T=13", small, 13),
+        _fp8_case("fp8 tensor Qwen3-30B-A3B T=3", q30, 3, kind="fp8-tensor", vllm=True),
+        _fp8_case("fp8 block small T=5", small, 5),
+        _fp8_case("fp8 block small T=13", small, 13, vllm=True),
         _fp8_case("fp8 block small T=33", small, 33),
         _fp8_case("fp8 block small T=64", small, 64),
         _fp8_case("fp8 tensor small T=64", small, 64, kind="fp8-tensor"),
         _fp8_case("fp8 block 64x64 (vLLM 0.33 refined) Qwen3-30B-A3B/tp4 T=2",
-                  MoeShape("Qwen3-30B-A3B/tp4", 128, 2048, 192, 8), 2, block=(64, 64)),
+                  MoeShape("Qwen3-30B-A3B/tp4", 128, 2048, 192, 8), 2, block=(64, 64), vllm=True),
         _fp8_case("fp8 block 32x32 odd dims E=7 H=96 I=160 k=3 T=10", odd, 10, block=(32, 32)),
         _fp8_case("fp8 tensor odd dims E=7 H=96 I=160 k=3 T=5 (K, N no multiples of 128)", odd, 5,
-                  kind="fp8-tensor"),
+                  kind="fp8-tensor", vllm=True),
         _fp8_case("fp8 tensor Qwen3-30B-A3B/tp8 I=96 T=4", MoeShape("Qwen3-30B-A3B/tp8", 128, 2048, 96, 8), 4,
                   kind="fp8-tensor"),
         _fp8_case("fp8 block fp16 out small T=6", small, 6, out_dtype="fp16", vllm=False),
@@ -184,10 +186,10 @@ def fp8_cases() -> list[dict]:
                   tunables=dict(pdl, **slots_off)),
         _fp8_case("fp8 block load forms 1 Qwen3-30B-A3B T=4", q30, 4, tunables={"moe.load": 1, "moe.down_load": 1}),
         # expert parallelism, fewer local experts than a token's picks (DeepSeek-V3 at EP 64)
-        _fp8_case("fp8 block expert_map: 2 of 8 experts, k=6 > 2, T=1", few, 1, ep=8),
+        _fp8_case("fp8 block expert_map: 2 of 8 experts, k=6 > 2, T=1", few, 1, ep=8, vllm=True),
         _fp8_case("fp8 tensor expert_map: 2 of 8 experts, k=6 > 2, T=5", few, 5, kind="fp8-tensor", ep=8),
         _fp8_case("fp8 block expert_map: 4 of 256 experts, k=8 > 4 (DeepSeek-V3/ep64 dims), T=2",
-                  MoeShape("DeepSeek-V3/ep64", 4, 7168, 2048, 8), 2, ep=256),
+                  MoeShape("DeepSeek-V3/ep64", 4, 7168, 2048, 8), 2, ep=256, vllm=True),
         _fp8_case("fp8 block expert_map: 16 of 64 experts small T=9, general routing", small, 9, ep=64,
                   tunables=slots_off),
     ]
@@ -250,12 +252,12 @@ def _run_fp8_case(c: dict, device) -> dict:
         res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm().clamp_min(1e-300))
         passed = passed and res["c_oracle_vs_torch_fp64"] < 1e-9
     if c["vllm"] and c["dtype"] == "bf16" and not c["x_pad"]:
-        fn, why = moe_bench.vllm_fp8_experts(shape, kind, s13, s2, G, "triton", device)
+        fn, why = moe_bench.vllm_fp8_experts(shape, kind, q13, s13, q2, s2, G, "triton", device)
         if fn is None:
             res["vllm_missing"] = why
         else:
             try:
-                vout = fn(x.contiguous(), q13, q2, tw, ids, emap)
+                vout = fn(x.contiguous(), tw, ids, emap)
                 res["vllm_rel_err"] = bench.rel_err(vout, ref)
                 res["rel_err_vs_vllm"] = bench.rel_err(out, vout.double())
                 # within vLLM's own quantization error of vLLM's result
@@ -319,19 +321,21 @@ def _run_case(c: dict, device) -> dict:
 # FP8 bench shapes: (name, shape, global experts (expert parallelism), tokens). Per-rank shapes of
 # DeepSeek-V3 and Kimi-K2 under tensor parallelism 8 (I/8) and expert parallelism 8 (E/8 local
 # experts, an expert_map over all of them).
+# About 30 points (each: ours twice, vLLM's once, a Triton compile for vLLM's new shapes) to keep
+# the FP8 bench near 4 minutes; `opgraft bench moe --dtype ...` takes any other shape and tokens.
 FP8_BLOCK_BENCH = [
     ("Qwen3-30B-A3B", PRESETS["Qwen3-30B-A3B"], 0, "1,2,4,8,16,64"),
-    ("Qwen3-235B-A22B", PRESETS["Qwen3-235B-A22B"], 0, "1,2,4,8,16,64"),
-    ("DeepSeek-V3", PRESETS["DeepSeek-V3"], 0, "1,2,4,8,16,64"),
-    ("Kimi-K2", PRESETS["Kimi-K2"], 0, "1,2,4,8,16,64"),
-    ("DeepSeek-V3/tp8", PRESETS["DeepSeek-V3"].per_rank(8), 0, "1,4,8,16"),
-    ("Kimi-K2/tp8", PRESETS["Kimi-K2"].per_rank(8), 0, "1,4,8,16"),
-    ("DeepSeek-V3/ep8", MoeShape("DeepSeek-V3/ep8", 32, 7168, 2048, 8), 256, "1,4,8,16"),
-    ("Kimi-K2/ep8", MoeShape("Kimi-K2/ep8", 48, 7168, 2048, 8), 384, "1,4,8,16"),
+    ("DeepSeek-V3", PRESETS["DeepSeek-V3"], 0, "1,4,8,16"),
+    ("Kimi-K2", PRESETS["Kimi-K2"], 0, "1,4,8"),
+    ("Qwen3-235B-A22B", PRESETS["Qwen3-235B-A22B"], 0, "1,8"),
+    ("DeepSeek-V3/tp8", PRESETS["DeepSeek-V3"].per_rank(8), 0, "1,8"),
+    ("Kimi-K2/tp8", PRESETS["Kimi-K2"].per_rank(8), 0, "1,8"),
+    ("DeepSeek-V3/ep8", MoeShape("DeepSeek-V3/ep8", 32, 7168, 2048, 8), 256, "1,8"),
+    ("Kimi-K2/ep8", MoeShape("Kimi-K2/ep8", 48, 7168, 2048, 8), 384, "1,8"),
 ]
 FP8_TENSOR_BENCH = [
-    ("Mixtral-8x7B", PRESETS["Mixtral-8x7B"], 0, "1,2,4,8,16"),
-    ("Qwen3-30B-A3B", PRESETS["Qwen3-30B-A3B"], 0, "1,4,8"),
+    ("Mixtral-8x7B", PRESETS["Mixtral-8x7B"], 0, "1,4,8,16"),
+    ("Qwen3-30B-A3B", PRESETS["Qwen3-30B-A3B"], 0, "1,8"),
 ]
 
 

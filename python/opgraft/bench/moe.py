@@ -10,7 +10,6 @@ GB for Qwen3-30B-A3B: address translation and DRAM page locality as in a real st
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -411,8 +410,8 @@ def quantize_activations_fp8(x: torch.Tensor, kind: str, block_k: int = FP8_BLOC
     if kind == "fp8-block":
         fn = _vllm_attr("vllm.model_executor.layers.quantization.utils.fp8_utils", "per_token_group_quant_fp8")
         if fn is not None and x.is_cuda:
-            try:
-                q, s = fn(x, block_k, use_ue8m0=False)
+            try:  # vLLM's default: UE8M0 (power-of-two) scales where DeepGEMM's E8M0 is in use
+                q, s = fn(x, block_k)
                 return q, s
             except Exception:
                 pass
@@ -517,14 +516,15 @@ def unique_expert_bytes_fp8(shape: MoeShape, kind: str, routings, local=None) ->
     return statistics.mean(counts) * (shape.expert_bytes(1) + fp8_scale_bytes(shape, kind))
 
 
-def vllm_fp8_experts(shape: MoeShape, kind: str, w13_scale, w2_scale, global_experts: int, backend: str = "triton",
-                     device="cuda"):
+def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scale, global_experts: int,
+                     backend: str = "triton", device="cuda"):
     """vLLM's own FP8 MoE path as Fp8MoEMethod builds it for TritonExperts: the modular kernel
     (MoEPrepareAndFinalizeNoDPEPModular, which quantizes the bf16 activations, then
     TritonExperts.apply, then the finalize step) with the FP8 quant config of the scales.
-    Returns (fn(x_bf16, w13_q, w2_q, topk_weights, topk_ids, expert_map) -> out, "") or (None, why
-    not). backend "deep_gemm": TritonOrDeepGemmExperts (DeepGEMM with vLLM's Triton fallback for
-    small batches), where the DeepGEMM package imports."""
+    Returns (fn(x_bf16, topk_weights, topk_ids, expert_map) -> out, "") or (None, why not).
+    backend "deep_gemm": TritonOrDeepGemmExperts on the weights converted as vLLM converts them
+    for it (prepare_fp8_moe_layer_for_deepgemm: UE8M0 requantization where E8M0 is in use, its
+    scale layout), where vLLM finds DeepGEMM (installed or vendored) and the GPU supports it."""
     try:
         from vllm.model_executor.layers.fused_moe import modular_kernel as mk
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -536,6 +536,10 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_scale, w2_scale, global_exp
         return None, f"vLLM's modular FP8 MoE is not importable here ({type(e).__name__}: {str(e)[:80]})"
     from ..vllm import moe_seam
 
+    if backend == "flashinfer_cutlass":
+        return None, ("not built here: FlashInferExperts takes its weights from vLLM's FlashInfer preparation "
+                      "(prepare_fp8_moe_layer_for_fi on a loaded layer); measure it end to end with "
+                      "--moe-backend flashinfer_cutlass")
     if moe_seam.installed():
         return None, "opgraft's seam is installed in this process (TritonExperts.apply would be ours)"
     try:
@@ -547,13 +551,20 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_scale, w2_scale, global_exp
                              intermediate_size_per_partition=shape.inter)
         qc = fp8_w8a8_moe_quant_config(w1_scale=w13_scale, w2_scale=w2_scale,
                                        block_shape=list(FP8_BLOCK) if kind == "fp8-block" else None)
+        w1, w2 = w13_q, w2_q
         if backend == "deep_gemm":
-            if importlib.util.find_spec("deep_gemm") is None:
-                return None, "the DeepGEMM package is not installed here"
             if kind != "fp8-block":
                 return None, "DeepGEMM takes block FP8 only"
-            from vllm.model_executor.layers.fused_moe.experts.triton_deep_gemm_moe import TritonOrDeepGemmExperts
+            from vllm.utils.deep_gemm import is_deep_gemm_supported
 
+            if not is_deep_gemm_supported():
+                return None, "vLLM finds no usable DeepGEMM here (not installed or vendored, or not this GPU)"
+            from vllm.model_executor.layers.fused_moe.experts.triton_deep_gemm_moe import TritonOrDeepGemmExperts
+            from vllm.model_executor.layers.quantization.utils.fp8_utils import prepare_fp8_moe_layer_for_deepgemm
+
+            w1, w2, s13, s2 = prepare_fp8_moe_layer_for_deepgemm(w13_q.clone(), w2_q.clone(), w13_scale.clone(),
+                                                                  w2_scale.clone(), tuple(FP8_BLOCK))
+            qc = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2, block_shape=list(FP8_BLOCK))
             experts = TritonOrDeepGemmExperts(cfg, qc)
         else:
             experts = TritonExperts(cfg, qc)
@@ -561,8 +572,8 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_scale, w2_scale, global_exp
     except Exception as e:
         return None, f"vLLM's FP8 experts could not be built ({type(e).__name__}: {str(e)[:100]})"
 
-    def fn(x, w13_q, w2_q, tw, ids, expert_map=None):
-        return kernel.apply(x, w13_q, w2_q, tw, ids, activation=MoEActivation.SILU, global_num_experts=global_experts,
+    def fn(x, tw, ids, expert_map=None):
+        return kernel.apply(x, w1, w2, tw, ids, activation=MoEActivation.SILU, global_num_experts=global_experts,
                             expert_map=expert_map, apply_router_weight_on_input=False)
 
     return fn, ""
@@ -578,7 +589,8 @@ def ep_map(shape: MoeShape, global_experts: int, device, seed: int = 0):
 
 def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda", n_routings: int = 16,
                     reps: int = 30, ceiling_tbps: float | None = None, weights=None, global_experts: int = 0,
-                    between_mib: int = BETWEEN_MIB, timing: str = "span", backends=("triton", "deep_gemm"),
+                    between_mib: int = BETWEEN_MIB, timing: str = "span",
+                    backends=("triton", "deep_gemm", "flashinfer_cutlass"),
                     progress=None, cross_check: bool = False) -> list[dict]:
     """Rows for one shape with FP8 weights (kind "fp8-block" or "fp8-tensor") at each token count:
     opgraft's kernel ("opgraft", on activations quantized beforehand: the bytes and the ceiling
@@ -602,7 +614,7 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
             "I": shape.inter, "top_k": shape.top_k, "dtype": kind, "global_experts": G, "layers": 1,
             "between_mib": max(between_mib, 0),
             "block": list(FP8_BLOCK) if kind == "fp8-block" else None}
-    builtins = {b: vllm_fp8_experts(shape, kind, w13_s, w2_s, G, b, device) for b in backends}
+    builtins = {b: vllm_fp8_experts(shape, kind, w13_q, w13_s, w2_q, w2_s, G, b, device) for b in backends}
     rows = []
     for T in tokens:
         if progress:
@@ -643,18 +655,18 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
             results["opgraft+quant"] = (us, err, {"deterministic": det, **how})
         missing, vs_vllm = {}, None
         for b, (fn, why) in builtins.items():
-            name = "vllm-triton" if b == "triton" else f"vllm-{b.replace('_', '')}"
+            name = f"vllm-{b.replace('_', '-')}"
             if fn is None:
                 missing[name] = why
                 continue
             try:
-                vout = fn(xs[0], w13_q, w2_q, *routings[0], emap)
+                vout = fn(xs[0], *routings[0], emap)
                 verr = rel_err(vout, ref)
                 if name == "vllm-triton" and out is not None:
                     vs_vllm = rel_err(out, vout.double())
 
                 def vcall(i, _, fn=fn):
-                    fn(xs[i], w13_q, w2_q, *routings[i], emap)
+                    fn(xs[i], *routings[i], emap)
 
                 us, how = timed_calls(vcall, schedule, between, reps, timing, cross_check)
                 results[name] = (us, verr, how)
