@@ -15,6 +15,28 @@ extern "C" {
  * i.e. [H, I]. With apply_router_weight_on_input the weight scales x_t instead and the sum is
  * unweighted. Accumulation is fp32; out has the activation dtype. Ids outside [0, E) contribute
  * nothing.
+ *
+ * FP8 weights (weight_dtype OPGRAFT_DTYPE_FP8_E4M3; the layouts of vLLM's Fp8MoEMethod, read in
+ * vLLM 0.26.0 and 0.33.0, model_executor/layers/quantization/fp8.py and fused_moe/):
+ *   w13 [E, 2I, H] and w2 [E, H, I] in float8_e4m3fn, and hidden_states [T, H] in e4m3fn too:
+ *   the activations as vLLM's prepare step quantized them (moe_kernel_quantize_input), so that
+ *   G[e] x_t above reads sum_h (w13_q[e,r,h] * s13(e,r,h)) * (x_q[t,h] * sx(t,h)).
+ *   OPGRAFT_MOE_SCALE_BLOCK (weight_block_size [block_n, block_k], DeepSeek-V3 / Qwen3 FP8
+ *   checkpoints: 128x128): fp32 scales w13_scale [E, 2*ceil(I/bn), ceil(H/bk)] (the gate's
+ *   ceil(I/bn) row blocks, then the up half's), w2_scale [E, ceil(H/bn), ceil(I/bk)]
+ *   (vLLM's w13_weight_scale_inv / w2_weight_scale_inv), and per-token groups of bk activations,
+ *   hidden_scale [T, ceil(H/bk)] (vLLM's a1q_scale from per_token_group_quant_fp8, fp32, maybe
+ *   powers of two where DeepGEMM's UE8M0 is in use: the values are used as they are).
+ *   OPGRAFT_MOE_SCALE_TENSOR: one fp32 scale per expert matrix, w13_scale[e * s0 + half * s1]
+ *   (half 0 gate, 1 up; s1 = 0 for vLLM's one scale per expert after
+ *   process_weights_after_loading) and w2_scale[e * s0], and one dynamic activation scale
+ *   hidden_scale[0] (scaled_fp8_quant's per-tensor scale of the call's hidden states).
+ *   Scale strides are in elements, non-negative, of any layout (DeepGEMM's transposed scales too).
+ *   dtype is then the output's (bf16 or fp16). The intermediate silu(gate) * up * w is kept as
+ *   two e4m3 terms (hi + lo / 16, about 8 significant bits) on one fp32 scale per (token, slot)
+ *   and 32 consecutive rows of I, where vLLM's TritonExperts quantizes it to one e4m3 term per
+ *   1x128 group (block) or per tensor: more precise. With FP8 weights
+ *   apply_router_weight_on_input is refused.
  * ------------------------------------------------------------------------------------------- */
 typedef enum {
   OPGRAFT_ACT_SILU = 1, /* SwiGLU: silu(gate) * up */
@@ -53,7 +75,26 @@ typedef struct opgraft_moe_args {
   int32_t arch;
   const char *gpu_name;
   int64_t expert_map_len; /* global experts: the length of expert_map (0 without one) */
+  /* ---- ABI 4: quantized weights (all zero for bf16/fp16 weights) ---- */
+  int32_t weight_dtype; /* 0 (weights in dtype) or OPGRAFT_DTYPE_FP8_E4M3 (hidden_states e4m3 too) */
+  int32_t scale_layout; /* opgraft_moe_scale_layout */
+  int32_t block_n;      /* OPGRAFT_MOE_SCALE_BLOCK: the weights' block shape (rows, columns) */
+  int32_t block_k;
+  int32_t scale_dtype;  /* the three scales' dtype: OPGRAFT_DTYPE_FP32 */
+  const void *hidden_scale;
+  int64_t hidden_scale_stride[2]; /* [T, ceil(H/block_k)]; unused for a per-tensor scale */
+  const void *w13_scale;
+  int64_t w13_scale_stride[3]; /* [E, 2*ceil(I/block_n), ceil(H/block_k)], or [E] / [E, 2] */
+  const void *w2_scale;
+  int64_t w2_scale_stride[3]; /* [E, ceil(H/block_n), ceil(I/block_k)], or [E] */
 } opgraft_moe_args;
+
+/* How FP8 weights are scaled (opgraft_moe_args.scale_layout). */
+typedef enum {
+  OPGRAFT_MOE_SCALE_NONE = 0,   /* bf16/fp16 weights */
+  OPGRAFT_MOE_SCALE_BLOCK = 1,  /* block_n x block_k weight blocks, 1 x block_k activation groups */
+  OPGRAFT_MOE_SCALE_TENSOR = 2, /* one scale per expert matrix, one dynamic activation scale */
+} opgraft_moe_scale_layout;
 
 /* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
  * "tokens 64 > moe.max_tokens 16") written to reason. Looks only at the arguments, never at the
@@ -81,6 +122,14 @@ OPGRAFT_EXTERN size_t opgraft_moe_plan_workspace_size(const opgraft_moe_plan *pl
 OPGRAFT_EXTERN int32_t opgraft_moe_plan_run(const opgraft_moe_plan *plan, const void *hidden_states, const void *w13,
                                             const void *w2, const void *topk_weights, const void *topk_ids,
                                             const void *expert_map, void *out, void *workspace, void *stream);
+/* The same for a plan of FP8 weights (weight_dtype OPGRAFT_DTYPE_FP8_E4M3), with the three scales
+ * laid out as at creation; opgraft_moe_plan_run refuses such a plan (OPGRAFT_EINVAL) and this one a
+ * plan without FP8 weights. */
+OPGRAFT_EXTERN int32_t opgraft_moe_plan_run_fp8(const opgraft_moe_plan *plan, const void *hidden_states,
+                                                const void *hidden_scale, const void *w13, const void *w13_scale,
+                                                const void *w2, const void *w2_scale, const void *topk_weights,
+                                                const void *topk_ids, const void *expert_map, void *out,
+                                                void *workspace, void *stream);
 
 /* Runs the experts computation on stream (a CUstream / cudaStream_t; NULL = legacy default)
  * through a plan cached inside the library (a convenience for C callers; the Python layer keeps

@@ -22,6 +22,8 @@ EIO, EPARSE, ENOTFOUND, ENODEV, ERANGE, ESTALE = -7, -8, -9, -10, -11, -12
 
 DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_INT64, DTYPE_FP8_E4M3, DTYPE_UINT8 = 1, 2, 3, 4, 5, 6, 7
 ACT_SILU, ACT_GELU = 1, 2
+# opgraft_moe_scale_layout
+SCALE_NONE, SCALE_BLOCK, SCALE_TENSOR = 0, 1, 2
 
 _I64_2 = ctypes.c_int64 * 2
 _I64_3 = ctypes.c_int64 * 3
@@ -56,6 +58,18 @@ class MoeArgs(ctypes.Structure):
         ("arch", ctypes.c_int32),
         ("gpu_name", ctypes.c_char_p),
         ("expert_map_len", ctypes.c_int64),
+        # ABI 4: quantized weights (zero for bf16/fp16 weights)
+        ("weight_dtype", ctypes.c_int32),
+        ("scale_layout", ctypes.c_int32),
+        ("block_n", ctypes.c_int32),
+        ("block_k", ctypes.c_int32),
+        ("scale_dtype", ctypes.c_int32),
+        ("hidden_scale", ctypes.c_void_p),
+        ("hidden_scale_stride", _I64_2),
+        ("w13_scale", ctypes.c_void_p),
+        ("w13_scale_stride", _I64_3),
+        ("w2_scale", ctypes.c_void_p),
+        ("w2_scale_stride", _I64_3),
     ]
 
 
@@ -193,6 +207,7 @@ _SIGNATURES = {
     "opgraft_moe_plan_destroy": (None, [_P]),
     "opgraft_moe_plan_workspace_size": (ctypes.c_size_t, [_P]),
     "opgraft_moe_plan_run": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "opgraft_moe_plan_run_fp8": (ctypes.c_int32, [_P] * 13),
     "opgraft_moe_describe": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]),
     "opgraft_moe_run": (
         ctypes.c_int32,

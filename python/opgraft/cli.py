@@ -41,11 +41,21 @@ def _gpu_status() -> tuple[bool, str]:
     return True, ""
 
 
+FP8_DTYPES = ("fp8-block", "fp8-tensor")  # FP8 weights with 128x128 block or per-tensor scales, bf16 out
+FP8_BLOCK = 128
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def moe_args_struct(shape: MoeShape, tokens: int, dtype: str, arch: int) -> _lib.MoeArgs:
-    """Arguments that describe a shape only (fake aligned pointers): for the guard and compiler."""
+    """Arguments that describe a shape only (fake aligned pointers): for the guard and compiler.
+    dtype: bf16, fp16, or fp8-block / fp8-tensor (FP8 weights and activations, bf16 out, vLLM's
+    contiguous scale layouts)."""
     a = _lib.MoeArgs()
     a.struct_size = ctypes.sizeof(_lib.MoeArgs)
-    a.dtype = _lib.DTYPE_BF16 if dtype == "bf16" else _lib.DTYPE_FP16
+    a.dtype = _lib.DTYPE_FP16 if dtype == "fp16" else _lib.DTYPE_BF16
     a.activation = _lib.ACT_SILU
     E, H, I, k = shape.num_experts, shape.hidden, shape.inter, shape.top_k
     a.num_tokens, a.hidden, a.inter, a.num_experts, a.top_k = tokens, H, I, E, k
@@ -59,18 +69,35 @@ def moe_args_struct(shape: MoeShape, tokens: int, dtype: str, arch: int) -> _lib
     a.topk_ids_stride[:] = [k, 1]
     a.out_stride[:] = [H, 1]
     a.arch = arch
+    if dtype in FP8_DTYPES:
+        a.weight_dtype, a.scale_dtype = _lib.DTYPE_FP8_E4M3, _lib.DTYPE_FP32
+        a.hidden_scale = a.w13_scale = a.w2_scale = fake
+        if dtype == "fp8-block":
+            b = FP8_BLOCK
+            a.scale_layout, a.block_n, a.block_k = _lib.SCALE_BLOCK, b, b
+            a.hidden_scale_stride[:] = [_cdiv(H, b), 1]
+            a.w13_scale_stride[:] = [2 * _cdiv(I, b) * _cdiv(H, b), _cdiv(H, b), 1]
+            a.w2_scale_stride[:] = [_cdiv(H, b) * _cdiv(I, b), _cdiv(I, b), 1]
+        else:
+            a.scale_layout = _lib.SCALE_TENSOR
+            a.w13_scale_stride[:] = [1, 0, 0]
+            a.w2_scale_stride[:] = [1, 0, 0]
     return a
 
 
-def guard_decision(shape: MoeShape, tokens: int, dtype: str, arch: int) -> tuple[bool, str]:
+def guard_decision(shape: MoeShape, tokens: int, dtype: str, arch: int, global_experts: int = 0) -> tuple[bool, str]:
     a = moe_args_struct(shape, tokens, dtype, arch)
+    if global_experts:  # expert parallelism: an expert_map (never read by the guard)
+        a.expert_map, a.expert_map_len = 1 << 20, global_experts
     reason = ctypes.create_string_buffer(256)
     st = _lib.lib().opgraft_moe_supports(ctypes.byref(a), reason, len(reason))
     return st == _lib.OK, reason.value.decode()
 
 
-def compile_report(shape: MoeShape, tokens: int, dtype: str, arch: int) -> list[dict]:
+def compile_report(shape: MoeShape, tokens: int, dtype: str, arch: int, global_experts: int = 0) -> list[dict]:
     a = moe_args_struct(shape, tokens, dtype, arch)
+    if global_experts:
+        a.expert_map, a.expert_map_len = 1 << 20, global_experts
     infos = (_lib.KernelInfo * 4)()
     n = ctypes.c_int32()
     _lib.check(_lib.lib().opgraft_moe_compile_report(ctypes.byref(a), arch, infos, 4, ctypes.byref(n)))
@@ -125,7 +152,7 @@ def oracle_selfcheck(seed: int = 0) -> float:
 
 
 def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, json_to: str | None = None,
-               plot: str | None = None) -> int:
+               plot: str | None = None, global_experts: int = 0) -> int:
     """What runs without a GPU. json_to: None, "-" (the JSON on stdout instead of the table) or a
     file that gets the same JSON beside the table."""
     print(f"no GPU here ({why}): running what works without one -- the dispatch guard, the NVRTC "
@@ -139,12 +166,12 @@ def _cpu_bench(shape: MoeShape, tokens: list[int], dtype: str, why: str, json_to
         return 1
     print(f"libnvrtc: {info['nvrtc_path'] or 'not found: ' + info['nvrtc_error']}", file=sys.stderr)
     for T in tokens:
-        ok, reason = guard_decision(shape, T, dtype, 90)
+        ok, reason = guard_decision(shape, T, dtype, 90, global_experts)
         row = {"model": shape.name, "dtype": dtype, "tokens": T, "arch": "sm_90",
                "guard": "take" if ok else f"delegate: {reason}"}
         if info["nvrtc_path"] and T <= 64:
             try:
-                row["kernels"] = compile_report(shape, T, dtype, 90)
+                row["kernels"] = compile_report(shape, T, dtype, 90, global_experts)
             except _lib.OpgraftError as e:
                 row["compile_error"] = str(e)
         rows.append(row)
@@ -196,6 +223,10 @@ def _check_outputs(outputs: dict, need_plot: bool = False) -> bool:
     return ok
 
 
+class _BenchDone(Exception):
+    """The FP8 rows are in: skip the bf16/fp16 part of the same try block."""
+
+
 def cmd_bench(args) -> int:
     if args.layers < 1:
         print("error: --layers must be >= 1", file=sys.stderr)
@@ -208,8 +239,22 @@ def cmd_bench(args) -> int:
             print("error: --max-tokens must be in 1..64", file=sys.stderr)
             return 2
         os.environ["OPGRAFT_TUNE_MOE_MAX_TOKENS"] = str(args.max_tokens)
+    fp8 = args.dtype in FP8_DTYPES
+    if args.ep != 1 and not fp8:
+        print("error: --ep takes the FP8 dtypes (fp8-block, fp8-tensor)", file=sys.stderr)
+        return 2
+    if fp8 and args.layers != 1:
+        print("error: --layers is for bf16/fp16 (the FP8 bench rotates routings over one layer)", file=sys.stderr)
+        return 2
     try:
         shape = resolve(args.model).per_rank(args.tp)
+        global_experts = 0
+        if args.ep != 1:
+            if args.ep < 1 or shape.num_experts % args.ep:
+                raise ConfigError(f"{shape.name}: {shape.num_experts} experts do not split {args.ep} ways")
+            global_experts = shape.num_experts
+            shape = MoeShape(f"{shape.name}/ep{args.ep}", shape.num_experts // args.ep, shape.hidden, shape.inter,
+                             shape.top_k)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -217,7 +262,7 @@ def cmd_bench(args) -> int:
     if not _check_outputs({"--json": args.json, "--plot": args.plot}, need_plot=bool(args.plot) and ok):
         return 2
     if not ok:
-        return _cpu_bench(shape, args.tokens, args.dtype, why, args.json, args.plot)
+        return _cpu_bench(shape, args.tokens, args.dtype, why, args.json, args.plot, global_experts)
     from . import bench
     from .bench import moe as moe_bench
 
@@ -225,6 +270,16 @@ def cmd_bench(args) -> int:
     t0 = time.time()
     rc = 0
     try:
+        if fp8:
+            ceiling = bench.measure_read_ceiling("cuda")
+            print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
+            weights = moe_bench.make_weights_fp8(shape, args.dtype, "cuda")
+            for T in args.tokens:
+                print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
+                rows += moe_bench.bench_shape_fp8(shape, [T], args.dtype, ceiling_tbps=ceiling, weights=weights,
+                                                  global_experts=global_experts, between_mib=args.between_mib,
+                                                  timing=args.timing)
+            raise _BenchDone
         ceiling = bench.measure_read_ceiling("cuda")
         print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
         w13, w2 = moe_bench.make_weights(shape, args.dtype, "cuda")
@@ -237,6 +292,8 @@ def cmd_bench(args) -> int:
             rows += moe_bench.bench_shape(shape, [T], args.dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
                                       baseline=not args.no_baseline, extra_layers=extra,
                                       between_mib=args.between_mib, timing=args.timing)
+    except _BenchDone:
+        pass
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
         rc = 130
@@ -776,8 +833,13 @@ def main(argv=None) -> int:
     b = bench_ops.add_parser("moe", help="MoE experts after routing, against vLLM's fused_experts")
     b.add_argument("--model", default="Qwen3-30B-A3B", help=MODEL_HELP)
     b.add_argument("--tokens", type=_parse_tokens, default="1,2,4,8,16,32,64", help=TOKENS_HELP)
-    b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and activations' type")
+    b.add_argument("--dtype", choices=["bf16", "fp16", *FP8_DTYPES], default="bf16",
+                   help="activations and weights; fp8-block: FP8 weights with 128x128 block scales and 1x128 "
+                        "activation groups (DeepSeek-V3, Qwen3 FP8), fp8-tensor: per-tensor scales (Mixtral FP8); "
+                        "both against vLLM's own FP8 path")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: bench one rank's shape (I/tp)")
+    b.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks (FP8 dtypes): one rank's E/ep experts with an expert_map")
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the rows as JSON to FILE, or to stdout without FILE (default: no JSON)")
     b.add_argument("--no-baseline", action="store_true", help="skip the torch baseline")

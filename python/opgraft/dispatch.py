@@ -175,6 +175,9 @@ class ExpertsCall:
     extra_reason: str = ""  # a reason the seam already knows it must hand back ("" if none)
     output: Any = None  # where to write [T, H]; None: return a new tensor
     workspace: Any = None  # scratch the caller lends us (used when large and aligned enough)
+    # FP8 weights and hidden states: (hidden_scale, w13_scale, w2_scale, block_shape or None for
+    # per-tensor scales), as opgraft.ops.moe.Fp8Scales takes them; None for bf16/fp16.
+    fp8_scales: Any = None
 
 
 @register_variant("moe", "passthrough")
@@ -189,18 +192,26 @@ def _moe_opgraft(call: ExpertsCall):
         return handed_back("moe", call.extra_reason, call)
     from .ops import moe  # torch is imported only once a call arrives
 
+    fp8 = None
+    if call.fp8_scales is not None:
+        if call.output is None:  # the output dtype is the caller's
+            return handed_back("moe", "an FP8 call without an output tensor", call)
+        fp8 = moe.Fp8Scales(*call.fp8_scales)
     dst = call.output if call.output is not None else call.hidden_states.new_empty(call.hidden_states.shape)
     try:
         plan = moe.plan_for(call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids, dst,
-                            call.apply_router_weight_on_input, call.expert_map, call.activation)
+                            call.apply_router_weight_on_input, call.expert_map, call.activation, fp8=fp8)
         if plan.handle is None:
             return handed_back("moe", plan.reason, call)
         moe.moe_experts_into(dst, call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids,
                              call.apply_router_weight_on_input, workspace=moe.usable_workspace(call.workspace),
-                             expert_map=call.expert_map)
+                             expert_map=call.expert_map, fp8=fp8)
     except Exception as e:
         return kernel_failed("moe", e, call)
-    stats_of("moe").take("expert_map" if call.expert_map is not None else "")
+    kind = [] if fp8 is None else ["fp8-block" if fp8.block_shape is not None else "fp8-tensor"]
+    if call.expert_map is not None:
+        kind.append("expert_map")
+    stats_of("moe").take("+".join(kind))
     return None if call.output is not None else dst
 
 

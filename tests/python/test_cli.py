@@ -51,6 +51,21 @@ def test_bench_table_on_a_config_file(tmp_path):
     assert "TinyMoe" in r.stdout and "moe_gate_up_bf16" in r.stdout
 
 
+@no_gpu_only
+def test_fp8_bench_without_gpu_reports_the_fp8_guard_and_kernels():
+    r = run("bench", "moe", "--model", "DeepSeek-V3", "--dtype", "fp8-block", "--ep", "8", "--tokens", "1,9", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["tokens"]: row for row in json.loads(r.stdout)["rows"]}
+    assert rows[1]["model"] == "DeepSeek-V3/ep8" and rows[1]["guard"] == "take"
+    assert rows[9]["guard"].startswith("delegate: 9 tokens > moe.max_tokens")
+    assert {k["kernel"] for k in rows[1]["kernels"]} == {"moe_gate_up_fp8_bf16", "moe_down_fp8_bf16"}
+    assert all(k["spill_bytes"] == 0 for k in rows[1]["kernels"])
+    r = run("bench", "moe", "--model", "Mixtral-8x7B", "--dtype", "fp8-tensor", "--tp", "8", "--tokens", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["guard"] == "take" and row["model"] == "Mixtral-8x7B/tp8"
+
+
 def test_bad_arguments_are_clear_errors():
     for bad in ("1,x", "1,,2", "1,2,", ","):
         r = run("bench", "moe", "--tokens", bad)
@@ -63,6 +78,12 @@ def test_bad_arguments_are_clear_errors():
     assert r.returncode == 2 and "--max-tokens must be in 1..64" in r.stderr
     r = run("bench", "moe", "--between-mib", "-1")
     assert r.returncode == 2 and "--between-mib must be in 0..4096" in r.stderr
+    r = run("bench", "moe", "--ep", "2")
+    assert r.returncode == 2 and "--ep takes the FP8 dtypes" in r.stderr
+    r = run("bench", "moe", "--dtype", "fp8-block", "--model", "Kimi-K2", "--ep", "7")
+    assert r.returncode == 2 and "do not split 7 ways" in r.stderr
+    r = run("bench", "moe", "--dtype", "fp8-block", "--layers", "2")
+    assert r.returncode == 2 and "--layers is for bf16/fp16" in r.stderr
 
 
 def probe(*args):

@@ -1,8 +1,19 @@
 """The MoE op's GPU correctness cases (tools.gpucheck runs them): odd sizes, T = 1..64, fp16, int64
 ids, router weight on input, strided tensors, duplicate and out-of-range ids, expert parallelism,
-and each tunable path, against the fp64 oracles, with poisoned outputs and a bit-identical rerun."""
+and each tunable path, against the fp64 oracles, with poisoned outputs and a bit-identical rerun.
+
+FP8 weights (cases named "fp8 ..."; `python -m tools.gpucheck --only fp8` runs them alone):
+block (128x128, and vLLM 0.33's 64x64 / 32x32) and per-tensor scales, weights quantized from
+random bf16 ones with vLLM's own functions where they import, activations as vLLM's prepare step
+quantizes them; each against the fp64 oracle of the quantized model (tolerance 1e-2: the
+intermediate's two e4m3 terms keep ~8 bits) and, where vLLM's TritonExperts runs, against vLLM's
+result: its own error vs the oracle is stated next to ours, and ours vs vLLM's must stay within
+1.25x vLLM's own error. The bench rows: OPGRAFT_CHECK_DTYPES (default "bf16,fp8-block,fp8-tensor")
+picks the dtypes."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -114,6 +125,73 @@ def cases() -> list[dict]:
         _case("expert_map: 2 of 8 experts, k=6 > 2, T=3, fused", few, 3, ep=8, tunables={"moe.fused": 1}),
         _case("expert_map: 4 of 256 experts, k=8 > 4 (DeepSeek-V3/ep64 dims), T=2",
               MoeShape("DeepSeek-V3/ep64", 4, 7168, 2048, 8), 2, ep=256),
+        _case("expert_map: 4 of 256 experts, k=8 > 4 (DeepSeek-V3/ep64 dims), T=1, fp16", 
+              MoeShape("DeepSeek-V3/ep64", 4, 7168, 2048, 8), 1, ep=256, dtype="fp16"),
+    ]
+    return cases + fp8_cases()
+
+
+FP8_TOL = 1e-2  # the intermediate's two e4m3 terms keep ~8 significant bits, the output bf16
+
+
+def _fp8_case(name, shape, T, kind="fp8-block", block=(128, 128), out_dtype="bf16", ids64=False, x_pad=0,
+              out_pad=0, dup=False, invalid=False, seed=0, ep=0, tunables=None, hot=False, transposed=False,
+              vllm=False):
+    """An FP8 case (see _case); block: the weight blocks (fp8-block); transposed: the weight
+    scales in a transposed (DeepGEMM-like) layout; vllm: compare with vLLM's TritonExperts too
+    (a few cases: each new shape costs vLLM a Triton compile)."""
+    c = _case(name, shape, T, out_dtype, ids64, False, x_pad, out_pad, dup, invalid, seed, ep, tunables, hot)
+    c.update(kind=kind, block=block if kind == "fp8-block" else None, transposed=transposed, vllm=vllm)
+    return c
+
+
+def fp8_cases() -> list[dict]:
+    small = MoeShape("small", 16, 256, 128, 4)
+    odd = MoeShape("odd", 7, 96, 160, 3)
+    q30 = PRESETS["Qwen3-30B-A3B"]
+    few = MoeShape("2 local experts, k=6", 2, 256, 128, 6)
+    slots_off = {"moe.gate_up.slot_routing": 0, "moe.down.warp_routing": 0}
+    pdl = {"moe.pdl": 1, "moe.down.early": 1, "moe.pdl_in": 1}
+    cases = []
+    for T in (1, 2, 8):
+        cases.append(_fp8_case(f"fp8 block Qwen3-30B-A3B T={T}", q30, T, vllm=T != 2))
+    for T in (1, 4):
+        cases.append(_fp8_case(f"fp8 tensor Mixtral-8x7B T={T}", PRESETS["Mixtral-8x7B"], T, kind="fp8-tensor",
+                               vllm=T == 1))
+    cases += [
+        _fp8_case("fp8 tensor Qwen3-30B-A3B T=3", q30, 3, kind="fp8-tensor", vllm=True),
+        _fp8_case("fp8 block small T=5", small, 5),
+        _fp8_case("fp8 block small T=13", small, 13, vllm=True),
+        _fp8_case("fp8 block small T=33", small, 33),
+        _fp8_case("fp8 block small T=64", small, 64),
+        _fp8_case("fp8 tensor small T=64", small, 64, kind="fp8-tensor"),
+        _fp8_case("fp8 block 64x64 (vLLM 0.33 refined) Qwen3-30B-A3B/tp4 T=2",
+                  MoeShape("Qwen3-30B-A3B/tp4", 128, 2048, 192, 8), 2, block=(64, 64), vllm=True),
+        _fp8_case("fp8 block 32x32 odd dims E=7 H=96 I=160 k=3 T=10", odd, 10, block=(32, 32)),
+        _fp8_case("fp8 tensor odd dims E=7 H=96 I=160 k=3 T=5 (K, N no multiples of 128)", odd, 5,
+                  kind="fp8-tensor", vllm=True),
+        _fp8_case("fp8 tensor Qwen3-30B-A3B/tp8 I=96 T=4", MoeShape("Qwen3-30B-A3B/tp8", 128, 2048, 96, 8), 4,
+                  kind="fp8-tensor"),
+        _fp8_case("fp8 block fp16 out small T=6", small, 6, out_dtype="fp16", vllm=False),
+        _fp8_case("fp8 block int64 ids, strided x and out small T=9", small, 9, ids64=True, x_pad=64, out_pad=32),
+        _fp8_case("fp8 block transposed weight scales small T=3", small, 3, transposed=True, vllm=False),
+        _fp8_case("fp8 block duplicate expert in a row small T=7", small, 7, dup=True, vllm=False),
+        _fp8_case("fp8 tensor duplicate expert, general routing small T=3", small, 3, kind="fp8-tensor", dup=True,
+                  tunables=slots_off, vllm=False),
+        _fp8_case("fp8 block id -1 and E (not routed) small T=4", small, 4, invalid=True, vllm=False),
+        _fp8_case("fp8 block general routing Qwen3-30B-A3B T=2", q30, 2, tunables=slots_off),
+        _fp8_case("fp8 block expert 0 in every token small T=16", small, 16, hot=True),
+        _fp8_case("fp8 block pdl, down early, pdl in Qwen3-30B-A3B T=1", q30, 1, tunables=pdl),
+        _fp8_case("fp8 tensor pdl, general routing odd dims T=3", odd, 3, kind="fp8-tensor",
+                  tunables=dict(pdl, **slots_off)),
+        _fp8_case("fp8 block load forms 1 Qwen3-30B-A3B T=4", q30, 4, tunables={"moe.load": 1, "moe.down_load": 1}),
+        # expert parallelism, fewer local experts than a token's picks (DeepSeek-V3 at EP 64)
+        _fp8_case("fp8 block expert_map: 2 of 8 experts, k=6 > 2, T=1", few, 1, ep=8, vllm=True),
+        _fp8_case("fp8 tensor expert_map: 2 of 8 experts, k=6 > 2, T=5", few, 5, kind="fp8-tensor", ep=8),
+        _fp8_case("fp8 block expert_map: 4 of 256 experts, k=8 > 4 (DeepSeek-V3/ep64 dims), T=2",
+                  MoeShape("DeepSeek-V3/ep64", 4, 7168, 2048, 8), 2, ep=256, vllm=True),
+        _fp8_case("fp8 block expert_map: 16 of 64 experts small T=9, general routing", small, 9, ep=64,
+                  tunables=slots_off),
     ]
     return cases
 
@@ -121,7 +199,73 @@ def cases() -> list[dict]:
 def run_case(c: dict, device="cuda") -> dict:
     """One correctness case, with its tunables (if any) set while it runs."""
     with tunables(c["tunables"]):
-        return _run_case(c, device)
+        return _run_fp8_case(c, device) if "kind" in c else _run_case(c, device)
+
+
+def _run_fp8_case(c: dict, device) -> dict:
+    shape: MoeShape = c["shape"]
+    T, kind, block = c["T"], c["kind"], c["block"] or moe_bench.FP8_BLOCK
+    gen = torch.Generator(device=device).manual_seed(200 + c["seed"])
+    q13, s13, q2, s2 = moe_bench.make_weights_fp8(shape, kind, device, seed=c["seed"], block=block)
+    if c["transposed"]:  # the same scales in memory as [E, kb, nb], read through a transposed view
+        s13 = s13.transpose(1, 2).contiguous().transpose(1, 2)
+        s2 = s2.transpose(1, 2).contiguous().transpose(1, 2)
+    G = c["ep"] or shape.num_experts
+    tw, ids = moe_bench.make_routing(T, G, shape.top_k, device, gen, ids_dtype=torch.int64 if c["ids64"] else torch.int32)
+    emap = moe_bench.ep_map(shape, G, device, c["seed"]) if c["ep"] else None
+    if c["dup"]:
+        ids[:, 1] = ids[:, 0]
+    if c["hot"]:
+        ids[:, 0] = 0
+    if c["invalid"]:
+        ids[0, 0] = -1
+        ids[-1, -1] = shape.num_experts
+    xfull = moe_bench.make_x(T, shape.hidden + c["x_pad"], "bf16", device, gen)
+    x = xfull[:, : shape.hidden]
+    xq, xs = moe_bench.quantize_activations_fp8(x.contiguous(), kind, block[1])
+    if c["x_pad"]:  # the quantized activations in rows of a wider buffer
+        xqf = torch.zeros((T, shape.hidden + c["x_pad"]), dtype=xq.dtype, device=device)
+        xqf[:, : shape.hidden] = xq
+        xq = xqf[:, : shape.hidden]
+    fp8 = moe_bench.fp8_scales(kind, xs, s13, s2, block)
+    odt = moe_bench.TORCH_DTYPES[c["dtype"]]
+    ofull = torch.full((T, shape.hidden + c["out_pad"]), float("nan"), dtype=odt, device=device)
+    out = ofull[:, : shape.hidden]
+    ok, reason = ops.moe_supports(xq, q13, q2, tw, ids, False, emap, fp8=fp8, out_dtype=odt)
+    res = {k: v for k, v in c.items() if k != "shape"}
+    res.update(shape=shape.as_dict(), supported=ok, reason=reason, tolerance=FP8_TOL)
+    if not ok:
+        res.update(passed=False)
+        return res
+    ops.moe_experts_into(out, xq, q13, q2, tw, ids, expert_map=emap, fp8=fp8)
+    local_ids = ids if emap is None else emap[ids.long()].to(ids.dtype)
+    ref = moe_bench.reference_fp8(xq, fp8, q13, q2, tw, local_ids)
+    err = bench.rel_err(out, ref)
+    pad_ok = bool(torch.isnan(ofull[:, shape.hidden:]).all()) if c["out_pad"] else True
+    again = torch.full_like(out, float("nan"))
+    ops.moe_experts_into(again, xq, q13, q2, tw, ids, expert_map=emap, fp8=fp8)
+    det = bool(torch.equal(out, again))
+    res.update(rel_err=err, deterministic=det, padding_untouched=pad_ok)
+    passed = err <= FP8_TOL and det and pad_ok
+    if shape.hidden * shape.inter * shape.num_experts <= 16 * 256 * 256 and T <= 16:
+        cref = ops.moe_reference_cpu(xq, q13, q2, tw, ids, False, emap, fp8=fp8)
+        res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm().clamp_min(1e-300))
+        passed = passed and res["c_oracle_vs_torch_fp64"] < 1e-9
+    if c["vllm"] and c["dtype"] == "bf16" and not c["x_pad"]:
+        fn, why = moe_bench.vllm_fp8_experts(shape, kind, q13, s13, q2, s2, G, "triton", device)
+        if fn is None:
+            res["vllm_missing"] = why
+        else:
+            try:
+                vout = fn(x.contiguous(), tw, ids, emap)
+                res["vllm_rel_err"] = bench.rel_err(vout, ref)
+                res["rel_err_vs_vllm"] = bench.rel_err(out, vout.double())
+                # within vLLM's own quantization error of vLLM's result
+                passed = passed and res["rel_err_vs_vllm"] <= 1.25 * res["vllm_rel_err"] + 1e-3
+            except Exception as e:  # say so; our own checks still decide
+                res["vllm_missing"] = f"vLLM's TritonExperts failed here ({type(e).__name__}: {str(e)[:100]})"
+    res["passed"] = bool(passed)
+    return res
 
 
 def _run_case(c: dict, device) -> dict:
@@ -174,18 +318,61 @@ def _run_case(c: dict, device) -> dict:
 
 
 
+# FP8 bench shapes: (name, shape, global experts (expert parallelism), tokens). Per-rank shapes of
+# DeepSeek-V3 and Kimi-K2 under tensor parallelism 8 (I/8) and expert parallelism 8 (E/8 local
+# experts, an expert_map over all of them).
+# About 30 points (each: ours twice, vLLM's once, a Triton compile for vLLM's new shapes) to keep
+# the FP8 bench near 4 minutes; `opgraft bench moe --dtype ...` takes any other shape and tokens.
+FP8_BLOCK_BENCH = [
+    ("Qwen3-30B-A3B", PRESETS["Qwen3-30B-A3B"], 0, "1,2,4,8,16,64"),
+    ("DeepSeek-V3", PRESETS["DeepSeek-V3"], 0, "1,4,8,16"),
+    ("Kimi-K2", PRESETS["Kimi-K2"], 0, "1,4,8"),
+    ("Qwen3-235B-A22B", PRESETS["Qwen3-235B-A22B"], 0, "1,8"),
+    ("DeepSeek-V3/tp8", PRESETS["DeepSeek-V3"].per_rank(8), 0, "1,8"),
+    ("Kimi-K2/tp8", PRESETS["Kimi-K2"].per_rank(8), 0, "1,8"),
+    ("DeepSeek-V3/ep8", MoeShape("DeepSeek-V3/ep8", 32, 7168, 2048, 8), 256, "1,8"),
+    ("Kimi-K2/ep8", MoeShape("Kimi-K2/ep8", 48, 7168, 2048, 8), 384, "1,8"),
+]
+FP8_TENSOR_BENCH = [
+    ("Mixtral-8x7B", PRESETS["Mixtral-8x7B"], 0, "1,4,8,16"),
+    ("Qwen3-30B-A3B", PRESETS["Qwen3-30B-A3B"], 0, "1,8"),
+]
+
+
 def bench_rows(ceiling: float, presets: str = "Qwen3-30B-A3B,Mixtral-8x7B,Kimi-K2,Qwen3-235B-A22B",
-               tokens: str = "1,2,4,8,16,32,64", dtypes: str = "bf16", progress=print) -> list[dict]:
-    """The MoE bench at the presets' dims, against vLLM's kernel where it imports."""
+               tokens: str = "1,2,4,8,16,32,64", dtypes: str | None = None, progress=print) -> list[dict]:
+    """The MoE bench at the presets' dims, against vLLM's kernel where it imports; then the FP8
+    rows (fp8_bench_rows). dtypes: comma-separated of bf16, fp16, fp8-block, fp8-tensor (default
+    $OPGRAFT_CHECK_DTYPES, else bf16,fp8-block,fp8-tensor)."""
+    dtypes = dtypes or os.environ.get("OPGRAFT_CHECK_DTYPES", "bf16,fp8-block,fp8-tensor")
     rows = []
     for name in presets.split(","):
         shape = PRESETS[name]
         for dtype in dtypes.split(","):
+            if dtype not in moe_bench.TORCH_DTYPES:
+                continue
             w13, w2 = moe_bench.make_weights(shape, dtype, "cuda")
             rows += moe_bench.bench_shape(shape, [int(t) for t in tokens.split(",")], dtype, ceiling_tbps=ceiling,
                                           w13=w13, w2=w2, progress=lambda m: progress("  bench " + m))
             del w13, w2
             torch.cuda.empty_cache()
+    for kind in moe_bench.FP8_KINDS:
+        if kind in dtypes.split(","):
+            rows += fp8_bench_rows(ceiling, kind, progress)
+    return rows
+
+
+def fp8_bench_rows(ceiling: float, kind: str, progress=print) -> list[dict]:
+    """FP8 rows (bench_shape_fp8): ours (kernel alone, and with vLLM's activation quantization)
+    against vLLM's own FP8 path, per backend, at the FP8 bench shapes."""
+    rows = []
+    for name, shape, G, toks in (FP8_BLOCK_BENCH if kind == "fp8-block" else FP8_TENSOR_BENCH):
+        weights = moe_bench.make_weights_fp8(shape, kind, "cuda")
+        rows += moe_bench.bench_shape_fp8(shape, [int(t) for t in toks.split(",")], kind, ceiling_tbps=ceiling,
+                                          weights=weights, global_experts=G, reps=20,
+                                          progress=lambda m: progress("  bench " + m))
+        del weights
+        torch.cuda.empty_cache()
     return rows
 
 

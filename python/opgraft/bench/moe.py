@@ -9,6 +9,7 @@ GB for Qwen3-30B-A3B: address translation and DRAM page locality as in a real st
 
 from __future__ import annotations
 
+import importlib
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -222,18 +223,24 @@ def format_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     missing = sorted({r["builtin_missing"] for r in rows if r.get("builtin_missing")})
     for m in missing:
-        lines.insert(0, f"vLLM builtin column missing: {m}; speedups are against torch-gather-bmm")
+        fp8 = any(r.get("dtype") in FP8_KINDS and r.get("builtin_missing") == m for r in rows)
+        lines.insert(0, f"vLLM {'FP8 backends' if fp8 else 'builtin column'} missing: {m}" +
+                     ("" if fp8 else "; speedups are against torch-gather-bmm"))
     for r in rows:
         if r.get("median_us") is None:
             lines.append(f"{r['model']:<{w}} {r['dtype']:<4} {r['tokens']:>3} {r['impl']:<17} {r.get('guard', '')}")
             continue
         frac = r.get("fraction_of_ceiling")
         sp = r.get("speedup_vs_baseline")
+        # FP8 rows: vLLM's own error vs the oracle next to ours, and ours vs vLLM's result
+        extra = ""
+        if r.get("vllm_rel_err") is not None and r["impl"].startswith("opgraft"):
+            extra = f" (vLLM's err {r['vllm_rel_err']:.1e}, vs vLLM {r.get('rel_err_vs_vllm') or 0:.1e})"
         lines.append(
             f"{r['model']:<{w}} {r['dtype']:<4} {r['tokens']:>3} {r['impl']:<17} {r['median_us']:>9.1f} "
             f"{r['bytes'] / 1e6:>8.1f} {r['tbps']:>6.2f} {(frac or 0) * 100:>5.1f}% "
             f"{(sp if sp else 0):>6.2f} {r['rel_err']:>8.1e}  "
-            f"{(r.get('guard') or '') if r['impl'] == 'opgraft' else ''}")
+            f"{(r.get('guard') or '') if r['impl'] == 'opgraft' else ''}{extra}")
     return "\n".join(lines)
 
 
@@ -304,3 +311,386 @@ class tunables:
     def __exit__(self, *exc):
         configure({})
         return False
+
+
+# ---- FP8 weights ------------------------------------------------------------------------------
+#
+# The FP8 bench and checks: weights block- or per-tensor-quantized from the random bf16 weights
+# above with vLLM's own quantization where it imports (vllm.utils.deep_gemm.per_block_cast_to_fp8
+# for 128x128 blocks, scaled_fp8_quant per tensor), else with the same math in torch; activations
+# quantized as vLLM's prepare step does (per_token_group_quant_fp8 in 1 x block_k groups, or one
+# dynamic per-tensor scale). So the scales have a checkpoint's ranges (weights ~1e-4 a block).
+
+FP8_KINDS = ("fp8-block", "fp8-tensor")
+FP8_MAX = 448.0
+FP8_BLOCK = (128, 128)
+
+
+def _vllm_attr(module: str, name: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception:
+        return None
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x (already scaled into range) to e4m3fn, rounded to nearest even; torch makes NaN of
+    values past the largest rounding boundary, so clamp first."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def block_quantize(w: torch.Tensor, block=FP8_BLOCK):
+    """One matrix [N, K] to e4m3 with one fp32 scale per block (amax / 448, amax at least 1e-4):
+    (q [N, K], s [ceil(N/bn), ceil(K/bk)]), by vLLM's per_block_cast_to_fp8 where it imports."""
+    fn = _vllm_attr("vllm.utils.deep_gemm", "per_block_cast_to_fp8")
+    if fn is not None:
+        try:
+            q, s = fn(w, list(block), use_ue8m0=False)
+            return q, s.float()
+        except Exception:
+            pass
+    bn, bk = block
+    N, K = w.shape
+    pn, pk = -(-N // bn) * bn, -(-K // bk) * bk
+    pad = torch.zeros((pn, pk), dtype=torch.float32, device=w.device)
+    pad[:N, :K] = w.float()
+    v = pad.view(pn // bn, bn, pk // bk, bk)
+    s = v.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-4) / FP8_MAX
+    q = _to_e4m3(v * (1.0 / s)).view(pn, pk)[:N, :K].contiguous()
+    return q, s.view(pn // bn, pk // bk)
+
+
+def tensor_quantize(w: torch.Tensor):
+    """One matrix to e4m3 with one scale (amax / 448): (q, s [1]), by vLLM's scaled_fp8_quant
+    where it runs (its CUDA op), else in torch."""
+    fn = _vllm_attr("vllm._custom_ops", "scaled_fp8_quant")
+    if fn is not None and w.is_cuda:
+        try:
+            q, s = fn(w.reshape(-1, w.shape[-1]).contiguous())
+            return q.view(w.shape), s.float().view(1)
+        except Exception:
+            pass
+    s = (w.abs().amax().float().clamp_min(1e-12) / FP8_MAX).view(1)
+    return _to_e4m3(w.float() / s), s
+
+
+def quantize_weights_fp8(w13: torch.Tensor, w2: torch.Tensor, kind: str, block=FP8_BLOCK):
+    """bf16 w13 [E, 2I, H], w2 [E, H, I] to FP8 with scales in vLLM's layouts: block, each half
+    of w13 quantized on its own (ceil(I/bn) row blocks each, the gate's first); per-tensor, one
+    scale per expert for w13 (vLLM's max over w1 and w3, both halves requantized with it) and one
+    for w2. Returns (w13_q, w13_scale, w2_q, w2_scale)."""
+    E, I2, H = w13.shape
+    I = I2 // 2
+    q13 = torch.empty(w13.shape, dtype=torch.float8_e4m3fn, device=w13.device)
+    q2 = torch.empty(w2.shape, dtype=torch.float8_e4m3fn, device=w2.device)
+    if kind == "fp8-block":
+        bn, bk = block
+        nbi = -(-I // bn)
+        s13 = torch.empty((E, 2 * nbi, -(-H // bk)), dtype=torch.float32, device=w13.device)
+        s2 = torch.empty((E, -(-H // bn), -(-I // bk)), dtype=torch.float32, device=w2.device)
+        for e in range(E):
+            for half in range(2):
+                q, s = block_quantize(w13[e, half * I:(half + 1) * I], block)
+                q13[e, half * I:(half + 1) * I], s13[e, half * nbi:(half + 1) * nbi] = q, s
+            q2[e], s2[e] = block_quantize(w2[e], block)
+        return q13, s13, q2, s2
+    s13 = torch.empty((E,), dtype=torch.float32, device=w13.device)
+    s2 = torch.empty((E,), dtype=torch.float32, device=w2.device)
+    for e in range(E):
+        q13[e], s = tensor_quantize(w13[e])
+        s13[e] = s[0]
+        q2[e], s = tensor_quantize(w2[e])
+        s2[e] = s[0]
+    return q13, s13, q2, s2
+
+
+def quantize_activations_fp8(x: torch.Tensor, kind: str, block_k: int = FP8_BLOCK[1]):
+    """x [T, H] as vLLM's prepare step quantizes it for TritonExperts: block, 1 x block_k groups
+    with scale max(amax, 1e-10) / 448 (per_token_group_quant_fp8 where it runs, its row-major
+    [T, H/block_k] scales); per-tensor, one dynamic scale (scaled_fp8_quant)."""
+    if kind == "fp8-block":
+        fn = _vllm_attr("vllm.model_executor.layers.quantization.utils.fp8_utils", "per_token_group_quant_fp8")
+        if fn is not None and x.is_cuda:
+            try:  # vLLM's default: UE8M0 (power-of-two) scales where DeepGEMM's E8M0 is in use
+                q, s = fn(x, block_k)
+                return q, s
+            except Exception:
+                pass
+        T, H = x.shape
+        g = x.float().view(T, -1, block_k)
+        s = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-10) / FP8_MAX
+        return _to_e4m3(g / s).view(T, H), s.view(T, -1).contiguous()
+    return tensor_quantize(x)
+
+
+def make_weights_fp8(shape: MoeShape, kind: str, device, seed: int = 0, block=FP8_BLOCK):
+    """make_weights' random bf16 experts quantized to FP8 a few experts at a time (the bf16 copy of
+    the whole model is never held): (w13_q, w13_scale, w2_q, w2_scale) in vLLM's layouts."""
+    E, H, I = shape.num_experts, shape.hidden, shape.inter
+    q13 = torch.empty((E, 2 * I, H), dtype=torch.float8_e4m3fn, device=device)
+    q2 = torch.empty((E, H, I), dtype=torch.float8_e4m3fn, device=device)
+    s13 = s2 = None
+    step = max(1, (1 << 30) // (3 * I * H * 2))
+    for e in range(0, E, step):
+        n = min(step, E - e)
+        part = MoeShape(shape.name, n, H, I, shape.top_k)
+        w13, w2 = make_weights(part, "bf16", device, seed=seed * 100003 + e)
+        a, b, c, d = quantize_weights_fp8(w13, w2, kind, block)
+        if s13 is None:
+            s13 = torch.empty((E, *b.shape[1:]), dtype=torch.float32, device=device)
+            s2 = torch.empty((E, *d.shape[1:]), dtype=torch.float32, device=device)
+        q13[e:e + n], s13[e:e + n], q2[e:e + n], s2[e:e + n] = a, b, c, d
+        del w13, w2
+    return q13, s13, q2, s2
+
+
+def fp8_scales(kind: str, xs, s13, s2, block=FP8_BLOCK) -> ops.Fp8Scales:
+    return ops.Fp8Scales(xs, s13, s2, tuple(block) if kind == "fp8-block" else None)
+
+
+def dequantize_fp8(q: torch.Tensor, s: torch.Tensor, kind: str, block=None, halves: int = 1) -> torch.Tensor:
+    """One expert's (or the activations') e4m3 matrix [N, K] times its scales, in fp64: block
+    scales [ceil(N/bn), ceil(K/bk)] (halves 2: w13's two halves, each with its own row blocks),
+    or one scale."""
+    d = q.double()
+    if kind != "fp8-block":
+        return d * s.double().reshape(-1)[0]
+    bn, bk = block
+    N, K = q.shape
+    n = N // halves
+    nb = -(-n // bn)
+    rows = torch.cat([torch.arange(n, device=q.device) // bn + h * nb for h in range(halves)])
+    cols = torch.arange(K, device=q.device) // bk
+    return d * s.double()[rows][:, cols]
+
+
+def reference_fp8(x_q, fp8: ops.Fp8Scales, w13_q, w2_q, tw, ids) -> torch.Tensor:
+    """fp64 oracle of the quantized model on the tensors' device, expert by expert: dequantized
+    e4m3 activations and weights, the intermediate exact (the C oracle's math)."""
+    kind = "fp8-block" if fp8.block_shape is not None else "fp8-tensor"
+    T, H = x_q.shape
+    E, I = w13_q.shape[0], w2_q.shape[2]
+    if kind == "fp8-block":
+        x = dequantize_fp8(x_q, fp8.hidden_scale, kind, (1, fp8.block_shape[1]))
+    else:
+        x = dequantize_fp8(x_q, fp8.hidden_scale, kind)
+    out = torch.zeros((T, H), dtype=torch.float64, device=x_q.device)
+    idl = ids.long()
+    per_half = fp8.w13_scale.dim() == 1 or fp8.w13_scale.numel() == E
+    for e in torch.unique(idl).tolist():
+        if e < 0 or e >= E:
+            continue
+        t_idx, j_idx = (idl == e).nonzero(as_tuple=True)
+        w = tw[t_idx, j_idx].double()
+        if kind == "fp8-block":
+            g13 = dequantize_fp8(w13_q[e], fp8.w13_scale[e], kind, fp8.block_shape, halves=2)
+            g2 = dequantize_fp8(w2_q[e], fp8.w2_scale[e], kind, fp8.block_shape)
+        else:
+            s13 = fp8.w13_scale.reshape(E, -1)
+            g13 = torch.cat([dequantize_fp8(w13_q[e, :I], s13[e, 0], kind),
+                             dequantize_fp8(w13_q[e, I:], s13[e, 0 if per_half else 1], kind)])
+            g2 = dequantize_fp8(w2_q[e], fp8.w2_scale.reshape(-1)[e], kind)
+        h = x[t_idx] @ g13.T
+        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        out.index_add_(0, t_idx, (a @ g2.T) * w[:, None])
+    return out
+
+
+def fp8_scale_bytes(shape: MoeShape, kind: str, block=FP8_BLOCK) -> int:
+    """Bytes of one expert's weight scales."""
+    if kind != "fp8-block":
+        return 8
+    bn, bk = block
+    H, I = shape.hidden, shape.inter
+    return 4 * (2 * -(-I // bn) * -(-H // bk) + -(-H // bn) * -(-I // bk))
+
+
+def unique_expert_bytes_fp8(shape: MoeShape, kind: str, routings, local=None) -> float:
+    """Mean over the routings of the bytes that must move: each used local expert's e4m3
+    weights and their scales once. local: the expert_map ([global] -> local or -1), if any."""
+    counts = []
+    for _, ids in routings:
+        ids = ids.long()
+        if local is not None:
+            ids = local[ids]
+        counts.append(int(torch.unique(ids[(ids >= 0) & (ids < shape.num_experts)]).numel()))
+    return statistics.mean(counts) * (shape.expert_bytes(1) + fp8_scale_bytes(shape, kind))
+
+
+def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scale, global_experts: int,
+                     backend: str = "triton", device="cuda"):
+    """vLLM's own FP8 MoE path as Fp8MoEMethod builds it for TritonExperts: the modular kernel
+    (MoEPrepareAndFinalizeNoDPEPModular, which quantizes the bf16 activations, then
+    TritonExperts.apply, then the finalize step) with the FP8 quant config of the scales.
+    Returns (fn(x_bf16, topk_weights, topk_ids, expert_map) -> out, "") or (None, why not).
+    backend "deep_gemm": TritonOrDeepGemmExperts on the weights converted as vLLM converts them
+    for it (prepare_fp8_moe_layer_for_deepgemm: UE8M0 requantization where E8M0 is in use, its
+    scale layout), where vLLM finds DeepGEMM (installed or vendored) and the GPU supports it."""
+    try:
+        from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                                RoutingMethodType, fp8_w8a8_moe_quant_config)
+        from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+        from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+    except Exception as e:
+        return None, f"vLLM's modular FP8 MoE is not importable here ({type(e).__name__}: {str(e)[:80]})"
+    from ..vllm import moe_seam
+
+    if backend == "flashinfer_cutlass":
+        return None, ("not built here: FlashInferExperts takes its weights from vLLM's FlashInfer preparation "
+                      "(prepare_fp8_moe_layer_for_fi on a loaded layer); measure it end to end with "
+                      "--moe-backend flashinfer_cutlass")
+    if moe_seam.installed():
+        return None, "opgraft's seam is installed in this process (TritonExperts.apply would be ours)"
+    try:
+        cfg = FusedMoEConfig(num_experts=global_experts, experts_per_token=shape.top_k, hidden_dim=shape.hidden,
+                             intermediate_size=shape.inter, num_local_experts=shape.num_experts,
+                             num_logical_experts=global_experts, activation=MoEActivation.SILU, device=device,
+                             routing_method=RoutingMethodType.Renormalize,
+                             moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(), in_dtype=torch.bfloat16,
+                             intermediate_size_per_partition=shape.inter)
+        qc = fp8_w8a8_moe_quant_config(w1_scale=w13_scale, w2_scale=w2_scale,
+                                       block_shape=list(FP8_BLOCK) if kind == "fp8-block" else None)
+        w1, w2 = w13_q, w2_q
+        if backend == "deep_gemm":
+            if kind != "fp8-block":
+                return None, "DeepGEMM takes block FP8 only"
+            from vllm.utils.deep_gemm import is_deep_gemm_supported
+
+            if not is_deep_gemm_supported():
+                return None, "vLLM finds no usable DeepGEMM here (not installed or vendored, or not this GPU)"
+            from vllm.model_executor.layers.fused_moe.experts.triton_deep_gemm_moe import TritonOrDeepGemmExperts
+            from vllm.model_executor.layers.quantization.utils.fp8_utils import prepare_fp8_moe_layer_for_deepgemm
+
+            w1, w2, s13, s2 = prepare_fp8_moe_layer_for_deepgemm(w13_q.clone(), w2_q.clone(), w13_scale.clone(),
+                                                                  w2_scale.clone(), tuple(FP8_BLOCK))
+            qc = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2, block_shape=list(FP8_BLOCK))
+            experts = TritonOrDeepGemmExperts(cfg, qc)
+        else:
+            experts = TritonExperts(cfg, qc)
+        kernel = mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)
+    except Exception as e:
+        return None, f"vLLM's FP8 experts could not be built ({type(e).__name__}: {str(e)[:100]})"
+
+    def fn(x, tw, ids, expert_map=None):
+        return kernel.apply(x, w1, w2, tw, ids, activation=MoEActivation.SILU, global_num_experts=global_experts,
+                            expert_map=expert_map, apply_router_weight_on_input=False)
+
+    return fn, ""
+
+
+def ep_map(shape: MoeShape, global_experts: int, device, seed: int = 0):
+    """An expert_map: this rank holds shape.num_experts random experts of global_experts."""
+    local = torch.randperm(global_experts, generator=torch.Generator().manual_seed(seed))[: shape.num_experts]
+    emap = torch.full((global_experts,), -1, dtype=torch.int32)
+    emap[local] = torch.arange(shape.num_experts, dtype=torch.int32)
+    return emap.to(device)
+
+
+def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda", n_routings: int = 16,
+                    reps: int = 30, ceiling_tbps: float | None = None, weights=None, global_experts: int = 0,
+                    between_mib: int = BETWEEN_MIB, timing: str = "span",
+                    backends=("triton", "deep_gemm", "flashinfer_cutlass"),
+                    progress=None, cross_check: bool = False) -> list[dict]:
+    """Rows for one shape with FP8 weights (kind "fp8-block" or "fp8-tensor") at each token count:
+    opgraft's kernel ("opgraft", on activations quantized beforehand: the bytes and the ceiling
+    fraction are the kernel's), opgraft as the seam runs in vLLM ("opgraft+quant": vLLM's
+    activation quantization, then the kernel), and vLLM's own FP8 path for each backend (vLLM's
+    modular kernel: quantization, TritonExperts or DeepGEMM, finalize), each checked against the
+    fp64 oracle of the quantized model. Speedups are opgraft+quant over vLLM's TritonExperts (the
+    path vLLM selects on an H200 under tensor parallelism), each backend's error stated next to
+    ours. global_experts > shape.num_experts: expert parallelism, the routing over the global
+    experts and an expert_map. weights: (w13_q, w13_s, w2_q, w2_s) or None (made here).
+    cross_check: the subtraction's timing next to the span's (timed_calls); off by default to
+    keep the FP8 bench short."""
+    if weights is None:
+        weights = make_weights_fp8(shape, kind, device)
+    w13_q, w13_s, w2_q, w2_s = weights
+    G = global_experts or shape.num_experts
+    emap = ep_map(shape, G, device) if G != shape.num_experts else None
+    gen = torch.Generator(device=device).manual_seed(4321)
+    between = between_traffic(between_mib, device)
+    base = {**run_facts(), "op": "moe", "model": shape.name, "E": shape.num_experts, "H": shape.hidden,
+            "I": shape.inter, "top_k": shape.top_k, "dtype": kind, "global_experts": G, "layers": 1,
+            "between_mib": max(between_mib, 0),
+            "block": list(FP8_BLOCK) if kind == "fp8-block" else None}
+    builtins = {b: vllm_fp8_experts(shape, kind, w13_q, w13_s, w2_q, w2_s, G, b, device) for b in backends}
+    rows = []
+    for T in tokens:
+        if progress:
+            progress(f"{shape.name} {kind} T={T}")
+        xs = [make_x(T, shape.hidden, "bf16", device, gen) for _ in range(n_routings)]
+        qx = [quantize_activations_fp8(x, kind) for x in xs]
+        routings = [make_routing(T, G, shape.top_k, device, gen) for _ in range(n_routings)]
+        scales = [fp8_scales(kind, s, w13_s, w2_s) for _, s in qx]
+        nbytes = unique_expert_bytes_fp8(shape, kind, routings, emap)
+        schedule = [(c, None) for c in range(n_routings)]
+        local_ids = routings[0][1] if emap is None else emap[routings[0][1].long()]
+        ref = reference_fp8(qx[0][0], scales[0], w13_q, w2_q, routings[0][0], local_ids)
+        ok, reason = ops.moe_supports(qx[0][0], w13_q, w2_q, *routings[0], expert_map=emap, fp8=scales[0])
+        results = {}
+        out = None
+        if ok:
+            out = torch.full((T, shape.hidden), float("nan"), dtype=torch.bfloat16, device=device)
+            ops.moe_experts_into(out, qx[0][0], w13_q, w2_q, *routings[0], expert_map=emap, fp8=scales[0])
+            err = rel_err(out, ref)
+            again = torch.full_like(out, float("nan"))
+            ops.moe_experts_into(again, qx[0][0], w13_q, w2_q, *routings[0], expert_map=emap, fp8=scales[0])
+            det = bool(torch.equal(out, again))
+            outs = [torch.empty_like(out) for _ in range(n_routings)]
+            ws = torch.empty(1 << 24, dtype=torch.uint8, device=device)
+
+            def call(i, _):
+                ops.moe_experts_into(outs[i], qx[i][0], w13_q, w2_q, *routings[i], expert_map=emap, workspace=ws,
+                                     fp8=scales[i])
+
+            def call_q(i, _):
+                q, s = quantize_activations_fp8(xs[i], kind)
+                ops.moe_experts_into(outs[i], q, w13_q, w2_q, *routings[i], expert_map=emap, workspace=ws,
+                                     fp8=fp8_scales(kind, s, w13_s, w2_s))
+
+            us, how = timed_calls(call, schedule, between, reps, timing, cross_check)
+            results["opgraft"] = (us, err, {"deterministic": det, **how})
+            us, how = timed_calls(call_q, schedule, between, reps, timing, cross_check)
+            results["opgraft+quant"] = (us, err, {"deterministic": det, **how})
+        missing, vs_vllm = {}, None
+        for b, (fn, why) in builtins.items():
+            name = f"vllm-{b.replace('_', '-')}"
+            if fn is None:
+                missing[name] = why
+                continue
+            try:
+                vout = fn(xs[0], *routings[0], emap)
+                verr = rel_err(vout, ref)
+                if name == "vllm-triton" and out is not None:
+                    vs_vllm = rel_err(out, vout.double())
+
+                def vcall(i, _, fn=fn):
+                    fn(xs[i], *routings[i], emap)
+
+                us, how = timed_calls(vcall, schedule, between, reps, timing, cross_check)
+                results[name] = (us, verr, how)
+            except Exception as e:  # report, do not hide
+                missing[name] = f"failed here ({type(e).__name__}: {str(e)[:100]})"
+        base_us = results.get("vllm-triton", (None,))[0]
+        vllm_err = results.get("vllm-triton", (None, None))[1]
+        for impl, (us, err, extra) in results.items():
+            tbps = nbytes / (us * 1e-6) / 1e12
+            row = dict(base, tokens=T, impl=impl, median_us=round(us, 2), bytes=int(nbytes), tbps=round(tbps, 3),
+                       ceiling_tbps=round(ceiling_tbps, 3) if ceiling_tbps else None,
+                       fraction_of_ceiling=round(tbps / ceiling_tbps, 3) if ceiling_tbps else None,
+                       baseline_impl="vllm-triton" if base_us else None,
+                       speedup_vs_baseline=round(base_us / us, 2) if base_us else None,
+                       rel_err=float(f"{err:.3g}"),
+                       vllm_rel_err=None if vllm_err is None else float(f"{vllm_err:.3g}"),
+                       rel_err_vs_vllm=(float(f"{vs_vllm:.3g}") if vs_vllm is not None and impl.startswith("opgraft")
+                                        else None),
+                       builtin_missing="; ".join(f"{k}: {v}" for k, v in missing.items()) or None,
+                       guard="take" if ok else f"delegate: {reason}")
+            row.update(extra)
+            rows.append(row)
+        if not ok:
+            rows.append(dict(base, tokens=T, impl="opgraft", median_us=None, bytes=int(nbytes),
+                             guard=f"delegate: {reason}"))
+    return rows

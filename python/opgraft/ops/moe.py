@@ -9,25 +9,83 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass
 
 import torch
 
 from .. import _lib
-from . import current_stream, dtype_code, strides
+from . import DTYPES, current_stream, dtype_code, strides
 
 STAGE_GATE_UP, STAGE_DOWN, STAGE_ALL = 1, 2, 3
+OUT_DTYPES = (torch.bfloat16, torch.float16)
 
+
+@dataclass(frozen=True, eq=False)
+class Fp8Scales:
+    """The scales of a call with FP8 (e4m3fn) weights and activations, as vLLM's TritonExperts has
+    them (include/opgraft/moe.h describes the layouts): block_shape (block_n, block_k) for block
+    scales, None for one scale per expert matrix and one per-tensor activation scale."""
+
+    hidden_scale: torch.Tensor  # a1q_scale: [T, ceil(H/bk)], or one value
+    w13_scale: torch.Tensor  # [E, 2*ceil(I/bn), ceil(H/bk)], or [E] / [E, 1] / [E, 2]
+    w2_scale: torch.Tensor  # [E, ceil(H/bn), ceil(I/bk)], or [E] / [E, 1]
+    block_shape: tuple | None = None
+
+    def layout_key(self) -> tuple:
+        return (self.block_shape,) + tuple((t.shape, t.stride(), t.dtype) for t in
+                                           (self.hidden_scale, self.w13_scale, self.w2_scale))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fp8_fields(a: _lib.MoeArgs, fp8: Fp8Scales, T: int, H: int, I: int, E: int) -> bool:
+    """Fills the struct's FP8 fields; False when the scales' shapes are not those of the layout."""
+    xs, s13, s2 = fp8.hidden_scale, fp8.w13_scale, fp8.w2_scale
+    a.weight_dtype = _lib.DTYPE_FP8_E4M3
+    a.scale_dtype = dtype_code(s13) if dtype_code(xs) == dtype_code(s13) == dtype_code(s2) else 0
+    a.hidden_scale, a.w13_scale, a.w2_scale = xs.data_ptr(), s13.data_ptr(), s2.data_ptr()
+    if fp8.block_shape is not None:
+        bn, bk = (int(v) for v in fp8.block_shape)
+        a.scale_layout, a.block_n, a.block_k = _lib.SCALE_BLOCK, bn, bk
+        if bn < 1 or bk < 1:
+            return False
+        ok = (tuple(xs.shape) == (T, _cdiv(H, bk)) and tuple(s13.shape) == (E, 2 * _cdiv(I, bn), _cdiv(H, bk))
+              and tuple(s2.shape) == (E, _cdiv(H, bn), _cdiv(I, bk)))
+        a.hidden_scale_stride = strides(xs, 2)
+        a.w13_scale_stride, a.w2_scale_stride = strides(s13, 3), strides(s2, 3)
+        return ok
+    a.scale_layout = _lib.SCALE_TENSOR
+    if xs.numel() != 1 or s13.shape[:1] != (E,) or s2.shape[:1] != (E,):
+        return False
+    halves = s13.numel() // E
+    if s13.numel() != E * halves or halves not in (1, 2) or s2.numel() != E:
+        return False
+    # [E]: one scale an expert (the half's stride 0); [E, 2]: one a half.
+    a.w13_scale_stride = (ctypes.c_int64 * 3)(s13.stride(0), s13.stride(1) if halves == 2 else 0, 0)
+    a.w2_scale_stride = (ctypes.c_int64 * 3)(s2.stride(0), 0, 0)
+    return True
 
 
 def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, out: torch.Tensor | None = None, apply_router_weight_on_input: bool = False,
-             expert_map: torch.Tensor | None = None, activation: str = "silu", arch: int = 0) -> _lib.MoeArgs:
+             expert_map: torch.Tensor | None = None, activation: str = "silu", arch: int = 0,
+             fp8: Fp8Scales | None = None, out_dtype: torch.dtype | None = None) -> _lib.MoeArgs:
     """The C argument struct for these tensors; dtype -1 when the shapes or devices are not those
-    of fused_experts (the guard then refuses the call)."""
+    of fused_experts (the guard then refuses the call). With fp8 the weights and hidden states are
+    e4m3 and dtype is the output's (out's, else out_dtype)."""
     a = _lib.MoeArgs()
     a.struct_size = ctypes.sizeof(_lib.MoeArgs)
     wdt = dtype_code(w13)
-    a.dtype = dtype_code(hidden) if dtype_code(hidden) == wdt == dtype_code(w2) else 0
+    if fp8 is None:
+        a.dtype = dtype_code(hidden) if dtype_code(hidden) == wdt == dtype_code(w2) else 0
+    else:
+        odt = out.dtype if out is not None else out_dtype
+        a.dtype = DTYPES[odt] if odt in OUT_DTYPES else 0
+        fp8_in = dtype_code(hidden) == wdt == dtype_code(w2) == _lib.DTYPE_FP8_E4M3
+        if not fp8_in:
+            a.dtype = 0
     a.activation = {"silu": _lib.ACT_SILU, "gelu": _lib.ACT_GELU}.get(activation, 0)
     a.apply_router_weight_on_input = int(bool(apply_router_weight_on_input))
     T = hidden.shape[0] if hidden.dim() == 2 else -1
@@ -43,7 +101,10 @@ def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         and (out is None or out.device == hidden.device)
         and (expert_map is None or (expert_map.dtype == torch.int32 and expert_map.dim() == 1
                                     and expert_map.is_contiguous() and expert_map.device == hidden.device))
+        and (fp8 is None or all(t.device == hidden.device for t in (fp8.hidden_scale, fp8.w13_scale, fp8.w2_scale)))
     )
+    if consistent and fp8 is not None:
+        consistent = _fp8_fields(a, fp8, T, H, I, E)
     if not consistent:
         a.dtype = -1
         return a
@@ -83,18 +144,20 @@ _plans_lock = threading.Lock()
 _MAX_PLANS = 1024
 
 
-def _layout_key(hidden, w13, w2, topk_weights, topk_ids, out, on_input, expert_map, activation):
+def _layout_key(hidden, w13, w2, topk_weights, topk_ids, out, on_input, expert_map, activation, fp8=None,
+                out_dtype=None):
     return (hidden.shape, hidden.stride(), hidden.dtype, hidden.device, w13.shape, w13.stride(), w13.dtype,
             w2.shape, w2.stride(), w2.dtype, topk_weights.shape, topk_weights.stride(), topk_weights.dtype,
-            topk_ids.shape, topk_ids.stride(), topk_ids.dtype, None if out is None else out.stride(),
-            bool(on_input), None if expert_map is None else (expert_map.numel(), expert_map.dtype), activation)
+            topk_ids.shape, topk_ids.stride(), topk_ids.dtype, None if out is None else (out.stride(), out.dtype),
+            bool(on_input), None if expert_map is None else (expert_map.numel(), expert_map.dtype), activation,
+            None if fp8 is None else fp8.layout_key(), out_dtype)
 
 
 def plan_for(hidden, w13, w2, topk_weights, topk_ids, out=None, apply_router_weight_on_input=False,
-             expert_map=None, activation="silu") -> Plan:
+             expert_map=None, activation="silu", fp8: Fp8Scales | None = None, out_dtype=None) -> Plan:
     """The plan of this call's layout, made on first sight (the guard runs then, and only then)."""
     key = _layout_key(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
-                      activation)
+                      activation, fp8, out_dtype)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -102,9 +165,10 @@ def plan_for(hidden, w13, w2, topk_weights, topk_ids, out=None, apply_router_wei
         plan = Plan(None, 0, "tensors are not on a CUDA device")
     else:
         a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
-                     activation)
+                     activation, fp8=fp8, out_dtype=out_dtype)
         if a.dtype == -1:
-            plan = Plan(None, 0, "tensor shapes or devices are not those of fused_experts")
+            plan = Plan(None, 0, "tensor shapes or devices are not those of fused_experts" if fp8 is None else
+                        "tensor or FP8 scale shapes or devices are not those of vLLM's FP8 fused_experts")
         else:
             handle = ctypes.c_void_p()
             reason = ctypes.create_string_buffer(256)
@@ -130,10 +194,11 @@ def forget_plans() -> None:
 
 
 def moe_supports(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
-                 expert_map=None, activation="silu") -> tuple[bool, str]:
-    """(True, "") if the kernel can take the call, else (False, reason)."""
+                 expert_map=None, activation="silu", fp8: Fp8Scales | None = None,
+                 out_dtype=torch.bfloat16) -> tuple[bool, str]:
+    """(True, "") if the kernel can take the call, else (False, reason). out_dtype: FP8 calls' output."""
     plan = plan_for(hidden, w13, w2, topk_weights, topk_ids, None, apply_router_weight_on_input, expert_map,
-                    activation)
+                    activation, fp8, out_dtype if fp8 is not None else None)
     return plan.handle is not None, plan.reason
 
 
@@ -146,24 +211,32 @@ def usable_workspace(t):
 
 
 def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
-                     workspace=None, stages: int = STAGE_ALL, expert_map=None):
-    """Runs the kernel into out ([T, H], the hidden dtype). Raises OpgraftError if unsupported.
-    stages selects a part of the computation for profiling (the output is then incomplete).
-    expert_map (int32 [global experts]) maps topk_ids to the local experts of w13/w2 or -1."""
+                     workspace=None, stages: int = STAGE_ALL, expert_map=None, fp8: Fp8Scales | None = None):
+    """Runs the kernel into out ([T, H], the hidden dtype; with fp8, bf16 or fp16). Raises
+    OpgraftError if unsupported. stages selects a part of the computation for profiling (the
+    output is then incomplete). expert_map (int32 [global experts]) maps topk_ids to the local
+    experts of w13/w2 or -1. fp8: the scales of e4m3 weights and hidden states."""
     if stages != STAGE_ALL:
         return _run_stages(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, workspace,
-                           stages, expert_map)
+                           stages, expert_map, fp8)
     for _ in range(2):
-        plan = plan_for(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map)
+        plan = plan_for(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
+                        fp8=fp8)
         if plan.handle is None:
             raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
         need = plan.workspace_bytes
         if workspace is None or workspace.numel() * workspace.element_size() < need or workspace.data_ptr() % 16:
             workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device)
-        st = _lib.lib().opgraft_moe_plan_run(
-            plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
-            topk_ids.data_ptr(), None if expert_map is None else expert_map.data_ptr(), out.data_ptr(),
-            workspace.data_ptr(), current_stream(hidden.device))
+        emap = None if expert_map is None else expert_map.data_ptr()
+        if fp8 is None:
+            st = _lib.lib().opgraft_moe_plan_run(
+                plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
+                topk_ids.data_ptr(), emap, out.data_ptr(), workspace.data_ptr(), current_stream(hidden.device))
+        else:
+            st = _lib.lib().opgraft_moe_plan_run_fp8(
+                plan.handle, hidden.data_ptr(), fp8.hidden_scale.data_ptr(), w13.data_ptr(),
+                fp8.w13_scale.data_ptr(), w2.data_ptr(), fp8.w2_scale.data_ptr(), topk_weights.data_ptr(),
+                topk_ids.data_ptr(), emap, out.data_ptr(), workspace.data_ptr(), current_stream(hidden.device))
         if st != _lib.ESTALE:
             _lib.check(st)
             return out
@@ -172,8 +245,8 @@ def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_
     return out
 
 
-def _run_stages(out, hidden, w13, w2, topk_weights, topk_ids, on_input, workspace, stages, expert_map):
-    a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, on_input, expert_map)
+def _run_stages(out, hidden, w13, w2, topk_weights, topk_ids, on_input, workspace, stages, expert_map, fp8=None):
+    a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, on_input, expert_map, fp8=fp8)
     if a.dtype == -1:
         raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensor shapes or devices are not those of fused_experts")
     n = ctypes.c_size_t()
@@ -199,12 +272,32 @@ def _(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=Fals
     return hidden.new_empty((hidden.shape[0], hidden.shape[1]))
 
 
+@torch.library.custom_op("opgraft::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8(hidden: torch.Tensor, hidden_scale: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                    w2: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    block_n: int = 0, block_k: int = 0, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fused_experts with FP8 weights for decode: e4m3 hidden states and weights with their
+    scales (block_n x block_k blocks, or block_n = 0 for per-tensor scales), output out_dtype."""
+    fp8 = Fp8Scales(hidden_scale, w13_scale, w2_scale, (block_n, block_k) if block_n else None)
+    out = torch.empty((hidden.shape[0], hidden.shape[1]), dtype=out_dtype, device=hidden.device)
+    return moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, fp8=fp8)
+
+
+@moe_experts_fp8.register_fake
+def _(hidden, hidden_scale, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, block_n=0, block_k=0,
+      out_dtype=torch.bfloat16):
+    return hidden.new_empty((hidden.shape[0], hidden.shape[1]), dtype=out_dtype)
+
+
 def moe_reference_cpu(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
-                      expert_map=None) -> torch.Tensor:
-    """The C fp64 oracle on CPU tensors; returns float64 [T, H]."""
+                      expert_map=None, fp8: Fp8Scales | None = None) -> torch.Tensor:
+    """The C fp64 oracle on CPU tensors; returns float64 [T, H]. With fp8: the exact math of the
+    quantized model (dequantized e4m3 weights and activations, exact intermediate)."""
     t = [x.cpu() for x in (hidden, w13, w2, topk_weights, topk_ids)]
     emap = expert_map.cpu() if expert_map is not None else None
-    a = moe_args(*t, None, apply_router_weight_on_input, emap)
+    if fp8 is not None:
+        fp8 = Fp8Scales(fp8.hidden_scale.cpu(), fp8.w13_scale.cpu(), fp8.w2_scale.cpu(), fp8.block_shape)
+    a = moe_args(*t, None, apply_router_weight_on_input, emap, fp8=fp8, out_dtype=torch.bfloat16)
     out = torch.empty((t[0].shape[0], t[0].shape[1]), dtype=torch.float64)
     ptr = ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))
     _lib.check(_lib.lib().opgraft_moe_reference(ctypes.byref(a), ptr))

@@ -5,10 +5,74 @@
 
 #include "moe.h"
 
+/* FP8 weights (moe/moe_fp8.cu): the same keys, resolved under the FP8 shape key
+ * ("moe:fp8block:..." / "moe:fp8tensor:..."), for the paths the FP8 kernels have: two kernels
+ * (no cooperative one), routing by slot for calls of up to 32 routing slots (one token included),
+ * else the general routing. gate_up's tiles are 32 rows of I, a half (16 rows) a pass over H,
+ * its k-steps 4 weight loads of 8 bytes a lane; down's k-steps 2 weight loads of 8 bytes and
+ * act's two e4m3 terms a token tile. */
+static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c) {
+  char shape[128];
+  opgraft__moe_shape_key(a, shape, sizeof shape);
+  const int32_t T = (int32_t)a->num_tokens;
+  memset(c, 0, sizeof *c);
+  c->nt = T <= 0 ? 1 : (T + 7) / 8;
+  c->gu_nt = c->nt;
+  c->w1 = (int)opgraft__tune_value("moe.gate_up.warps", arch, gpu, shape, T);
+  c->u1 = (int)opgraft__tune_value("moe.gate_up.unroll", arch, gpu, shape, T);
+  c->w2 = (int)opgraft__tune_value("moe.down.warps", arch, gpu, shape, T);
+  c->u2 = (int)opgraft__tune_value("moe.down.unroll", arch, gpu, shape, T);
+  const int64_t f = opgraft__tune_value("moe.l2_fetch", arch, gpu, shape, T);
+  c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0;
+  c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
+  c->down_early = c->pdl && opgraft__tune_value("moe.down.early", arch, gpu, shape, T) != 0;
+  c->pdl_in = arch >= 90 && opgraft__tune_value("moe.pdl_in", arch, gpu, shape, T) != 0;
+  c->trace = opgraft__moe_trace_on();
+  c->load = opgraft__tune_value("moe.load", arch, gpu, shape, T) == 1 ? 1 : 4;
+  c->down_load = arch >= 90 && opgraft__tune_value("moe.down_load", arch, gpu, shape, T) == 4 ? 4 : 1;
+  const int small = T >= 1 && (int64_t)T * a->top_k <= 32;
+  c->gu_slots = small && opgraft__tune_value("moe.gate_up.slot_routing", arch, gpu, shape, T) != 0;
+  c->down_warp = small && opgraft__tune_value("moe.down.warp_routing", arch, gpu, shape, T) != 0;
+  while (c->w1 > 1 && c->w1 * c->nt > 16) c->w1 /= 2; /* 2 KB of reduction buffer per warp-tile */
+  while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
+  if (c->nt >= 2 && c->w1 > 8) c->w1 = 8; /* 16 warps cap a thread at 128 registers */
+  if (c->nt >= 2 && c->w2 > 8) c->w2 = 8;
+  /* gate_up's launch-bounds minimum is at least one block: without one ptxas aims 16-warp blocks
+   * at 64 registers and spills. */
+  c->gu_min_blocks = c->nt == 1 ? (int)opgraft__tune_value("moe.gate_up.min_blocks", arch, gpu, shape, T) : 0;
+  while (c->gu_min_blocks > 1 && c->gu_min_blocks * c->w1 > 16) c->gu_min_blocks--;
+  if (c->gu_min_blocks < 1) c->gu_min_blocks = 1;
+  /* Accumulators plus the operands of the k-steps in flight, in registers a thread; where the
+   * minimum caps a thread at 128 registers, at most 6 k-steps (8 reach 128 and spill on some
+   * shapes). */
+  while (c->u1 > 1 && 8 * c->nt + c->u1 * (8 + 2 * c->nt) > 96) c->u1--;
+  if (c->gu_min_blocks * c->w1 >= 16 && c->u1 > 6) c->u1 = 6;
+  /* An unroll that splits H's k-steps evenly over the warps needs no bounds checks (fewer
+   * registers) and gives every warp the same steps. */
+  for (int u = c->u1; u * 2 > c->u1; --u)
+    if ((a->hidden / 32) % (c->w1 * u) == 0) {
+      c->u1 = u;
+      break;
+    }
+  while (c->u2 > 1 && 4 * c->nt + c->u2 * (4 + 4 * c->nt) > 72) c->u2--; /* act: two terms */
+  for (int u = c->u2; u * 2 > c->u2; --u) /* chunks of whole k-steps over I, likewise */
+    if ((a->inter / 32) % u == 0) {
+      c->u2 = u;
+      break;
+    }
+  c->down_min_blocks = c->nt <= 2 ? (int)opgraft__tune_value("moe.down.min_blocks", arch, gpu, shape, T) : 0;
+  while (c->down_min_blocks > 1 && c->down_min_blocks * c->w2 > 16) c->down_min_blocks--;
+  if (c->down_min_blocks < 2) c->down_min_blocks = 0;
+}
+
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
  * operand registers of one k-step group under what compiles without spills (checked by the
  * compile tests for every token tile count). */
 void opgraft__moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c) {
+  if (opgraft__moe_is_fp8(a)) {
+    config_fp8(a, arch, gpu, c);
+    return;
+  }
   char shape[128];
   opgraft__moe_shape_key(a, shape, sizeof shape);
   const int32_t T = (int32_t)a->num_tokens;
@@ -88,15 +152,35 @@ int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_
   OG_OPT("-DOG_DOWN_LOAD=%d", c->down_load);
   OG_OPT("-DOG_GU_MIN_BLOCKS=%d", c->gu_min_blocks);
   OG_OPT("-DOG_DOWN_MIN_BLOCKS=%d", c->down_min_blocks);
+  if (opgraft__moe_is_fp8(a)) { /* the FP8 kernels' scaling (moe/moe_fp8_config.cuh) */
+    const int block = a->scale_layout == OPGRAFT_MOE_SCALE_BLOCK;
+    OG_OPT("-DOG_SCALE=%d", block ? 1 : 2);
+    OG_OPT("-DOG_BN=%d", block ? a->block_n : 0);
+    OG_OPT("-DOG_BK=%d", block ? a->block_k : 0);
+  }
 #undef OG_OPT
   return opgraft__opts_check(o, "MoE");
 }
 
-void opgraft__moe_fn_names(int32_t dtype, char names[OG_MOE_KERNELS][64]) {
-  const char *sfx = dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16";
+void opgraft__moe_fn_names(const opgraft_moe_args *a, char names[OG_MOE_KERNELS][64]) {
+  const char *sfx = a->dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16";
+  if (opgraft__moe_is_fp8(a)) {
+    snprintf(names[0], 64, "moe_gate_up_fp8_%s", sfx);
+    snprintf(names[1], 64, "moe_down_fp8_%s", sfx);
+    names[2][0] = 0;
+    return;
+  }
   snprintf(names[0], 64, "moe_gate_up_%s", sfx);
   snprintf(names[1], 64, "moe_down_%s", sfx);
   snprintf(names[2], 64, "moe_fused_%s", sfx);
+}
+
+int opgraft__moe_nkernels(const opgraft_moe_args *a, const og_moe_cfg *c) {
+  return !opgraft__moe_is_fp8(a) && c->fused ? 3 : 2;
+}
+
+const char *opgraft__moe_source(const opgraft_moe_args *a) {
+  return opgraft__moe_is_fp8(a) ? OG_MOE_FP8_SOURCE : OG_MOE_SOURCE;
 }
 
 /* The shape checks a compile-only call needs (no device). */
@@ -104,6 +188,14 @@ static int32_t compile_check(const opgraft_moe_args *a, const char *what) {
   if (!a || a->struct_size < sizeof *a) return opgraft__fail(OPGRAFT_EINVAL, "%s: bad arguments", what);
   if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "dtype %s has no kernel", opgraft__moe_dtype_name(a->dtype));
+  if (a->weight_dtype != 0 && a->weight_dtype != a->dtype && !opgraft__moe_is_fp8(a))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "weights dtype %s has no kernel", opgraft__moe_dtype_name(a->weight_dtype));
+  if (opgraft__moe_is_fp8(a) &&
+      !(a->scale_layout == OPGRAFT_MOE_SCALE_TENSOR ||
+        (a->scale_layout == OPGRAFT_MOE_SCALE_BLOCK && a->block_n >= 32 && a->block_n % 32 == 0 &&
+         a->block_k >= 32 && a->block_k % 32 == 0)))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "FP8 scale layout %d (blocks %dx%d) has no kernel", a->scale_layout,
+                         a->block_n, a->block_k);
   if (a->hidden % 32 || a->inter % 32 || a->hidden <= 0 || a->inter <= 0 || a->num_experts < 1 ||
       a->top_k < 1 || a->top_k > OG_MOE_MAX_TOPK || a->num_tokens < 1 || a->num_tokens > OG_MOE_MAX_TOKENS)
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "shape outside the kernel's limits");
@@ -132,11 +224,11 @@ int32_t opgraft_moe_compile_report(const opgraft_moe_args *a, int32_t arch, opgr
   if ((st = opgraft__moe_options(a, &cfg, &o))) return st;
   /* Through the cache: the compiler log is kept with the cubin, so a report needs no recompile. */
   og_cubin cub;
-  if ((st = opgraft__cubin_cached(OG_MOE_SOURCE, o.ptr, o.n, arch, &cub))) return st;
+  if ((st = opgraft__cubin_cached(opgraft__moe_source(a), o.ptr, o.n, arch, &cub))) return st;
   char names[OG_MOE_KERNELS][64];
-  opgraft__moe_fn_names(a->dtype, names);
+  opgraft__moe_fn_names(a, names);
   /* The fused kernel is reported (third) only when the configuration selects it. */
-  const int n = cfg.fused ? 3 : 2;
+  const int n = opgraft__moe_nkernels(a, &cfg);
   *count = n;
   for (int i = 0; i < n && i < cap && st == OPGRAFT_OK; ++i) st = opgraft__parse_resources(cub.log, names[i], &out[i]);
   opgraft__cubin_free(&cub);

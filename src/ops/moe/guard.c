@@ -18,9 +18,17 @@ const char *opgraft__moe_dtype_name(int32_t d) {
   return "unknown";
 }
 
+int opgraft__moe_is_fp8(const opgraft_moe_args *a) { return a->weight_dtype == OPGRAFT_DTYPE_FP8_E4M3; }
+
+/* The shape key's dtype field: the activations' dtype, or the FP8 weights' scaling. */
+static const char *key_dtype(const opgraft_moe_args *a) {
+  if (!opgraft__moe_is_fp8(a)) return opgraft__moe_dtype_name(a->dtype);
+  return a->scale_layout == OPGRAFT_MOE_SCALE_TENSOR ? "fp8tensor" : "fp8block";
+}
+
 void opgraft__moe_shape_key(const opgraft_moe_args *a, char *buf, size_t len) {
-  snprintf(buf, len, "moe:%s:E%lld:H%lld:I%lld:k%lld", opgraft__moe_dtype_name(a->dtype), (long long)a->num_experts,
-           (long long)a->hidden, (long long)a->inter, (long long)a->top_k);
+  snprintf(buf, len, "moe:%s:E%lld:H%lld:I%lld:k%lld", key_dtype(a), (long long)a->num_experts, (long long)a->hidden,
+           (long long)a->inter, (long long)a->top_k);
 }
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
@@ -43,6 +51,28 @@ size_t opgraft__moe_trace_bytes(const opgraft_moe_args *a) { return (size_t)(3 *
 
 #define OG_REASON(...) (snprintf(reason, reason_len, __VA_ARGS__), OPGRAFT_EUNSUPPORTED)
 
+/* FP8 weights: the scales' layout and dtype, and rows of whole 16-byte chunks (the kernels read
+ * 8 bytes a lane at 8-byte aligned offsets). */
+static int32_t check_fp8(const opgraft_moe_args *a, char *reason, size_t reason_len) {
+  const int32_t L = a->scale_layout;
+  if (L != OPGRAFT_MOE_SCALE_BLOCK && L != OPGRAFT_MOE_SCALE_TENSOR)
+    return OG_REASON("FP8 weights with scale layout %d (128x128-style block or per-tensor scales supported)", L);
+  if (a->scale_dtype != OPGRAFT_DTYPE_FP32)
+    return OG_REASON("FP8 scales of dtype %s (fp32 expected)", opgraft__moe_dtype_name(a->scale_dtype));
+  if (a->apply_router_weight_on_input) return OG_REASON("apply_router_weight_on_input with FP8 weights");
+  if (L == OPGRAFT_MOE_SCALE_BLOCK &&
+      (a->block_n < 32 || a->block_n % 32 || a->block_k < 32 || a->block_k % 32 || a->block_n > 65536 ||
+       a->block_k > 65536))
+    return OG_REASON("FP8 weight blocks %dx%d (multiples of 32 supported)", a->block_n, a->block_k);
+  for (int i = 0; i < 3; ++i)
+    if (a->w13_scale_stride[i] < 0 || a->w2_scale_stride[i] < 0 || (i < 2 && a->hidden_scale_stride[i] < 0))
+      return OG_REASON("negative FP8 scale strides");
+  if (a->w13_stride[0] % 16 || a->w13_stride[1] % 16 || a->w2_stride[0] % 16 || a->w2_stride[1] % 16 ||
+      a->hidden_states_stride[0] % 16)
+    return OG_REASON("FP8 row strides are not multiples of 16 bytes");
+  return OPGRAFT_OK;
+}
+
 /* The checks that look only at the arguments. */
 int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_t reason_len) {
   if (!a) return OG_REASON("no arguments");
@@ -51,6 +81,12 @@ int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_
                      a->struct_size, sizeof(opgraft_moe_args));
   if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
     return OG_REASON("dtype %s (the kernel takes bf16 and fp16)", opgraft__moe_dtype_name(a->dtype));
+  if (a->weight_dtype != 0 && a->weight_dtype != a->dtype && !opgraft__moe_is_fp8(a))
+    return OG_REASON("weights dtype %s (the kernel takes bf16/fp16 weights and FP8 e4m3 with block or per-tensor "
+                     "scales)",
+                     opgraft__moe_dtype_name(a->weight_dtype));
+  if (!opgraft__moe_is_fp8(a) && a->scale_layout != OPGRAFT_MOE_SCALE_NONE)
+    return OG_REASON("scale layout %d with unquantized weights", a->scale_layout);
   if (a->activation != OPGRAFT_ACT_SILU) return OG_REASON("activation %d is not SwiGLU (silu)", a->activation);
   if (a->expert_map && (a->expert_map_len < 1 || a->expert_map_len > OG_MOE_MAX_EXPERTS))
     return OG_REASON("expert_map of %lld global experts (1..%d supported)", (long long)a->expert_map_len,
@@ -81,7 +117,7 @@ int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_
   if (T > 0 && (a->hidden_states_stride[0] < H || a->out_stride[0] < H ||
                 a->topk_weights_stride[0] < k || a->topk_ids_stride[0] < k))
     return OG_REASON("row strides smaller than the rows");
-  return OPGRAFT_OK;
+  return opgraft__moe_is_fp8(a) ? check_fp8(a, reason, reason_len) : OPGRAFT_OK;
 }
 
 int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, size_t reason_len) {
@@ -93,6 +129,11 @@ int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, siz
   if (((uintptr_t)a->out & 1u) || ((uintptr_t)a->topk_weights & 3u) ||
       ((uintptr_t)a->topk_ids & (a->topk_ids_dtype == OPGRAFT_DTYPE_INT64 ? 7u : 3u)))
     return OG_REASON("out, topk_weights or topk_ids misaligned");
+  if (opgraft__moe_is_fp8(a) && a->num_tokens > 0) {
+    if (!a->hidden_scale || !a->w13_scale || !a->w2_scale) return OG_REASON("an FP8 scale pointer is NULL");
+    if (((uintptr_t)a->hidden_scale | (uintptr_t)a->w13_scale | (uintptr_t)a->w2_scale) & 3u)
+      return OG_REASON("FP8 scales misaligned");
+  }
   return OPGRAFT_OK;
 }
 
@@ -111,6 +152,14 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
   char shape[128];
   opgraft__moe_shape_key(a, shape, sizeof shape);
   const char *g = gpu && *gpu ? gpu : NULL;
+  if (opgraft__moe_is_fp8(a)) {
+    if (arch < OG_MOE_FP8_MIN_ARCH)
+      return OG_REASON("FP8 weights on sm_%d: the FP8 kernels need sm_%d (mma.sync e4m3)", arch, OG_MOE_FP8_MIN_ARCH);
+    const char *off = getenv("OPGRAFT_MOE_FP8");
+    if (off && strcmp(off, "0") == 0) return OG_REASON("OPGRAFT_MOE_FP8=0 (FP8 MoE calls are handed back)");
+    if (!opgraft__tune_value("moe.fp8", arch, g, shape, (int32_t)T))
+      return OG_REASON("moe.fp8 is 0 on sm_%d (FP8 MoE calls are handed back)", arch);
+  }
   const int64_t max_t = opgraft__tune_value("moe.max_tokens", arch, g, shape, (int32_t)T);
   if (T > max_t) return OG_REASON("%lld tokens > moe.max_tokens %lld", (long long)T, (long long)max_t);
   if (a->expert_map && !opgraft__tune_value("moe.expert_map", arch, g, shape, (int32_t)T))
@@ -131,9 +180,19 @@ int32_t opgraft_moe_supports(const opgraft_moe_args *args, char *reason, size_t 
   return st;
 }
 
+static size_t pad256(size_t n) { return (n + 255u) & ~(size_t)255u; }
+
+size_t opgraft__moe_act_lo_offset(const opgraft_moe_args *a) {
+  return pad256((size_t)a->num_tokens * (size_t)a->top_k * (size_t)a->inter);
+}
+
+size_t opgraft__moe_act_scale_offset(const opgraft_moe_args *a) { return 2 * opgraft__moe_act_lo_offset(a); }
+
 size_t opgraft__moe_act_bytes(const opgraft_moe_args *a) {
-  const size_t n = (size_t)a->num_tokens * (size_t)a->top_k * (size_t)a->inter * 2u;
-  return (n + 255u) & ~(size_t)255u;
+  const size_t slots = (size_t)a->num_tokens * (size_t)a->top_k;
+  /* FP8 weights: act's two e4m3 terms, then one fp32 scale per slot and 32 rows of I. */
+  if (opgraft__moe_is_fp8(a)) return opgraft__moe_act_scale_offset(a) + pad256(slots * (size_t)(a->inter / 32) * 4u);
+  return pad256(slots * (size_t)a->inter * 2u);
 }
 
 int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
@@ -141,8 +200,8 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: bad arguments");
   if (a->num_tokens < 0 || a->top_k < 0 || a->inter < 0)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: negative size");
-  /* act: [T*k, I] in the activation dtype, padded to 256 bytes, then 256 bytes for the fused
-   * kernel's barrier counter. */
+  /* act: [T*k, I] in the activation dtype (FP8 weights: two e4m3 terms, then scales), padded to 256
+   * bytes, then 256 bytes for the fused kernel's barrier counter. */
   *bytes = opgraft__moe_act_bytes(a) + 256u + (opgraft__moe_trace_on() ? opgraft__moe_trace_bytes(a) : 0u);
   return OPGRAFT_OK;
 }

@@ -19,19 +19,48 @@
  *   7 shapes (v13). Both stages 4 k-steps in flight. L2 fetch 128 B (Kimi-K2 T=8 1590 -> 1223 us).
  * - One token: the one-slot gate_up and per-warp down routing (v18: every preset 0.5-1.2 us
  *   faster). 2..4 tokens: routing by slot in both stages (v19: every preset faster; Mixtral-8x7B
- *   lost at 8 and 16 tokens, where T*k still fits 32 slots). */
+ *   lost at 8 and 16 tokens, where T*k still fits 32 slots).
+ *
+ * FP8 weights (shape keys "moe:fp8block:..." and "moe:fp8tensor:..."): not measured yet; the rule
+ * is what the kernels' structure argues for, for the GPU runs to confirm or replace with rows.
+ * - moe.fp8 1 on sm_90 only: the FP8 kernels read half the bytes of bf16 at the same k-step
+ *   structure, and vLLM's block-FP8 Triton path is SM-bound at M <= 8 (vllm-project/vllm PR
+ *   #46642), so they should win where the bf16 kernels do; sm_89 compiles and is tested on CPU
+ *   but never measured, so it hands FP8 back.
+ * - moe.max_tokens as for bf16 (8 on sm_90).
+ * - gate_up warps twice the bf16 rule's (8 for H <= 2048, 16 above): a block covers 32 rows of I,
+ *   so the grid has half the blocks, and each warp's k-step still moves 2 KB.
+ * - Both stages unroll 8: a k-step moves half of bf16's bytes a lane (gate_up: 4 rows of one
+ *   half of a tile x 8 bytes; down: 2 rows x 8 bytes), so twice the steps keep the same 256 bytes
+ *   a lane in flight (config.c clamps them where more token tiles need the registers); down
+ *   warps as for bf16.
+ * - Routing by slot in both stages whenever T*k fits 32 slots (one token included: the FP8
+ *   kernels have no separate one-token paths). */
 #include <stdio.h>
 #include <string.h>
 
 #include "moe.h"
 
 int opgraft__moe_parse_shape(const char *shape, og_moe_shape *s) {
-  char dt[8];
+  char dt[16];
   long long E, H, I, k;
-  if (!shape || sscanf(shape, "moe:%7[a-z0-9]:E%lld:H%lld:I%lld:k%lld", dt, &E, &H, &I, &k) != 5) return 0;
+  if (!shape || sscanf(shape, "moe:%15[a-z0-9]:E%lld:H%lld:I%lld:k%lld", dt, &E, &H, &I, &k) != 5) return 0;
   if (E < 1 || H < 1 || I < 1 || k < 1) return 0;
   s->E = E, s->H = H, s->I = I, s->k = k;
+  s->fp8 = strncmp(dt, "fp8", 3) == 0;
   return 1;
+}
+
+/* The FP8 rules (above); 0 for keys they leave to the shared rules. */
+static int fp8_rule(const opgraft_tune_query *q, const og_moe_shape *s, int64_t *value) {
+  const char *key = q->key;
+  const int32_t T = q->tokens;
+  if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90, 1;
+  if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s->H <= 2048 ? 8 : 16, 1;
+  if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 8, 1;
+  if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)
+    return *value = T >= 1 && (int64_t)T * s->k <= 32, 1;
+  return 0;
 }
 
 static int64_t pow2_floor(int64_t v) {
@@ -43,6 +72,9 @@ static int64_t pow2_floor(int64_t v) {
 int opgraft__moe_rule(const opgraft_tune_query *q, int64_t *value) {
   const char *key = q->key;
   const int32_t T = q->tokens;
+  og_moe_shape fs;
+  if (opgraft__moe_parse_shape(q->shape, &fs) && fs.fp8 && fp8_rule(q, &fs, value)) return 1;
+  if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90, 1; /* a query without an FP8 shape */
   if (strcmp(key, "moe.max_tokens") == 0) return *value = q->arch == 90 ? 8 : 1, 1;
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 4, 1;
   if (strcmp(key, "moe.gate_up.min_blocks") == 0) return *value = 4, 1;

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../../kernels/moe/moe_params.h"
+#include "../../../kernels/moe/moe_fp8_params.h"
 #include "moe.h"
 
 struct opgraft_moe_plan {
@@ -18,7 +18,7 @@ struct opgraft_moe_plan {
   unsigned fused_grid; /* blocks of moe_fused that fit on the GPU at once (cooperative launch) */
   unsigned grid1, grid2;
   size_t workspace;
-  og_moe_params proto; /* strides and sizes; a run adds the pointers */
+  og_moe_fp8_params proto; /* strides and sizes; a run adds the pointers (.b: all the bf16 kernels take) */
 };
 
 /* A 1-D launch with one int-valued launch attribute set to 1 (cooperative, programmatic
@@ -86,24 +86,36 @@ int32_t opgraft_moe_plan_create(const opgraft_moe_args *a, opgraft_moe_plan **ou
   p->args.expert_map = a->expert_map ? (const void *)1 : NULL; /* only whether there is one */
   p->args.out = NULL, p->args.gpu_name = NULL;
   opgraft__moe_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
+  p->args.hidden_scale = p->args.w13_scale = p->args.w2_scale = NULL;
   og_opts o;
   char names[OG_MOE_KERNELS][64];
-  opgraft__moe_fn_names(a->dtype, names);
+  opgraft__moe_fn_names(a, names);
   const char *np[OG_MOE_KERNELS] = {names[0], names[1], names[2]};
+  const int fp8 = opgraft__moe_is_fp8(a);
   if (!(st = opgraft__moe_options(a, &p->cfg, &o)))
-    st = opgraft__get_functions(OG_MOE_SOURCE, o.ptr, o.n, arch, np, p->cfg.fused ? 3 : 2, p->fn);
-  if (!st && p->cfg.fused) st = fused_capacity(cu, p->fn[2], 32 * p->cfg.w1, &p->fused_grid);
+    st = opgraft__get_functions(opgraft__moe_source(a), o.ptr, o.n, arch, np, opgraft__moe_nkernels(a, &p->cfg),
+                                p->fn);
+  if (!st && p->cfg.fused && !fp8) st = fused_capacity(cu, p->fn[2], 32 * p->cfg.w1, &p->fused_grid);
   if (st) {
     free(p);
     return st;
   }
   const int64_t used_max = a->num_tokens * a->top_k < a->num_experts ? a->num_tokens * a->top_k : a->num_experts;
-  /* gate_up's blocks: (used expert, tile), or (routing slot, tile) with the slot routing */
+  /* gate_up's blocks: (used expert, tile), or (routing slot, tile) with the slot routing; tiles of
+   * 16 rows of I (FP8: 32) */
   const int64_t gu_rows = p->cfg.gu_slots ? a->num_tokens * a->top_k : used_max;
-  p->grid1 = (unsigned)(gu_rows * (a->inter / 16));
+  p->grid1 = (unsigned)(gu_rows * (a->inter / (fp8 ? 32 : 16)));
   p->grid2 = (unsigned)(a->hidden / 16);
   opgraft_moe_workspace_size(a, &p->workspace);
-  og_moe_params *q = &p->proto;
+  if (fp8) {
+    og_moe_fp8_params *f = &p->proto;
+    for (int i = 0; i < 3; ++i) {
+      if (i < 2) f->xs_stride[i] = a->hidden_scale_stride[i];
+      f->w13s_stride[i] = a->w13_scale_stride[i];
+      f->w2s_stride[i] = a->w2_scale_stride[i];
+    }
+  }
+  og_moe_params *q = &p->proto.b;
   q->x_stride = a->hidden_states_stride[0];
   q->w13_estride = a->w13_stride[0], q->w13_rstride = a->w13_stride[1];
   q->w2_estride = a->w2_stride[0], q->w2_rstride = a->w2_stride[1];
@@ -120,14 +132,20 @@ void opgraft_moe_plan_destroy(opgraft_moe_plan *p) { free(p); }
 
 size_t opgraft_moe_plan_workspace_size(const opgraft_moe_plan *p) { return p ? p->workspace : 0; }
 
-/* Enqueues the stages of a plan with its parameters filled in. */
-static int32_t launch(const og_cuda_api *cu, const opgraft_moe_plan *plan, og_moe_params *p, void *workspace,
+/* Enqueues the stages of a plan with its parameters filled in (the FP8 kernels take all of f, the
+ * others f->b). */
+static int32_t launch(const og_cuda_api *cu, const opgraft_moe_plan *plan, og_moe_fp8_params *f, void *workspace,
                       og_CUstream s, uint32_t stages) {
   const opgraft_moe_args *a = &plan->args;
   const size_t act = opgraft__moe_act_bytes(a);
+  og_moe_params *p = &f->b;
   p->act = workspace;
+  if (opgraft__moe_is_fp8(a)) {
+    f->act_lo = (char *)workspace + opgraft__moe_act_lo_offset(a);
+    f->act_scale = (float *)((char *)workspace + opgraft__moe_act_scale_offset(a));
+  }
   if (plan->cfg.trace) p->trace = (unsigned long long *)((char *)workspace + act + 256u);
-  void *params[] = {p};
+  void *params[] = {opgraft__moe_is_fp8(a) ? (void *)f : (void *)p};
   int32_t st;
   if (plan->cfg.fused && stages == OPGRAFT_MOE_STAGE_ALL) {
     /* One cooperative launch: every block is resident, so the grid-wide barrier cannot hang. */
@@ -163,10 +181,13 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_moe_plan *plan, og_mo
                            "launch moe_down");
 }
 
-int32_t opgraft_moe_plan_run(const opgraft_moe_plan *plan, const void *x, const void *w13, const void *w2,
-                             const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
-                             void *workspace, void *stream) {
-  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run: no plan");
+/* The pointer checks and the launch of both run entry points; xs, w13s and w2s are the FP8 scales
+ * (NULL for other plans). */
+static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void *xs, const void *w13,
+                        const void *w13s, const void *w2, const void *w2s, const void *topk_weights,
+                        const void *topk_ids, const void *expert_map, void *out, void *workspace, void *stream,
+                        const char *what) {
+  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "%s: no plan", what);
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
   int32_t st = current_ctx(&cu, &ctx);
@@ -175,17 +196,41 @@ int32_t opgraft_moe_plan_run(const opgraft_moe_plan *plan, const void *x, const 
     return opgraft__fail(OPGRAFT_ESTALE, "MoE plan made under %s: make a new one",
                          ctx != plan->ctx ? "another CUDA context" : "other tunables");
   const opgraft_moe_args *a = &plan->args;
+  const int fp8 = opgraft__moe_is_fp8(a);
+  if (!fp8 != !xs)
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: a plan %s FP8 weights (use opgraft_moe_plan_run%s)", what,
+                         fp8 ? "of" : "without", fp8 ? "_fp8" : "");
   if (a->num_tokens == 0) return OPGRAFT_OK;
   const int ids64 = a->topk_ids_dtype == OPGRAFT_DTYPE_INT64;
-  if (!x || !w13 || !w2 || !topk_weights || !topk_ids || !out || !workspace || !expert_map != !a->expert_map)
-    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run: a NULL pointer (or expert_map unlike the plan's)");
+  if (!x || !w13 || !w2 || !topk_weights || !topk_ids || !out || !workspace || !expert_map != !a->expert_map ||
+      (fp8 && (!w13s || !w2s)))
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: a NULL pointer (or expert_map unlike the plan's)", what);
   if ((((uintptr_t)x | (uintptr_t)w13 | (uintptr_t)w2 | (uintptr_t)workspace) & 15u) || ((uintptr_t)out & 1u) ||
-      ((uintptr_t)topk_weights & 3u) || ((uintptr_t)topk_ids & (ids64 ? 7u : 3u)) || ((uintptr_t)expert_map & 3u))
-    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run: a pointer is misaligned");
-  og_moe_params p = plan->proto;
-  p.x = x, p.w13 = w13, p.w2 = w2, p.topk_w = topk_weights, p.topk_ids = topk_ids, p.out = out;
-  p.emap = (const int *)expert_map;
-  return launch(cu, plan, &p, workspace, (og_CUstream)stream, OPGRAFT_MOE_STAGE_ALL);
+      ((uintptr_t)topk_weights & 3u) || ((uintptr_t)topk_ids & (ids64 ? 7u : 3u)) || ((uintptr_t)expert_map & 3u) ||
+      (((uintptr_t)xs | (uintptr_t)w13s | (uintptr_t)w2s) & 3u))
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: a pointer is misaligned", what);
+  og_moe_fp8_params f = plan->proto;
+  og_moe_params *p = &f.b;
+  p->x = x, p->w13 = w13, p->w2 = w2, p->topk_w = topk_weights, p->topk_ids = topk_ids, p->out = out;
+  p->emap = (const int *)expert_map;
+  f.x_scale = xs, f.w13_scale = w13s, f.w2_scale = w2s;
+  return launch(cu, plan, &f, workspace, (og_CUstream)stream, OPGRAFT_MOE_STAGE_ALL);
+}
+
+int32_t opgraft_moe_plan_run(const opgraft_moe_plan *plan, const void *x, const void *w13, const void *w2,
+                             const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
+                             void *workspace, void *stream) {
+  return plan_run(plan, x, NULL, w13, NULL, w2, NULL, topk_weights, topk_ids, expert_map, out, workspace, stream,
+                  "opgraft_moe_plan_run");
+}
+
+int32_t opgraft_moe_plan_run_fp8(const opgraft_moe_plan *plan, const void *x, const void *x_scale, const void *w13,
+                                 const void *w13_scale, const void *w2, const void *w2_scale,
+                                 const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
+                                 void *workspace, void *stream) {
+  if (!x_scale) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run_fp8: no hidden_scale");
+  return plan_run(plan, x, x_scale, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, out,
+                  workspace, stream, "opgraft_moe_plan_run_fp8");
 }
 
 /* ---- the argument-struct entry points, through plans cached here ---- */
@@ -198,6 +243,11 @@ static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Do two argument sets give the same plan? Strides are not compared: these entry points take
  * them from each call's arguments. */
 static int same_plan(const opgraft_moe_args *p, const opgraft_moe_args *q) {
+  const int fp8 = opgraft__moe_is_fp8(p);
+  if (fp8 != opgraft__moe_is_fp8(q)) return 0;
+  if (fp8 && (p->scale_layout != q->scale_layout || p->block_n != q->block_n || p->block_k != q->block_k ||
+              p->scale_dtype != q->scale_dtype))
+    return 0;
   return p->dtype == q->dtype && p->activation == q->activation &&
          !p->apply_router_weight_on_input == !q->apply_router_weight_on_input && p->num_tokens == q->num_tokens &&
          p->hidden == q->hidden && p->inter == q->inter && p->num_experts == q->num_experts && p->top_k == q->top_k &&
@@ -247,16 +297,23 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   }
   if (plan->cfg.trace && workspace_bytes < need) /* a workspace sized before OPGRAFT_TRACE was set */
     return opgraft__fail(OPGRAFT_EINVAL, "workspace too small for the trace records");
-  og_moe_params p = plan->proto;
-  p.x = a->hidden_states, p.w13 = a->w13, p.w2 = a->w2;
-  p.topk_w = a->topk_weights, p.topk_ids = a->topk_ids, p.out = a->out;
-  p.x_stride = a->hidden_states_stride[0];
-  p.w13_estride = a->w13_stride[0], p.w13_rstride = a->w13_stride[1];
-  p.w2_estride = a->w2_stride[0], p.w2_rstride = a->w2_stride[1];
-  p.topk_w_stride = a->topk_weights_stride[0], p.topk_ids_stride = a->topk_ids_stride[0];
-  p.out_stride = a->out_stride[0];
-  p.emap = (const int *)a->expert_map;
-  return launch(cu, plan, &p, workspace, (og_CUstream)stream, stages);
+  og_moe_fp8_params f = plan->proto;
+  og_moe_params *p = &f.b;
+  p->x = a->hidden_states, p->w13 = a->w13, p->w2 = a->w2;
+  p->topk_w = a->topk_weights, p->topk_ids = a->topk_ids, p->out = a->out;
+  p->x_stride = a->hidden_states_stride[0];
+  p->w13_estride = a->w13_stride[0], p->w13_rstride = a->w13_stride[1];
+  p->w2_estride = a->w2_stride[0], p->w2_rstride = a->w2_stride[1];
+  p->topk_w_stride = a->topk_weights_stride[0], p->topk_ids_stride = a->topk_ids_stride[0];
+  p->out_stride = a->out_stride[0];
+  p->emap = (const int *)a->expert_map;
+  f.x_scale = a->hidden_scale, f.w13_scale = a->w13_scale, f.w2_scale = a->w2_scale;
+  for (int i = 0; i < 3; ++i) {
+    if (i < 2) f.xs_stride[i] = a->hidden_scale_stride[i];
+    f.w13s_stride[i] = a->w13_scale_stride[i];
+    f.w2s_stride[i] = a->w2_scale_stride[i];
+  }
+  return launch(cu, plan, &f, workspace, (og_CUstream)stream, stages);
 }
 
 int32_t opgraft_moe_run(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream) {

@@ -11,11 +11,13 @@
 #define OG_MOE_MAX_EXPERTS 4096
 #define OG_MOE_MAX_TOPK 16
 #define OG_MOE_MIN_ARCH 80 /* mma.sync bf16 and cvt.rn.bf16x2.f32 need sm_80 */
+#define OG_MOE_FP8_MIN_ARCH 89 /* mma.sync e4m3 and cvt e4m3x2 need sm_89 */
 
 extern const og_op opgraft__moe_op;
 
 typedef struct og_moe_shape {
   int64_t E, H, I, k;
+  int fp8; /* an FP8 key ("moe:fp8block:..." or "moe:fp8tensor:...") */
 } og_moe_shape;
 /* Parses a shape key ("moe:bf16:E128:H2048:I768:k8"); 1 on success. */
 int opgraft__moe_parse_shape(const char *shape, og_moe_shape *s);
@@ -24,6 +26,8 @@ int opgraft__moe_rule(const opgraft_tune_query *q, int64_t *value);
 
 /* guard.c */
 const char *opgraft__moe_dtype_name(int32_t d);
+/* Are the weights FP8 (the FP8 kernels, moe/moe_fp8.cu)? */
+int opgraft__moe_is_fp8(const opgraft_moe_args *a);
 void opgraft__moe_shape_key(const opgraft_moe_args *a, char *buf, size_t len);
 /* The checks that look only at the arguments (no system calls). */
 int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_t reason_len);
@@ -32,7 +36,11 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
                                   char *reason, size_t reason_len);
 /* The pointer checks every run repeats (alignment, NULL), as a reason. */
 int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, size_t reason_len);
+/* The workspace's act region (FP8 weights: act's first e4m3 term, its second from
+ * opgraft__moe_act_lo_offset on, its scales from opgraft__moe_act_scale_offset on). */
 size_t opgraft__moe_act_bytes(const opgraft_moe_args *a);
+size_t opgraft__moe_act_lo_offset(const opgraft_moe_args *a);
+size_t opgraft__moe_act_scale_offset(const opgraft_moe_args *a);
 /* OPGRAFT_TRACE: per-block phase times after the workspace's counter area (a diagnostic). */
 int opgraft__moe_trace_on(void);
 int64_t opgraft__moe_trace_blocks(const opgraft_moe_args *a);
@@ -57,8 +65,13 @@ typedef struct og_moe_cfg {
 void opgraft__moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c);
 /* The compile options of a configuration; OPGRAFT_EINVAL if they did not fit. */
 int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_opts *o);
-enum { OG_MOE_KERNELS = 3 }; /* gate_up, down, fused */
-void opgraft__moe_fn_names(int32_t dtype, char names[OG_MOE_KERNELS][64]);
+enum { OG_MOE_KERNELS = 3 }; /* gate_up, down, fused (bf16/fp16 weights only) */
+/* The entry points of a call's kernels and how many of them the configuration uses. */
+void opgraft__moe_fn_names(const opgraft_moe_args *a, char names[OG_MOE_KERNELS][64]);
+int opgraft__moe_nkernels(const opgraft_moe_args *a, const og_moe_cfg *c);
 #define OG_MOE_SOURCE "moe/moe.cu"
+#define OG_MOE_FP8_SOURCE "moe/moe_fp8.cu"
+/* The kernel source of a call. */
+const char *opgraft__moe_source(const opgraft_moe_args *a);
 
 #endif

@@ -6,8 +6,8 @@
 
 /* Ranges are what the kernels accept; the fallback applies only where neither a row nor the rule
  * gives a value; the last field is what `opgraft tune` tries (the kernels clamp what would not
- * fit). moe.max_tokens (a hand-back threshold from end-to-end runs) and moe.expert_map (a switch)
- * are not speed choices the tuner makes. */
+ * fit). moe.max_tokens (a hand-back threshold from end-to-end runs), moe.expert_map and moe.fp8
+ * (switches) are not speed choices the tuner makes. */
 static const og_tunable tunables[] = {
     {"moe.max_tokens", 0, 64, 1, NULL},
     {"moe.gate_up.warps", 1, 16, 8, "1 2 4 8 16"},
@@ -29,6 +29,8 @@ static const og_tunable tunables[] = {
     {"moe.pdl_in", 0, 1, 0, "0 1"},
     {"moe.load", 1, 4, 4, "4 1"},
     {"moe.down_load", 1, 4, 1, "1 4"},
+    /* FP8 weights taken (1) or handed back (0); also OPGRAFT_MOE_FP8=0. A switch, not tuned. */
+    {"moe.fp8", 0, 1, 0, NULL},
 };
 
 static const og_tune_entry rows[] = {
@@ -106,6 +108,17 @@ static void moe_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_moe_args, arch);
   OG_ABI_FIELD(b, opgraft_moe_args, gpu_name);
   OG_ABI_FIELD(b, opgraft_moe_args, expert_map_len);
+  OG_ABI_FIELD(b, opgraft_moe_args, weight_dtype);
+  OG_ABI_FIELD(b, opgraft_moe_args, scale_layout);
+  OG_ABI_FIELD(b, opgraft_moe_args, block_n);
+  OG_ABI_FIELD(b, opgraft_moe_args, block_k);
+  OG_ABI_FIELD(b, opgraft_moe_args, scale_dtype);
+  OG_ABI_FIELD(b, opgraft_moe_args, hidden_scale);
+  OG_ABI_FIELD(b, opgraft_moe_args, hidden_scale_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, w13_scale);
+  OG_ABI_FIELD(b, opgraft_moe_args, w13_scale_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, w2_scale);
+  OG_ABI_FIELD(b, opgraft_moe_args, w2_scale_stride);
   opgraft__abi_end(b);
 }
 

@@ -20,7 +20,7 @@ static const struct {
     {"moe.down.min_blocks", 0},    {"moe.down.early", 0},         {"moe.down.one_token", 0},
     {"moe.down.warp_routing", 0},  {"moe.fused", 0},              {"moe.l2_fetch", 0},
     {"moe.expert_map", 1},         {"moe.pdl", 0},                {"moe.pdl_in", 0},
-    {"moe.load", 4},               {"moe.down_load", 1},
+    {"moe.load", 4},               {"moe.down_load", 1},          {"moe.fp8", 0},
 };
 #define N_KEYS ((int)(sizeof defaults / sizeof *defaults))
 

@@ -21,16 +21,34 @@ static const shape shapes[] = {
     {"Mixtral-8x7B", 8, 4096, 14336, 2, 0},   {"DeepSeek-V3", 256, 7168, 2048, 8, 0},
     {"Kimi-K2", 384, 7168, 2048, 8, 0},       {"odd", 7, 96, 160, 3, 0},
     {"Qwen3-30B-A3B/ep2", 64, 2048, 768, 8, 128}, {"DeepSeek-V3/ep64", 4, 7168, 2048, 8, 256},
+    /* per-rank shapes of the FP8 jobs: tensor parallelism 8 (I/8) and 4, expert parallelism 8 */
+    {"DeepSeek-V3/tp8", 256, 7168, 256, 8, 0}, {"Kimi-K2/tp8", 384, 7168, 256, 8, 0},
+    {"DeepSeek-V3/ep8", 32, 7168, 2048, 8, 256}, {"Kimi-K2/ep8", 48, 7168, 2048, 8, 384},
+    {"Qwen3-30B-A3B/tp4", 128, 2048, 192, 8, 0}, {"Qwen3-30B-A3B/tp8", 128, 2048, 96, 8, 0},
 };
-enum { Q30, Q235, MIX, DSV3, KIMI, ODD, EP2, EP64, N_SHAPES };
+enum { Q30, Q235, MIX, DSV3, KIMI, ODD, EP2, EP64, DSV3_TP8, KIMI_TP8, DSV3_EP8, KIMI_EP8, Q30_TP4, Q30_TP8 };
+/* The shapes of the bf16/fp16 jobs (unchanged since before the FP8 kernels). */
+#define N_SHAPES 8
 static const int32_t token_counts[] = {1, 2, 4, 8, 9, 16, 17, 32, 33, 64};
 #define N_TOKENS ((int)(sizeof token_counts / sizeof *token_counts))
 static const int32_t archs[] = {80, 90};
+/* FP8 weights need sm_89 (mma.sync e4m3): their jobs compile for sm_89 and sm_90. */
+static const int32_t fp8_archs[] = {89, 90};
+
+/* The weights of a job: bf16/fp16 (NONE), or FP8 with block scales of a size, or per-tensor. */
+typedef struct quant {
+  int32_t layout, block;
+} quant;
+static const quant Q_NONE = {OPGRAFT_MOE_SCALE_NONE, 0}, Q_B128 = {OPGRAFT_MOE_SCALE_BLOCK, 128},
+                   Q_B64 = {OPGRAFT_MOE_SCALE_BLOCK, 64}, Q_B32 = {OPGRAFT_MOE_SCALE_BLOCK, 32},
+                   Q_TENSOR = {OPGRAFT_MOE_SCALE_TENSOR, 0};
 
 /* One compile: a configuration of one shape. */
 typedef struct job {
   char what[200];
   int32_t dtype, arch, fused;
+  opgraft_moe_args args; /* what names the kernels (opgraft__moe_fn_names) */
+  int nkernels;
   og_opts opts;
   int32_t status, ninfo;
   opgraft_kernel_info info[3];
@@ -45,8 +63,8 @@ static int have_nvrtc;
 static char nvrtc_error[256];
 static _Atomic int next_job;
 
-/* Adds the configuration that the current tunables give (shape s, T tokens, dtype, arch). */
-static void add_job(int s, int32_t T, int32_t dtype, int32_t arch, const char *setting) {
+/* Adds the configuration that the current tunables give (shape s, T tokens, dtype, weights, arch). */
+static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, const char *setting) {
   if (n_jobs >= MAX_JOBS) fail_msg("more than %d compile jobs", MAX_JOBS);
   opgraft_moe_args a;
   memset(&a, 0, sizeof a);
@@ -59,19 +77,29 @@ static void add_job(int s, int32_t T, int32_t dtype, int32_t arch, const char *s
   a.arch = arch;
   if (shapes[s].global_experts) /* the compile looks at whether there is a map, never at its data */
     a.expert_map = (const void *)0x1000, a.expert_map_len = shapes[s].global_experts;
+  char wq[32] = "";
+  if (qz.layout != OPGRAFT_MOE_SCALE_NONE) {
+    a.weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a.scale_layout = qz.layout, a.scale_dtype = OPGRAFT_DTYPE_FP32;
+    a.block_n = a.block_k = qz.block;
+    if (qz.layout == OPGRAFT_MOE_SCALE_BLOCK) snprintf(wq, sizeof wq, " fp8 %dx%d blocks", qz.block, qz.block);
+    else snprintf(wq, sizeof wq, " fp8 per-tensor");
+  }
   job *j = &jobs[n_jobs];
   memset(j, 0, sizeof *j);
-  snprintf(j->what, sizeof j->what, "%s (E=%lld H=%lld I=%lld k=%lld) %s T=%d sm_%d%s%s", shapes[s].name,
+  snprintf(j->what, sizeof j->what, "%s (E=%lld H=%lld I=%lld k=%lld) %s%s T=%d sm_%d%s%s", shapes[s].name,
            (long long)shapes[s].E, (long long)shapes[s].H, (long long)shapes[s].I, (long long)shapes[s].k,
-           dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", T, arch, setting ? " with " : "", setting ? setting : "");
-  j->dtype = dtype, j->arch = arch, j->dup_of = -1;
+           dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", wq, T, arch, setting ? " with " : "", setting ? setting : "");
+  j->dtype = dtype, j->arch = arch, j->dup_of = -1, j->args = a;
   og_moe_cfg cfg;
   opgraft__moe_config(&a, arch, NULL, &cfg);
   j->fused = cfg.fused;
+  j->nkernels = opgraft__moe_nkernels(&a, &cfg);
   if (opgraft__moe_options(&a, &cfg, &j->opts) != OPGRAFT_OK) fail_msg("%s: %s", j->what, opgraft_last_error());
   for (int i = 0; i < n_jobs && j->dup_of < 0; ++i) {
     const job *o = &jobs[i];
-    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n || o->fused != j->fused) continue;
+    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n || o->fused != j->fused ||
+        o->args.weight_dtype != a.weight_dtype)
+      continue;
     int same = 1;
     for (int k = 0; k < o->opts.n && same; ++k) same = strcmp(o->opts.ptr[k], j->opts.ptr[k]) == 0;
     if (same) j->dup_of = i;
@@ -80,32 +108,39 @@ static void add_job(int s, int32_t T, int32_t dtype, int32_t arch, const char *s
   ++n_jobs;
 }
 
-/* The jobs of one setting (NULL: the shipped tables) over shapes ids[] x tokens[] x both archs. */
-static void add_setting(const char *const *env, const int *ids, int nids, const int32_t *tokens, int ntokens,
-                        int32_t dtype) {
+/* The jobs of one setting (NULL: the shipped tables) over shapes ids[] x tokens[] x both archs
+ * (sm_80 and sm_90; FP8 weights: sm_89 and sm_90). */
+static void add_setting_q(const char *const *env, const int *ids, int nids, const int32_t *tokens, int ntokens,
+                          int32_t dtype, quant qz) {
   char setting[200] = "";
   for (int e = 0; env && env[e]; e += 2) {
     setenv(env[e], env[e + 1], 1);
     snprintf(setting + strlen(setting), sizeof setting - strlen(setting), "%s%s=%s", e ? " " : "", env[e], env[e + 1]);
   }
   opgraft_tune_reload();
+  const int32_t *ar = qz.layout == OPGRAFT_MOE_SCALE_NONE ? archs : fp8_archs;
   for (int s = 0; s < nids; ++s)
     for (int t = 0; t < ntokens; ++t)
-      for (int a = 0; a < 2; ++a) add_job(ids[s], tokens[t], dtype, archs[a], env ? setting : NULL);
+      for (int a = 0; a < 2; ++a) add_job(ids[s], tokens[t], dtype, qz, ar[a], env ? setting : NULL);
   for (int e = 0; env && env[e]; e += 2) unsetenv(env[e]);
   opgraft_tune_reload();
 }
 
+static void add_setting(const char *const *env, const int *ids, int nids, const int32_t *tokens, int ntokens,
+                        int32_t dtype) {
+  add_setting_q(env, ids, nids, tokens, ntokens, dtype, Q_NONE);
+}
+
 static void run_job(job *j) {
   og_cubin c;
-  j->status = opgraft__cubin_cached(OG_MOE_SOURCE, j->opts.ptr, j->opts.n, j->arch, &c);
+  j->status = opgraft__cubin_cached(opgraft__moe_source(&j->args), j->opts.ptr, j->opts.n, j->arch, &c);
   if (j->status) {
     opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
     return;
   }
   char names[OG_MOE_KERNELS][64];
-  opgraft__moe_fn_names(j->dtype, names);
-  j->ninfo = j->fused ? 3 : 2;
+  opgraft__moe_fn_names(&j->args, names);
+  j->ninfo = j->nkernels;
   for (int k = 0; k < j->ninfo && !j->status; ++k) j->status = opgraft__parse_resources(c.log, names[k], &j->info[k]);
   if (j->status) opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
   opgraft__cubin_free(&c);
@@ -200,6 +235,48 @@ static int setup(void **state) {
     add_setting((const char *[]){"OPGRAFT_TUNE_MOE_LOAD", *v, NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
     add_setting((const char *[]){"OPGRAFT_TUNE_MOE_DOWN_LOAD", *v, NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
   }
+  /* FP8 weights (moe_fp8.cu): the shipped configurations with 128x128 block scales over the
+   * presets, their per-rank shapes and every token count; 64x64 and 32x32 blocks (vLLM 0.33's
+   * refined blocks where I/tp is no multiple of 128) and per-tensor scales at odd sizes; fp16
+   * output; then each tunable the FP8 kernels read, where it changes their code. */
+  static const int fp8_presets[] = {Q30, Q235, MIX, DSV3, KIMI, EP2, EP64, DSV3_TP8, KIMI_TP8, DSV3_EP8, KIMI_EP8};
+  static const int fp8_odd[] = {ODD, Q30_TP4, Q30_TP8, MIX, Q30};
+  static const int32_t t1_4_8[] = {1, 4, 8};
+  add_setting_q(NULL, fp8_presets, 11, token_counts, N_TOKENS, OPGRAFT_DTYPE_BF16, Q_B128);
+  add_setting_q(NULL, (const int[]){Q30_TP4, DSV3_TP8}, 2, t1_9_33, 3, OPGRAFT_DTYPE_BF16, Q_B64);
+  add_setting_q(NULL, (const int[]){ODD, Q30_TP8}, 2, t1_9_33, 3, OPGRAFT_DTYPE_BF16, Q_B32);
+  add_setting_q(NULL, fp8_odd, 5, token_counts, N_TOKENS, OPGRAFT_DTYPE_BF16, Q_TENSOR);
+  add_setting_q(NULL, (const int[]){Q30, ODD}, 2, t1_9_33, 3, OPGRAFT_DTYPE_FP16, Q_B128);
+  add_setting_q(NULL, (const int[]){Q30, ODD}, 2, t1_9_33, 3, OPGRAFT_DTYPE_FP16, Q_TENSOR);
+  static const quant both[] = {{OPGRAFT_MOE_SCALE_BLOCK, 128}, {OPGRAFT_MOE_SCALE_TENSOR, 0}};
+  for (int b = 0; b < 2; ++b) {
+    static const int q30_kimi_mix[] = {Q30, KIMI, MIX, EP64};
+    add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1",
+                                   "OPGRAFT_TUNE_MOE_PDL_IN", "1", NULL},
+                  q30_kimi_mix, 4, t1_4_8, 3, OPGRAFT_DTYPE_BF16, both[b]);
+    add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", NULL}, q30_kimi_mix, 4, t1_4_8, 3, OPGRAFT_DTYPE_BF16,
+                  both[b]);
+    /* the general routing where the rule takes routing by slot */
+    add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_SLOT_ROUTING", "0", "OPGRAFT_TUNE_MOE_DOWN_WARP_ROUTING",
+                                   "0", NULL},
+                  q30_kimi_mix, 4, t1_4_8, 3, OPGRAFT_DTYPE_BF16, both[b]);
+    for (const char *const *v = (const char *const[]){"1", "4", NULL}; *v; ++v)
+      add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_LOAD", *v, "OPGRAFT_TUNE_MOE_DOWN_LOAD", *v, NULL}, q30_mix, 2,
+                    t1_8, 2, OPGRAFT_DTYPE_BF16, both[b]);
+    for (const char *const *v = (const char *const[]){"0", "1", "4", NULL}; *v; ++v)
+      add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_MIN_BLOCKS", *v, NULL}, q30_kimi_mix, 4, t1_8, 2,
+                    OPGRAFT_DTYPE_BF16, both[b]);
+    for (const char *const *v = (const char *const[]){"1", "2", "4", "16", NULL}; *v; ++v)
+      add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_WARPS", *v, "OPGRAFT_TUNE_MOE_DOWN_WARPS", *v, NULL},
+                    q30_kimi_mix, 4, t1_8, 2, OPGRAFT_DTYPE_BF16, both[b]);
+    for (const char *const *v = (const char *const[]){"1", "2", "4", NULL}; *v; ++v)
+      add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_UNROLL", *v, "OPGRAFT_TUNE_MOE_DOWN_UNROLL", *v, NULL},
+                    q30_kimi_mix, 4, t1_8, 2, OPGRAFT_DTYPE_BF16, both[b]);
+    add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_DOWN_MIN_BLOCKS", "2", NULL}, q30_kimi_mix, 4, t1_8, 2,
+                  OPGRAFT_DTYPE_BF16, both[b]);
+    add_setting_q((const char *[]){"OPGRAFT_TRACE", "1", NULL}, (const int[]){Q30, ODD}, 2, t1_8, 2,
+                  OPGRAFT_DTYPE_BF16, both[b]);
+  }
   long threads = sysconf(_SC_NPROCESSORS_ONLN);
   const char *env = getenv("OPGRAFT_TEST_JOBS");
   if (env && atoi(env) > 0) threads = atoi(env);
@@ -239,6 +316,9 @@ static const job *result_of(const job *j) { return j->dup_of >= 0 ? &jobs[j->dup
 static void test_every_variant_compiles(void **state) {
   need_nvrtc();
   assert_true(n_unique > 50 && n_unique <= n_jobs);
+  int fp8 = 0;
+  for (int i = 0; i < n_jobs; ++i) fp8 += jobs[i].args.weight_dtype == OPGRAFT_DTYPE_FP8_E4M3 && jobs[i].dup_of < 0;
+  assert_true(fp8 > 100);
   int bad = 0;
   for (int i = 0; i < n_jobs; ++i) {
     const job *r = result_of(&jobs[i]);
@@ -248,7 +328,7 @@ static void test_every_variant_compiles(void **state) {
       continue;
     }
     char names[OG_MOE_KERNELS][64];
-    opgraft__moe_fn_names(jobs[i].dtype, names);
+    opgraft__moe_fn_names(&jobs[i].args, names);
     for (int k = 0; k < r->ninfo; ++k)
       if (strcmp(r->info[k].name, names[k]) != 0 || r->info[k].registers <= 0) {
         print_error("%s: kernel %d is \"%s\" with %d registers, expected %s with some\n", jobs[i].what, k,

@@ -1,6 +1,7 @@
 /* The MoE dispatch guard: which calls the kernel takes and why it refuses the others. No GPU and
  * no data are needed: the pointers are fake but aligned, and the guard never reads them. */
 #include "og_test.h"
+#include "moe/moe.h"
 
 static char tmp[512];
 
@@ -300,6 +301,194 @@ static void test_run_without_gpu(void **state) {
   assert_int_equal(opgraft_moe_run_stages(&a, (void *)0x500000, 1 << 20, NULL, 4), OPGRAFT_EINVAL);
 }
 
+/* ---- FP8 weights ---- */
+
+/* Qwen3-30B-A3B's FP8 checkpoint as vLLM hands it to TritonExperts.apply: e4m3 weights and
+ * activations, 128x128 block scales, per-token activation groups of 128 (contiguous scales). */
+static opgraft_moe_args fp8_args(int32_t layout) {
+  opgraft_moe_args a = valid_args();
+  a.weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a.scale_layout = layout, a.scale_dtype = OPGRAFT_DTYPE_FP32;
+  a.hidden_scale = (const void *)0x330000, a.w13_scale = (const void *)0x340000, a.w2_scale = (const void *)0x350000;
+  if (layout == OPGRAFT_MOE_SCALE_BLOCK) {
+    a.block_n = a.block_k = 128;
+    a.hidden_scale_stride[0] = 2048 / 128, a.hidden_scale_stride[1] = 1;
+    a.w13_scale_stride[0] = 12 * 16, a.w13_scale_stride[1] = 16, a.w13_scale_stride[2] = 1;
+    a.w2_scale_stride[0] = 16 * 6, a.w2_scale_stride[1] = 6, a.w2_scale_stride[2] = 1;
+  } else { /* one scale per expert: [E] */
+    a.w13_scale_stride[0] = 1, a.w2_scale_stride[0] = 1;
+  }
+  return a;
+}
+
+static void test_fp8_valid(void **state) {
+  opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  expect_ok(&a, "fp8 block scales");
+  a.dtype = OPGRAFT_DTYPE_FP16;
+  expect_ok(&a, "fp8 block scales, fp16 out");
+  a = fp8_args(OPGRAFT_MOE_SCALE_TENSOR);
+  expect_ok(&a, "fp8 per-tensor scales");
+  a.w13_scale_stride[0] = 2, a.w13_scale_stride[1] = 1; /* [E, 2]: a scale per half */
+  expect_ok(&a, "fp8 per-tensor scales per half");
+  a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  a.block_n = a.block_k = 64; /* vLLM 0.33's refined blocks */
+  expect_ok(&a, "fp8 64x64 blocks");
+  a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  a.w13_scale_stride[1] = 1, a.w13_scale_stride[2] = 12; /* DeepGEMM-style transposed scales */
+  a.hidden_scale_stride[0] = 1, a.hidden_scale_stride[1] = 1;
+  expect_ok(&a, "fp8 transposed scales");
+  a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  set_shape(&a, 1, 2048, 768, 128, 8);
+  a.hidden_states_stride[0] = 2048 + 16;
+  expect_ok(&a, "fp8 with a padded hidden row");
+  a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  a.num_tokens = 0, a.hidden_scale = a.w13_scale = a.w2_scale = NULL;
+  expect_ok(&a, "fp8 T=0 without scales");
+}
+
+static void test_fp8_archs_and_switches(void **state) {
+  opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  a.arch = 80;
+  expect_refusal(&a, "the FP8 kernels need sm_89", "fp8 on sm_80");
+  a.arch = 89; /* compiled and tested on CPU, never measured: handed back by the rule */
+  expect_refusal(&a, "moe.fp8 is 0 on sm_89", "fp8 on sm_89");
+  setenv("OPGRAFT_TUNE_MOE_FP8", "1", 1);
+  opgraft_tune_reload();
+  expect_ok(&a, "fp8 on sm_89 with moe.fp8=1");
+  a.arch = 90;
+  setenv("OPGRAFT_TUNE_MOE_FP8", "0", 1);
+  opgraft_tune_reload();
+  expect_refusal(&a, "moe.fp8 is 0 on sm_90", "fp8 with moe.fp8=0");
+  unsetenv("OPGRAFT_TUNE_MOE_FP8");
+  opgraft_tune_reload();
+  expect_ok(&a, "fp8 on sm_90 by the rule");
+  setenv("OPGRAFT_MOE_FP8", "0", 1);
+  expect_refusal(&a, "OPGRAFT_MOE_FP8=0", "fp8 with OPGRAFT_MOE_FP8=0");
+  opgraft_moe_args b = valid_args(); /* bf16 calls do not look at the FP8 switches */
+  expect_ok(&b, "bf16 with OPGRAFT_MOE_FP8=0");
+  setenv("OPGRAFT_MOE_FP8", "1", 1);
+  expect_ok(&a, "fp8 with OPGRAFT_MOE_FP8=1");
+  unsetenv("OPGRAFT_MOE_FP8");
+}
+
+static void test_fp8_refusals(void **state) {
+  static const struct {
+    int field;
+    const char *needle;
+  } cases[] = {
+      {0, "weights dtype uint8"},        /* packed 4-bit weights (MXFP4, NVFP4, INT4) */
+      {1, "weights dtype int32"},        /* GPTQ/AWQ-style packed weights */
+      {2, "scale layout 3"},             /* an unknown layout */
+      {3, "scales of dtype bf16"},       /* scales in another dtype */
+      {4, "apply_router_weight_on_input"},
+      {5, "FP8 weight blocks 128x16"},   /* blocks finer than the kernels' k-step */
+      {6, "FP8 weight blocks 100x128"},
+      {7, "negative FP8 scale strides"},
+      {8, "FP8 row strides"},            /* rows not of whole 16-byte chunks */
+      {9, "an FP8 scale pointer is NULL"},
+      {10, "FP8 scales misaligned"},
+      {11, "scale layout 1 with unquantized weights"},
+      {12, "activation 2"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+    opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+    switch (cases[i].field) {
+    case 0: a.weight_dtype = OPGRAFT_DTYPE_UINT8; break;
+    case 1: a.weight_dtype = OPGRAFT_DTYPE_INT32; break;
+    case 2: a.scale_layout = 3; break;
+    case 3: a.scale_dtype = OPGRAFT_DTYPE_BF16; break;
+    case 4: a.apply_router_weight_on_input = 1; break;
+    case 5: a.block_k = 16; break;
+    case 6: a.block_n = 100; break;
+    case 7: a.w2_scale_stride[2] = -1; break;
+    case 8: a.hidden_states_stride[0] = 2048 + 8; break;
+    case 9: a.w13_scale = NULL; break;
+    case 10: a.hidden_scale = (const void *)0x330002; break;
+    case 11: a.weight_dtype = 0; break;
+    case 12: a.activation = OPGRAFT_ACT_GELU; break;
+    }
+    expect_refusal(&a, cases[i].needle, cases[i].needle);
+  }
+}
+
+static void test_fp8_tokens_and_expert_map(void **state) {
+  opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  a.num_tokens = 8;
+  expect_ok(&a, "fp8 T=8");
+  a.num_tokens = 9; /* the rule's moe.max_tokens 8 on sm_90 holds for the FP8 shape key too */
+  expect_refusal(&a, "9 tokens > moe.max_tokens 8", "fp8 T=9");
+  setenv("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64", 1);
+  opgraft_tune_reload();
+  a.num_tokens = 64;
+  expect_ok(&a, "fp8 T=64 with moe.max_tokens=64");
+  /* DeepSeek-V3 at EP 64: 4 local experts, top-8, an expert_map of 256 global experts */
+  a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  set_shape(&a, 2, 7168, 2048, 4, 8);
+  a.hidden_scale_stride[0] = 56, a.hidden_scale_stride[1] = 1;
+  a.w13_scale_stride[0] = 32 * 56, a.w13_scale_stride[1] = 56, a.w13_scale_stride[2] = 1;
+  a.w2_scale_stride[0] = 56 * 16, a.w2_scale_stride[1] = 16, a.w2_scale_stride[2] = 1;
+  expect_refusal(&a, "top_k 8 > 4 experts", "fp8 k > E without a map");
+  a.expert_map = (const void *)0x400000, a.expert_map_len = 256;
+  expect_ok(&a, "fp8 k > E with an expert_map");
+  opgraft_moe_args b = valid_args();
+  set_shape(&b, 2, 7168, 2048, 4, 8);
+  b.expert_map = (const void *)0x400000, b.expert_map_len = 256;
+  expect_ok(&b, "bf16 k > E with an expert_map");
+}
+
+static void test_fp8_shape_key_rules_workspace(void **state) {
+  opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  char key[128];
+  opgraft__moe_shape_key(&a, key, sizeof key);
+  assert_string_equal(key, "moe:fp8block:E128:H2048:I768:k8");
+  a = fp8_args(OPGRAFT_MOE_SCALE_TENSOR);
+  opgraft__moe_shape_key(&a, key, sizeof key);
+  assert_string_equal(key, "moe:fp8tensor:E128:H2048:I768:k8");
+  og_moe_shape sh;
+  assert_true(opgraft__moe_parse_shape(key, &sh) && sh.fp8 && sh.E == 128 && sh.k == 8);
+  assert_true(opgraft__moe_parse_shape("moe:bf16:E8:H4096:I14336:k2", &sh) && !sh.fp8);
+  /* The rule: FP8 on sm_90 only; gate_up's warps twice bf16's; routing by slot up to 32 slots. */
+  const struct {
+    const char *key, *shape;
+    int32_t arch, tokens;
+    int64_t want;
+  } rules[] = {
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 1},
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 89, 1, 0},
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 4, 1},
+      {"moe.gate_up.warps", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 8},
+      {"moe.gate_up.warps", "moe:bf16:E128:H2048:I768:k8", 90, 1, 4},
+      {"moe.gate_up.warps", "moe:fp8block:E384:H7168:I2048:k8", 90, 1, 16},
+      {"moe.gate_up.unroll", "moe:fp8block:E384:H7168:I2048:k8", 90, 1, 8},
+      {"moe.down.unroll", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 8},
+      {"moe.gate_up.slot_routing", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 1},
+      {"moe.gate_up.slot_routing", "moe:fp8block:E128:H2048:I768:k8", 90, 5, 0},
+      {"moe.down.warp_routing", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 16, 1},
+      {"moe.max_tokens", "moe:fp8block:E128:H2048:I768:k8", 90, 9, 8},
+  };
+  for (size_t i = 0; i < sizeof rules / sizeof *rules; ++i) {
+    const opgraft_tune_query q = {rules[i].key, rules[i].arch, NULL, rules[i].shape, rules[i].tokens};
+    int64_t v = -1;
+    char src[64];
+    assert_int_equal(opgraft_tune_get(&q, &v, src, sizeof src), OPGRAFT_OK);
+    if (v != rules[i].want)
+      fail_msg("%s for %s sm_%d T=%d: %lld (%s), expected %lld", rules[i].key, rules[i].shape, rules[i].arch,
+               rules[i].tokens, (long long)v, src, (long long)rules[i].want);
+  }
+  /* Workspace: act's two e4m3 terms [T*k, I], each padded, then a scale per slot and 32 rows,
+   * padded, then the counter's 256 bytes. */
+  const int64_t cases[][3] = {{1, 8, 768}, {3, 3, 160}, {64, 8, 2048}, {5, 2, 96}};
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+    set_shape(&a, cases[i][0], 2048, cases[i][2], 128, cases[i][1]);
+    size_t bytes = 0;
+    assert_int_equal(opgraft_moe_workspace_size(&a, &bytes), OPGRAFT_OK);
+    const size_t slots = (size_t)(cases[i][0] * cases[i][1]);
+    const size_t want = 2 * ((slots * (size_t)cases[i][2] + 255) / 256 * 256) +
+                        (slots * (size_t)(cases[i][2] / 32) * 4 + 255) / 256 * 256 + 256;
+    if (bytes != want) fail_msg("fp8 workspace T=%lld k=%lld I=%lld: %zu, expected %zu", (long long)cases[i][0],
+                                (long long)cases[i][1], (long long)cases[i][2], bytes, want);
+  }
+}
+
 #define REFUSAL(r) {"refuse_" #r, test_refusal, NULL, reset_tunables, (void *)&r_##r}
 
 int main(void) {
@@ -339,6 +528,11 @@ int main(void) {
       cmocka_unit_test(test_no_gpu_without_arch),
       cmocka_unit_test(test_workspace_size),
       cmocka_unit_test(test_run_without_gpu),
+      cmocka_unit_test_teardown(test_fp8_valid, reset_tunables),
+      cmocka_unit_test_teardown(test_fp8_archs_and_switches, reset_tunables),
+      cmocka_unit_test_teardown(test_fp8_refusals, reset_tunables),
+      cmocka_unit_test_teardown(test_fp8_tokens_and_expert_map, reset_tunables),
+      cmocka_unit_test_teardown(test_fp8_shape_key_rules_workspace, reset_tunables),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -515,8 +515,401 @@ static void test_round_fp16(void **state) {
   check_crafted(OPGRAFT_DTYPE_FP16, act, c, (int)(sizeof c / sizeof *c));
 }
 
+/* ---- expert parallelism with fewer local experts than a token's picks ---- */
+
+/* A rank of DeepSeek-V3 at EP 64 holds 4 experts and each token picks 8: here 8 global experts,
+ * k = 6 distinct picks a token, this rank holds globals 2 and 5 (local 0 and 1). The oracle with
+ * the map equals the global problem with the other ranks' slots removed. */
+static void test_expert_map_fewer_local_than_topk(void **state) {
+  for (int d = 0; d < 2; ++d) {
+    problem p;
+    problem_init(&p, dtypes[d], d, 0, 0, 40 + (uint64_t)d);
+    free(p.w13), free(p.w2), free(p.tw), free(p.ids), free(p.ids_buf);
+    p.E = 8, p.k = 6;
+    p.w13 = malloc(sizeof(uint16_t) * (size_t)(p.E * 2 * p.I * p.H));
+    p.w2 = malloc(sizeof(uint16_t) * (size_t)(p.E * p.H * p.I));
+    p.tw = malloc(sizeof(float) * (size_t)(p.T * p.k));
+    p.ids = malloc(sizeof(int64_t) * (size_t)(p.T * p.k));
+    p.ids_buf = malloc(sizeof(int64_t) * (size_t)(p.T * p.k));
+    assert_true(p.w13 && p.w2 && p.tw && p.ids && p.ids_buf);
+    for (int64_t i = 0; i < p.E * 2 * p.I * p.H; ++i) p.w13[i] = random_bits(p.dtype);
+    for (int64_t i = 0; i < p.E * p.H * p.I; ++i) p.w2[i] = random_bits(p.dtype);
+    for (int64_t i = 0; i < p.T * p.k; ++i) p.tw[i] = (float)((rnd() >> 11) * 0x1p-53);
+    /* token 0 picks both local experts, token 1 one of them, token 2 none */
+    const int64_t ids[3][6] = {{0, 2, 7, 5, 1, 3}, {6, 4, 3, 5, 0, 1}, {0, 1, 3, 4, 6, 7}};
+    memcpy(p.ids, ids, sizeof ids);
+    static const int32_t map[8] = {-1, -1, 0, -1, -1, 1, -1, -1};
+    const int64_t w13n = 2 * p.I * p.H, w2n = p.H * p.I;
+    uint16_t *w13 = malloc(sizeof(uint16_t) * (size_t)(2 * w13n)), *w2 = malloc(sizeof(uint16_t) * (size_t)(2 * w2n));
+    assert_true(w13 && w2);
+    memcpy(w13, p.w13 + 2 * w13n, sizeof(uint16_t) * (size_t)w13n);
+    memcpy(w13 + w13n, p.w13 + 5 * w13n, sizeof(uint16_t) * (size_t)w13n);
+    memcpy(w2, p.w2 + 2 * w2n, sizeof(uint16_t) * (size_t)w2n);
+    memcpy(w2 + w2n, p.w2 + 5 * w2n, sizeof(uint16_t) * (size_t)w2n);
+    double got[3 * 32], want[3 * 32];
+    opgraft_moe_args a = problem_args(&p, NULL);
+    a.w13 = w13, a.w2 = w2, a.num_experts = 2;
+    a.w13_stride[0] = w13n, a.w2_stride[0] = w2n;
+    a.expert_map = map, a.expert_map_len = 8;
+    assert_int_equal(opgraft_moe_reference(&a, got), OPGRAFT_OK);
+    for (int i = 0; i < 18; ++i)
+      if (map[p.ids[i]] < 0) p.ids[i] = -1;
+    check_problem(&p, want, "the global problem restricted to 2 local experts, k = 6");
+    compare(&p, got, want, "expert_map with k > local experts");
+    for (int h = 0; h < 32; ++h) assert_true(got[2 * 32 + h] == 0.0); /* token 2: nothing here */
+    free(w13), free(w2);
+    problem_free(&p);
+  }
+}
+
+/* ---- FP8 weights ---- */
+
+/* float8_e4m3fn by its own rule here: a table of the 126 positive finite values in increasing
+ * order (subnormals j * 2^-9, then (8 + m) * 2^(e - 10)), indexed by the bits. */
+static double e4m3_table[128];
+
+static void build_e4m3_table(void) {
+  for (int b = 0; b < 128; ++b) {
+    const int e = b >> 3, m = b & 7;
+    double v = 0;
+    if (e == 0) {
+      for (int j = 0; j < m; ++j) v += 0x1p-9;
+    } else {
+      v = 1.0;
+      for (int j = 7; j < e; ++j) v *= 2.0;
+      for (int j = e; j < 7; ++j) v /= 2.0;
+      v *= 1.0 + m / 8.0;
+    }
+    e4m3_table[b] = (b == 127) ? NAN : v;
+  }
+}
+
+static double dec_e4m3(uint8_t b) { return (b & 0x80) ? -e4m3_table[b & 0x7f] : e4m3_table[b & 0x7f]; }
+
+static void test_e4m3_values(void **state) {
+  build_e4m3_table();
+  assert_true(dec_e4m3(0x38) == 1.0);
+  assert_true(dec_e4m3(0x7e) == 448.0);
+  assert_true(dec_e4m3(0xfe) == -448.0);
+  assert_true(dec_e4m3(0x08) == 0x1p-6);
+  assert_true(dec_e4m3(0x01) == 0x1p-9);
+  assert_true(dec_e4m3(0x07) == 7 * 0x1p-9);
+  assert_true(dec_e4m3(0x3c) == 1.5);
+  assert_true(isnan(dec_e4m3(0x7f)) && isnan(dec_e4m3(0xff)));
+  for (int b = 1; b < 126; ++b) assert_true(e4m3_table[b] < e4m3_table[b + 1]);
+}
+
+/* An FP8 problem: e4m3 bytes of x, w13, w2 (never NaN), scales in realistic ranges, and the scale
+ * tensors in a layout given by strides (transposed when `transposed`). */
+typedef struct fp8_problem {
+  int32_t layout, bn, bk, out_dtype;
+  int64_t T, H, I, E, k;
+  uint8_t *x, *w13, *w2;
+  float *xs, *s13, *s2, *tw;
+  int64_t xs_stride[2], s13_stride[3], s2_stride[3];
+  int32_t *ids;
+} fp8_problem;
+
+static int64_t cdiv64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static uint8_t random_e4m3(void) {
+  uint8_t b;
+  do b = (uint8_t)(rnd() >> 24);
+  while ((b & 0x7f) == 0x7f);
+  return b;
+}
+
+static float random_scale(double lo_exp, double hi_exp) {
+  const double u = (rnd() >> 11) * 0x1p-53;
+  return (float)exp2(lo_exp + (hi_exp - lo_exp) * u);
+}
+
+/* layout: OPGRAFT_MOE_SCALE_BLOCK with bn x bk blocks, or _TENSOR (w13 scales [E, 2] when
+ * two_halves, else [E] with stride 0 for the half). */
+static void fp8_init(fp8_problem *p, int32_t layout, int bn, int bk, int64_t H, int64_t I, int transposed,
+                     int two_halves, uint64_t seed) {
+  memset(p, 0, sizeof *p);
+  rng = seed * 0x9e3779b97f4a7c15ull + 777;
+  p->layout = layout, p->bn = bn, p->bk = bk, p->out_dtype = OPGRAFT_DTYPE_BF16;
+  p->T = 3, p->H = H, p->I = I, p->E = 4, p->k = 2;
+  const int64_t T = p->T, E = p->E;
+  p->x = malloc((size_t)(T * H));
+  p->w13 = malloc((size_t)(E * 2 * I * H));
+  p->w2 = malloc((size_t)(E * H * I));
+  p->tw = malloc(sizeof(float) * (size_t)(T * p->k));
+  p->ids = malloc(sizeof(int32_t) * (size_t)(T * p->k));
+  for (int64_t i = 0; i < T * H; ++i) p->x[i] = random_e4m3();
+  for (int64_t i = 0; i < E * 2 * I * H; ++i) p->w13[i] = random_e4m3();
+  for (int64_t i = 0; i < E * H * I; ++i) p->w2[i] = random_e4m3();
+  for (int64_t i = 0; i < T * p->k; ++i) p->tw[i] = (float)((rnd() >> 11) * 0x1p-53);
+  const int32_t ids[6] = {1, 3, 0, 2, 3, 1};
+  memcpy(p->ids, ids, sizeof ids);
+  if (layout == OPGRAFT_MOE_SCALE_BLOCK) {
+    const int64_t kbh = cdiv64(H, bk), nbi = cdiv64(I, bn), kbi = cdiv64(I, bk), nbh = cdiv64(H, bn);
+    p->xs = malloc(sizeof(float) * (size_t)(T * kbh));
+    p->s13 = malloc(sizeof(float) * (size_t)(E * 2 * nbi * kbh));
+    p->s2 = malloc(sizeof(float) * (size_t)(E * nbh * kbi));
+    /* activations ~ 1 / 448 (vLLM's absmax / 448), weights ~ 0.02 / 448 */
+    for (int64_t i = 0; i < T * kbh; ++i) p->xs[i] = random_scale(-10, -8);
+    for (int64_t i = 0; i < E * 2 * nbi * kbh; ++i) p->s13[i] = random_scale(-16, -13);
+    for (int64_t i = 0; i < E * nbh * kbi; ++i) p->s2[i] = random_scale(-16, -13);
+    p->xs_stride[0] = kbh, p->xs_stride[1] = 1;
+    if (transposed) { /* [E][kb][nb]: the two block indices swapped in memory */
+      p->s13_stride[0] = 2 * nbi * kbh, p->s13_stride[1] = 1, p->s13_stride[2] = 2 * nbi;
+      p->s2_stride[0] = nbh * kbi, p->s2_stride[1] = 1, p->s2_stride[2] = nbh;
+      p->xs_stride[0] = 1, p->xs_stride[1] = T;
+    } else {
+      p->s13_stride[0] = 2 * nbi * kbh, p->s13_stride[1] = kbh, p->s13_stride[2] = 1;
+      p->s2_stride[0] = nbh * kbi, p->s2_stride[1] = kbi, p->s2_stride[2] = 1;
+    }
+  } else {
+    p->xs = malloc(sizeof(float));
+    p->s13 = malloc(sizeof(float) * (size_t)(2 * E));
+    p->s2 = malloc(sizeof(float) * (size_t)E);
+    p->xs[0] = random_scale(-10, -8);
+    for (int64_t i = 0; i < 2 * E; ++i) p->s13[i] = random_scale(-16, -13);
+    for (int64_t i = 0; i < E; ++i) p->s2[i] = random_scale(-16, -13);
+    p->s13_stride[0] = two_halves ? 2 : 1, p->s13_stride[1] = two_halves ? 1 : 0;
+    p->s2_stride[0] = 1;
+  }
+}
+
+static void fp8_free(fp8_problem *p) {
+  free(p->x), free(p->w13), free(p->w2), free(p->xs), free(p->s13), free(p->s2), free(p->tw), free(p->ids);
+}
+
+static opgraft_moe_args fp8_args(const fp8_problem *p) {
+  opgraft_moe_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = p->out_dtype;
+  a.activation = OPGRAFT_ACT_SILU;
+  a.num_tokens = p->T, a.hidden = p->H, a.inter = p->I, a.num_experts = p->E, a.top_k = p->k;
+  a.hidden_states = p->x, a.hidden_states_stride[0] = p->H, a.hidden_states_stride[1] = 1;
+  a.w13 = p->w13, a.w13_stride[0] = 2 * p->I * p->H, a.w13_stride[1] = p->H, a.w13_stride[2] = 1;
+  a.w2 = p->w2, a.w2_stride[0] = p->H * p->I, a.w2_stride[1] = p->I, a.w2_stride[2] = 1;
+  a.topk_weights = p->tw, a.topk_weights_dtype = OPGRAFT_DTYPE_FP32;
+  a.topk_weights_stride[0] = p->k, a.topk_weights_stride[1] = 1;
+  a.topk_ids = p->ids, a.topk_ids_dtype = OPGRAFT_DTYPE_INT32;
+  a.topk_ids_stride[0] = p->k, a.topk_ids_stride[1] = 1;
+  a.out_stride[0] = p->H, a.out_stride[1] = 1;
+  a.weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a.scale_layout = p->layout, a.scale_dtype = OPGRAFT_DTYPE_FP32;
+  a.block_n = p->bn, a.block_k = p->bk;
+  a.hidden_scale = p->xs, a.w13_scale = p->s13, a.w2_scale = p->s2;
+  memcpy(a.hidden_scale_stride, p->xs_stride, sizeof p->xs_stride);
+  memcpy(a.w13_scale_stride, p->s13_stride, sizeof p->s13_stride);
+  memcpy(a.w2_scale_stride, p->s2_stride, sizeof p->s2_stride);
+  return a;
+}
+
+/* Dequantizes everything into dense fp64 matrices with loops of its own (block coordinates by
+ * counting rows into blocks), then the dense SwiGLU MoE. */
+static void fp8_brute_force(const fp8_problem *p, double *out) {
+  const int64_t T = p->T, H = p->H, I = p->I, E = p->E, K = p->k;
+  double *x = malloc(sizeof(double) * (size_t)(T * H)), *w13 = malloc(sizeof(double) * (size_t)(E * 2 * I * H));
+  double *w2 = malloc(sizeof(double) * (size_t)(E * H * I)), *act = malloc(sizeof(double) * (size_t)I);
+  assert_true(x && w13 && w2 && act);
+  const int block = p->layout == OPGRAFT_MOE_SCALE_BLOCK;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0, kb = 0, in = 0; h < H; ++h, in = (in + 1 == p->bk) ? (++kb, 0) : in + 1)
+      x[t * H + h] = dec_e4m3(p->x[t * H + h]) *
+                     (block ? p->xs[t * p->xs_stride[0] + kb * p->xs_stride[1]] : p->xs[0]);
+  const int64_t nbi = block ? cdiv64(I, p->bn) : 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int half = 0; half < 2; ++half)
+      for (int64_t i = 0; i < I; ++i) {
+        const int64_t rb = half * nbi + i / (block ? p->bn : 1);
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t r = half * I + i;
+          const double sc = block ? p->s13[e * p->s13_stride[0] + rb * p->s13_stride[1] + (h / p->bk) * p->s13_stride[2]]
+                                  : p->s13[e * p->s13_stride[0] + half * p->s13_stride[1]];
+          w13[(e * 2 * I + r) * H + h] = dec_e4m3(p->w13[(e * 2 * I + r) * H + h]) * sc;
+        }
+      }
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < I; ++i) {
+        const double sc = block ? p->s2[e * p->s2_stride[0] + (h / p->bn) * p->s2_stride[1] + (i / p->bk) * p->s2_stride[2]]
+                                : p->s2[e * p->s2_stride[0]];
+        w2[(e * H + h) * I + i] = dec_e4m3(p->w2[(e * H + h) * I + i]) * sc;
+      }
+  for (int64_t i = 0; i < T * H; ++i) out[i] = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = p->ids[t * K + j];
+      for (int64_t i = 0; i < I; ++i) {
+        double g = 0, u = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          g += w13[(e * 2 * I + i) * H + h] * x[t * H + h];
+          u += w13[(e * 2 * I + I + i) * H + h] * x[t * H + h];
+        }
+        act[i] = g / (1 + exp(-g)) * u;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        double y = 0;
+        for (int64_t i = 0; i < I; ++i) y += w2[(e * H + h) * I + i] * act[i];
+        out[t * H + h] += p->tw[t * K + j] * y;
+      }
+    }
+  free(x), free(w13), free(w2), free(act);
+}
+
+static void fp8_check(fp8_problem *p, const char *what) {
+  const int64_t n = p->T * p->H;
+  double *got = malloc(sizeof(double) * (size_t)n), *want = malloc(sizeof(double) * (size_t)n);
+  assert_true(got && want);
+  opgraft_moe_args a = fp8_args(p);
+  const int32_t st = opgraft_moe_reference(&a, got);
+  if (st != OPGRAFT_OK) fail_msg("%s: %s: %s", what, opgraft_status_name(st), opgraft_last_error());
+  fp8_brute_force(p, want);
+  double scale = 0;
+  for (int64_t i = 0; i < n; ++i) scale = fmax(scale, fabs(want[i]));
+  assert_true(scale > 0);
+  for (int64_t i = 0; i < n; ++i)
+    if (!(fabs(got[i] - want[i]) <= 1e-12 * fmax(fabs(want[i]), 1e-6 * scale)))
+      fail_msg("%s: out[%lld][%lld] = %.17g, brute force %.17g", what, (long long)(i / p->H), (long long)(i % p->H),
+               got[i], want[i]);
+  /* The rounded output is the fp64 one rounded to bf16. */
+  uint16_t *bits = malloc(sizeof(uint16_t) * (size_t)n);
+  assert_non_null(bits);
+  a.out = bits;
+  assert_int_equal(opgraft_moe_reference(&a, NULL), OPGRAFT_OK);
+  for (int64_t i = 0; i < n; ++i)
+    if (bits[i] != rne_bf16(got[i])) fail_msg("%s: %.17g rounded to 0x%04x", what, got[i], bits[i]);
+  free(got), free(want), free(bits);
+}
+
+static void test_fp8_block(void **state) {
+  build_e4m3_table();
+  const struct { int bn, bk; int64_t H, I; } cases[] = {
+      {32, 32, 64, 64}, /* whole blocks */
+      {64, 64, 96, 96}, /* the last block of H and I half full (ceil) */
+      {32, 64, 64, 96}, /* blocks of two sizes */
+      {128, 128, 96, 64}, /* one block smaller than the matrix's rows and columns */
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof *cases; ++c)
+    for (int tr = 0; tr < 2; ++tr) {
+      fp8_problem p;
+      fp8_init(&p, OPGRAFT_MOE_SCALE_BLOCK, cases[c].bn, cases[c].bk, cases[c].H, cases[c].I, tr, 0, 50 + c * 2 + tr);
+      char what[96];
+      snprintf(what, sizeof what, "fp8 %dx%d blocks H=%lld I=%lld%s", cases[c].bn, cases[c].bk, (long long)cases[c].H,
+               (long long)cases[c].I, tr ? " transposed scales" : "");
+      fp8_check(&p, what);
+      fp8_free(&p);
+    }
+}
+
+static void test_fp8_tensor(void **state) {
+  build_e4m3_table();
+  for (int two = 0; two < 2; ++two) {
+    fp8_problem p;
+    fp8_init(&p, OPGRAFT_MOE_SCALE_TENSOR, 0, 0, 64, 96, 0, two, 60 + (uint64_t)two);
+    fp8_check(&p, two ? "fp8 per-tensor, [E, 2] w13 scales" : "fp8 per-tensor, [E] w13 scales");
+    fp8_free(&p);
+  }
+}
+
+/* The scales are read where they belong: doubling one w2 block's scale (rows 0..31 of H) changes
+ * those outputs and leaves the others' bits alone. */
+static void test_fp8_scales_are_used(void **state) {
+  build_e4m3_table();
+  fp8_problem p;
+  fp8_init(&p, OPGRAFT_MOE_SCALE_BLOCK, 32, 32, 64, 64, 0, 0, 70);
+  opgraft_moe_args a = fp8_args(&p);
+  double base[3 * 64], moved[3 * 64];
+  assert_int_equal(opgraft_moe_reference(&a, base), OPGRAFT_OK);
+  /* w2 of every expert, block (h 0..31, i 0..31): rows h >= 32 of every token keep their value */
+  for (int64_t e = 0; e < p.E; ++e) p.s2[e * p.s2_stride[0]] *= 2.0f;
+  assert_int_equal(opgraft_moe_reference(&a, moved), OPGRAFT_OK);
+  for (int t = 0; t < 3; ++t)
+    for (int h = 0; h < 64; ++h) {
+      if (h >= 32) assert_true(moved[t * 64 + h] == base[t * 64 + h]);
+      else assert_true(moved[t * 64 + h] != base[t * 64 + h]);
+    }
+  fp8_free(&p);
+}
+
+static void test_fp8_bad_arguments(void **state) {
+  build_e4m3_table();
+  fp8_problem p;
+  fp8_init(&p, OPGRAFT_MOE_SCALE_BLOCK, 32, 32, 64, 64, 0, 0, 71);
+  double out[3 * 64];
+  opgraft_moe_args a = fp8_args(&p);
+  a.scale_dtype = OPGRAFT_DTYPE_BF16;
+  assert_int_equal(opgraft_moe_reference(&a, out), OPGRAFT_EUNSUPPORTED);
+  a = fp8_args(&p);
+  a.scale_layout = 7;
+  assert_int_equal(opgraft_moe_reference(&a, out), OPGRAFT_EUNSUPPORTED);
+  a = fp8_args(&p);
+  a.block_k = 0;
+  assert_int_equal(opgraft_moe_reference(&a, out), OPGRAFT_EINVAL);
+  a = fp8_args(&p);
+  a.w2_scale = NULL;
+  assert_int_equal(opgraft_moe_reference(&a, out), OPGRAFT_EINVAL);
+  a = fp8_args(&p);
+  a.weight_dtype = OPGRAFT_DTYPE_UINT8;
+  assert_int_equal(opgraft_moe_reference(&a, out), OPGRAFT_EUNSUPPORTED);
+  fp8_free(&p);
+}
+
+/* FP8 under expert parallelism with fewer local experts (2 of 8) than picks (k = 6). */
+static void test_fp8_expert_map_fewer_local_than_topk(void **state) {
+  build_e4m3_table();
+  fp8_problem g;
+  fp8_init(&g, OPGRAFT_MOE_SCALE_BLOCK, 32, 32, 64, 64, 0, 0, 72);
+  /* a global problem of 8 experts: regrow the weights and scales */
+  free(g.w13), free(g.w2), free(g.s13), free(g.s2), free(g.ids), free(g.tw);
+  g.E = 8, g.k = 6;
+  const int64_t w13n = 2 * g.I * g.H, w2n = g.H * g.I, s13n = 2 * 2 * 2, s2n = 2 * 2;
+  g.w13 = malloc((size_t)(g.E * w13n)), g.w2 = malloc((size_t)(g.E * w2n));
+  g.s13 = malloc(sizeof(float) * (size_t)(g.E * s13n)), g.s2 = malloc(sizeof(float) * (size_t)(g.E * s2n));
+  g.ids = malloc(sizeof(int32_t) * 18), g.tw = malloc(sizeof(float) * 18);
+  for (int64_t i = 0; i < g.E * w13n; ++i) g.w13[i] = random_e4m3();
+  for (int64_t i = 0; i < g.E * w2n; ++i) g.w2[i] = random_e4m3();
+  for (int64_t i = 0; i < g.E * s13n; ++i) g.s13[i] = random_scale(-16, -13);
+  for (int64_t i = 0; i < g.E * s2n; ++i) g.s2[i] = random_scale(-16, -13);
+  for (int i = 0; i < 18; ++i) g.tw[i] = (float)((rnd() >> 11) * 0x1p-53);
+  const int32_t ids[18] = {0, 2, 7, 5, 1, 3, 6, 4, 3, 5, 0, 1, 0, 1, 3, 4, 6, 7};
+  memcpy(g.ids, ids, sizeof ids);
+  g.s13_stride[0] = s13n, g.s2_stride[0] = s2n;
+  /* this rank: globals 5 and 2 as local 0 and 1 */
+  static const int32_t map[8] = {-1, -1, 1, -1, -1, 0, -1, -1};
+  uint8_t *w13 = malloc((size_t)(2 * w13n)), *w2 = malloc((size_t)(2 * w2n));
+  float *s13 = malloc(sizeof(float) * (size_t)(2 * s13n)), *s2 = malloc(sizeof(float) * (size_t)(2 * s2n));
+  const int local[2] = {5, 2};
+  for (int l = 0; l < 2; ++l) {
+    memcpy(w13 + l * w13n, g.w13 + local[l] * w13n, (size_t)w13n);
+    memcpy(w2 + l * w2n, g.w2 + local[l] * w2n, (size_t)w2n);
+    memcpy(s13 + l * s13n, g.s13 + local[l] * s13n, sizeof(float) * (size_t)s13n);
+    memcpy(s2 + l * s2n, g.s2 + local[l] * s2n, sizeof(float) * (size_t)s2n);
+  }
+  double got[3 * 64], want[3 * 64];
+  opgraft_moe_args a = fp8_args(&g);
+  a.num_experts = 2, a.w13 = w13, a.w2 = w2, a.w13_scale = s13, a.w2_scale = s2;
+  a.expert_map = map, a.expert_map_len = 8;
+  assert_int_equal(opgraft_moe_reference(&a, got), OPGRAFT_OK);
+  /* the global problem with the other ranks' slots on a zero-weight copy: route them to expert 0
+   * with router weight 0 */
+  for (int i = 0; i < 18; ++i)
+    if (map[g.ids[i]] < 0) g.ids[i] = 0, g.tw[i] = 0.f;
+  fp8_brute_force(&g, want);
+  for (int i = 0; i < 3 * 64; ++i)
+    if (!(fabs(got[i] - want[i]) <= 1e-12 * fmax(fabs(want[i]), 1e-300)))
+      fail_msg("fp8 expert_map k > E: out %d = %.17g, brute force %.17g", i, got[i], want[i]);
+  for (int h = 0; h < 64; ++h) assert_true(got[2 * 64 + h] == 0.0);
+  free(w13), free(w2), free(s13), free(s2);
+  fp8_free(&g);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_expert_map_fewer_local_than_topk),
+      cmocka_unit_test(test_e4m3_values),
+      cmocka_unit_test(test_fp8_block),
+      cmocka_unit_test(test_fp8_tensor),
+      cmocka_unit_test(test_fp8_scales_are_used),
+      cmocka_unit_test(test_fp8_bad_arguments),
+      cmocka_unit_test(test_fp8_expert_map_fewer_local_than_topk),
       cmocka_unit_test(test_own_rounding),
       cmocka_unit_test(test_int32_ids),
       cmocka_unit_test(test_int64_ids),

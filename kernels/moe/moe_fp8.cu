@@ -1,0 +1,115 @@
+// MoE experts for decode with FP8 weights: vLLM's Fp8MoEMethod layouts (e4m3 w13 [E, 2I, H] and
+// w2 [E, H, I], 128x128-style block scales or one scale per expert matrix) and the e4m3
+// activations with their scales that vLLM's prepare step hands TritonExperts.apply.
+//
+// Why e4m3 tensor cores and no conversion. Decode is memory-bound: at ~4.4 TB/s of 1-byte weights
+// an H200 SM must consume ~17 weights a cycle. Dequantizing e4m3 to bf16 in registers for the
+// bf16 MMA costs ~2.25 integer/half instructions a weight (LOP3/SHF per byte pair plus a bf16
+// multiply for the exponent bias; sm_90 converts e4m3 only to f16) and would keep the integer
+// pipe over half busy, on the bandwidth's critical path. mma.sync.m16n8k32 e4m3 (sm_89+) takes
+// the bytes as they are: the activations already arrive in e4m3 from vLLM, so no operand is ever
+// converted, and a k-step needs 4 MMAs and 16 FMAs for 2 KB of weights a warp.
+//
+// Scales. Each MMA covers one 32-k step and starts from zero; its products are scaled into fp32
+// accumulators at once: block scales by (the weight block's scale, uniform over a tile that lies
+// in one block_n x block_k block) x (the activation scale of each column's token, per 1 x block_k
+// group: the lane's columns 2c and 2c+1), per-tensor scales in the epilogue. So the fp32 sums are
+// exact-scaled per step and the tensor core never accumulates e4m3 products over more than 32 k.
+//
+// Layout of the work (the bf16 kernels' structure, moe.cu, with their routing):
+//   moe_gate_up_fp8_<out>: one block per (used expert or routing slot, 32 rows of I). A lane
+//     loads 8 bytes of each of its 8 rows (gate g, g+8, g+16, g+24 and the up rows) a k-step and
+//     8 bytes of x; the block sums its warps in a fixed order, then one warp per (token, slot)
+//     pair scales act = w * silu(gate) * up by absmax / 448 of its 32 rows (vLLM's group scale,
+//     on groups of 32 rows instead of vLLM's 128) and writes it as two e4m3 terms, hi + lo / 16
+//     (og_e4m3_split): about 8 significant bits, near bf16's 9, where vLLM's TritonExperts feeds
+//     its second GEMM one e4m3 term (4 bits). 2 bytes an element, as bf16 would take.
+//   moe_down_fp8_<out>: one block per 16 rows of H; warps share the (used expert, I chunk) items;
+//     a 32-k step's group of act has one scale, so the step's two MMAs (hi, lo on the same
+//     weights) are scaled per column token.
+// Why 32-row gate_up tiles: the second GEMM's MMA takes 32 consecutive rows of I (one 8-byte
+// load a lane), so each group of act must have one scale over those 32 rows; a block of 32 rows
+// computes them all and needs no cross-block maximum. Why two e4m3 terms and not bf16: a bf16
+// intermediate would need the bf16 MMA and w2 converted in registers (the cost above); two e4m3
+// terms cost one more MMA a k-step, which the tensor cores have to spare.
+//
+// No atomics and fixed summation orders: the same inputs give the same bits every run. Paths:
+// routing by slot (OG_GU_SLOTS, OG_DOWN_WARP) or the general routing, OG_PDL / OG_DOWN_EARLY /
+// OG_PDL_IN as in moe.cu; no cooperative kernel and no separate one-token paths.
+#include "moe_fp8_down.cuh"
+#include "moe_fp8_gate_up.cuh"
+
+extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
+    OG_SUFFIX(moe_gate_up_fp8)(const og_moe_fp8_params q) {
+  const og_moe_params &p = q.b;
+  __shared__ int s_pairs[OG_MAXPAIRS];
+  __shared__ int s_npairs;
+  __shared__ float s_red[OG_W1][OG_NT][2][2][4][32];
+  OG_TS(0, 0);
+#if OG_PDL_IN
+  og_pdl_wait();  // the previous kernel's results (routing, x) are complete and visible
+#endif
+#if OG_PDL
+  og_pdl_launch_dependents();  // moe_down may take the SMs of blocks that finish
+#endif
+  const int tiles = OG_I / 32;
+#if OG_GU_SLOTS
+  __shared__ int s_e;
+  const int i = blockIdx.x / tiles;  // the routing slot
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x, nk = p.T * OG_K;
+    const int id = lane < nk ? og_load_id(p, lane) : -1;
+    const int e = __shfl_sync(OG_FULL, id, i);
+    const og_u32 same = __ballot_sync(OG_FULL, lane < nk && id == e);  // the slots that list e
+    const bool owner = e >= 0 && (same & ((1u << i) - 1u)) == 0;      // and none before slot i
+    if (owner && ((same >> lane) & 1u)) s_pairs[__popc(same & ((1u << lane) - 1u))] = lane;
+    if (lane == 0) s_npairs = owner ? __popc(same) : 0, s_e = e;
+  }
+  __syncthreads();
+  OG_TS(0, 1);
+  if (s_npairs == 0) return;  // routed nowhere on this rank, or an earlier slot's block has the expert
+  og_fp8_gate_up<OG_W1, OG_NT, OG_U1>(q, s_e, blockIdx.x - i * tiles, s_pairs, s_npairs, s_red);
+#else
+  __shared__ og_routing r;
+  og_routing_setup(p, r);
+  OG_TS(0, 1);
+  const int u = blockIdx.x / tiles;
+  if (u >= r.nused) return;  // fewer used experts than the grid allows for: nothing to do
+  const int e = r.experts[u];
+  if (threadIdx.x < 32) og_pairs_of(r, p.T * OG_K, e, threadIdx.x, s_pairs, s_npairs);
+  __syncthreads();
+  og_fp8_gate_up<OG_W1, OG_NT, OG_U1>(q, e, blockIdx.x - u * tiles, s_pairs, s_npairs, s_red);
+#endif
+  OG_TS(0, 7);
+}
+
+extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
+    OG_SUFFIX(moe_down_fp8)(const og_moe_fp8_params q) {
+  const og_moe_params &p = q.b;
+#if OG_DOWN_WARP
+  __shared__ og_routing rw[OG_W2];
+#else
+  __shared__ og_routing r;
+#endif
+  __shared__ float s_red[OG_W2][OG_NT][4][32];
+  OG_TS(1, 0);
+  // The routing was written before gate_up started (or, with OG_PDL_IN, before gate_up let this
+  // kernel launch): safe to read here.
+#if OG_DOWN_WARP
+  og_routing &r = rw[threadIdx.x >> 5];
+  og_routing_warp(p, r, p.T * OG_K);
+#else
+  og_routing_setup(p, r);
+#endif
+  OG_TS(1, 1);
+#if OG_PDL && OG_DOWN_EARLY
+  og_fp8_down_tile<OG_W2, true>(q, r, blockIdx.x, s_red);  // waits after its first weight loads
+#else
+#if OG_PDL
+  og_pdl_wait();  // gate_up has finished: act and its scales are complete, x (which out may alias) read
+#endif
+  OG_TS(1, 3);
+  og_fp8_down_tile<OG_W2>(q, r, blockIdx.x, s_red);
+#endif
+  OG_TS(1, 7);
+}

@@ -1,0 +1,169 @@
+// The FP8 gate/up stage: for one tile of 32 rows of I of one expert, act = w * silu(G x) * (U x)
+// as two e4m3 terms with one fp32 scale per (routing slot, tile), from e4m3 weights and
+// activations.
+#pragma once
+#include "moe_fp8.cuh"
+
+// The epilogue for the pairs p0..p0+8*NT-1 of one tile: sums the W warps' gate and up partials in
+// warp order, applies the per-tensor scales, and writes act's two terms (og_e4m3_split) and its
+// scale. A warp takes one pair,
+// a lane one of its 32 rows (row r = lane: half r / 16, then row (r % 16) of the MMA tile). A
+// token that lists the expert more than once gets one act row, at its first such slot, with the
+// sum of those slots' router weights (in slot order): moe_down reads only that row.
+template <int W, int NT>
+__device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q, const float (*s_red)[NT][2][2][4][32],
+                                                 const int *s_pairs, int npairs, int p0, int e, int tile) {
+  const og_moe_params &p = q.b;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int h = lane >> 4, rr = lane & 15;
+  const int end = npairs < p0 + 8 * NT ? npairs : p0 + 8 * NT;
+  for (int n = p0 + warp; n < end; n += W) {
+    const int i = s_pairs[n], t = i / OG_K;
+    if (n > 0 && s_pairs[n - 1] / OG_K == t) continue;  // a later slot of the same token
+    float rw = 0.f;
+    for (int m = n; m < npairs && s_pairs[m] / OG_K == t; ++m) rw += p.topk_w[t * p.topk_w_stride + (s_pairs[m] - t * OG_K)];
+    // D fragment of (row rr of the half, column nn % 8): lane (rr % 8) * 4 + column / 2, element
+    // (rr / 8) * 2 + column % 2.
+    const int nn = n - p0, nt = nn >> 3, cn = nn & 7;
+    const int qi = (rr >> 3) * 2 + (cn & 1), l = (rr & 7) * 4 + (cn >> 1);
+    float gs = 0.f, us = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      gs += s_red[w][nt][h][0][qi][l];
+      us += s_red[w][nt][h][1][qi][l];
+    }
+#if OG_SCALE == 2
+    const float sx = q.x_scale[0];
+    gs *= sx * q.w13_scale[e * q.w13s_stride[0]];
+    us *= sx * q.w13_scale[e * q.w13s_stride[0] + q.w13s_stride[1]];
+#endif
+    const float a = og_silu(gs) * us * rw;
+    float amax = fabsf(a);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(OG_FULL, amax, o));
+    // vLLM's group scale, max(absmax, 1e-10) / 448; a / scale in two e4m3 terms.
+    const float scale = fmaxf(amax, 1e-10f) / 448.f;
+    const og_e4m3_pair v = og_e4m3_split(a / scale);
+    const long long at = (long long)i * OG_I + tile * 32 + lane;
+    ((unsigned char *)p.act)[at] = v.hi;
+    ((unsigned char *)q.act_lo)[at] = v.lo;
+    if (lane == 0) q.act_scale[(long long)i * OG_AS + tile] = scale;
+  }
+}
+
+// gate_up over one tile of expert e for its npairs (token, slot) pairs s_pairs[0..npairs): NT
+// 8-pair MMA tiles a pass (an expert with more pairs, only where a token lists it more than once,
+// takes more passes), U k-steps of loads in flight a warp, W warps splitting H. The tile's two
+// halves (rows 0-15 and 16-31 of the 32) are two passes over H, so that only one half's
+// accumulators and operands are in registers. Each k-step's products are scaled into the fp32
+// accumulators at once (block scales: the weight block's scale times each column token's
+// activation scale; per-tensor scales: in the epilogue), so no e4m3 product is ever accumulated
+// over more than 32 k inside the tensor core.
+template <int W, int NT, int U>
+__device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e, int tile, const int *s_pairs,
+                                               int npairs, float (*s_red)[NT][2][2][4][32]) {
+  const og_moe_params &p = q.b;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const long long rs = p.w13_rstride;
+  const long long up_off = (long long)OG_I * rs;
+  const int steps = OG_H / 32;
+#if OG_SCALE == 1
+  const float *wsg = q.w13_scale + e * q.w13s_stride[0] + (long long)((tile * 32) / OG_BN) * q.w13s_stride[1];
+  const float *wsu = q.w13_scale + e * q.w13s_stride[0] + (long long)(OG_IB + (tile * 32) / OG_BN) * q.w13s_stride[1];
+#endif
+
+  for (int p0 = 0; p0 < npairs; p0 += 8 * NT) {
+    int xoff[NT];  // this lane's B row (pair p0 + nt*8 + g): its token's row of x, or -1
+#if OG_SCALE == 1
+    int xs0[NT], xs1[NT];  // the tokens of this lane's columns 2c, 2c+1, or -1
+#endif
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int n = p0 + nt * 8 + g;
+      xoff[nt] = n < npairs ? s_pairs[n] / OG_K : -1;
+#if OG_SCALE == 1
+      const int m = p0 + nt * 8 + 2 * c;
+      xs0[nt] = m < npairs ? s_pairs[m] / OG_K : -1;
+      xs1[nt] = m + 1 < npairs ? s_pairs[m + 1] / OG_K : -1;
+#endif
+    }
+#pragma unroll 1
+    for (int hf = 0; hf < 2; ++hf) {
+      const char *wg = (const char *)p.w13 + e * p.w13_estride + (long long)(tile * 32 + hf * 16 + g) * rs;
+      float acc_g[NT][4], acc_u[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc_g[nt][k] = acc_u[nt][k] = 0.f;
+
+      for (int s0 = warp * U; s0 < steps; s0 += W * U) {
+        og_vec2 a[U][4], bx[U][NT];  // a[.]: gate rows g, g+8 of the half, then up rows g, g+8
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int s = s0 + u;
+          if (steps % (W * U) == 0 || s < steps) {
+            const long long off = (long long)(s * 32 + c * 8);
+            a[u][0] = og_load_stream8<OG_LOAD>(wg + off);
+            a[u][1] = og_load_stream8<OG_LOAD>(wg + 8 * rs + off);
+            a[u][2] = og_load_stream8<OG_LOAD>(wg + up_off + off);
+            a[u][3] = og_load_stream8<OG_LOAD>(wg + up_off + 8 * rs + off);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              bx[u][nt] = xoff[nt] >= 0 ? og_load_operand8((const char *)p.x + (long long)xoff[nt] * p.x_stride + off)
+                                        : og_zero2();
+          }
+        }
+        // The scale factors of the lane's two columns for gate and up, reloaded where a step
+        // starts a new k-block: steps s0.. start at multiples of U, so where U and the block's
+        // steps divide one another that is known at compile time.
+        float fg0[NT], fg1[NT], fu0[NT], fu1[NT];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int s = s0 + u;
+          if (steps % (W * U) == 0 || s < steps) {
+#if OG_SCALE == 1
+            constexpr int SPB = OG_BK / 32;
+            const bool fresh = u == 0 || (SPB % U == 0 || U % SPB == 0 ? u % SPB == 0 : s % SPB == 0);
+            if (fresh) {
+              const int kb = s / SPB;
+              const float sg = wsg[kb * q.w13s_stride[2]], su = wsu[kb * q.w13s_stride[2]];
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                const float x0 = xs0[nt] >= 0 ? q.x_scale[xs0[nt] * q.xs_stride[0] + kb * q.xs_stride[1]] : 0.f;
+                const float x1 = xs1[nt] >= 0 ? q.x_scale[xs1[nt] * q.xs_stride[0] + kb * q.xs_stride[1]] : 0.f;
+                fg0[nt] = sg * x0, fg1[nt] = sg * x1, fu0[nt] = su * x0, fu1[nt] = su * x1;
+              }
+            }
+#else
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) fg0[nt] = fg1[nt] = fu0[nt] = fu1[nt] = 1.f;
+#endif
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              if (p0 + nt * 8 < npairs) {
+                float d[4];
+                og_mma_e4m3(d, a[u][0], a[u][1], bx[u][nt]);
+                acc_g[nt][0] += d[0] * fg0[nt], acc_g[nt][1] += d[1] * fg1[nt];
+                acc_g[nt][2] += d[2] * fg0[nt], acc_g[nt][3] += d[3] * fg1[nt];
+                og_mma_e4m3(d, a[u][2], a[u][3], bx[u][nt]);
+                acc_u[nt][0] += d[0] * fu0[nt], acc_u[nt][1] += d[1] * fu1[nt];
+                acc_u[nt][2] += d[2] * fu0[nt], acc_u[nt][3] += d[3] * fu1[nt];
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          s_red[warp][nt][hf][0][k][lane] = acc_g[nt][k];
+          s_red[warp][nt][hf][1][k][lane] = acc_u[nt][k];
+        }
+    }
+    __syncthreads();
+    og_fp8_write_act<W, NT>(q, s_red, s_pairs, npairs, p0, e, tile);
+    __syncthreads();
+  }
+}

@@ -1,0 +1,72 @@
+"""The FP8 GPU check and bench modules' plumbing, run on CPU with our kernel's call replaced by the
+oracle (the modules must not fail on the GPU for a reason a CPU run can find): every FP8 case
+builds its tensors, scales and oracle, and the bench builds its rows."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "float8_e4m3fn"):
+    pytest.skip("this torch has no float8_e4m3fn", allow_module_level=True)
+
+from opgraft.bench import moe as moe_bench  # noqa: E402
+from opgraft.ops import moe as ops  # noqa: E402
+from opgraft.presets import MoeShape  # noqa: E402
+from tools.checks import moe as checks  # noqa: E402
+
+
+@pytest.fixture
+def oracle_kernel(monkeypatch):
+    """moe_experts_into writes the torch oracle of the quantized model; the guard says yes."""
+
+    def fake_into(out, hidden, w13, w2, tw, ids, apply_router_weight_on_input=False, workspace=None, stages=3,
+                  expert_map=None, fp8=None):
+        local = ids if expert_map is None else expert_map[ids.long()].to(ids.dtype)
+        out.copy_(moe_bench.reference_fp8(hidden, fp8, w13, w2, tw, local).to(out.dtype))
+        return out
+
+    monkeypatch.setattr(ops, "moe_supports", lambda *a, **k: (True, ""))
+    monkeypatch.setattr(ops, "moe_experts_into", fake_into)
+
+
+def _small(c):
+    s = c["shape"]
+    return s.num_experts * s.hidden * s.inter <= 16 * 256 * 256
+
+
+def test_every_fp8_case_runs_its_checks(oracle_kernel):
+    cases = [c for c in checks.fp8_cases() if _small(c)]
+    assert len(cases) >= 15
+    for c in cases:
+        r = checks._run_fp8_case(c, "cpu")
+        assert r["supported"] and r["deterministic"], c["name"]
+        assert r["rel_err"] < 1e-2, (c["name"], r["rel_err"])  # bf16 rounding of the oracle itself
+        assert r["passed"], (c["name"], r)
+        assert "c_oracle_vs_torch_fp64" not in r or r["c_oracle_vs_torch_fp64"] < 1e-9
+
+
+def test_case_names_and_kinds():
+    names = [c["name"] for c in checks.cases()]
+    assert len(names) == len(set(names))
+    fp8 = [c for c in checks.cases() if "kind" in c]
+    assert all(c["name"].startswith("fp8 ") for c in fp8)
+    assert {c["kind"] for c in fp8} == {"fp8-block", "fp8-tensor"}
+    assert any(c["ep"] and c["shape"].top_k > c["shape"].num_experts for c in fp8)
+    assert any(c["block"] == (64, 64) for c in fp8) and any(c["block"] == (32, 32) for c in fp8)
+
+
+def test_fp8_bench_rows(oracle_kernel, monkeypatch):
+    monkeypatch.setattr(moe_bench, "timed_calls", lambda *a, **k: (10.0, {"timing": "test"}))
+    monkeypatch.setattr(moe_bench, "run_facts", lambda: {"gpu": "none"})
+    shape = MoeShape("small", 16, 256, 128, 4)
+    for kind, G in (("fp8-block", 0), ("fp8-tensor", 64)):
+        rows = moe_bench.bench_shape_fp8(shape, [1, 3], kind, device="cpu", n_routings=2, ceiling_tbps=4.0,
+                                         global_experts=G, between_mib=0)
+        impls = {r["impl"] for r in rows}
+        assert {"opgraft", "opgraft+quant"} <= impls
+        for r in rows:
+            assert r["dtype"] == kind and r["bytes"] > 0 and r["global_experts"] == (G or 16)
+            assert r["fraction_of_ceiling"] is not None and r["rel_err"] < 1e-2
+        # vLLM's FP8 path does not run on this CPU: the rows say why
+        assert rows[0]["builtin_missing"] and "vllm-triton" in rows[0]["builtin_missing"]
+        text = moe_bench.format_table(rows)
+        assert kind in text and "FP8 backends missing" in text
