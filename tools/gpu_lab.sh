@@ -38,9 +38,15 @@ for step in $steps; do
     (cd /tmp/og-build && ctest -R compile --output-on-failure -j 3) >"$OUT/compile.log" 2>&1
     note "compile tests: $(grep -c 'Passed' "$OUT/compile.log") passed, $(grep -c 'Failed' "$OUT/compile.log") failed"
     ;;
-  check)
-    python3 -m tools.gpucheck --quick --out "$OUT" 2>&1 | tee "$OUT/check.log" | grep -E "FAIL|cases pass|error|Error"
-    note "$(grep 'cases pass' "$OUT/check.log" | tr '\n' ' ')"
+  check)  # each op's cases in its own process, at once (correctness only: the GPU is shared)
+    for op in $(cd tools/checks && ls [a-z]*.py | sed "s/\.py$//"); do
+      python3 -m tools.gpucheck --quick --ops "$op" --out "$OUT" >"$OUT/check-$op.log" 2>&1 &
+    done
+    wait
+    for f in "$OUT"/check-*.log; do
+      grep -E "FAIL|Traceback|Error" "$f" | head -20
+      note "$(grep 'cases pass' "$f" | tr '\n' ' ') $(grep -q 'cases pass' "$f" || tail -3 "$f")"
+    done
     ;;
   sanitize)
     # The new kernels on small cases (the MoE kernels were clean before and are unchanged).
