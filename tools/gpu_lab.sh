@@ -14,7 +14,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD/python:$PWD PYTHONUNBUFFERED=1 OPGRAFT_CACHE_DIR=/tmp/og-kernels
 export OPGRAFT_TEST_KERNEL_CACHE=/tmp/og-kernels OPGRAFT_TEST_JOBS=$(nproc)
 BEFORE_TREE=${BEFORE_TREE:-.before}
-steps=${*:-build check sanitize host before moe linear attention}
+steps=${*:-build check sanitize host linear attention before moe}
+BUDGET=${BUDGET:-540}  # seconds: a step that would start later is skipped (and said so)
 [ -f /tmp/og-build/libopgraft.so ] && export OPGRAFT_LIBRARY=/tmp/og-build/libopgraft.so
 t0=$(date +%s)
 say() { echo "[$(($(date +%s) - t0)) s] $*"; }
@@ -22,6 +23,10 @@ summary=()
 note() { summary+=("$*"); say "$*"; }
 
 for step in $steps; do
+  if [ $(($(date +%s) - t0)) -gt "$BUDGET" ]; then
+    note "skipped $step: past the ${BUDGET} s budget"
+    continue
+  fi
   case $step in
   build)
     cmake -S . -B /tmp/og-build -DOPGRAFT_BUILD_TESTS=ON >/tmp/og-build.log 2>&1 &&
