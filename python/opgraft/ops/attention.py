@@ -84,7 +84,8 @@ class Plan:
         self.handle, self.workspace_bytes, self.reason = handle, workspace_bytes, reason
 
     def __del__(self):
-        if self.handle and _lib._lib is not None:
+        # At interpreter exit the module globals may already be gone: the process frees everything.
+        if self.handle and _lib is not None and _lib._lib is not None:
             _lib._lib.opgraft_attention_plan_destroy(self.handle)
 
 

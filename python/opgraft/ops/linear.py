@@ -64,7 +64,8 @@ class Plan:
         self.handle, self.reason = handle, reason
 
     def __del__(self):
-        if self.handle and _lib._lib is not None:
+        # At interpreter exit the module globals may already be gone: the process frees everything.
+        if self.handle and _lib is not None and _lib._lib is not None:
             _lib._lib.opgraft_linear_plan_destroy(self.handle)
 
 
