@@ -212,7 +212,7 @@ def gpu_facts() -> dict:
                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         drv = ""
-    from .vllm.compat import vllm_version
+    from ..vllm.compat import vllm_version
 
     return {"gpu": p.name, "arch": f"sm_{p.major}{p.minor}", "sms": p.multi_processor_count, "driver": drv,
             "torch": torch.__version__, "vllm": vllm_version() or None}
