@@ -203,9 +203,8 @@ def _moe_opgraft(call: ExpertsCall):
                             call.apply_router_weight_on_input, call.expert_map, call.activation, fp8=fp8)
         if plan.handle is None:
             return handed_back("moe", plan.reason, call)
-        moe.moe_experts_into(dst, call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids,
-                             call.apply_router_weight_on_input, workspace=moe.usable_workspace(call.workspace),
-                             expert_map=call.expert_map, fp8=fp8)
+        moe.run(plan, dst, call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids,
+                call.apply_router_weight_on_input, call.workspace, call.expert_map, fp8)
     except Exception as e:
         return kernel_failed("moe", e, call)
     kind = [] if fp8 is None else ["fp8-block" if fp8.block_shape is not None else "fp8-tensor"]

@@ -304,3 +304,18 @@ def test_write_rows_keeps_device_ceiling_and_rows(tmp_path):
     bench.write_rows(str(path), 4.5, [{"tokens": 1, "median_us": 25.0}], facts={"gpu": "test"})
     assert json.loads(path.read_text()) == {"device": {"gpu": "test"}, "ceiling_tbps": 4.5,
                                             "rows": [{"tokens": 1, "median_us": 25.0}]}
+
+
+def test_gpu_facts_names_the_device_and_vllm(monkeypatch):
+    """gpu_facts runs on the GPU host only; its imports and fields are checked here with the device
+    properties faked."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from opgraft import bench
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132))
+    facts = bench.gpu_facts()
+    assert facts["gpu"] == "NVIDIA H200" and facts["arch"] == "sm_90" and facts["sms"] == 132
+    assert set(bench.run_facts()) >= {"gpu", "arch", "driver", "torch", "vllm", "commit", "date"}

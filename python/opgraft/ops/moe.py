@@ -203,14 +203,6 @@ def moe_supports(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on
     return plan.handle is not None, plan.reason
 
 
-def usable_workspace(t):
-    """A caller's scratch tensor as a flat byte view if it is contiguous and 16-byte aligned;
-    None otherwise (then the op allocates through torch's caching allocator)."""
-    if t is None or not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.data_ptr() % 16:
-        return None
-    return t.view(-1).view(torch.uint8) if t.numel() else None
-
-
 def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
                      workspace=None, stages: int = STAGE_ALL, expert_map=None, fp8: Fp8Scales | None = None):
     """Runs the kernel into out ([T, H], the hidden dtype; with fp8, bf16 or fp16). Raises
@@ -220,28 +212,40 @@ def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_
     if stages != STAGE_ALL:
         return _run_stages(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, workspace,
                            stages, expert_map, fp8)
+    plan = plan_for(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map, fp8=fp8)
+    return run(plan, out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, workspace,
+               expert_map, fp8)
+
+
+def run(plan: Plan, out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
+        workspace=None, expert_map=None, fp8: Fp8Scales | None = None):
+    """Runs a plan made for these tensors' layout (plan_for) into out: one ctypes crossing. A
+    workspace tensor is used where it is contiguous, 16-byte aligned and large enough (no view is
+    made of it); otherwise one comes from torch's caching allocator."""
     for _ in range(2):
-        plan = plan_for(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
-                        fp8=fp8)
         if plan.handle is None:
             raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
         need = plan.workspace_bytes
-        if workspace is None or workspace.numel() * workspace.element_size() < need or workspace.data_ptr() % 16:
-            workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device)
+        ws = workspace.data_ptr() if workspace is not None else 0
+        if (not ws or ws % 16 or workspace.numel() * workspace.element_size() < need
+                or not workspace.is_contiguous()):
+            ws = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device).data_ptr()
         emap = None if expert_map is None else expert_map.data_ptr()
         if fp8 is None:
-            st = _lib.lib().opgraft_moe_plan_run(
+            st = _lib._lib.opgraft_moe_plan_run(
                 plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
-                topk_ids.data_ptr(), emap, out.data_ptr(), workspace.data_ptr(), current_stream(hidden.device))
+                topk_ids.data_ptr(), emap, out.data_ptr(), ws, current_stream(hidden.device))
         else:
-            st = _lib.lib().opgraft_moe_plan_run_fp8(
+            st = _lib._lib.opgraft_moe_plan_run_fp8(
                 plan.handle, hidden.data_ptr(), fp8.hidden_scale.data_ptr(), w13.data_ptr(),
                 fp8.w13_scale.data_ptr(), w2.data_ptr(), fp8.w2_scale.data_ptr(), topk_weights.data_ptr(),
-                topk_ids.data_ptr(), emap, out.data_ptr(), workspace.data_ptr(), current_stream(hidden.device))
+                topk_ids.data_ptr(), emap, out.data_ptr(), ws, current_stream(hidden.device))
         if st != _lib.ESTALE:
             _lib.check(st)
             return out
         forget_plans()  # the tunables changed (or the context): plan again, once
+        plan = plan_for(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
+                        fp8=fp8)
     _lib.check(st)
     return out
 
