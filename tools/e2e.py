@@ -9,8 +9,8 @@ kernel, same model, same prompts, one process per setting.
     python -m tools.e2e compare DIR                                            (table again)
 
 Settings ("modes"): `disabled` runs with OPGRAFT_DISABLE=1 (the plugin patches nothing: stock
-vLLM); `passthrough` installs the seams but hands every call back (OPGRAFT_MOE_EXPERTS=passthrough);
-`opgraft` takes the MoE calls our guard accepts (the default variant); `disabled-again` is stock
+vLLM); `passthrough` installs the seams but hands every call back (every op's variant passthrough);
+`opgraft` takes the calls our guards accept, in every op (the default variant); `disabled-again` is stock
 vLLM a second time, so the parity table shows how far stock agrees with itself (with random
 weights greedy margins are small, and vLLM's batched decode is not run-to-run deterministic:
 a difference between stock and opgraft means little where stock differs from stock as much).
@@ -175,14 +175,14 @@ def _multicast_off(env) -> bool:
 def mode_env(mode: str, base: dict | None = None) -> dict:
     """The environment a setting runs under."""
     env = dict(os.environ if base is None else base)
-    for k in ("OPGRAFT_DISABLE", "OPGRAFT_MOE_EXPERTS"):
+    variants = ("OPGRAFT_MOE_EXPERTS", "OPGRAFT_ATTENTION_VARIANT", "OPGRAFT_LINEAR_VARIANT")
+    for k in ("OPGRAFT_DISABLE", *variants):
         env.pop(k, None)
     if mode in ("disabled", "disabled-again"):
         env["OPGRAFT_DISABLE"] = "1"
-    elif mode == "passthrough":
-        env["OPGRAFT_MOE_EXPERTS"] = "passthrough"
-    elif mode == "opgraft":
-        env["OPGRAFT_MOE_EXPERTS"] = "opgraft"
+    elif mode in ("passthrough", "opgraft"):  # every op's seam installed; each takes calls, or none
+        for k in variants:
+            env[k] = mode
     else:
         raise ValueError(f"unknown mode {mode!r}")
     # collective_rpc sends our stats function to the worker by pickling it.

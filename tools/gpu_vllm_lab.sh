@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One GPU call for the op-level comparisons against vLLM's own kernels (a development tool):
+# installs the staged vLLM wheelhouse and opgraft (tools/gpu_setup.sh), then every op's bench with
+# vLLM's kernels in the same run, the FP8 checks against vLLM's FP8 path, the host time, and the
+# older tree's MoE calls beside this one's. Everything lands in one archive, $OUT/vllm-lab.tgz.
+#
+#   OUT=DIR bash tools/gpu_vllm_lab.sh PARTS_DIR [STEP ...]
+#     steps: check attention moe configs fp8 linear host before      (default: all)
+set -uo pipefail
+parts=$1 out=/tmp/og-vllm-lab
+shift
+mkdir -p "$out" "${OUT:-bench/out}"
+. "$(dirname "$0")/gpu_setup.sh"
+export PYTHONPATH=$PWD:$site PYTHONUNBUFFERED=1 OPGRAFT_CACHE_DIR=/tmp/og-kernels VLLM_USE_FLASHINFER_SAMPLER=0
+BUDGET=${BUDGET:-540}
+steps=${*:-check attention moe fp8 configs linear host before}
+summary=()
+note() { summary+=("$*"); stamp "$*"; }
+q() { grep -v "^INFO\|^WARNING\|^DEBUG\|^\[W\|Warning:" ; }
+for step in $steps; do
+  if awk -v a="$t0" -v b="$(date +%s.%N)" -v m="$BUDGET" 'BEGIN { exit !(b - a > m) }'; then
+    note "skipped $step: past the ${BUDGET} s budget"
+    continue
+  fi
+  case $step in
+  check)  # the FP8 cases against vLLM's own FP8 path, and the expert-parallel cases again
+    python3 -m tools.gpucheck --quick --ops moe --only "fp8" --out "$out" 2>&1 | q >"$out/check-fp8.log"
+    python3 -m tools.gpucheck --quick --ops moe --only "expert_map" --out "$out/ep" 2>&1 | q >"$out/check-ep.log"
+    note "$(grep 'cases pass' "$out/check-fp8.log") / expert_map $(grep 'cases pass' "$out/check-ep.log")"
+    grep FAIL "$out"/check-*.log | head
+    ;;
+  attention)
+    OPGRAFT_ATTN_BENCH_IMPLS=opgraft,vllm-fa3,vllm-triton \
+      python3 -m opgraft.cli bench attention --impls opgraft,vllm-fa3,vllm-triton --json "$out/attention_bench.json" 2>&1 \
+      | q | tail -45
+    note "attention benched"
+    ;;
+  moe)
+    for m in Qwen3-30B-A3B:1 Qwen3-30B-A3B:2 Mixtral-8x7B:1; do
+      python3 -m opgraft.cli bench moe --model "${m%%:*}" --tp "${m#*:}" --tokens 1,2,4,8 --no-baseline \
+        --json "$out/moe-${m%%:*}-tp${m#*:}.json" 2>&1 | q | grep -E " opgraft | vllm-builtin "
+    done
+    note "moe presets benched"
+    ;;
+  configs)
+    for f in bench/configs/*.json; do
+      python3 -m opgraft.cli bench moe --model "$f" --tokens 1,2,4,8,16 --max-tokens 16 --no-baseline \
+        --json "$out/moe-$(basename "$f")" 2>&1 | q | grep -E " opgraft | vllm-builtin "
+    done
+    note "moe configs benched"
+    ;;
+  fp8)
+    for spec in Qwen3-30B-A3B:fp8-block:1 DeepSeek-V3:fp8-block:8 Mixtral-8x7B:fp8-tensor:1; do
+      IFS=: read -r m d tp <<<"$spec"
+      timeout 150 python3 -m opgraft.cli bench moe --model "$m" --dtype "$d" --tp "$tp" --tokens 1,4,8 \
+        --json "$out/fp8-$m-$d-tp$tp.json" 2>&1 | q | tail -14
+    done
+    note "fp8 benched"
+    ;;
+  linear)
+    python3 -m opgraft.cli bench linear --models Qwen3-30B-A3B,Llama-3-70B/tp8 --rows 1,4,8 --timing span \
+      --json "$out/linear_bench_span.json" 2>&1 | q | tail -30
+    note "linear benched (span)"
+    ;;
+  host)
+    python3 -m tools.host_time --label after --tokens 1,8 --json "$out/host-after.json" 2>&1 | q | tail -4
+    note "host time measured"
+    ;;
+  before)  # the older tree's MoE calls, for the same shapes as the moe step
+    if [ -d .before ]; then
+      cmake -S .before -B /tmp/og-before -DOPGRAFT_BUILD_TESTS=OFF >/dev/null 2>&1 &&
+        cmake --build /tmp/og-before -j >/dev/null 2>&1
+      for m in Qwen3-30B-A3B:1 Qwen3-30B-A3B:2 Mixtral-8x7B:1; do
+        PYTHONPATH=$PWD/.before/python:$site OPGRAFT_LIBRARY=/tmp/og-before/libopgraft.so.0 \
+          python3 -m opgraft.cli bench moe --model "${m%%:*}" --tp "${m#*:}" --tokens 1,2,4,8 --no-baseline \
+          --json "$out/before-moe-${m%%:*}-tp${m#*:}.json" 2>&1 | q | grep -E " opgraft "
+      done
+      PYTHONPATH=$PWD/.before/python:$PWD:$site OPGRAFT_LIBRARY=/tmp/og-before/libopgraft.so.0 \
+        python3 -m tools.host_time --label before --tokens 1,8 --json "$out/host-before.json" 2>&1 | q | tail -4
+      note "older tree benched"
+    fi
+    ;;
+  *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+cp "$log" "$out/" 2>/dev/null
+tar czf "${OUT:-bench/out}/vllm-lab.tgz" -C "$out" .
+echo "==== summary"
+printf '%s\n' "${summary[@]}"
