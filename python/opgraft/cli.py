@@ -485,6 +485,9 @@ def _cpu_bench_attention(args, why: str) -> int:
 
 
 def cmd_bench_attention(args) -> int:
+    # The bench times every batch size; attention.max_batch (where vLLM's FA3 takes over) is the
+    # guard's business in vLLM.
+    os.environ.setdefault("OPGRAFT_TUNE_ATTENTION_MAX_BATCH", "4096")
     if not 0 <= args.between_mib <= 4096:
         print("error: --between-mib must be in 0..4096", file=sys.stderr)
         return 2

@@ -110,6 +110,12 @@ int32_t opgraft__attn_check_device(const opgraft_attention_args *a, int32_t *arc
     if (st) return OG_REASON("no GPU: %s", opgraft_last_error());
   }
   if (arch < OG_ATTN_MIN_ARCH) return OG_REASON("sm_%d is older than sm_%d", arch, OG_ATTN_MIN_ARCH);
+  char shape[128];
+  opgraft__attn_shape_key(a, shape, sizeof shape);
+  const int64_t max_batch =
+      opgraft__tune_value("attention.max_batch", arch, gpu && *gpu ? gpu : NULL, shape, (int32_t)a->batch);
+  if (a->batch > max_batch)
+    return OG_REASON("batch %lld > attention.max_batch %lld", (long long)a->batch, (long long)max_batch);
   if (arch_out) *arch_out = arch;
   return OPGRAFT_OK;
 }

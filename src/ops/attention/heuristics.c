@@ -1,6 +1,12 @@
 /* The decode-attention op's rules: tunable values derived from the shape and the GPU, used where
  * no baked row (table.c) matches. Nothing here is measured yet (the first GPU run of
  * `opgraft bench attention` decides); the reasoning behind each value:
+ * - attention.max_batch 32 on sm_90: against vLLM 0.26's FA3 in the same run (H200, 2026-12-01,
+ *   bench/results/2026-12-01-h200-v20-vllm/) ours won at batch 1 and 8 at every context
+ *   (1.02-1.40x) and at batch 64 with 1K tokens (1.22x), and lost at batch 64 with 8K and 32K
+ *   (0.97x, 0.92x: FA3 reads the cache at ~96% of the ceiling there). The batch is what a plan
+ *   knows (the lengths live on the device), so batches above 32 stay FA3's. Unmeasured archs
+ *   take every batch.
  * - attention.warps 4: a block of 4 warps at the kernel's ~160 registers (head size 128) lets 3
  *   blocks share an SM, 12 warps each with one 16-token tile (8 KB) of K/V in flight: about 96 KB
  *   an SM, above the ~40 KB the H200's bandwidth needs at its ~1 us load latency under load.
@@ -27,6 +33,7 @@ int opgraft__attn_parse_shape(const char *shape, og_attn_shape *s) {
 
 int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value) {
   const char *key = q->key;
+  if (strcmp(key, "attention.max_batch") == 0) return *value = q->arch == 90 ? 32 : 4096, 1;
   if (strcmp(key, "attention.warps") == 0) return *value = 4, 1;
   if (strcmp(key, "attention.min_blocks") == 0) return *value = 0, 1;
   if (strcmp(key, "attention.min_chunk") == 0) return *value = 128, 1;

@@ -6,6 +6,7 @@
 /* Ranges are what the kernel accepts (the configuration clamps what would not fit); the last
  * field is what `opgraft tune` tries. */
 static const og_tunable tunables[] = {
+    {"attention.max_batch", 0, 4096, 4096, NULL},
     {"attention.warps", 1, 16, 4, "2 4 8"},
     {"attention.min_blocks", 0, 16, 0, "0 1 2"},
     {"attention.min_chunk", 16, 65536, 128, "64 128 256 512 1024"},

@@ -77,6 +77,21 @@ static void expect_refusal(const opgraft_attention_args *a, const char *needle, 
   if (!strstr(opgraft_last_error(), reason)) fail_msg("%s: last error \"%s\" lacks the reason", what, opgraft_last_error());
 }
 
+static void test_max_batch(void **state) {
+  /* sm_90 takes up to 32 sequences (measured: FA3 wins at 64 with long contexts), other archs any. */
+  opgraft_attention_args a = valid_args();
+  a.batch = 32;
+  expect_ok(&a, "batch 32 on sm_90");
+  a.batch = 33;
+  expect_refusal(&a, "batch 33 > attention.max_batch 32", "batch 33 on sm_90");
+  a.arch = 80;
+  expect_ok(&a, "batch 33 on sm_80");
+  setenv("OPGRAFT_TUNE_ATTENTION_MAX_BATCH", "64", 1);
+  a.arch = 90, a.batch = 64;
+  expect_ok(&a, "batch 64 with the threshold raised");
+  unsetenv("OPGRAFT_TUNE_ATTENTION_MAX_BATCH");
+}
+
 static void test_valid(void **state) {
   opgraft_attention_args a = valid_args();
   expect_ok(&a, "Qwen3-30B-A3B heads");
@@ -393,6 +408,7 @@ static void test_combine_tree(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_valid, reset_tunables),
+      cmocka_unit_test_teardown(test_max_batch, reset_tunables),
       cmocka_unit_test_teardown(test_refusals, reset_tunables),
       cmocka_unit_test_teardown(test_registered_with_its_tunables, reset_tunables),
       cmocka_unit_test_teardown(test_config, reset_tunables),
