@@ -21,12 +21,13 @@
  *   faster). 2..4 tokens: routing by slot in both stages (v19: every preset faster; Mixtral-8x7B
  *   lost at 8 and 16 tokens, where T*k still fits 32 slots).
  *
- * FP8 weights (shape keys "moe:fp8block:..." and "moe:fp8tensor:..."): not measured yet; the rule
- * is what the kernels' structure argues for, for the GPU runs to confirm or replace with rows.
- * - moe.fp8 1 on sm_90 only: the FP8 kernels read half the bytes of bf16 at the same k-step
- *   structure, and vLLM's block-FP8 Triton path is SM-bound at M <= 8 (vllm-project/vllm PR
- *   #46642), so they should win where the bf16 kernels do; sm_89 compiles and is tested on CPU
- *   but never measured, so it hands FP8 back.
+ * FP8 weights (shape keys "moe:fp8block:..." and "moe:fp8tensor:..."):
+ * - moe.fp8 0 (off) everywhere until a run shows a win against vLLM's own FP8 path: on the H200
+ *   (2026-12-01, bench/results/2026-12-01-h200-v20-vllm/) the FP8 kernels were correct (30 cases)
+ *   but Qwen3-30B-A3B block-FP8 T=1 took 22.4 us (37% of the ceiling: the bf16 kernel's time on
+ *   half the bytes), Mixtral-8x7B per-tensor T=1 110.3 us (70%), and vLLM's FP8 path could not be
+ *   timed beside them (its Triton experts need the engine's workspace manager). OPGRAFT_TUNE_MOE_FP8=1
+ *   takes FP8 calls; the tile rules below were argued from the kernels' structure, not measured.
  * - moe.max_tokens as for bf16 (8 on sm_90).
  * - gate_up warps twice the bf16 rule's (8 for H <= 2048, 16 above): a block covers 32 rows of I,
  *   so the grid has half the blocks, and each warp's k-step still moves 2 KB.
@@ -55,7 +56,7 @@ int opgraft__moe_parse_shape(const char *shape, og_moe_shape *s) {
 static int fp8_rule(const opgraft_tune_query *q, const og_moe_shape *s, int64_t *value) {
   const char *key = q->key;
   const int32_t T = q->tokens;
-  if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90, 1;
+  if (strcmp(key, "moe.fp8") == 0) return *value = 0, 1;
   if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s->H <= 2048 ? 8 : 16, 1;
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 8, 1;
   if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)
@@ -74,7 +75,7 @@ int opgraft__moe_rule(const opgraft_tune_query *q, int64_t *value) {
   const int32_t T = q->tokens;
   og_moe_shape fs;
   if (opgraft__moe_parse_shape(q->shape, &fs) && fs.fp8 && fp8_rule(q, &fs, value)) return 1;
-  if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90, 1; /* a query without an FP8 shape */
+  if (strcmp(key, "moe.fp8") == 0) return *value = 0, 1; /* a query without an FP8 shape */
   if (strcmp(key, "moe.max_tokens") == 0) return *value = q->arch == 90 ? 8 : 1, 1;
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 4, 1;
   if (strcmp(key, "moe.gate_up.min_blocks") == 0) return *value = 4, 1;

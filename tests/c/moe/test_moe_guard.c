@@ -320,7 +320,15 @@ static opgraft_moe_args fp8_args(int32_t layout) {
   return a;
 }
 
+/* The rule hands FP8 back everywhere (not yet measured as a win); the guard's other checks are
+ * tested with moe.fp8 set to 1. */
+static void fp8_on(void) {
+  setenv("OPGRAFT_TUNE_MOE_FP8", "1", 1);
+  opgraft_tune_reload();
+}
+
 static void test_fp8_valid(void **state) {
+  fp8_on();
   opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
   expect_ok(&a, "fp8 block scales");
   a.dtype = OPGRAFT_DTYPE_FP16;
@@ -360,7 +368,9 @@ static void test_fp8_archs_and_switches(void **state) {
   expect_refusal(&a, "moe.fp8 is 0 on sm_90", "fp8 with moe.fp8=0");
   unsetenv("OPGRAFT_TUNE_MOE_FP8");
   opgraft_tune_reload();
-  expect_ok(&a, "fp8 on sm_90 by the rule");
+  expect_refusal(&a, "moe.fp8 is 0 on sm_90", "fp8 on sm_90 by the rule");
+  fp8_on();
+  expect_ok(&a, "fp8 on sm_90 with moe.fp8=1");
   setenv("OPGRAFT_MOE_FP8", "0", 1);
   expect_refusal(&a, "OPGRAFT_MOE_FP8=0", "fp8 with OPGRAFT_MOE_FP8=0");
   opgraft_moe_args b = valid_args(); /* bf16 calls do not look at the FP8 switches */
@@ -371,6 +381,7 @@ static void test_fp8_archs_and_switches(void **state) {
 }
 
 static void test_fp8_refusals(void **state) {
+  fp8_on();
   static const struct {
     int field;
     const char *needle;
@@ -411,6 +422,7 @@ static void test_fp8_refusals(void **state) {
 }
 
 static void test_fp8_tokens_and_expert_map(void **state) {
+  fp8_on();
   opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
   a.num_tokens = 8;
   expect_ok(&a, "fp8 T=8");
@@ -446,15 +458,15 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
   og_moe_shape sh;
   assert_true(opgraft__moe_parse_shape(key, &sh) && sh.fp8 && sh.E == 128 && sh.k == 8);
   assert_true(opgraft__moe_parse_shape("moe:bf16:E8:H4096:I14336:k2", &sh) && !sh.fp8);
-  /* The rule: FP8 on sm_90 only; gate_up's warps twice bf16's; routing by slot up to 32 slots. */
+  /* The rule: FP8 off until measured as a win; gate_up's warps twice bf16's; routing by slot up to 32 slots. */
   const struct {
     const char *key, *shape;
     int32_t arch, tokens;
     int64_t want;
   } rules[] = {
-      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 1},
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 0},
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 89, 1, 0},
-      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 4, 1},
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 4, 0},
       {"moe.gate_up.warps", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 8},
       {"moe.gate_up.warps", "moe:bf16:E128:H2048:I768:k8", 90, 1, 4},
       {"moe.gate_up.warps", "moe:fp8block:E384:H7168:I2048:k8", 90, 1, 16},

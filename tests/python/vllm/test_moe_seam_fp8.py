@@ -225,7 +225,15 @@ def test_kill_switch_hands_fp8_back(clean, monkeypatch):
     assert _lib.lib().opgraft_moe_supports(ctypes.byref(a), reason, 256) == _lib.EUNSUPPORTED
     assert b"OPGRAFT_MOE_FP8=0" in reason.value
     monkeypatch.delenv("OPGRAFT_MOE_FP8")
-    assert _lib.lib().opgraft_moe_supports(ctypes.byref(a), reason, 256) == _lib.OK
+    assert _lib.lib().opgraft_moe_supports(ctypes.byref(a), reason, 256) == _lib.EUNSUPPORTED
+    assert b"moe.fp8 is 0 on sm_90" in reason.value  # the shipped rule: FP8 not yet measured as a win
+    monkeypatch.setenv("OPGRAFT_TUNE_MOE_FP8", "1")
+    _lib.lib().opgraft_tune_reload()
+    try:
+        assert _lib.lib().opgraft_moe_supports(ctypes.byref(a), reason, 256) == _lib.OK
+    finally:
+        monkeypatch.delenv("OPGRAFT_TUNE_MOE_FP8")
+        _lib.lib().opgraft_tune_reload()
 
 
 def test_quant_config_reading_matches_vllms_properties():
