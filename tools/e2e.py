@@ -191,6 +191,10 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
     # which JIT-compiles it (minutes on a fresh machine, measured on an H200). Same for every
     # setting; set VLLM_USE_FLASHINFER_SAMPLER=1 to keep it.
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # Block-FP8 checkpoints: vLLM JIT-compiles DeepGEMM for every GEMM shape at start (253 shapes,
+    # past 225 s for Qwen3-30B-A3B-FP8 on an H200). The timed runs come after warm-up generates of
+    # every batch size, which compile what they use. Same for every setting.
+    env.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
     # A host that turns NVLink multicast off for NCCL (NCCL_NVLS_ENABLE=0) wants it off everywhere:
     # vLLM's symmetric-memory all-reduce (tensor parallelism) would use it, so keep that off too
     # (vLLM's custom all-reduce and NCCL remain). Same for every setting.
@@ -470,8 +474,14 @@ def run(args) -> int:
                 raise SystemExit(f"opgraft e2e: expected {n} tokens per sequence, got {got}")
             t1s.append(round(t1, 4))
             tns.append(round(tn, 4))
-            itl.append((tn - t1) / (n - 1) * 1e3)
-            tps.append(b * (n - 1) / (tn - t1))
+        # Each rep's n-token run less the fastest one-token run: a one-time stall of seconds in a
+        # one-token run (seen on a busy host, stock vLLM too) made its own rep's ITL negative.
+        t1 = min(t1s)
+        if min(tns) <= t1:
+            raise SystemExit(f"opgraft e2e: batch {b}: an {n}-token run took no longer than the one-token run "
+                             f"({tns} s against {t1s} s); no ITL can be read from these runs")
+        itl = [(tn - t1) / (n - 1) * 1e3 for tn in tns]
+        tps = [b * (n - 1) / (tn - t1) for tn in tns]
         prof = None
         if args.profile_steps:  # GPU time per decode step, kernel by kernel (after the timed runs)
             runs = []
