@@ -830,7 +830,7 @@ class _Parser(argparse.ArgumentParser):
 def main(argv=None) -> int:
     import opgraft
 
-    ap = _Parser(prog="opgraft", description="opgraft: faster MoE kernels for stock vLLM")
+    ap = _Parser(prog="opgraft", description="opgraft: faster decode kernels (MoE experts, attention, projections) for stock vLLM")
     ap.add_argument("--version", action="version", version=f"opgraft {opgraft.__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     bench_ops = sub.add_parser("bench", help="benchmark an op at a model's dims").add_subparsers(

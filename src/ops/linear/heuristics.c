@@ -1,7 +1,8 @@
 /* The linear op's rules: tunable values derived from the shape and the GPU, used wherever no baked
- * row (table.c) matches. No GPU has measured them yet: they follow from the kernel's structure and
- * the MoE kernels' measurements (bench/NOTES.md), and the baked rows will say where a measurement
- * beats them.
+ * row (table.c) matches. linear.max_rows is measured (H200 2026-12-01: ours won at every
+ * Qwen3-30B-A3B projection, 1.06-1.86x cuBLAS, and lost on two Llama-3-70B/tp8 shapes, which rows
+ * hand back); the tile and warp values follow from the kernel's structure and the MoE kernels'
+ * measurements (bench/NOTES.md), not from a sweep.
  *
  * - linear.max_rows (hand-back threshold): 8 on sm_90, where the kernel is meant to win (weights
  *   streamed once at the read ceiling against cuBLAS's ~40% measured in a Qwen3-30B-A3B decode
