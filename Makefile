@@ -37,7 +37,7 @@ test: deps lib
 	@if [ -n "$(NEWEST_VLLM_PYTHON)" ]; then \
 	  echo "== [4/4] plugin tests against the newest vLLM ($(NEWEST_VLLM_PYTHON))"; \
 	  OPGRAFT_EXPECT_VLLM=$(OPGRAFT_EXPECT_VLLM_NEWEST) PYTHONPATH=python \
-	    $(NEWEST_VLLM_PYTHON) -m pytest -q -rs tests/python/vllm tests/python/linear; \
+	    $(NEWEST_VLLM_PYTHON) -m pytest -q -rs tests/python/seams tests/python/linear; \
 	else \
 	  echo "== [4/4] plugin tests against the newest vLLM: skipped (NEWEST_VLLM_PYTHON is not set; .ci/run sets it)"; \
 	fi

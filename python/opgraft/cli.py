@@ -435,17 +435,17 @@ def attention_args_struct(heads_q: int, heads_kv: int, head_size: int, batch: in
 
 
 def _attention_points(args):
-    from .bench import attention as ab
+    from .presets import ATTENTION_POINTS, ATTENTION_PRESETS, AttnShape
 
     if args.model is None:
-        return ab.DEFAULT_POINTS, ab.PRESETS
-    presets = dict(ab.PRESETS)
+        return ATTENTION_POINTS, ATTENTION_PRESETS
+    presets = dict(ATTENTION_PRESETS)
     if args.model not in presets:
         try:
             hq, hk, d = (int(x) for x in args.model.split("/"))
         except ValueError:
-            raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(ab.PRESETS)}) nor HQ/HKV/D") from None
-        presets[args.model] = ab.AttnShape(args.model, hq, hk, d)
+            raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(ATTENTION_PRESETS)}) nor HQ/HKV/D") from None
+        presets[args.model] = AttnShape(args.model, hq, hk, d)
     return [(args.model, b, c) for b in args.batch for c in args.context], presets
 
 

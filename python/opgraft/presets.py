@@ -1,5 +1,6 @@
-"""MoE dims of public models (from each model's config.json on its public model card), and a reader
-for any Hugging Face config.json."""
+"""The dims of public models each op's bench knows by name (from each model's config.json on its
+public model card), and a reader for any Hugging Face config.json. No torch here: the CLI reads
+these on machines without it."""
 
 from __future__ import annotations
 
@@ -200,3 +201,25 @@ LINEAR_PRESETS = {
     "Llama-3-8B": projections("Llama-3-8B", 4096, 32, 8, 128, 128256, inter=14336),
     "Llama-3-70B/tp8": projections("Llama-3-70B", 8192, 64, 8, 128, 128256, inter=28672, tp=8),
 }
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    name: str
+    heads_q: int
+    heads_kv: int
+    head_size: int
+
+
+# Per-rank attention heads; head-64 and head-256 stand for the other head sizes the kernel builds.
+ATTENTION_PRESETS = {
+    "Qwen3-30B-A3B": AttnShape("Qwen3-30B-A3B", 32, 4, 128),
+    "Llama-3-8B": AttnShape("Llama-3-8B", 32, 8, 128),
+    "head-64": AttnShape("head-64", 16, 2, 64),
+    "head-256": AttnShape("head-256", 8, 4, 256),
+}
+
+# (preset, batch, context): Qwen3-30B-A3B at batch 1/8/64 x 1K/8K/32K, then the other head shapes.
+ATTENTION_POINTS = [("Qwen3-30B-A3B", b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)] + [
+    ("Llama-3-8B", 1, 1024), ("Llama-3-8B", 8, 8192), ("head-64", 8, 8192), ("head-256", 1, 1024),
+    ("head-256", 8, 8192)]

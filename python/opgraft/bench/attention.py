@@ -26,25 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import attention as ops
+from ..presets import ATTENTION_POINTS as DEFAULT_POINTS
+from ..presets import ATTENTION_PRESETS as PRESETS
+from ..presets import AttnShape
 from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, timed_calls
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class AttnShape:
-    name: str
-    heads_q: int
-    heads_kv: int
-    head_size: int
-
-
-PRESETS = {
-    "Qwen3-30B-A3B": AttnShape("Qwen3-30B-A3B", 32, 4, 128),
-    "Llama-3-8B": AttnShape("Llama-3-8B", 32, 8, 128),
-    "head-64": AttnShape("head-64", 16, 2, 64),
-    "head-256": AttnShape("head-256", 8, 4, 256),
-}
 
 
 @dataclass
@@ -316,12 +303,6 @@ def bench_point(shape: AttnShape, batch: int, context: int, dtype: str = "bf16",
     del p
     torch.cuda.empty_cache()
     return rows
-
-
-# (preset, batch, context): Qwen3-30B-A3B at batch 1/8/64 x 1K/8K/32K, then the other head shapes.
-DEFAULT_POINTS = [("Qwen3-30B-A3B", b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)] + [
-    ("Llama-3-8B", 1, 1024), ("Llama-3-8B", 8, 8192), ("head-64", 8, 8192), ("head-256", 1, 1024),
-    ("head-256", 8, 8192)]
 
 
 IMPLS = ("opgraft", *BASELINES)

@@ -17,8 +17,7 @@ ROOT = serve_bench.REPO
 
 
 def _has(module):
-    """Whether module is installed (for vLLM a submodule is asked for: tests/python/vllm alone
-    is a namespace package named vllm)."""
+    """Whether module is installed."""
     import importlib.util
 
     try:
