@@ -4,10 +4,10 @@
  * hand back); the tile and warp values follow from the kernel's structure and the MoE kernels'
  * measurements (bench/NOTES.md), not from a sweep.
  *
- * - linear.max_rows (hand-back threshold): 8 on sm_90, where the kernel is meant to win (weights
- *   streamed once at the read ceiling against cuBLAS's ~40% measured in a Qwen3-30B-A3B decode
- *   step, issue 23) and its cost barely grows with the rows. Conservative elsewhere: one row on
- *   other sm_80+ GPUs, where nothing was measured.
+ * - linear.max_rows (hand-back threshold): 8 on sm_90, where the kernel was measured to win
+ *   (weights streamed once: 1.06-1.9x cuBLAS at one row on the H200's presets, within 8% of that
+ *   at eight rows; bench/NOTES.md); rows hand back the shapes where it lost. Conservative
+ *   elsewhere: one row on other sm_80+ GPUs, where nothing was measured.
  * - linear.warps: 8 warps split K; 16 when the call has fewer 8-row tiles than the GPU has SMs
  *   (router gates: [128, 2048] gives 16 blocks), so that more loads are in flight; halved while a
  *   warp would get fewer than 4 k-steps of 32.
