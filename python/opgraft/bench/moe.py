@@ -517,6 +517,17 @@ def unique_expert_bytes_fp8(shape: MoeShape, kind: str, routings, local=None) ->
     return statistics.mean(counts) * (shape.expert_bytes(1) + fp8_scale_bytes(shape, kind))
 
 
+def _vllm_workspace(device) -> None:
+    """vLLM's modular MoE kernel takes its scratch buffers from the workspace manager that each
+    GPU worker creates (GPUModelRunner); outside an engine, this process makes it once."""
+    try:
+        from vllm.v1.worker import workspace
+    except ImportError:  # a vLLM without one: its kernels allocate their own
+        return
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(torch.device(device))
+
+
 def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scale, global_experts: int,
                      backend: str = "triton", device="cuda"):
     """vLLM's own FP8 MoE path as Fp8MoEMethod builds it for TritonExperts: the modular kernel
@@ -544,6 +555,7 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
     if moe_seam.installed():
         return None, "opgraft's seam is installed in this process (TritonExperts.apply would be ours)"
     try:
+        _vllm_workspace(device)
         cfg = FusedMoEConfig(num_experts=global_experts, experts_per_token=shape.top_k, hidden_dim=shape.hidden,
                              intermediate_size=shape.inter, num_local_experts=shape.num_experts,
                              num_logical_experts=global_experts, activation=MoEActivation.SILU, device=device,

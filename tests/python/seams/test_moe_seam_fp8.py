@@ -245,3 +245,24 @@ def test_quant_config_reading_matches_vllms_properties():
     qc = tensor_config()
     assert qc.block_shape is None and qc.is_per_tensor and qc.a1_scale is None
     assert moe_seam._signature_matches(triton_moe.TritonExperts.__dict__["apply"])
+
+
+def test_the_bench_builds_vllms_fp8_experts_with_their_workspace(clean):
+    # vLLM's modular kernel takes its buffers from the workspace manager each GPU worker makes;
+    # the bench, outside an engine, makes it once (without it: "WorkspaceManager not initialized").
+    from opgraft.bench import moe as moe_bench
+    from opgraft.presets import MoeShape
+    from vllm.v1.worker import workspace
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(workspace, "_manager", None)
+    try:
+        shape = MoeShape("tiny", E, H, I, K)
+        w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", "cpu")
+        fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-block", w13, s13, w2, s2, E, "triton", "cpu")
+        assert fn is not None and why == ""
+        made = workspace.current_workspace_manager()
+        fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-block", w13, s13, w2, s2, E, "triton", "cpu")
+        assert fn is not None and workspace.current_workspace_manager() is made  # made once
+    finally:
+        monkey.undo()
