@@ -118,14 +118,14 @@ int32_t opgraft__current_device(og_CUcontext *ctx, int32_t *arch, char *name, si
 
 /* ---- jit.c ---- */
 typedef struct og_source {
-  const char *path; /* under kernels/, e.g. "moe/moe.cu" or "common/og_common.cuh" */
+  const char *path; /* under kernels/, e.g. "<op>/<op>.cu" or "common/og_common.cuh" */
   const char *name; /* the file name, as #include names it (unique over all folders) */
   const char *text;
 } og_source;
 /* The embedded kernel sources (kernels_embed.c, generated at build time). */
 extern const og_source opgraft__sources[];
 extern const int opgraft__num_sources;
-/* By path ("moe/moe.cu"). */
+/* By path ("<op>/<op>.cu"). */
 const og_source *opgraft__find_source(const char *path);
 
 typedef struct og_cubin {
@@ -198,7 +198,7 @@ void opgraft__abi_end(og_sbuf *b);
 
 /* ---- tune.c and registry.c: tunables and the ops that own them ---- */
 typedef struct og_tunable {
-  const char *key; /* "<op>.<name>", e.g. "moe.down.warps" */
+  const char *key; /* "<op>.<name>" */
   int64_t lo, hi;  /* the values the op accepts */
   int64_t fallback; /* used when no row and no rule give a value */
   const char *space; /* the tuner's candidates, e.g. "1 2 4 8 16" (NULL: the tuner leaves it alone) */
@@ -215,8 +215,8 @@ typedef struct og_tune_entry {
 } og_tune_entry;
 /* What an op tells the core (one descriptor an op, listed in src/ops/ops.c). */
 typedef struct og_op {
-  const char *name;       /* lower case, e.g. "moe"; its tunable keys start with "moe." */
-  const char *kernel_dir; /* its folder under kernels/, e.g. "moe" (NULL: no kernels) */
+  const char *name;       /* lower case; its tunable keys start with "<name>." */
+  const char *kernel_dir; /* its folder under kernels/ (NULL: no kernels) */
   const og_tunable *tunables;
   int ntunables;
   const og_tune_entry *rows; /* the baked per-arch table; each row says why it holds */

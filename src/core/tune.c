@@ -4,8 +4,8 @@
  *
  * Tune file format (written by `opgraft tune --inject --out FILE`):
  *   {"version": 1,
- *    "entries": [{"arch": 90, "gpu": "NVIDIA H200", "shape": "moe:bf16:E128:H2048:I768:k8",
- *                 "tokens": [1, 8], "values": {"moe.down.warps": 8}, "why": "measured ..."}]}
+ *    "entries": [{"arch": 90, "gpu": "NVIDIA H200", "shape": "<op>:bf16:<dims>",
+ *                 "tokens": [1, 8], "values": {"<op>.<name>": 8}, "why": "measured ..."}]}
  * Every field of an entry but "values" is optional; a missing one matches anything. Among the
  * entries that match a lookup, the most specific wins (shape > gpu > tokens > arch), then the
  * later one. */

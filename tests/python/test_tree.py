@@ -1,4 +1,4 @@
-"""The tree itself: no file carries merge-conflict markers."""
+"""The tree itself: no file carries merge-conflict markers, and the core names no op."""
 import os
 import re
 
@@ -18,3 +18,20 @@ def test_no_conflict_markers():
                     if MARKER.search(fh.read()):
                         bad.append(os.path.relpath(path, ROOT))
     assert not bad, f"merge-conflict markers in {bad}"
+
+
+def test_core_names_no_op():
+    # The core and the kernels' common folder serve every op: an op's name there (code or comment)
+    # means op knowledge leaked out of its folder. The ops are the folders of src/ops/.
+    ops = sorted(d for d in os.listdir(os.path.join(ROOT, "src", "ops"))
+                 if os.path.isdir(os.path.join(ROOT, "src", "ops", d)))
+    assert {"moe", "attention", "linear"} <= set(ops)
+    word = re.compile(r"\b(" + "|".join(ops + ["attn", "experts?"]) + r")\b", re.I)
+    bad = []
+    for folder in ("src/core", "kernels/common"):
+        for f in sorted(os.listdir(os.path.join(ROOT, folder))):
+            with open(os.path.join(ROOT, folder, f), encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if word.search(line):
+                        bad.append(f"{folder}/{f}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)
