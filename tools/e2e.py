@@ -31,12 +31,14 @@ is shared by the settings.
 
 Timing: for each batch size B, `generate(B prompts, max_tokens=1)` and `generate(B prompts,
 max_tokens=N)` are timed back to back (greedy, ignore_eos); the difference is N-1 decode steps, so
-ITL = (t_N - t_1) / (N - 1) and decode tokens/s = B (N-1) / (t_N - t_1). Repeated --reps times;
+ITL = (t_N - t_1) / (N - 1) and decode tokens/s = B (N-1) / (t_N - t_1), with the fastest t_1 of
+the reps (a stalled one-token run would make a rep's difference meaningless). Repeated --reps times;
 medians and spread are reported. A separate greedy run with logprobs gives the token ids and the
 chosen tokens' logprobs for the parity check between settings. With --profile-steps N, a torch
 profiler in the worker records the GPU's kernels during a prefill alone and during the same
 prefill plus N decode steps; the difference is the GPU time of one decode step, kernel by kernel
-(CUDA-graph replays included), to set against the ITL. The MoE counters of the engine's
+(CUDA-graph replays included), to set against the ITL; the prefill's own kernels are kept too, to
+set against the one-token run. The MoE counters of the engine's
 worker process (opgraft.stats()) are read through vLLM's collective_rpc.
 """
 
@@ -360,9 +362,15 @@ def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
             rows.append({"kernel": name, "launches_per_step": round((n - n0) / steps, 2),
                          "us_per_step": round((us - us0) / steps, 2)})
     rows.sort(key=lambda r: -r["us_per_step"])
+    pre = [{"kernel": name, "launches_per_step": n, "us_per_step": round(us, 2)}
+           for name, (n, us) in prefill.get("kernels", {}).items()]
+    pre.sort(key=lambda r: -r["us_per_step"])
+    # The prefill alone as a "step" of its own, in the same form (profile_diff compares it too).
+    prefill_step = {"steps": 1, "gpu_us_per_step": round(sum(r["us_per_step"] for r in pre), 1),
+                    "kernels_per_step": sum(r["launches_per_step"] for r in pre), "kernels": pre[:top]}
     return {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
             "kernels_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
-            "kernels": rows[:top]}
+            "kernels": rows[:top], "prefill": prefill_step}
 
 
 def profile_diff(base: dict, other: dict, top: int = 10) -> dict:
@@ -604,14 +612,21 @@ def compare(out_dir: str, modes=MODES) -> dict:
                   f"(ITL {br['itl_ms']['median']:.3f} ms)")
             for k in prof["kernels"][:8]:
                 print(f"    {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
+            pre = prof.get("prefill")
+            if pre:
+                print(f"profile {m} B={key}: GPU {pre['gpu_us_per_step'] / 1e3:.3f} ms in the prefill alone, "
+                      f"{pre['kernels_per_step']} kernels (one-token run {min(br.get('t_1_s') or [0]) * 1e3:.1f} ms)")
             bprof = _rank0_profile((base or {}).get("batches", {}).get(key, {}))
             if m != "disabled" and bprof and "error" not in bprof:
-                d = profile_diff(bprof, prof)
-                print(f"profile {m} vs disabled B={key}: GPU {d['gpu_delta_us']:+.1f} us per step, "
-                      f"kernels {d['kernels_delta']:+.1f} per step")
-                for k in d["kernels"][:8]:
-                    print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
-                          f"{k['base_launches']:.0f} -> {k['launches']:.0f}x)  {k['kernel'][:80]}")
+                for what, b_, o_ in (("step", bprof, prof), ("prefill", bprof.get("prefill"), pre)):
+                    if not (b_ and o_):
+                        continue
+                    d = profile_diff(b_, o_)
+                    print(f"profile {m} vs disabled B={key}: GPU {d['gpu_delta_us']:+.1f} us per {what}, "
+                          f"kernels {d['kernels_delta']:+.1f} per {what}")
+                    for k in d["kernels"][:8]:
+                        print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
+                              f"{k['base_launches']:.0f} -> {k['launches']:.0f}x)  {k['kernel'][:80]}")
     return summary
 
 

@@ -217,6 +217,9 @@ def test_profile_rows_subtract_the_prefill_and_rank_by_time():
     assert [k["kernel"] for k in p["kernels"]] == ["moe_gate_up_bf16", "fused_moe_kernel", "attn"]
     assert p["kernels"][1] == {"kernel": "fused_moe_kernel", "launches_per_step": 96.0, "us_per_step": 130.0}
     assert p["gpu_us_per_step"] == 200.0 + 130.0 + 40.0
+    assert p["prefill"] == {"steps": 1, "gpu_us_per_step": 600.0, "kernels_per_step": 144,
+                            "kernels": [{"kernel": "fused_moe_kernel", "launches_per_step": 96, "us_per_step": 500.0},
+                                        {"kernel": "attn", "launches_per_step": 48, "us_per_step": 100.0}]}
     assert e2e.profile_rows({"error": "x"}, full, 10) == {"error": "x"}
 
 
@@ -294,16 +297,20 @@ def test_profile_diff_ranks_the_changes_and_counts_kernels():
 
 
 def test_compare_prints_the_profile_difference(tmp_path, capsys):
-    def run(mode, kernels):
-        prof = e2e.profile_rows({"kernels": {}}, {"kernels": kernels}, 1)
+    def run(mode, kernels, prefill, t1):
+        prof = e2e.profile_rows({"kernels": prefill}, {"kernels": kernels}, 1)
         return {"mode": mode, "batches": {"8": {"itl_ms": {"median": 9.0, "min": 9.0, "max": 9.0, "n": 1},
                                                 "decode_tok_s": {"median": 800.0}, "token_ids": [[1]],
-                                                "logprobs": [[-1.0]], "profile": [prof]}}}
-    (tmp_path / "e2e-disabled.json").write_text(json.dumps(run("disabled", {"fused_moe_kernel": [96, 3000.0]})))
-    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run("opgraft", {"moe_down_bf16": [48, 3500.0]})))
+                                                "logprobs": [[-1.0]], "profile": [prof], "t_1_s": t1}}}
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps(
+        run("disabled", {"fused_moe_kernel": [96, 3000.0]}, {"nvjet_gemm": [144, 900.0]}, [0.07, 0.06])))
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(
+        run("opgraft", {"moe_down_bf16": [48, 3500.0]}, {"nvjet_gemm": [144, 1000.0]}, [0.11])))
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
     assert "profile opgraft vs disabled B=8: GPU +500.0 us per step, kernels -48.0 per step" in out
+    assert "profile opgraft B=8: GPU 1.000 ms in the prefill alone, 144 kernels (one-token run 110.0 ms)" in out
+    assert "profile opgraft vs disabled B=8: GPU +100.0 us per prefill, kernels +0.0 per prefill" in out
 
 
 def test_builtin_configs_load_as_hugging_face_configs(tmp_path):
