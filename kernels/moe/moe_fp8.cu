@@ -56,16 +56,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
 #if OG_GU_SLOTS
   __shared__ int s_e;
   const int i = blockIdx.x / tiles;  // the routing slot
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x, nk = p.T * OG_K;
-    const int id = lane < nk ? og_load_id(p, lane) : -1;
-    const int e = __shfl_sync(OG_FULL, id, i);
-    const og_u32 same = __ballot_sync(OG_FULL, lane < nk && id == e);  // the slots that list e
-    const bool owner = e >= 0 && (same & ((1u << i) - 1u)) == 0;      // and none before slot i
-    if (owner && ((same >> lane) & 1u)) s_pairs[__popc(same & ((1u << lane) - 1u))] = lane;
-    if (lane == 0) s_npairs = owner ? __popc(same) : 0, s_e = e;
-  }
-  __syncthreads();
+  og_slot_pairs(p, i, s_pairs, s_npairs, s_e);
   OG_TS(0, 1);
   if (s_npairs == 0) return;  // routed nowhere on this rank, or an earlier slot's block has the expert
   og_fp8_gate_up<OG_W1, OG_NT, OG_U1>(q, s_e, blockIdx.x - i * tiles, s_pairs, s_npairs, s_red);

@@ -100,6 +100,23 @@ __device__ __forceinline__ void og_routing_warp(const og_moe_params &p, og_routi
   __syncwarp();
 }
 
+// Calls of at most 32 routing slots, a block per (routing slot i, tile): the first warp finds slot
+// i's expert e into s_e and, when no earlier slot lists e (else that slot's block has it), e's slots
+// in increasing order into s_pairs; s_npairs is their count, 0 when this block has nothing to do.
+__device__ __forceinline__ void og_slot_pairs(const og_moe_params &p, int i, int *s_pairs, int &s_npairs,
+                                              int &s_e) {
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x, nk = p.T * OG_K;
+    const int id = lane < nk ? og_load_id(p, lane) : -1;
+    const int e = __shfl_sync(OG_FULL, id, i);
+    const og_u32 same = __ballot_sync(OG_FULL, lane < nk && id == e);  // the slots that list e
+    const bool owner = e >= 0 && (same & ((1u << i) - 1u)) == 0;      // and none before slot i
+    if (owner && ((same >> lane) & 1u)) s_pairs[__popc(same & ((1u << lane) - 1u))] = lane;
+    if (lane == 0) s_npairs = owner ? __popc(same) : 0, s_e = e;
+  }
+  __syncthreads();
+}
+
 // Warp-wide (one warp): the routing slots i = t*K + j that picked expert e, in increasing order,
 // into s_pairs; lane 0 stores their count in s_npairs.
 __device__ __forceinline__ void og_pairs_of(const og_routing &r, int nk, int e, int lane, int *s_pairs,
