@@ -5,34 +5,41 @@
 
 #include "moe.h"
 
+/* The keys both weight types read the same way (the FP8 ones under the FP8 shape key). */
+static void config_shared(const opgraft_moe_args *a, int32_t arch, const char *gpu, const char *shape,
+                          og_moe_cfg *c) {
+  const int32_t T = (int32_t)a->num_tokens;
+  c->nt = T <= 0 ? 1 : (T + 7) / 8;
+  c->w1 = (int)opgraft__tune_value("moe.gate_up.warps", arch, gpu, shape, T);
+  c->u1 = (int)opgraft__tune_value("moe.gate_up.unroll", arch, gpu, shape, T);
+  c->w2 = (int)opgraft__tune_value("moe.down.warps", arch, gpu, shape, T);
+  c->u2 = (int)opgraft__tune_value("moe.down.unroll", arch, gpu, shape, T);
+  const int64_t f = opgraft__tune_value("moe.l2_fetch", arch, gpu, shape, T);
+  c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
+  c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
+  c->down_early = c->pdl && opgraft__tune_value("moe.down.early", arch, gpu, shape, T) != 0;
+  c->pdl_in = arch >= 90 && opgraft__tune_value("moe.pdl_in", arch, gpu, shape, T) != 0;
+  c->trace = opgraft__moe_trace_on();
+  /* Forms 1 and 4 exist (og_common.cuh); any other value reads as 4. */
+  c->load = opgraft__tune_value("moe.load", arch, gpu, shape, T) == 1 ? 1 : 4;
+  /* sm_90 only: on sm_80 form 4 makes Mixtral-8x7B's down spill (test_compile), so down keeps
+   * form 1 there. */
+  c->down_load = arch >= 90 && opgraft__tune_value("moe.down_load", arch, gpu, shape, T) == 4 ? 4 : 1;
+  const int small = T >= 1 && (int64_t)T * a->top_k <= 32;
+  c->gu_slots = small && opgraft__tune_value("moe.gate_up.slot_routing", arch, gpu, shape, T) != 0;
+  c->down_warp = small && opgraft__tune_value("moe.down.warp_routing", arch, gpu, shape, T) != 0;
+}
+
 /* FP8 weights (moe/moe_fp8.cu): the same keys, resolved under the FP8 shape key
  * ("moe:fp8block:..." / "moe:fp8tensor:..."), for the paths the FP8 kernels have: two kernels
  * (no cooperative one), routing by slot for calls of up to 32 routing slots (one token included),
  * else the general routing. gate_up's tiles are 32 rows of I, a half (16 rows) a pass over H,
  * its k-steps 4 weight loads of 8 bytes a lane; down's k-steps 2 weight loads of 8 bytes and
  * act's two e4m3 terms a token tile. */
-static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c) {
-  char shape[128];
-  opgraft__moe_shape_key(a, shape, sizeof shape);
+static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu, const char *shape,
+                       og_moe_cfg *c) {
   const int32_t T = (int32_t)a->num_tokens;
-  memset(c, 0, sizeof *c);
-  c->nt = T <= 0 ? 1 : (T + 7) / 8;
   c->gu_nt = c->nt;
-  c->w1 = (int)opgraft__tune_value("moe.gate_up.warps", arch, gpu, shape, T);
-  c->u1 = (int)opgraft__tune_value("moe.gate_up.unroll", arch, gpu, shape, T);
-  c->w2 = (int)opgraft__tune_value("moe.down.warps", arch, gpu, shape, T);
-  c->u2 = (int)opgraft__tune_value("moe.down.unroll", arch, gpu, shape, T);
-  const int64_t f = opgraft__tune_value("moe.l2_fetch", arch, gpu, shape, T);
-  c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0;
-  c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
-  c->down_early = c->pdl && opgraft__tune_value("moe.down.early", arch, gpu, shape, T) != 0;
-  c->pdl_in = arch >= 90 && opgraft__tune_value("moe.pdl_in", arch, gpu, shape, T) != 0;
-  c->trace = opgraft__moe_trace_on();
-  c->load = opgraft__tune_value("moe.load", arch, gpu, shape, T) == 1 ? 1 : 4;
-  c->down_load = arch >= 90 && opgraft__tune_value("moe.down_load", arch, gpu, shape, T) == 4 ? 4 : 1;
-  const int small = T >= 1 && (int64_t)T * a->top_k <= 32;
-  c->gu_slots = small && opgraft__tune_value("moe.gate_up.slot_routing", arch, gpu, shape, T) != 0;
-  c->down_warp = small && opgraft__tune_value("moe.down.warp_routing", arch, gpu, shape, T) != 0;
   while (c->w1 > 1 && c->w1 * c->nt > 16) c->w1 /= 2; /* 2 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   if (c->nt >= 2 && c->w1 > 8) c->w1 = 8; /* 16 warps cap a thread at 128 registers */
@@ -69,39 +76,22 @@ static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu,
  * operand registers of one k-step group under what compiles without spills (checked by the
  * compile tests for every token tile count). */
 void opgraft__moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c) {
-  if (opgraft__moe_is_fp8(a)) {
-    config_fp8(a, arch, gpu, c);
-    return;
-  }
   char shape[128];
   opgraft__moe_shape_key(a, shape, sizeof shape);
+  memset(c, 0, sizeof *c);
+  config_shared(a, arch, gpu, shape, c);
+  if (opgraft__moe_is_fp8(a)) {
+    config_fp8(a, arch, gpu, shape, c);
+    return;
+  }
   const int32_t T = (int32_t)a->num_tokens;
-  c->nt = T <= 0 ? 1 : (T + 7) / 8;
-  c->w1 = (int)opgraft__tune_value("moe.gate_up.warps", arch, gpu, shape, T);
-  c->u1 = (int)opgraft__tune_value("moe.gate_up.unroll", arch, gpu, shape, T);
-  c->w2 = (int)opgraft__tune_value("moe.down.warps", arch, gpu, shape, T);
-  c->u2 = (int)opgraft__tune_value("moe.down.unroll", arch, gpu, shape, T);
   c->fused = opgraft__tune_value("moe.fused", arch, gpu, shape, T) != 0;
-  const int64_t f = opgraft__tune_value("moe.l2_fetch", arch, gpu, shape, T);
-  c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
-  c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
-  c->down_early = c->pdl && opgraft__tune_value("moe.down.early", arch, gpu, shape, T) != 0;
-  c->pdl_in = arch >= 90 && opgraft__tune_value("moe.pdl_in", arch, gpu, shape, T) != 0;
-  c->trace = opgraft__moe_trace_on();
-  /* Forms 1 and 4 exist (og_common.cuh); any other value reads as 4. */
-  c->load = opgraft__tune_value("moe.load", arch, gpu, shape, T) == 1 ? 1 : 4;
-  /* sm_90 only: on sm_80 form 4 makes Mixtral-8x7B's down spill (test_compile), so down keeps
-   * form 1 there. */
-  c->down_load = arch >= 90 && opgraft__tune_value("moe.down_load", arch, gpu, shape, T) == 4 ? 4 : 1;
   /* gate_up's one-pass token tiles: fewer than the call's only for the two kernels (the fused
    * kernel's stages share one reduction buffer and one register budget). */
   const int64_t gnt = opgraft__tune_value("moe.gate_up.nt", arch, gpu, shape, T);
   c->gu_nt = !c->fused && gnt >= 1 && gnt < c->nt ? (int)gnt : c->nt;
   c->gu_one = T == 1 && opgraft__tune_value("moe.gate_up.one_token", arch, gpu, shape, T) != 0;
   c->down_one = T == 1 && opgraft__tune_value("moe.down.one_token", arch, gpu, shape, T) != 0;
-  const int small = T >= 1 && (int64_t)T * a->top_k <= 32;
-  c->gu_slots = small && opgraft__tune_value("moe.gate_up.slot_routing", arch, gpu, shape, T) != 0;
-  c->down_warp = small && opgraft__tune_value("moe.down.warp_routing", arch, gpu, shape, T) != 0;
   while (c->w1 > 1 && c->w1 * c->nt > 32) c->w1 /= 2; /* 1 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   /* 16 warps cap a thread at 128 registers; both kernels need more from two token tiles on. */
