@@ -203,6 +203,24 @@ def run_case(c: dict, device="cuda") -> dict:
         return _run_fp8_case(c, device) if "kind" in c else _run_case(c, device)
 
 
+def _routing(c: dict, global_experts: int, device, gen):
+    """A case's routing over global_experts: weights, ids, and with c["ep"] the expert_map of a rank
+    holding a random subset of them; then the ids' edits (a duplicate expert in a row, expert 0
+    in every token, ids routed nowhere)."""
+    shape: MoeShape = c["shape"]
+    tw, ids = moe_bench.make_routing(c["T"], global_experts, shape.top_k, device, gen,
+                                     ids_dtype=torch.int64 if c["ids64"] else torch.int32)
+    emap = moe_bench.ep_map(shape, global_experts, device, c["seed"]) if c["ep"] else None
+    if c["dup"]:
+        ids[:, 1] = ids[:, 0]
+    if c["hot"]:
+        ids[:, 0] = 0
+    if c["invalid"]:
+        ids[0, 0] = -1
+        ids[-1, -1] = shape.num_experts
+    return tw, ids, emap
+
+
 def _run_fp8_case(c: dict, device) -> dict:
     shape: MoeShape = c["shape"]
     T, kind, block = c["T"], c["kind"], c["block"] or moe_bench.FP8_BLOCK
@@ -212,15 +230,7 @@ def _run_fp8_case(c: dict, device) -> dict:
         s13 = s13.transpose(1, 2).contiguous().transpose(1, 2)
         s2 = s2.transpose(1, 2).contiguous().transpose(1, 2)
     G = c["ep"] or shape.num_experts
-    tw, ids = moe_bench.make_routing(T, G, shape.top_k, device, gen, ids_dtype=torch.int64 if c["ids64"] else torch.int32)
-    emap = moe_bench.ep_map(shape, G, device, c["seed"]) if c["ep"] else None
-    if c["dup"]:
-        ids[:, 1] = ids[:, 0]
-    if c["hot"]:
-        ids[:, 0] = 0
-    if c["invalid"]:
-        ids[0, 0] = -1
-        ids[-1, -1] = shape.num_experts
+    tw, ids, emap = _routing(c, G, device, gen)
     xfull = moe_bench.make_x(T, shape.hidden + c["x_pad"], "bf16", device, gen)
     x = xfull[:, : shape.hidden]
     xq, xs = moe_bench.quantize_activations_fp8(x.contiguous(), kind, block[1])
@@ -274,21 +284,7 @@ def _run_case(c: dict, device) -> dict:
     T, dtype = c["T"], c["dtype"]
     gen = torch.Generator(device=device).manual_seed(100 + c["seed"])
     w13, w2 = moe_bench.make_weights(shape, dtype, device, seed=c["seed"])
-    tw, ids = moe_bench.make_routing(T, c["ep"] or shape.num_experts, shape.top_k, device, gen,
-                                 ids_dtype=torch.int64 if c["ids64"] else torch.int32)
-    emap = None
-    if c["ep"]:  # this rank holds a random subset of the global experts
-        local = torch.randperm(c["ep"], generator=torch.Generator().manual_seed(c["seed"]))[: shape.num_experts]
-        emap = torch.full((c["ep"],), -1, dtype=torch.int32)
-        emap[local] = torch.arange(shape.num_experts, dtype=torch.int32)
-        emap = emap.to(device)
-    if c["dup"]:
-        ids[:, 1] = ids[:, 0]
-    if c["hot"]:
-        ids[:, 0] = 0
-    if c["invalid"]:
-        ids[0, 0] = -1
-        ids[-1, -1] = shape.num_experts
+    tw, ids, emap = _routing(c, c["ep"] or shape.num_experts, device, gen)
     xfull = moe_bench.make_x(T, shape.hidden + c["x_pad"], dtype, device, gen)
     x = xfull[:, : shape.hidden]
     ofull = torch.full((T, shape.hidden + c["out_pad"]), float("nan"), dtype=x.dtype, device=device)
