@@ -218,6 +218,14 @@ def gpu_facts() -> dict:
             "torch": torch.__version__, "vllm": vllm_version() or None}
 
 
+def speed(nbytes: float, us: float, ceiling_tbps: float | None) -> dict:
+    """A timed row's speed fields: median µs, bytes, TB/s and its fraction of the run's ceiling."""
+    tbps = nbytes / (us * 1e-6) / 1e12
+    return dict(median_us=round(us, 2), bytes=int(nbytes), tbps=round(tbps, 3),
+                ceiling_tbps=round(ceiling_tbps, 3) if ceiling_tbps else None,
+                fraction_of_ceiling=round(tbps / ceiling_tbps, 3) if ceiling_tbps else None)
+
+
 def write_rows(path: str, ceiling_tbps: float, rows: list[dict], facts: dict | None = None) -> None:
     """One GPU run's JSON: the device, the read ceiling measured in the run, and its rows."""
     with open(path, "w") as f:

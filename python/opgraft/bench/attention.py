@@ -29,7 +29,7 @@ from ..ops import attention as ops
 from ..presets import ATTENTION_POINTS as DEFAULT_POINTS
 from ..presets import ATTENTION_PRESETS as PRESETS
 from ..presets import AttnShape
-from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, timed_calls
+from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, speed, timed_calls
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -296,9 +296,7 @@ def bench_point(shape: AttnShape, batch: int, context: int, dtype: str = "bf16",
         except Exception as e:  # report, do not hide: the row says why it is missing
             rows.append(dict(row, median_us=None, missing=f"{type(e).__name__}: {str(e)[:120]}"))
             continue
-        tbps = nbytes / (us * 1e-6) / 1e12
-        rows.append(dict(row, median_us=round(us, 2), tbps=round(tbps, 3),
-                         fraction_of_ceiling=round(tbps / ceiling_tbps, 3) if ceiling_tbps else None,
+        rows.append(dict(row, **speed(nbytes, us, ceiling_tbps),
                          rel_err=float(f"{err:.3g}"), tolerance=TOLERANCE[dtype], deterministic=det, **how))
     del p
     torch.cuda.empty_cache()

@@ -16,7 +16,7 @@ import torch
 from .. import _lib
 from ..ops import linear as ops
 from ..presets import LINEAR_PRESETS, LinearShape
-from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, timed_calls
+from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, speed, timed_calls
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ROWS = (1, 2, 4, 8)
@@ -111,10 +111,7 @@ def bench_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device="cuda
         results["torch-linear"] = (us, terr, how)
         torch_us = results["torch-linear"][0]
         for impl, (us, err, extra) in results.items():
-            tbps = nbytes / (us * 1e-6) / 1e12
-            row = dict(base, impl=impl, M=M, median_us=round(us, 2), bytes=nbytes, tbps=round(tbps, 3),
-                       ceiling_tbps=round(ceiling_tbps, 3) if ceiling_tbps else None,
-                       fraction_of_ceiling=round(tbps / ceiling_tbps, 3) if ceiling_tbps else None,
+            row = dict(base, impl=impl, M=M, **speed(nbytes, us, ceiling_tbps),
                        speedup=round(torch_us / us, 2), rel_err=float(f"{err:.3g}"), tolerance=TOLERANCE[dtype],
                        max_rows=max_rows, max_rows_source=max_rows_src,
                        guard="take" if ok else f"delegate: {reason}")

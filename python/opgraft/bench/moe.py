@@ -19,7 +19,7 @@ import torch
 from .. import _lib
 from ..ops import moe as ops
 from ..presets import MoeShape
-from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, timed_calls
+from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, speed, timed_calls
 
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -201,10 +201,7 @@ def bench_shape(shape: MoeShape, tokens: list[int], dtype: str = "bf16", device=
         base_impl = "vllm-builtin" if "vllm-builtin" in results else "torch-gather-bmm"
         base_us = results.get(base_impl, (None,))[0]
         for impl, (us, err, extra) in results.items():
-            tbps = nbytes / (us * 1e-6) / 1e12
-            row = dict(base, tokens=T, impl=impl, median_us=round(us, 2), bytes=int(nbytes), tbps=round(tbps, 3),
-                       ceiling_tbps=round(ceiling_tbps, 3) if ceiling_tbps else None,
-                       fraction_of_ceiling=round(tbps / ceiling_tbps, 3) if ceiling_tbps else None,
+            row = dict(base, tokens=T, impl=impl, **speed(nbytes, us, ceiling_tbps),
                        baseline_impl=base_impl if base_us else None, builtin_missing=builtin_why or None,
                        speedup_vs_baseline=round(base_us / us, 2) if base_us else None, rel_err=float(f"{err:.3g}"),
                        tolerance=TOLERANCE[dtype], guard="take" if ok else f"delegate: {reason}")
@@ -688,10 +685,7 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
         base_us = results.get("vllm-triton", (None,))[0]
         vllm_err = results.get("vllm-triton", (None, None))[1]
         for impl, (us, err, extra) in results.items():
-            tbps = nbytes / (us * 1e-6) / 1e12
-            row = dict(base, tokens=T, impl=impl, median_us=round(us, 2), bytes=int(nbytes), tbps=round(tbps, 3),
-                       ceiling_tbps=round(ceiling_tbps, 3) if ceiling_tbps else None,
-                       fraction_of_ceiling=round(tbps / ceiling_tbps, 3) if ceiling_tbps else None,
+            row = dict(base, tokens=T, impl=impl, **speed(nbytes, us, ceiling_tbps),
                        baseline_impl="vllm-triton" if base_us else None,
                        speedup_vs_baseline=round(base_us / us, 2) if base_us else None,
                        rel_err=float(f"{err:.3g}"),
