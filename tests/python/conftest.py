@@ -10,3 +10,27 @@ sys.path.insert(0, ROOT)  # the development tools (tools/) are tested too
 # tests) and later torch.utils.cpp_extension (which imports setuptools; plugin tests) in one
 # pytest process hits that order. Tell setuptools to keep the stdlib copy for the test run.
 os.environ.setdefault("SETUPTOOLS_USE_DISTUTILS", "stdlib")
+
+
+import pytest  # noqa: E402
+
+# The switches a seam test must not inherit from the shell that runs it.
+PLUGIN_SWITCHES = ("OPGRAFT_DISABLE", "OPGRAFT_ATTN_BACKEND", "OPGRAFT_ATTENTION", "OPGRAFT_ATTENTION_VARIANT",
+                   "OPGRAFT_LINEAR", "OPGRAFT_LINEAR_VARIANT", "OPGRAFT_MOE_EXPERTS", "OPGRAFT_MOE_FP8")
+
+
+@pytest.fixture
+def clean_plugin(monkeypatch):
+    """The plugin as a fresh vLLM process meets it: the platform taken for CUDA, none of its
+    switches set, no seam installed, no counters; undone after the test."""
+    from opgraft import dispatch
+    from opgraft.vllm import _reset_for_tests
+
+    monkeypatch.setenv("OPGRAFT_FORCE_PLATFORM", "1")
+    for k in PLUGIN_SWITCHES:
+        monkeypatch.delenv(k, raising=False)
+    _reset_for_tests()
+    dispatch.reset_stats()
+    yield
+    _reset_for_tests()
+    dispatch.reset_stats()

@@ -31,16 +31,8 @@ ULM, UEM = vllm_linear.UnquantizedLinearMethod, vllm_vpe.UnquantizedEmbeddingMet
 
 
 @pytest.fixture
-def clean(monkeypatch):
-    monkeypatch.setenv("OPGRAFT_FORCE_PLATFORM", "1")
-    for k in ("OPGRAFT_DISABLE", "OPGRAFT_LINEAR", "OPGRAFT_LINEAR_VARIANT", "OPGRAFT_ATTN_BACKEND"):
-        monkeypatch.delenv(k, raising=False)
-    _reset_for_tests()
-    dispatch.reset_stats()
+def clean(clean_plugin):
     linear_seam._reset_trace_counts()
-    yield
-    _reset_for_tests()
-    dispatch.reset_stats()
 
 
 def layer_of(N=48, K=64, dtype=torch.bfloat16, bias=True, seed=0):

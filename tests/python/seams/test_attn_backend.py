@@ -24,15 +24,9 @@ FLASH = AttentionBackendEnum.FLASH_ATTN
 
 
 @pytest.fixture
-def clean(monkeypatch):
-    monkeypatch.setenv("OPGRAFT_FORCE_PLATFORM", "1")
-    for k in ("OPGRAFT_DISABLE", "OPGRAFT_ATTN_BACKEND", "OPGRAFT_ATTENTION", "OPGRAFT_ATTENTION_VARIANT"):
-        monkeypatch.delenv(k, raising=False)
-    _reset_for_tests()
+def clean(clean_plugin):
     FLASH.clear_override()
-    dispatch.reset_stats()
     yield
-    _reset_for_tests()
     FLASH.clear_override()
 
 

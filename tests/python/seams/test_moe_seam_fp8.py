@@ -14,7 +14,7 @@ else:
 torch = pytest.importorskip("torch")
 
 from opgraft import dispatch  # noqa: E402
-from opgraft.vllm import _reset_for_tests, moe_seam  # noqa: E402
+from opgraft.vllm import moe_seam  # noqa: E402
 from vllm.model_executor.layers.fused_moe import config as fmc  # noqa: E402
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
 from vllm.model_executor.layers.fused_moe.experts import triton_moe  # noqa: E402
@@ -24,14 +24,8 @@ F8 = torch.float8_e4m3fn
 
 
 @pytest.fixture
-def clean(monkeypatch):
-    monkeypatch.setenv("OPGRAFT_FORCE_PLATFORM", "1")
-    for k in ("OPGRAFT_DISABLE", "OPGRAFT_MOE_EXPERTS", "OPGRAFT_MOE_FP8"):
-        monkeypatch.delenv(k, raising=False)
-    _reset_for_tests()
-    dispatch.reset_stats()
-    yield
-    _reset_for_tests()
+def clean(clean_plugin):
+    pass
 
 
 def moe_config(**kw):

@@ -105,14 +105,8 @@ def test_platform_gate_closes_on_a_machine_without_cuda(dist_dir):
 
 
 @pytest.fixture
-def clean(monkeypatch):
-    monkeypatch.setenv("OPGRAFT_FORCE_PLATFORM", "1")
-    for k in ("OPGRAFT_DISABLE", "OPGRAFT_ATTN_BACKEND", "OPGRAFT_MOE_EXPERTS"):
-        monkeypatch.delenv(k, raising=False)
-    _reset_for_tests()
-    dispatch.reset_stats()
-    yield
-    _reset_for_tests()
+def clean(clean_plugin):
+    pass
 
 
 def test_register_twice_is_harmless(clean):
