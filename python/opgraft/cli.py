@@ -504,7 +504,6 @@ def cmd_bench_attention(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ab.PRESETS.update(presets)
     impls = tuple(args.impls.split(","))
     unknown = [i for i in impls if i not in ab.IMPLS]
     if unknown:
@@ -515,7 +514,7 @@ def cmd_bench_attention(args) -> int:
         ceiling = bench.measure_read_ceiling("cuda")
         print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
         rows = ab.bench_rows(ceiling, points, args.dtype, args.reps, args.between_mib, args.hint, impls,
-                             progress=lambda m: print(m, file=sys.stderr, flush=True))
+                             progress=lambda m: print(m, file=sys.stderr, flush=True), shapes=presets)
     except KeyboardInterrupt:
         print("\ninterrupted: results so far", file=sys.stderr)
         ceiling = None

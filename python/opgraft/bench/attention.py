@@ -307,10 +307,12 @@ IMPLS = ("opgraft", *BASELINES)
 
 
 def bench_rows(ceiling_tbps: float, points=DEFAULT_POINTS, dtype: str = "bf16", reps: int = 20,
-               between_mib: int = BETWEEN_MIB, hint: int = 0, impls=IMPLS, progress=print) -> list[dict]:
+               between_mib: int = BETWEEN_MIB, hint: int = 0, impls=IMPLS, progress=print,
+               shapes=PRESETS) -> list[dict]:
+    """Rows for (shape name, batch, context) points; shapes maps the names to their heads."""
     rows = []
     for name, batch, context in points:
-        rows += bench_point(PRESETS[name], batch, context, dtype, ceiling_tbps, reps, between_mib, impls=impls,
+        rows += bench_point(shapes[name], batch, context, dtype, ceiling_tbps, reps, between_mib, impls=impls,
                             hint=hint, progress=lambda m: progress("  bench " + m))
     return rows
 
