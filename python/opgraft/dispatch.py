@@ -13,6 +13,7 @@ the default is opgraft.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import re
@@ -104,6 +105,7 @@ def stats_of(op: str) -> OpStats:
         return s
 
 
+@functools.lru_cache(maxsize=1024)  # a hand-back's reason repeats call after call
 def reason_key(reason: str) -> str:
     """Groups reasons that differ only in their numbers: '12 tokens > moe.max_tokens 8' and
     '9 tokens > moe.max_tokens 8' count as 'N tokens > moe.max_tokens N'."""
