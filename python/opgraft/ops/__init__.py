@@ -1,12 +1,14 @@
 """The op layer: one module per op (moe, ...) that turns torch tensors into libopgraft calls.
 
-What every op shares is here: dtype codes, strides, the current CUDA stream, and the read-ceiling
-kernel. Only this package and opgraft.bench (which builds tensors to measure them) import torch.
+What every op shares is here: dtype codes, strides, the current CUDA stream, plans and their
+cache, and the read-ceiling kernel. Only this package and opgraft.bench (which builds tensors to
+measure them) import torch.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
@@ -46,3 +48,42 @@ def stream_read(buf: torch.Tensor, sink: torch.Tensor) -> None:
     """Enqueues one streaming read of buf (the read-ceiling kernel)."""
     _lib.check(_lib.lib().opgraft_stream_read(buf.data_ptr(), buf.numel() * buf.element_size(), sink.data_ptr(), 0,
                                               current_stream(buf.device)))
+
+
+class Plan:
+    """A C plan (or why there is none) for one call layout. Each op's subclass names the C function
+    that frees its plans."""
+
+    __slots__ = ("handle", "reason", "workspace_bytes")
+    destroy = ""  # opgraft_<op>_plan_destroy
+
+    def __init__(self, handle, reason: str, workspace_bytes: int = 0):
+        self.handle, self.reason, self.workspace_bytes = handle, reason, workspace_bytes
+
+    def __del__(self):
+        # At interpreter exit the module globals may already be gone: the process frees everything.
+        if self.handle and _lib is not None and _lib._lib is not None:
+            getattr(_lib._lib, self.destroy)(self.handle)
+
+
+class PlanCache:
+    """An op's plans by layout key. Emptied whole when full: a plan is cheap to make again."""
+
+    def __init__(self, limit: int):
+        self._plans: dict = {}
+        self._lock = threading.Lock()
+        self._limit = limit
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def put(self, key, plan):
+        with self._lock:
+            if len(self._plans) >= self._limit:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()

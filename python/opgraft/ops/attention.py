@@ -23,7 +23,8 @@ import threading
 import torch
 
 from .. import _lib
-from . import current_stream, dtype_code, strides
+from . import PlanCache, current_stream, dtype_code, strides
+from . import Plan as _Plan
 
 
 def attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
@@ -75,23 +76,12 @@ def attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     return a
 
 
-class Plan:
-    """A C plan (or why there is none) for one layout."""
-
-    __slots__ = ("handle", "workspace_bytes", "reason")
-
-    def __init__(self, handle, workspace_bytes: int, reason: str):
-        self.handle, self.workspace_bytes, self.reason = handle, workspace_bytes, reason
-
-    def __del__(self):
-        # At interpreter exit the module globals may already be gone: the process frees everything.
-        if self.handle and _lib is not None and _lib._lib is not None:
-            _lib._lib.opgraft_attention_plan_destroy(self.handle)
+class Plan(_Plan):
+    __slots__ = ()
+    destroy = "opgraft_attention_plan_destroy"
 
 
-_plans: dict = {}
-_plans_lock = threading.Lock()
-_MAX_PLANS = 1024
+_plans = PlanCache(1024)
 
 
 def _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks, flags,
@@ -132,42 +122,37 @@ def plan_for(query, key_cache, value_cache, block_table, seq_lens, out=None, sca
     if plan is not None:
         return plan
     if not query.is_cuda:
-        plan = Plan(None, 0, "tensors are not on a CUDA device")
+        plan = Plan(None, "tensors are not on a CUDA device")
     else:
         a = attention_args(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left,
                            sinks, 0, flags, query_len)
         if a.dtype == -1:
-            plan = Plan(None, 0, "tensor shapes or devices are not those of paged decode attention")
+            plan = Plan(None, "tensor shapes or devices are not those of paged decode attention")
         else:
             reason = ctypes.create_string_buffer(256)
             st = _lib.lib().opgraft_attention_supports(ctypes.byref(a), reason, len(reason)) if a.batch else _lib.OK
             if st == _lib.EUNSUPPORTED:
-                plan = Plan(None, 0, reason.value.decode(errors="replace"))
+                plan = Plan(None, reason.value.decode(errors="replace"))
             elif _capturing() and _static_key(a, _device_index(query.device)) not in _prepared:
-                return Plan(None, 0, "kernel not prepared before CUDA graph capture")  # not kept
+                return Plan(None, "kernel not prepared before CUDA graph capture")  # not kept
             else:
                 handle = ctypes.c_void_p()
                 with torch.cuda.device(query.device):
                     st = _lib.lib().opgraft_attention_plan_create(ctypes.byref(a), ctypes.byref(handle), reason,
                                                                   len(reason))
                 if st == _lib.OK:
-                    plan = Plan(handle.value, _lib.lib().opgraft_attention_plan_workspace_size(handle.value), "")
+                    plan = Plan(handle.value, "", _lib.lib().opgraft_attention_plan_workspace_size(handle.value))
                     reserve_workspace(query.device, plan.workspace_bytes)
                 elif st == _lib.EUNSUPPORTED:
-                    plan = Plan(None, 0, reason.value.decode(errors="replace"))
+                    plan = Plan(None, reason.value.decode(errors="replace"))
                 else:
                     _lib.check(st)
-    with _plans_lock:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
+    return _plans.put(key, plan)
 
 
 def forget_plans() -> None:
     """Drops every plan (they are re-made, with the tunables as they are now, at the next call)."""
-    with _plans_lock:
-        _plans.clear()
+    _plans.clear()
 
 
 # ---- the split combine's workspace: one zeroed buffer per device ----------------------------

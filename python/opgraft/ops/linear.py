@@ -14,12 +14,12 @@ there; the op is opaque to Dynamo and its fake implementation gives the output's
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
 from .. import _lib, dispatch
-from . import current_stream, dtype_code, strides
+from . import PlanCache, current_stream, dtype_code, strides
+from . import Plan as _Plan
 
 # The kernel's own row limit (OG_LINEAR_MAX_ROWS, src/ops/linear/linear.h): larger calls are
 # handed back without building a plan key.
@@ -55,23 +55,12 @@ def linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return a
 
 
-class Plan:
-    """A C plan (or why there is none) for one call layout."""
-
-    __slots__ = ("handle", "reason")
-
-    def __init__(self, handle, reason: str):
-        self.handle, self.reason = handle, reason
-
-    def __del__(self):
-        # At interpreter exit the module globals may already be gone: the process frees everything.
-        if self.handle and _lib is not None and _lib._lib is not None:
-            _lib._lib.opgraft_linear_plan_destroy(self.handle)
+class Plan(_Plan):
+    __slots__ = ()
+    destroy = "opgraft_linear_plan_destroy"
 
 
-_plans: dict = {}
-_plans_lock = threading.Lock()
-_MAX_PLANS = 4096
+_plans = PlanCache(4096)
 
 
 def _layout_key(x, weight, bias, out):
@@ -110,17 +99,12 @@ def plan_for(x, weight, bias=None, out=None) -> Plan:
             except _lib.OpgraftError as e:
                 dispatch._warn_once(f"opgraft linear kernel unavailable, handing calls back to torch: {e}")
                 plan = Plan(None, f"kernel error: {_lib.lib().opgraft_status_name(e.status).decode()}")
-    with _plans_lock:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
+    return _plans.put(key, plan)
 
 
 def forget_plans() -> None:
     """Drops every plan (they are re-made, with the tunables as they are now, at the next call)."""
-    with _plans_lock:
-        _plans.clear()
+    _plans.clear()
 
 
 def linear_supports(x, weight, bias=None) -> tuple[bool, str]:

@@ -8,13 +8,13 @@ the stream (plan once, run cheap, as FlashInfer's plan/run).
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from .. import _lib
-from . import DTYPES, current_stream, dtype_code, strides
+from . import DTYPES, PlanCache, current_stream, dtype_code, strides
+from . import Plan as _Plan
 
 STAGE_GATE_UP, STAGE_DOWN, STAGE_ALL = 1, 2, 3
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -126,23 +126,12 @@ def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return a
 
 
-class Plan:
-    """A C plan (or why there is none) for one call layout."""
-
-    __slots__ = ("handle", "workspace_bytes", "reason")
-
-    def __init__(self, handle, workspace_bytes: int, reason: str):
-        self.handle, self.workspace_bytes, self.reason = handle, workspace_bytes, reason
-
-    def __del__(self):
-        # At interpreter exit the module globals may already be gone: the process frees everything.
-        if self.handle and _lib is not None and _lib._lib is not None:
-            _lib._lib.opgraft_moe_plan_destroy(self.handle)
+class Plan(_Plan):
+    __slots__ = ()
+    destroy = "opgraft_moe_plan_destroy"
 
 
-_plans: dict = {}
-_plans_lock = threading.Lock()
-_MAX_PLANS = 1024
+_plans = PlanCache(1024)
 
 
 def _layout_key(hidden, w13, w2, topk_weights, topk_ids, out, on_input, expert_map, activation, fp8=None,
@@ -163,12 +152,12 @@ def plan_for(hidden, w13, w2, topk_weights, topk_ids, out=None, apply_router_wei
     if plan is not None:
         return plan
     if not hidden.is_cuda:
-        plan = Plan(None, 0, "tensors are not on a CUDA device")
+        plan = Plan(None, "tensors are not on a CUDA device")
     else:
         a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
                      activation, fp8=fp8, out_dtype=out_dtype)
         if a.dtype == -1:
-            plan = Plan(None, 0, "tensor shapes or devices are not those of fused_experts" if fp8 is None else
+            plan = Plan(None, "tensor shapes or devices are not those of fused_experts" if fp8 is None else
                         "tensor or FP8 scale shapes or devices are not those of vLLM's FP8 fused_experts")
         else:
             handle = ctypes.c_void_p()
@@ -176,22 +165,17 @@ def plan_for(hidden, w13, w2, topk_weights, topk_ids, out=None, apply_router_wei
             with torch.cuda.device(hidden.device):
                 st = _lib.lib().opgraft_moe_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
             if st == _lib.OK:
-                plan = Plan(handle.value, _lib.lib().opgraft_moe_plan_workspace_size(handle.value), "")
+                plan = Plan(handle.value, "", _lib.lib().opgraft_moe_plan_workspace_size(handle.value))
             elif st == _lib.EUNSUPPORTED:
-                plan = Plan(None, 0, reason.value.decode(errors="replace"))
+                plan = Plan(None, reason.value.decode(errors="replace"))
             else:
                 _lib.check(st)
-    with _plans_lock:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
+    return _plans.put(key, plan)
 
 
 def forget_plans() -> None:
     """Drops every plan (they are re-made, with the tunables as they are now, at the next call)."""
-    with _plans_lock:
-        _plans.clear()
+    _plans.clear()
 
 
 def moe_supports(hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
