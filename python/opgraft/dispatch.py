@@ -283,9 +283,8 @@ def _attention_opgraft(call: AttentionCall):
                                   call.output, call.scale, call.softcap, call.window_left, call.sinks)
         if plan.handle is None:
             return handed_back("attention", plan.reason, call)
-        attention.attention_decode_into(call.output, call.query, call.key_cache, call.value_cache, call.block_table,
-                                        call.seq_lens, call.scale, call.softcap, call.window_left, call.sinks,
-                                        call.max_seq_len)
+        attention.run(plan, call.output, call.query, call.key_cache, call.value_cache, call.block_table,
+                      call.seq_lens, call.scale, call.softcap, call.window_left, call.sinks, call.max_seq_len)
     except Exception as e:
         return kernel_failed("attention", e, call)
     stats_of("attention").take()

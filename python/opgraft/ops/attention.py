@@ -244,8 +244,15 @@ def attention_decode_into(out, query, key_cache, value_cache, block_table, seq_l
                           window_left=-1, sinks=None, max_seq_len=0):
     """Runs the kernel into out (rows 0 .. batch-1). Raises OpgraftError if unsupported.
     max_seq_len is an upper bound of seq_lens (0 = unknown): it caps the split count only."""
+    plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks)
+    return run(plan, out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left, sinks,
+               max_seq_len)
+
+
+def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0, window_left=-1,
+        sinks=None, max_seq_len=0):
+    """Runs a plan made for these tensors' layout (plan_for) into out: one ctypes crossing."""
     for _ in range(2):
-        plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks)
         if plan.handle is None:
             raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
         ws = workspace(query.device, plan.workspace_bytes)
@@ -258,6 +265,7 @@ def attention_decode_into(out, query, key_cache, value_cache, block_table, seq_l
             _lib.check(st)
             return out
         forget_plans()  # the tunables changed (or the context): plan again, once
+        plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks)
     _lib.check(st)
     return out
 

@@ -177,6 +177,31 @@ def test_dispatch_hands_back_and_counts(monkeypatch):
     dispatch.reset_stats()
 
 
+def test_dispatch_plans_a_taken_call_once(monkeypatch):
+    # The dispatch path resolves the plan and runs it; the layout key is not built a second time.
+    dispatch.reset_stats()
+    p = problem()
+    out = torch.empty_like(p.query)
+    planned, ran = [], []
+    plan = ops.Plan(None, "")
+    plan.handle = 1  # stands for a C plan (never freed: reset below)
+
+    def plan_for(*a, **k):
+        planned.append(a)
+        return plan
+
+    monkeypatch.setattr(ops, "plan_for", plan_for)
+    monkeypatch.setattr(ops, "run", lambda pl, o, *a: ran.append(pl) or o)
+    try:
+        call, _ = _call(p, out)
+        assert dispatch.dispatch("attention", call) is out
+        assert len(planned) == 1 and ran == [plan]
+        assert dispatch.stats()["attention"]["taken"] == 1
+    finally:
+        plan.handle = None
+        dispatch.reset_stats()
+
+
 def test_prepare_refuses_what_the_guard_refuses():
     ok, why = ops.prepare(8, 2, 64, torch.float32, "cpu")
     assert not ok and "float32" in why
