@@ -223,8 +223,35 @@ def _check_outputs(outputs: dict, need_plot: bool = False) -> bool:
     return ok
 
 
-class _BenchDone(Exception):
-    """The FP8 rows are in: skip the bf16/fp16 part of the same try block."""
+def _gpu_bench(run, format_table) -> tuple[list[dict], int]:
+    """The GPU part of every bench: the read ceiling, then run(ceiling, rows), which appends the
+    rows as they are measured. An interrupt (exit 130) or a failure (exit 1) keeps the rows so
+    far; their table is printed in every case. Returns (rows, rc)."""
+    from . import bench
+
+    rows: list[dict] = []
+    rc = 0
+    try:
+        ceiling = bench.measure_read_ceiling("cuda")
+        print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
+        run(ceiling, rows)
+    except KeyboardInterrupt:
+        print("\ninterrupted: results so far", file=sys.stderr)
+        rc = 130
+    except Exception as e:  # what was measured before the failure is still written
+        print(f"error: the bench failed after {len(rows)} rows: {type(e).__name__}: {e}", file=sys.stderr)
+        rc = 1
+    print(format_table(rows))
+    return rows, rc
+
+
+def _write_rows(path: str | None, rows: list[dict]) -> int:
+    """A GPU bench's --json: "-" prints the rows, a file gets them (each row carries the run's
+    facts and read ceiling). 0, or 1 with the reason."""
+    if path == "-":
+        print(json.dumps({"rows": rows}, indent=1))
+        return 0
+    return _write_json(path, {"rows": rows}) if path else 0
 
 
 def cmd_bench(args) -> int:
@@ -265,52 +292,38 @@ def cmd_bench(args) -> int:
         return 2
     if not ok:
         return _cpu_bench(shape, args.tokens, args.dtype, why, args.json, args.plot, global_experts)
-    from . import bench
     from .bench import moe as moe_bench
 
-    rows: list[dict] = []
     t0 = time.time()
-    rc = 0
-    try:
-        if fp8:
-            ceiling = bench.measure_read_ceiling("cuda")
-            print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
-            weights = moe_bench.make_weights_fp8(shape, args.dtype, "cuda")
-            for T in args.tokens:
-                print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
-                rows += moe_bench.bench_shape_fp8(shape, [T], args.dtype, ceiling_tbps=ceiling, weights=weights,
-                                                  global_experts=global_experts, between_mib=args.between_mib,
-                                                  timing=args.timing)
-            raise _BenchDone
-        ceiling = bench.measure_read_ceiling("cuda")
-        print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
+
+    def progress(T):
+        print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
+
+    def run_fp8(ceiling, rows):
+        weights = moe_bench.make_weights_fp8(shape, args.dtype, "cuda")
+        for T in args.tokens:
+            progress(T)
+            rows += moe_bench.bench_shape_fp8(shape, [T], args.dtype, ceiling_tbps=ceiling, weights=weights,
+                                              global_experts=global_experts, between_mib=args.between_mib,
+                                              timing=args.timing)
+
+    def run(ceiling, rows):
         w13, w2 = moe_bench.make_weights(shape, args.dtype, "cuda")
         extra = [moe_bench.make_weights(shape, args.dtype, "cuda", seed=1 + i) for i in range(args.layers - 1)]
         if args.layers > 1:
             print(f"{args.layers} layers of weights: {args.layers * shape.num_experts * shape.expert_bytes() / 2**30:.1f} GiB",
                   file=sys.stderr)
         for T in args.tokens:
-            print(f"[{time.time() - t0:6.1f} s] {shape.name} {args.dtype} T={T} ...", file=sys.stderr, flush=True)
+            progress(T)
             rows += moe_bench.bench_shape(shape, [T], args.dtype, ceiling_tbps=ceiling, w13=w13, w2=w2,
-                                      baseline=not args.no_baseline, extra_layers=extra,
-                                      between_mib=args.between_mib, timing=args.timing)
-    except _BenchDone:
-        pass
-    except KeyboardInterrupt:
-        print("\ninterrupted: results so far", file=sys.stderr)
-        rc = 130
-    except Exception as e:  # what was measured before the failure is still written
-        print(f"error: the bench failed after {len(rows)} rows: {type(e).__name__}: {e}", file=sys.stderr)
-        rc = 1
-    print(moe_bench.format_table(rows))
+                                          baseline=not args.no_baseline, extra_layers=extra,
+                                          between_mib=args.between_mib, timing=args.timing)
+
+    rows, rc = _gpu_bench(run_fp8 if fp8 else run, moe_bench.format_table)
     if args.plot and not write_plot(rows, args.plot):
         rc = rc or 1
-    if args.json == "-":
-        print(json.dumps({"rows": rows}, indent=1))
-    elif args.json:
-        failed = _write_json(args.json, {"rows": rows})
-        rc = rc or failed
-    return rc
+    failed = _write_rows(args.json, rows)
+    return rc or failed
 
 
 def linear_args_struct(N: int, K: int, M: int, dtype: str, arch: int) -> _lib.LinearArgs:
@@ -376,32 +389,24 @@ def cmd_bench_linear(args) -> int:
     if any(m > 8 for m in args.rows):
         print("error: --rows values must be in 1..8 (the kernel's limit)", file=sys.stderr)
         return 2
+    if not _check_outputs({"--json": args.json}):
+        return 2
     ok, why = _gpu_status()
     if not ok:
         return _cpu_bench_linear(args.models, args.rows, args.dtype, why)
-    from . import bench
     from .bench import linear as linear_bench
 
-    rows: list[dict] = []
     t0 = time.time()
-    try:
-        ceiling = bench.measure_read_ceiling("cuda")
-        print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
-        rows = linear_bench.bench_models(
-            args.models, args.rows, args.dtype, ceiling_tbps=ceiling, between_mib=args.between_mib,
-            timing=args.timing,
-            progress=lambda m: print(f"[{time.time() - t0:6.1f} s] {m} ...", file=sys.stderr, flush=True))
-    except KeyboardInterrupt:
-        print("\ninterrupted: results so far", file=sys.stderr)
-    print(linear_bench.format_table(rows))
-    if args.json:
-        text = json.dumps({"rows": rows}, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
-    return 0
+
+    def run(ceiling, rows):
+        for m in args.models:
+            rows += linear_bench.bench_models(
+                [m], args.rows, args.dtype, ceiling_tbps=ceiling, between_mib=args.between_mib, timing=args.timing,
+                progress=lambda msg: print(f"[{time.time() - t0:6.1f} s] {msg} ...", file=sys.stderr, flush=True))
+
+    rows, rc = _gpu_bench(run, linear_bench.format_table)
+    failed = _write_rows(args.json, rows)
+    return rc or failed
 
 
 def _parse_ints(text: str, what: str, lo: int, hi: int) -> list[int]:
@@ -493,10 +498,11 @@ def cmd_bench_attention(args) -> int:
     if not 0 <= args.between_mib <= 4096:
         print("error: --between-mib must be in 0..4096", file=sys.stderr)
         return 2
+    if not _check_outputs({"--json": args.json}):
+        return 2
     ok, why = _gpu_status()
     if not ok:
         return _cpu_bench_attention(args, why)
-    from . import bench
     from .bench import attention as ab
 
     try:
@@ -509,22 +515,15 @@ def cmd_bench_attention(args) -> int:
     if unknown:
         print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(ab.IMPLS)})", file=sys.stderr)
         return 2
-    rows: list[dict] = []
-    try:
-        ceiling = bench.measure_read_ceiling("cuda")
-        print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
-        rows = ab.bench_rows(ceiling, points, args.dtype, args.reps, args.between_mib, args.hint, impls,
-                             progress=lambda m: print(m, file=sys.stderr, flush=True), shapes=presets)
-    except KeyboardInterrupt:
-        print("\ninterrupted: results so far", file=sys.stderr)
-        ceiling = None
-    print(ab.format_table(rows))
-    if args.json:
-        if args.json == "-":
-            print(json.dumps({"rows": rows}, indent=1))
-        else:
-            bench.write_rows(args.json, ceiling or 0.0, rows)
-    return 0
+
+    def run(ceiling, rows):
+        for point in points:
+            rows += ab.bench_rows(ceiling, [point], args.dtype, args.reps, args.between_mib, args.hint, impls,
+                                  progress=lambda m: print(m, file=sys.stderr, flush=True), shapes=presets)
+
+    rows, rc = _gpu_bench(run, ab.format_table)
+    failed = _write_rows(args.json, rows)
+    return rc or failed
 
 
 def write_plot(rows: list[dict], path: str) -> bool:

@@ -163,6 +163,45 @@ def test_bench_writes_the_rows_measured_before_a_failure(tmp_path, monkeypatch):
     assert [row["tokens"] for row in json.loads(out.read_text())["rows"]] == [1]
 
 
+def test_linear_and_attention_benches_keep_the_rows_measured_before_a_failure(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torch")
+    from opgraft import bench, cli
+    from opgraft.bench import attention as attn_bench
+    from opgraft.bench import linear as linear_bench
+
+    monkeypatch.setattr(cli, "_gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(bench, "measure_read_ceiling", lambda device: 4.5)
+
+    def bench_models(models, *a, **k):
+        if models[0] != "Qwen3-30B-A3B":
+            raise RuntimeError("CUDA error: out of memory")
+        return [{"model": models[0], "proj": "qkv", "N": 5120, "K": 2048, "M": 1, "impl": "opgraft",
+                 "median_us": 8.0, "bytes": 2.1e7, "tbps": 2.6, "fraction_of_ceiling": 0.57, "speedup": 1.1,
+                 "rel_err": 1e-3, "guard": "take"}]
+
+    def bench_rows(ceiling, points, *a, **k):
+        (name, batch, context), = points
+        if context != 1024:
+            raise KeyboardInterrupt
+        return [{"model": name, "batch": batch, "context": context, "impl": "opgraft", "median_us": 9.7,
+                 "bytes": 1e6, "tbps": 0.1, "fraction_of_ceiling": 0.02, "rel_err": 1e-3}]
+
+    monkeypatch.setattr(linear_bench, "bench_models", bench_models)
+    monkeypatch.setattr(attn_bench, "bench_rows", bench_rows)
+    out = tmp_path / "linear.json"
+    assert cli.main(["bench", "linear", "--models", "Qwen3-30B-A3B,Llama-3-8B", "--json", str(out)]) == 1
+    assert [r["model"] for r in json.loads(out.read_text())["rows"]] == ["Qwen3-30B-A3B"]
+    out = tmp_path / "attention.json"
+    assert cli.main(["bench", "attention", "--model", "Qwen3-30B-A3B", "--batch", "1", "--context", "1024,8192",
+                     "--json", str(out)]) == 130
+    assert [r["context"] for r in json.loads(out.read_text())["rows"]] == [1024]
+    capsys.readouterr()
+    missing = str(tmp_path / "no" / "such" / "rows.json")
+    for op in ("linear", "attention"):
+        rc, _, err = in_process(capsys, "bench", op, "--json", missing)
+        assert rc == 2 and "no such directory" in err and "read ceiling" not in err, (op, err)
+
+
 @no_gpu_only
 def test_the_cpu_table_aligns_for_a_long_model_name(tmp_path):
     p = tmp_path / "config.json"
