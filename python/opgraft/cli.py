@@ -351,35 +351,49 @@ def _linear_models(text: str) -> list[str]:
     return names
 
 
-def _cpu_bench_linear(models: list[str], rows: list[int], dtype: str, why: str) -> int:
+def _cpu_bench_linear(models: list[str], rows_m: list[int], dtype: str, why: str, json_to: str | None = None) -> int:
+    """What runs without a GPU; json_to as _cpu_bench's."""
     from .presets import LINEAR_PRESETS
 
     print(f"no GPU here ({why}): the guard's decision and the NVRTC compile of each shape's kernel for sm_90 "
           f"with its resource report.", file=sys.stderr)
     info = _lib.runtime_info()
-    print(f"{'model':<16} {'proj':<8} {'N':>7} {'K':>6}  {'guard (sm_90)':<34} configuration; registers / spill bytes")
+    rows = []
     for m in models:
         for s in LINEAR_PRESETS[m]:
-            guard = []
-            for M in rows:
+            row = {"op": "linear", "model": s.model, "proj": s.proj, "N": s.out_features, "K": s.in_features,
+                   "dtype": dtype, "arch": "sm_90", "guard": {}}
+            for M in rows_m:
                 a = linear_args_struct(s.out_features, s.in_features, M, dtype, 90)
                 reason = ctypes.create_string_buffer(256)
                 st = _lib.lib().opgraft_linear_supports(ctypes.byref(a), reason, len(reason))
-                guard.append(f"M={M}:" + ("take" if st == _lib.OK else "no"))
+                row["guard"][M] = "take" if st == _lib.OK else f"delegate: {reason.value.decode()}"
             a = linear_args_struct(s.out_features, s.in_features, 1, dtype, 90)
             buf = ctypes.create_string_buffer(512)
             _lib.check(_lib.lib().opgraft_linear_describe(ctypes.byref(a), 90, buf, len(buf)))
-            cfg = " ".join(o.split("=", 1)[0][5:].lower() + "=" + o.split("=", 1)[1]
-                           for o in buf.value.decode().split() if o.startswith("-DOG_") and "DTYPE" not in o)
-            res = "-"
+            row["config"] = " ".join(o.split("=", 1)[0][5:].lower() + "=" + o.split("=", 1)[1]
+                                     for o in buf.value.decode().split() if o.startswith("-DOG_") and "DTYPE" not in o)
             if info["nvrtc_path"]:
                 ki = _lib.KernelInfo()
                 n = ctypes.c_int32()
                 st = _lib.lib().opgraft_linear_compile_report(ctypes.byref(a), 90, ctypes.byref(ki), 1, ctypes.byref(n))
-                res = (f"{ki.registers}r/{ki.spill_store_bytes + ki.spill_load_bytes}s" if st == _lib.OK
-                       else _lib.lib().opgraft_last_error().decode()[:60])
-            print(f"{s.model:<16} {s.proj:<8} {s.out_features:>7} {s.in_features:>6}  {' '.join(guard):<34} {cfg}; {res}")
-    return 0
+                if st == _lib.OK:
+                    row["kernel"] = {"name": ki.name.decode(), "registers": ki.registers,
+                                     "spill_bytes": ki.spill_store_bytes + ki.spill_load_bytes}
+                else:
+                    row["compile_error"] = _lib.lib().opgraft_last_error().decode()
+            rows.append(row)
+    doc = {"gpu": None, "why": why, "rows": rows}
+    if json_to == "-":
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(f"{'model':<16} {'proj':<8} {'N':>7} {'K':>6}  {'guard (sm_90)':<34} configuration; registers / spill bytes")
+    for r in rows:
+        guard = " ".join(f"M={M}:" + ("take" if g == "take" else "no") for M, g in r["guard"].items())
+        k = r.get("kernel")
+        res = f"{k['registers']}r/{k['spill_bytes']}s" if k else r.get("compile_error", "-")[:60]
+        print(f"{r['model']:<16} {r['proj']:<8} {r['N']:>7} {r['K']:>6}  {guard:<34} {r['config']}; {res}")
+    return _write_json(json_to, doc) if json_to else 0
 
 
 def cmd_bench_linear(args) -> int:
@@ -393,7 +407,7 @@ def cmd_bench_linear(args) -> int:
         return 2
     ok, why = _gpu_status()
     if not ok:
-        return _cpu_bench_linear(args.models, args.rows, args.dtype, why)
+        return _cpu_bench_linear(args.models, args.rows, args.dtype, why, args.json)
     from .bench import linear as linear_bench
 
     t0 = time.time()
@@ -481,14 +495,15 @@ def _cpu_bench_attention(args, why: str) -> int:
             else:
                 row["compile_error"] = _lib.lib().opgraft_last_error().decode()
         rows.append(row)
+    doc = {"gpu": None, "why": why, "rows": rows}
     if args.json == "-":
-        print(json.dumps({"gpu": None, "why": why, "rows": rows}, indent=1))
+        print(json.dumps(doc, indent=1))
         return 0
     for r in rows:
         k = r.get("kernel")
         print(f"{r['model']:<14} batch {r['batch']:>3} context {r['context']:>6}  {r['guard'][:40]:<40} "
               f"{(k['name'] + ' ' + str(k['registers']) + 'r/' + str(k['spill_bytes']) + 's') if k else r.get('compile_error', '-')}")
-    return 0
+    return _write_json(args.json, doc) if args.json else 0
 
 
 def cmd_bench_attention(args) -> int:

@@ -124,6 +124,24 @@ def test_bench_and_profile_write_the_cpu_rows_to_a_json_file(tmp_path):
 
 
 @no_gpu_only
+def test_linear_and_attention_benches_write_the_cpu_rows_to_a_json_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OPGRAFT_TUNE_ATTENTION_MAX_BATCH", "4096")  # what the attention bench sets (kept here)
+    out = tmp_path / "linear.json"
+    rc, table, err = in_process(capsys, "bench", "linear", "--models", "Qwen3-30B-A3B", "--rows", "1,8",
+                                "--json", str(out))
+    assert rc == 0 and "rows written to" in err and "router" in table, err
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["proj"] for r in rows] == ["qkv", "o", "router", "lm_head"]
+    assert rows[0]["guard"] == {"1": "take", "8": "take"} and rows[0]["N"] == 5120
+    out = tmp_path / "attention.json"
+    rc, _, err = in_process(capsys, "bench", "attention", "--model", "Qwen3-30B-A3B", "--batch", "1", "--context",
+                            "1024", "--json", str(out))
+    assert rc == 0 and "rows written to" in err, err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["guard"] == "take" and row["heads_kv"] == 4
+
+
+@no_gpu_only
 def test_bench_plot_without_gpu_says_it_is_not_written(tmp_path):
     r = run("bench", "moe", "--tokens", "1", "--plot", str(tmp_path / "p.png"))
     assert r.returncode == 0 and "p.png: not written: nothing is timed without a GPU" in r.stderr, r.stderr
