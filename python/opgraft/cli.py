@@ -351,6 +351,16 @@ def _linear_models(text: str) -> list[str]:
     return names
 
 
+def _compile_sm90(report, a) -> dict:
+    """{"kernel": name, registers, spill bytes} of the one kernel an op's compile report (report:
+    opgraft_<op>_compile_report) builds for a on sm_90, or {"compile_error": why}."""
+    ki, n = _lib.KernelInfo(), ctypes.c_int32()
+    if report(ctypes.byref(a), 90, ctypes.byref(ki), 1, ctypes.byref(n)) == _lib.OK:
+        return {"kernel": {"name": ki.name.decode(), "registers": ki.registers,
+                           "spill_bytes": ki.spill_store_bytes + ki.spill_load_bytes}}
+    return {"compile_error": _lib.lib().opgraft_last_error().decode()}
+
+
 def _cpu_bench_linear(models: list[str], rows_m: list[int], dtype: str, why: str, json_to: str | None = None) -> int:
     """What runs without a GPU; json_to as _cpu_bench's."""
     from .presets import LINEAR_PRESETS
@@ -374,14 +384,7 @@ def _cpu_bench_linear(models: list[str], rows_m: list[int], dtype: str, why: str
             row["config"] = " ".join(o.split("=", 1)[0][5:].lower() + "=" + o.split("=", 1)[1]
                                      for o in buf.value.decode().split() if o.startswith("-DOG_") and "DTYPE" not in o)
             if info["nvrtc_path"]:
-                ki = _lib.KernelInfo()
-                n = ctypes.c_int32()
-                st = _lib.lib().opgraft_linear_compile_report(ctypes.byref(a), 90, ctypes.byref(ki), 1, ctypes.byref(n))
-                if st == _lib.OK:
-                    row["kernel"] = {"name": ki.name.decode(), "registers": ki.registers,
-                                     "spill_bytes": ki.spill_store_bytes + ki.spill_load_bytes}
-                else:
-                    row["compile_error"] = _lib.lib().opgraft_last_error().decode()
+                row.update(_compile_sm90(_lib.lib().opgraft_linear_compile_report, a))
             rows.append(row)
     doc = {"gpu": None, "why": why, "rows": rows}
     if json_to == "-":
@@ -487,13 +490,7 @@ def _cpu_bench_attention(args, why: str) -> int:
                "heads_kv": s.heads_kv, "head_size": s.head_size, "arch": "sm_90",
                "guard": "take" if st == _lib.OK else f"delegate: {reason.value.decode()}"}
         if info["nvrtc_path"] and st == _lib.OK:
-            ki, n = _lib.KernelInfo(), ctypes.c_int32()
-            st = _lib.lib().opgraft_attention_compile_report(ctypes.byref(a), 90, ctypes.byref(ki), 1, ctypes.byref(n))
-            if st == _lib.OK:
-                row["kernel"] = {"name": ki.name.decode(), "registers": ki.registers,
-                                 "spill_bytes": ki.spill_store_bytes + ki.spill_load_bytes}
-            else:
-                row["compile_error"] = _lib.lib().opgraft_last_error().decode()
+            row.update(_compile_sm90(_lib.lib().opgraft_attention_compile_report, a))
         rows.append(row)
     doc = {"gpu": None, "why": why, "rows": rows}
     if args.json == "-":
