@@ -115,6 +115,11 @@ int32_t opgraft__cu_check(og_CUresult r, const char *what);
 
 /* The current context's device: compute capability (major*10+minor) and name. */
 int32_t opgraft__current_device(og_CUcontext *ctx, int32_t *arch, char *name, size_t name_len);
+/* The driver API and the thread's current context (OPGRAFT_ENODEV where there is none). */
+int32_t opgraft__current_ctx(const og_cuda_api **cu, og_CUcontext *ctx);
+/* OPGRAFT_ESTALE (with the reason) when a plan made in plan_ctx under tunables generation
+ * plan_gen cannot run in ctx now; what names the plan ("<op> plan"). */
+int32_t opgraft__plan_check(og_CUcontext ctx, og_CUcontext plan_ctx, uint32_t plan_gen, const char *what);
 
 /* ---- jit.c ---- */
 typedef struct og_source {

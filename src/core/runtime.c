@@ -279,6 +279,20 @@ int32_t opgraft__cu_check(og_CUresult r, const char *what) {
   return opgraft__fail(OPGRAFT_ECUDA, "%s: CUDA error %d (%s)", what, r, s ? s : "unknown");
 }
 
+int32_t opgraft__current_ctx(const og_cuda_api **cu, og_CUcontext *ctx) {
+  if (!(*cu = opgraft__cuda())) return OPGRAFT_ENOLIB;
+  int32_t st = opgraft__cu_check((*cu)->cuCtxGetCurrent(ctx), "cuCtxGetCurrent");
+  if (st) return st;
+  if (!*ctx) return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread");
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft__plan_check(og_CUcontext ctx, og_CUcontext plan_ctx, uint32_t plan_gen, const char *what) {
+  if (ctx == plan_ctx && plan_gen == opgraft__tune_generation()) return OPGRAFT_OK;
+  return opgraft__fail(OPGRAFT_ESTALE, "%s made under %s: make a new one", what,
+                       ctx != plan_ctx ? "another CUDA context" : "other tunables");
+}
+
 /* Device attributes from the CUDA driver API documentation. */
 enum { OG_ATTR_CC_MAJOR = 75, OG_ATTR_CC_MINOR = 76 };
 

@@ -22,14 +22,6 @@ struct opgraft_attention_plan {
   og_attn_params proto; /* strides and scalars; a run adds the pointers */
 };
 
-static int32_t current_ctx(const og_cuda_api **cu, og_CUcontext *ctx) {
-  if (!(*cu = opgraft__cuda())) return OPGRAFT_ENOLIB;
-  int32_t st = opgraft__cu_check((*cu)->cuCtxGetCurrent(ctx), "cuCtxGetCurrent");
-  if (st) return st;
-  if (!*ctx) return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread");
-  return OPGRAFT_OK;
-}
-
 /* The layout fields of args, everything else zero (so that two layouts compare with memcmp). */
 static void layout_of(const opgraft_attention_args *a, opgraft_attention_args *k) {
   memset(k, 0, sizeof *k);
@@ -68,7 +60,7 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
   }
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
-  int32_t st = current_ctx(&cu, &ctx);
+  int32_t st = opgraft__current_ctx(&cu, &ctx);
   if (st) return st;
   if ((st = opgraft__attn_check_static(a, reason, reason_len))) return OG_REASON_FAIL(st);
   char gpu[256] = "";
@@ -188,11 +180,9 @@ int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const voi
                          (long long)max_seq_len);
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
-  int32_t st = current_ctx(&cu, &ctx);
+  int32_t st = opgraft__current_ctx(&cu, &ctx);
   if (st) return st;
-  if (ctx != plan->ctx || plan->tune_gen != opgraft__tune_generation())
-    return opgraft__fail(OPGRAFT_ESTALE, "attention plan made under %s: make a new one",
-                         ctx != plan->ctx ? "another CUDA context" : "other tunables");
+  if ((st = opgraft__plan_check(ctx, plan->ctx, plan->tune_gen, "attention plan"))) return st;
   if (batch == 0) return OPGRAFT_OK;
   if (!q || !k_cache || !v_cache || !block_table || !seq_lens || !out || !sinks != !plan->args.sinks ||
       (plan->workspace && !workspace))
@@ -234,7 +224,7 @@ int32_t opgraft_attention_run(const opgraft_attention_args *a, void *workspace, 
   if (a->batch == 0) return OPGRAFT_OK;
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
-  if ((st = current_ctx(&cu, &ctx))) return st;
+  if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
   opgraft_attention_args key;
   layout_of(a, &key);
   const uint32_t gen = opgraft__tune_generation();

@@ -19,14 +19,6 @@ struct opgraft_linear_plan {
   og_linear_params proto; /* strides and sizes; a run adds the pointers */
 };
 
-static int32_t current_ctx(const og_cuda_api **cu, og_CUcontext *ctx) {
-  if (!(*cu = opgraft__cuda())) return OPGRAFT_ENOLIB;
-  int32_t st = opgraft__cu_check((*cu)->cuCtxGetCurrent(ctx), "cuCtxGetCurrent");
-  if (st) return st;
-  if (!*ctx) return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread");
-  return OPGRAFT_OK;
-}
-
 #define OG_REASON_FAIL(st) opgraft__fail(st, "linear call not supported: %s", reason)
 
 int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_plan **out, char *reason,
@@ -42,7 +34,7 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
   }
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
-  int32_t st = current_ctx(&cu, &ctx);
+  int32_t st = opgraft__current_ctx(&cu, &ctx);
   if (st) return st;
   if ((st = opgraft__linear_check_static(a, reason, reason_len))) return OG_REASON_FAIL(st);
   char gpu[256] = "";
@@ -98,11 +90,9 @@ int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, 
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: no plan");
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
-  int32_t st = current_ctx(&cu, &ctx);
+  int32_t st = opgraft__current_ctx(&cu, &ctx);
   if (st) return st;
-  if (ctx != plan->ctx || plan->tune_gen != opgraft__tune_generation())
-    return opgraft__fail(OPGRAFT_ESTALE, "linear plan made under %s: make a new one",
-                         ctx != plan->ctx ? "another CUDA context" : "other tunables");
+  if ((st = opgraft__plan_check(ctx, plan->ctx, plan->tune_gen, "linear plan"))) return st;
   if (plan->args.rows == 0) return OPGRAFT_OK;
   if (!x || !weight || !out || !bias != !plan->args.bias)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a NULL pointer (or bias unlike the plan's)");
@@ -137,7 +127,7 @@ int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
   if (a->rows == 0) return OPGRAFT_OK;
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
-  if ((st = current_ctx(&cu, &ctx))) return st;
+  if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
 
   const uint32_t gen = opgraft__tune_generation();
   opgraft_linear_plan local, *plan = NULL; /* a copy: the cached one may be evicted meanwhile */

@@ -49,14 +49,6 @@ static int32_t fused_capacity(const og_cuda_api *cu, og_CUfunction fn, int threa
   return OPGRAFT_OK;
 }
 
-static int32_t current_ctx(const og_cuda_api **cu, og_CUcontext *ctx) {
-  if (!(*cu = opgraft__cuda())) return OPGRAFT_ENOLIB;
-  int32_t st = opgraft__cu_check((*cu)->cuCtxGetCurrent(ctx), "cuCtxGetCurrent");
-  if (st) return st;
-  if (!*ctx) return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread");
-  return OPGRAFT_OK;
-}
-
 #define OG_REASON_FAIL(st) opgraft__fail(st, "MoE call not supported: %s", reason)
 
 int32_t opgraft_moe_plan_create(const opgraft_moe_args *a, opgraft_moe_plan **out, char *reason, size_t reason_len) {
@@ -71,7 +63,7 @@ int32_t opgraft_moe_plan_create(const opgraft_moe_args *a, opgraft_moe_plan **ou
   }
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
-  int32_t st = current_ctx(&cu, &ctx);
+  int32_t st = opgraft__current_ctx(&cu, &ctx);
   if (st) return st;
   if ((st = opgraft__moe_check_static(a, reason, reason_len))) return OG_REASON_FAIL(st);
   char gpu[256] = "";
@@ -191,11 +183,9 @@ static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void 
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "%s: no plan", what);
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
-  int32_t st = current_ctx(&cu, &ctx);
+  int32_t st = opgraft__current_ctx(&cu, &ctx);
   if (st) return st;
-  if (ctx != plan->ctx || plan->tune_gen != opgraft__tune_generation())
-    return opgraft__fail(OPGRAFT_ESTALE, "MoE plan made under %s: make a new one",
-                         ctx != plan->ctx ? "another CUDA context" : "other tunables");
+  if ((st = opgraft__plan_check(ctx, plan->ctx, plan->tune_gen, "MoE plan"))) return st;
   const opgraft_moe_args *a = &plan->args;
   const int fp8 = opgraft__moe_is_fp8(a);
   if (!fp8 != !xs)
@@ -273,7 +263,7 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   if ((uintptr_t)workspace & 15u) return opgraft__fail(OPGRAFT_EINVAL, "workspace not 16-byte aligned");
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
-  if ((st = current_ctx(&cu, &ctx))) return st;
+  if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
 
   const uint32_t gen = opgraft__tune_generation();
   opgraft_moe_plan local, *plan = NULL; /* a copy: the cached one may be evicted meanwhile */
