@@ -4,6 +4,7 @@
 #ifndef OPGRAFT_INTERNAL_H
 #define OPGRAFT_INTERNAL_H
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -115,6 +116,22 @@ int32_t opgraft__cu_check(og_CUresult r, const char *what);
 
 /* The current context's device: compute capability (major*10+minor) and name. */
 int32_t opgraft__current_device(og_CUcontext *ctx, int32_t *arch, char *name, size_t name_len);
+/* ---- plan_cache.c: the plans of the argument-struct entry points (plans made with malloc) ---- */
+typedef struct og_plan_cache {
+  pthread_mutex_t lock;
+  int n, next, cap;
+  void **slots; /* cap of them */
+} og_plan_cache;
+/* A static cache of cap plans: OG_PLAN_CACHE(plans, 128); */
+#define OG_PLAN_CACHE(name, cap)   \
+  static void *name##_slots[cap]; \
+  static og_plan_cache name = {PTHREAD_MUTEX_INITIALIZER, 0, 0, cap, name##_slots}
+/* Copies into out (size bytes) the first plan match(plan, key) accepts; 1 if there is one. */
+int opgraft__plan_cache_find(og_plan_cache *c, int (*match)(const void *plan, const void *key), const void *key,
+                             void *out, size_t size);
+/* Keeps plan (the cache owns it from now on); when full, frees the oldest to make room. */
+void opgraft__plan_cache_put(og_plan_cache *c, void *plan);
+
 /* The driver API and the thread's current context (OPGRAFT_ENODEV where there is none). */
 int32_t opgraft__current_ctx(const og_cuda_api **cu, og_CUcontext *ctx);
 /* OPGRAFT_ESTALE (with the reason) when a plan made in plan_ctx under tunables generation

@@ -1,7 +1,6 @@
 /* The decode-attention op's plans and launches: a plan resolves the guard, the tunables, the
  * compiled kernel and its occupancy once per layout; a run picks the split count from the batch
  * and the length bound, fills the pointers and enqueues one kernel. */
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -199,10 +198,19 @@ int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const voi
 
 /* ---- the argument-struct entry point, through plans cached here ---- */
 
-#define OG_PLANS 64
-static opgraft_attention_plan *plans[OG_PLANS];
-static int nplans, next_evict;
-static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
+OG_PLAN_CACHE(plans, 64);
+
+typedef struct plan_key {
+  og_CUcontext ctx;
+  uint32_t gen;
+  opgraft_attention_args layout; /* layout_of the call's args */
+} plan_key;
+
+static int plan_matches(const void *plan, const void *key) {
+  const opgraft_attention_plan *p = plan;
+  const plan_key *k = key;
+  return p->ctx == k->ctx && p->tune_gen == k->gen && memcmp(&p->args, &k->layout, sizeof k->layout) == 0;
+}
 
 int32_t opgraft_attention_workspace_size(const opgraft_attention_args *a, size_t *bytes) {
   char reason[256];
@@ -225,28 +233,14 @@ int32_t opgraft_attention_run(const opgraft_attention_args *a, void *workspace, 
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
   if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
-  opgraft_attention_args key;
-  layout_of(a, &key);
-  const uint32_t gen = opgraft__tune_generation();
-  opgraft_attention_plan local, *plan = NULL; /* a copy: the cached one may be evicted meanwhile */
-  pthread_mutex_lock(&plan_lock);
-  for (int i = 0; i < nplans && !plan; ++i)
-    if (plans[i]->ctx == ctx && plans[i]->tune_gen == gen && memcmp(&plans[i]->args, &key, sizeof key) == 0)
-      local = *plans[i], plan = &local;
-  pthread_mutex_unlock(&plan_lock);
-  if (!plan) {
+  plan_key key = {ctx, opgraft__tune_generation(), {0}};
+  layout_of(a, &key.layout);
+  opgraft_attention_plan local, *plan = &local; /* a copy: the cached one may be evicted meanwhile */
+  if (!opgraft__plan_cache_find(&plans, plan_matches, &key, &local, sizeof local)) {
     opgraft_attention_plan *made = NULL;
     if ((st = opgraft_attention_plan_create(a, &made, reason, sizeof reason))) return st;
-    local = *made, plan = &local;
-    pthread_mutex_lock(&plan_lock);
-    if (nplans < OG_PLANS) {
-      plans[nplans++] = made;
-    } else {
-      free(plans[next_evict]);
-      plans[next_evict] = made;
-      next_evict = (next_evict + 1) % OG_PLANS;
-    }
-    pthread_mutex_unlock(&plan_lock);
+    local = *made;
+    opgraft__plan_cache_put(&plans, made);
   }
   if (plan->workspace > workspace_bytes)
     return opgraft__fail(OPGRAFT_EINVAL, "workspace of %zu bytes given, %zu needed", workspace_bytes, plan->workspace);

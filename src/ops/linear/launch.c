@@ -1,6 +1,5 @@
 /* The linear op's plans and launches: a plan resolves the guard, the tunables and the compiled
  * kernel once per layout; a run fills the pointers and enqueues one kernel. */
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,10 +104,7 @@ int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, 
 
 /* ---- the argument-struct entry point, through plans cached here ---- */
 
-#define OG_PLANS 128
-static opgraft_linear_plan *plans[OG_PLANS];
-static int nplans, next_evict;
-static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
+OG_PLAN_CACHE(plans, 128);
 
 /* Do two argument sets give the same plan? Strides are not compared: this entry point takes them
  * from each call's arguments. */
@@ -116,6 +112,18 @@ static int same_plan(const opgraft_linear_args *p, const opgraft_linear_args *q)
   return p->dtype == q->dtype && p->weight_dtype == q->weight_dtype && p->out_dtype == q->out_dtype &&
          !p->bias == !q->bias && (!p->bias || p->bias_dtype == q->bias_dtype) && p->rows == q->rows &&
          p->out_features == q->out_features && p->in_features == q->in_features && p->arch == q->arch;
+}
+
+typedef struct plan_key {
+  og_CUcontext ctx;
+  uint32_t gen;
+  const opgraft_linear_args *a;
+} plan_key;
+
+static int plan_matches(const void *plan, const void *key) {
+  const opgraft_linear_plan *p = plan;
+  const plan_key *k = key;
+  return p->ctx == k->ctx && p->tune_gen == k->gen && same_plan(&p->args, k->a);
 }
 
 int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
@@ -129,26 +137,13 @@ int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
   og_CUcontext ctx = NULL;
   if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
 
-  const uint32_t gen = opgraft__tune_generation();
-  opgraft_linear_plan local, *plan = NULL; /* a copy: the cached one may be evicted meanwhile */
-  pthread_mutex_lock(&plan_lock);
-  for (int i = 0; i < nplans && !plan; ++i)
-    if (plans[i]->ctx == ctx && plans[i]->tune_gen == gen && same_plan(&plans[i]->args, a))
-      local = *plans[i], plan = &local;
-  pthread_mutex_unlock(&plan_lock);
-  if (!plan) {
+  const plan_key key = {ctx, opgraft__tune_generation(), a};
+  opgraft_linear_plan local, *plan = &local; /* a copy: the cached one may be evicted meanwhile */
+  if (!opgraft__plan_cache_find(&plans, plan_matches, &key, &local, sizeof local)) {
     opgraft_linear_plan *made = NULL;
     if ((st = opgraft_linear_plan_create(a, &made, reason, sizeof reason))) return st;
-    local = *made, plan = &local;
-    pthread_mutex_lock(&plan_lock);
-    if (nplans < OG_PLANS) {
-      plans[nplans++] = made;
-    } else {
-      free(plans[next_evict]);
-      plans[next_evict] = made;
-      next_evict = (next_evict + 1) % OG_PLANS;
-    }
-    pthread_mutex_unlock(&plan_lock);
+    local = *made;
+    opgraft__plan_cache_put(&plans, made);
   }
   og_linear_params p = plan->proto;
   p.x = a->x, p.w = a->weight, p.bias = a->bias, p.y = a->out;

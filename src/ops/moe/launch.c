@@ -1,6 +1,5 @@
 /* The MoE op's plans and launches: a plan resolves the guard, the tunables and the compiled
  * kernels once per (shape, dtypes, strides, flags, GPU); a run fills the pointers and enqueues. */
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -226,10 +225,7 @@ int32_t opgraft_moe_plan_run_fp8(const opgraft_moe_plan *plan, const void *x, co
 
 /* ---- the argument-struct entry points, through plans cached here ---- */
 
-#define OG_PLANS 128
-static opgraft_moe_plan *plans[OG_PLANS];
-static int nplans, next_evict;
-static pthread_mutex_t plan_lock = PTHREAD_MUTEX_INITIALIZER;
+OG_PLAN_CACHE(plans, 128);
 
 /* Do two argument sets give the same plan? Strides are not compared: these entry points take
  * them from each call's arguments. */
@@ -244,6 +240,18 @@ static int same_plan(const opgraft_moe_args *p, const opgraft_moe_args *q) {
          p->hidden == q->hidden && p->inter == q->inter && p->num_experts == q->num_experts && p->top_k == q->top_k &&
          p->topk_ids_dtype == q->topk_ids_dtype && !p->expert_map == !q->expert_map &&
          p->expert_map_len == q->expert_map_len && p->arch == q->arch;
+}
+
+typedef struct plan_key {
+  og_CUcontext ctx;
+  uint32_t gen;
+  const opgraft_moe_args *a;
+} plan_key;
+
+static int plan_matches(const void *plan, const void *key) {
+  const opgraft_moe_plan *p = plan;
+  const plan_key *k = key;
+  return p->ctx == k->ctx && p->tune_gen == k->gen && same_plan(&p->args, k->a);
 }
 
 int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream,
@@ -265,26 +273,13 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   og_CUcontext ctx = NULL;
   if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
 
-  const uint32_t gen = opgraft__tune_generation();
-  opgraft_moe_plan local, *plan = NULL; /* a copy: the cached one may be evicted meanwhile */
-  pthread_mutex_lock(&plan_lock);
-  for (int i = 0; i < nplans && !plan; ++i)
-    if (plans[i]->ctx == ctx && plans[i]->tune_gen == gen && same_plan(&plans[i]->args, a))
-      local = *plans[i], plan = &local;
-  pthread_mutex_unlock(&plan_lock);
-  if (!plan) {
+  const plan_key key = {ctx, opgraft__tune_generation(), a};
+  opgraft_moe_plan local, *plan = &local; /* a copy: the cached one may be evicted meanwhile */
+  if (!opgraft__plan_cache_find(&plans, plan_matches, &key, &local, sizeof local)) {
     opgraft_moe_plan *made = NULL;
     if ((st = opgraft_moe_plan_create(a, &made, reason, sizeof reason))) return st;
-    local = *made, plan = &local;
-    pthread_mutex_lock(&plan_lock);
-    if (nplans < OG_PLANS) {
-      plans[nplans++] = made;
-    } else {
-      free(plans[next_evict]);
-      plans[next_evict] = made;
-      next_evict = (next_evict + 1) % OG_PLANS;
-    }
-    pthread_mutex_unlock(&plan_lock);
+    local = *made;
+    opgraft__plan_cache_put(&plans, made);
   }
   if (plan->cfg.trace && workspace_bytes < need) /* a workspace sized before OPGRAFT_TRACE was set */
     return opgraft__fail(OPGRAFT_EINVAL, "workspace too small for the trace records");
