@@ -283,7 +283,9 @@ int32_t opgraft__current_ctx(const og_cuda_api **cu, og_CUcontext *ctx) {
   if (!(*cu = opgraft__cuda())) return OPGRAFT_ENOLIB;
   int32_t st = opgraft__cu_check((*cu)->cuCtxGetCurrent(ctx), "cuCtxGetCurrent");
   if (st) return st;
-  if (!*ctx) return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread");
+  if (!*ctx)
+    return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread (initialise "
+                                         "the device first, e.g. torch.cuda.init())");
   return OPGRAFT_OK;
 }
 
@@ -297,14 +299,10 @@ int32_t opgraft__plan_check(og_CUcontext ctx, og_CUcontext plan_ctx, uint32_t pl
 enum { OG_ATTR_CC_MAJOR = 75, OG_ATTR_CC_MINOR = 76 };
 
 int32_t opgraft__current_device(og_CUcontext *ctx, int32_t *arch, char *name, size_t name_len) {
-  const og_cuda_api *cu = opgraft__cuda();
-  if (!cu) return OPGRAFT_ENOLIB;
+  const og_cuda_api *cu;
   og_CUcontext c = NULL;
-  int32_t st = opgraft__cu_check(cu->cuCtxGetCurrent(&c), "cuCtxGetCurrent");
+  int32_t st = opgraft__current_ctx(&cu, &c);
   if (st) return st;
-  if (!c)
-    return opgraft__fail(OPGRAFT_ENODEV, "no CUDA context is current on this thread (initialise "
-                                         "the device first, e.g. torch.cuda.init())");
   og_CUdevice dev = 0;
   if ((st = opgraft__cu_check(cu->cuCtxGetDevice(&dev), "cuCtxGetDevice"))) return st;
   int major = 0, minor = 0;
