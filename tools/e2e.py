@@ -38,7 +38,8 @@ chosen tokens' logprobs for the parity check between settings. With --profile-st
 profiler in the worker records the GPU's kernels during a prefill alone and during the same
 prefill plus N decode steps; the difference is the GPU time of one decode step, kernel by kernel
 (CUDA-graph replays included), to set against the ITL; the prefill's own kernels are kept too, to
-set against the one-token run. The MoE counters of the engine's
+set against the one-token run, and with --profile-host the worker's host ops during that prefill
+(self CPU time, op by op), for a one-token run that is longer than its GPU time. The MoE counters of the engine's
 worker process (opgraft.stats()) are read through vLLM's collective_rpc.
 """
 
@@ -316,10 +317,11 @@ def _worker_reinit(worker=None, std: float = 0.02) -> dict:
 _PROFILER = None  # the worker process's running torch profiler (_worker_profile)
 
 
-def _worker_profile(worker=None, action: str = "start") -> dict:
+def _worker_profile(worker=None, action: str = "start", host: bool = False) -> dict:
     """Runs in vLLM's worker process (collective_rpc). "start" starts a CUDA-activity torch
-    profiler; "stop" stops it and returns {kernel name: [launches, self device µs]} of everything
-    the GPU ran meanwhile, kernels inside CUDA-graph replays included."""
+    profiler (host: the CPU's too); "stop" stops it and returns {kernel name: [launches, self
+    device µs]} of everything the GPU ran meanwhile, kernels inside CUDA-graph replays included,
+    and with host, {host op: [calls, self CPU µs]} of the worker's threads."""
     # collective_rpc pickles this function by value when the study runs as __main__, and its
     # globals with it: the running profiler lives in the importable module instead.
     import tools.e2e as this
@@ -334,16 +336,19 @@ def _worker_profile(worker=None, action: str = "start") -> dict:
 
         if action == "start":
             if this._PROFILER is None:
-                this._PROFILER = profile(activities=[ProfilerActivity.CUDA])
+                acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+                this._PROFILER = profile(activities=acts)
                 this._PROFILER.start()
             return out
         prof, this._PROFILER = this._PROFILER, None
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         prof.stop()
-        from opgraft.bench import profiler_kernels
+        from opgraft.bench import profiler_host_ops, profiler_kernels
 
         out["kernels"] = {k[:160]: [n, us] for k, (n, us) in profiler_kernels(prof).items()}
+        if host:
+            out["host"] = {k[:160]: [n, us] for k, (n, us) in profiler_host_ops(prof).items()}
     except Exception as e:  # a profiler that cannot run must not end the study
         this._PROFILER = None
         out["error"] = f"{type(e).__name__}: {e}"
@@ -368,9 +373,28 @@ def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
     # The prefill alone as a "step" of its own, in the same form (profile_diff compares it too).
     prefill_step = {"steps": 1, "gpu_us_per_step": round(sum(r["us_per_step"] for r in pre), 1),
                     "kernels_per_step": sum(r["launches_per_step"] for r in pre), "kernels": pre[:top]}
+    if "host" in prefill:  # the worker's host ops during the prefill alone (--profile-host)
+        ops = sorted(({"op": k, "calls": n, "us": round(us, 1)} for k, (n, us) in prefill["host"].items()),
+                     key=lambda r: -r["us"])
+        prefill_step["host"] = {"us": round(sum(r["us"] for r in ops), 1), "calls": sum(r["calls"] for r in ops),
+                                "ops": ops[:top]}
     return {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
             "kernels_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
             "kernels": rows[:top], "prefill": prefill_step}
+
+
+def host_diff(base: dict, other: dict, top: int = 10) -> dict:
+    """Op by op, the host (self CPU) time `other`'s prefill spends beyond `base`'s (the "host"
+    entries of profile_rows' prefills): the ops that changed most, either way, and the totals."""
+    b = {r["op"]: r for r in base.get("ops", [])}
+    o = {r["op"]: r for r in other.get("ops", [])}
+    none = {"us": 0.0, "calls": 0}
+    rows = [{"op": k, "base_us": b.get(k, none)["us"], "us": o.get(k, none)["us"],
+             "delta_us": round(o.get(k, none)["us"] - b.get(k, none)["us"], 1),
+             "base_calls": b.get(k, none)["calls"], "calls": o.get(k, none)["calls"]} for k in set(b) | set(o)]
+    rows.sort(key=lambda r: -abs(r["delta_us"]))
+    return {"us_delta": round(other.get("us", 0.0) - base.get("us", 0.0), 1),
+            "calls_delta": other.get("calls", 0) - base.get("calls", 0), "ops": rows[:top]}
 
 
 def profile_diff(base: dict, other: dict, top: int = 10) -> dict:
@@ -494,9 +518,9 @@ def run(args) -> int:
         if args.profile_steps:  # GPU time per decode step, kernel by kernel (after the timed runs)
             runs = []
             for max_tokens in (1, args.profile_steps + 1):
-                started = llm.collective_rpc(_worker_profile, args=("start",))
+                started = llm.collective_rpc(_worker_profile, args=("start", args.profile_host and max_tokens == 1))
                 llm.generate(tok[:b], sp(max_tokens), use_tqdm=False)
-                stopped = llm.collective_rpc(_worker_profile, args=("stop",))
+                stopped = llm.collective_rpc(_worker_profile, args=("stop", args.profile_host and max_tokens == 1))
                 runs.append([a if "error" in a else z for a, z in zip(started, stopped)])
             prof = [profile_rows(p, f, args.profile_steps) for p, f in zip(*runs)]
         outs = llm.generate(tok[:b], sp(n, logprobs=0), use_tqdm=False)
@@ -627,6 +651,14 @@ def compare(out_dir: str, modes=MODES) -> dict:
                     for k in d["kernels"][:8]:
                         print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
                               f"{k['base_launches']:.0f} -> {k['launches']:.0f}x)  {k['kernel'][:80]}")
+                bh, oh = (bprof.get("prefill") or {}).get("host"), (pre or {}).get("host")
+                if bh and oh:
+                    d = host_diff(bh, oh)
+                    print(f"profile {m} vs disabled B={key}: host {d['us_delta']:+.1f} us of self CPU time per "
+                          f"prefill ({bh['us'] / 1e3:.2f} -> {oh['us'] / 1e3:.2f} ms), calls {d['calls_delta']:+d}")
+                    for k in d["ops"][:12]:
+                        print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
+                              f"{k['base_calls']} -> {k['calls']} calls)  {k['op'][:80]}")
     return summary
 
 
@@ -722,7 +754,7 @@ def study(args) -> int:
                "--json", path, "--batches", ",".join(map(str, args.batches)),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                "--reps", str(args.reps), "--init-std", str(args.init_std),
-               "--profile-steps", str(args.profile_steps),
+               "--profile-steps", str(args.profile_steps), *(["--profile-host"] if args.profile_host else []),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
         if args.expert_parallel:
             cmd.append("--expert-parallel")
@@ -773,6 +805,9 @@ def main(argv=None) -> int:
         p.add_argument("--profile-steps", type=int, default=0,
                        help="after the timed runs, profile this many decode steps per batch size "
                             "(GPU time per step, kernel by kernel; 0: off)")
+        p.add_argument("--profile-host", action="store_true",
+                       help="with --profile-steps: record the worker's host ops during the prefill too "
+                            "(self CPU time op by op, compared between settings)")
         p.add_argument("--init-std", type=float, default=0.02,
                        help="re-initialize the dummy weights as N(0, std^2) (0: keep vLLM's)")
 
@@ -795,6 +830,8 @@ def main(argv=None) -> int:
             ap.error("--output-len must be >= 2, --input-len, --reps and --tp >= 1")
         if args.profile_steps < 0 or args.profile_steps >= args.output_len:
             ap.error("--profile-steps must be in [0, --output-len)")
+        if args.profile_host and not args.profile_steps:
+            ap.error("--profile-host needs --profile-steps")
         if not 0 <= args.init_std < 1:
             ap.error("--init-std must be in [0, 1)")
         model_config(args.model)  # fail early on a bad --model

@@ -149,18 +149,32 @@ def time_calls_span(call, schedule, between, reps: int = 30) -> float:
     return per_call_time(call_spans(both, n_between, n_call), n)
 
 
+def _host_event(ev) -> bool:
+    return str(getattr(ev, "device_type", "")).endswith("CPU")
+
+
 def profiler_kernels(prof) -> dict:
     """{kernel name: (launches, self device µs)} of a stopped torch profiler, kernels inside
     CUDA-graph replays included (torch names the time self_device_time_total, older releases
-    self_cuda_time_total)."""
+    self_cuda_time_total). Host ops of a profile that records the CPU too are left out: torch
+    gives each the device time of the kernels it launched, which would count them twice."""
     out = {}
     for ev in prof.key_averages():
+        if _host_event(ev):
+            continue
         us = getattr(ev, "self_device_time_total", None)
         if us is None:
             us = getattr(ev, "self_cuda_time_total", 0.0)
         if ev.count and us > 0:
             out[ev.key] = (int(ev.count), float(us))
     return out
+
+
+def profiler_host_ops(prof) -> dict:
+    """{host op name: (calls, self CPU µs)} of a stopped torch profiler that recorded the CPU
+    (aten ops, custom ops such as opgraft::linear, CUDA runtime calls)."""
+    return {ev.key: (int(ev.count), float(ev.self_cpu_time_total)) for ev in prof.key_averages()
+            if _host_event(ev) and ev.count and ev.self_cpu_time_total > 0}
 
 
 def capture(step, warmup: int = 3) -> "torch.cuda.CUDAGraph":

@@ -227,6 +227,34 @@ def test_worker_profile_stop_without_start_is_an_error_not_an_exception():
     assert e2e._worker_profile(None, "stop")["error"] == "profiler not started"
 
 
+def test_worker_profile_records_host_ops_when_asked():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(32, 32)
+    assert "error" not in e2e._worker_profile(None, "start", True)  # (without a GPU: the CPU's only)
+    for _ in range(3):
+        torch.mm(x, x)
+    out = e2e._worker_profile(None, "stop", True)
+    assert "error" not in out, out
+    assert out["host"]["aten::mm"][0] == 3 and out["host"]["aten::mm"][1] > 0
+
+
+def test_host_ops_of_the_prefill_and_their_difference():
+    pre = {"kernels": {"k": [1, 10.0]}, "host": {"aten::mm": [145, 900.0], "opgraft::linear": [145, 2900.0]}}
+    ours = e2e.profile_rows(pre, {"kernels": {"k": [2, 20.0]}}, 1)["prefill"]["host"]
+    assert ours == {"us": 3800.0, "calls": 290, "ops": [{"op": "opgraft::linear", "calls": 145, "us": 2900.0},
+                                                        {"op": "aten::mm", "calls": 145, "us": 900.0}]}
+    base = e2e.profile_rows({"kernels": {}, "host": {"aten::mm": [145, 1000.0]}}, {"kernels": {}}, 1)["prefill"]
+    d = e2e.host_diff(base["host"], ours)
+    assert d["us_delta"] == 2800.0 and d["calls_delta"] == 145
+    assert [r["op"] for r in d["ops"]] == ["opgraft::linear", "aten::mm"] and d["ops"][1]["delta_us"] == -100.0
+    assert "host" not in e2e.profile_rows({"kernels": {}}, {"kernels": {}}, 1)["prefill"]
+
+
+def test_cli_profile_host_needs_profile_steps():
+    with pytest.raises(SystemExit):
+        e2e.main(["run", "--mode", "opgraft", "--profile-host"])
+
+
 def test_compare_prints_the_profile(tmp_path, capsys):
     prof = {"steps": 4, "gpu_us_per_step": 3500.0,
             "kernels": [{"kernel": "moe_gate_up_bf16", "launches_per_step": 48.0, "us_per_step": 900.0}]}
@@ -297,20 +325,25 @@ def test_profile_diff_ranks_the_changes_and_counts_kernels():
 
 
 def test_compare_prints_the_profile_difference(tmp_path, capsys):
-    def run(mode, kernels, prefill, t1):
-        prof = e2e.profile_rows({"kernels": prefill}, {"kernels": kernels}, 1)
+    def run(mode, kernels, prefill, t1, host):
+        prof = e2e.profile_rows({"kernels": prefill, "host": host}, {"kernels": kernels}, 1)
         return {"mode": mode, "batches": {"8": {"itl_ms": {"median": 9.0, "min": 9.0, "max": 9.0, "n": 1},
                                                 "decode_tok_s": {"median": 800.0}, "token_ids": [[1]],
                                                 "logprobs": [[-1.0]], "profile": [prof], "t_1_s": t1}}}
     (tmp_path / "e2e-disabled.json").write_text(json.dumps(
-        run("disabled", {"fused_moe_kernel": [96, 3000.0]}, {"nvjet_gemm": [144, 900.0]}, [0.07, 0.06])))
+        run("disabled", {"fused_moe_kernel": [96, 3000.0]}, {"nvjet_gemm": [144, 900.0]}, [0.07, 0.06],
+            {"aten::mm": [144, 1000.0]})))
     (tmp_path / "e2e-opgraft.json").write_text(json.dumps(
-        run("opgraft", {"moe_down_bf16": [48, 3500.0]}, {"nvjet_gemm": [144, 1000.0]}, [0.11])))
+        run("opgraft", {"moe_down_bf16": [48, 3500.0]}, {"nvjet_gemm": [144, 1000.0]}, [0.11],
+            {"aten::mm": [144, 1000.0], "opgraft::linear": [144, 3000.0]})))
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
     assert "profile opgraft vs disabled B=8: GPU +500.0 us per step, kernels -48.0 per step" in out
     assert "profile opgraft B=8: GPU 1.000 ms in the prefill alone, 144 kernels (one-token run 110.0 ms)" in out
     assert "profile opgraft vs disabled B=8: GPU +100.0 us per prefill, kernels +0.0 per prefill" in out
+    assert ("profile opgraft vs disabled B=8: host +3000.0 us of self CPU time per prefill (1.00 -> 4.00 ms), "
+            "calls +144") in out
+    assert "+3000.0 us  (0.0 -> 3000.0, 0 -> 144 calls)  opgraft::linear" in out
 
 
 def test_builtin_configs_load_as_hugging_face_configs(tmp_path):
@@ -328,7 +361,7 @@ def test_builtin_configs_load_as_hugging_face_configs(tmp_path):
 def _study_args(tmp_path, modes):
     return argparse.Namespace(
         modes=modes, out_dir=str(tmp_path), log_dir=None, model="Qwen3-30B-A3B", batches=[1], input_len=8,
-        output_len=4, reps=1, init_std=0.02, profile_steps=0, gpu_memory_utilization=0.5, tp=1,
+        output_len=4, reps=1, init_std=0.02, profile_steps=0, profile_host=False, gpu_memory_utilization=0.5, tp=1,
         expert_parallel=False, mode_timeout=10)
 
 
