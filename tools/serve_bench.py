@@ -903,8 +903,14 @@ def study(args) -> int:
         for index, mode in enumerate(args.modes):
             key = f"{part}:{mode}"
             need, left = estimate_s(part, index, args, seen), deadline - time.monotonic()
+            first = summary["phases"].get(f"{part}:{args.modes[0]}", "")
             # The first phase always runs (its start-up timeout is held to the budget); a later one
-            # only where its estimate, from what the earlier ones took, still fits.
+            # only where its estimate, from what the earlier ones took, still fits. The latency
+            # settings run together or not at all: one alone compares nothing.
+            if part == "latency" and index > 0 and first.startswith("skipped"):
+                summary["phases"][key] = f"skipped with latency:{args.modes[0]} (run them alone with --parts {part})"
+                print(f"serve bench: {key}: {summary['phases'][key]}", flush=True)
+                continue
             if summary["phases"] and left < need:
                 summary["phases"][key] = (f"skipped: needs ~{need:.0f} s, {left:.0f} s of the budget left "
                                           f"(run it alone with --parts {part})")

@@ -344,6 +344,18 @@ def test_budget_skips_the_phases_that_do_not_fit(model_dir, fake_python, tmp_pat
     assert s["phases"]["latency:disabled"].startswith("skipped") and "--parts latency" in s["phases"]["latency:disabled"]
 
 
+def test_budget_runs_the_latency_settings_together_or_not_at_all(model_dir, fake_python, tmp_path, monkeypatch):
+    # The first latency phase needs room for both settings; when it is skipped the second one,
+    # whose own estimate is one setting's, is skipped with it (a GPU run once ran it alone).
+    monkeypatch.setattr(serve_bench, "estimate_s",
+                        lambda part, index, args, seen: 1e6 if (part, index) == ("latency", 0) else 0.0)
+    rc, s = _study(model_dir, fake_python, tmp_path / "out", monkeypatch, "", ["--budget-s", "300"])
+    assert rc == 0 and s["phases"]["serve:disabled"].startswith("done") and s["phases"]["serve:opgraft"].startswith("done")
+    assert s["phases"]["latency:disabled"].startswith("skipped: needs")
+    assert s["phases"]["latency:opgraft"].startswith("skipped with latency:disabled")
+    assert not s["latency_rows"]
+
+
 @needs_vllm
 def test_vllms_bench_serve_client_against_a_stand_in_server(model_dir, fake_python, tmp_path, monkeypatch):
     """vLLM's own `vllm bench serve` code (random dataset with the local tokenizer, streaming,
