@@ -158,7 +158,7 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
     const char *off = getenv("OPGRAFT_MOE_FP8");
     if (off && strcmp(off, "0") == 0) return OG_REASON("OPGRAFT_MOE_FP8=0 (FP8 MoE calls are handed back)");
     if (!opgraft__tune_value("moe.fp8", arch, g, shape, (int32_t)T))
-      return OG_REASON("moe.fp8 is 0 on sm_%d (FP8 MoE calls are handed back)", arch);
+      return OG_REASON("moe.fp8 is 0 on sm_%d at T=%lld (FP8 MoE call handed back)", arch, (long long)T);
   }
   const int64_t max_t = opgraft__tune_value("moe.max_tokens", arch, g, shape, (int32_t)T);
   if (T > max_t) return OG_REASON("%lld tokens > moe.max_tokens %lld", (long long)T, (long long)max_t);

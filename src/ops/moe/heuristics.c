@@ -22,12 +22,13 @@
  *   lost at 8 and 16 tokens, where T*k still fits 32 slots).
  *
  * FP8 weights (shape keys "moe:fp8block:..." and "moe:fp8tensor:..."):
- * - moe.fp8 0 (off) everywhere until a run shows a win against vLLM's own FP8 path: on the H200
- *   (2026-12-01, bench/results/2026-12-01-h200-v20-vllm/) the FP8 kernels were correct (30 cases)
- *   but Qwen3-30B-A3B block-FP8 T=1 took 22.4 us (37% of the ceiling: the bf16 kernel's time on
- *   half the bytes), Mixtral-8x7B per-tensor T=1 110.3 us (70%), and vLLM's FP8 path could not be
- *   timed beside them (its Triton experts need the engine's workspace manager). OPGRAFT_TUNE_MOE_FP8=1
- *   takes FP8 calls; the tile rules below were argued from the kernels' structure, not measured.
+ * - moe.fp8 1 on sm_90 at one token only: against vLLM 0.26's own FP8 path (its modular kernel:
+ *   activation quantization, TritonExperts, finalize) in the same run on the H200
+ *   (bench/results/2026-12-01-h200-v21-fp8-vllm/), ours with the same quantization won at T=1
+ *   (Qwen3-30B-A3B block 25.9 against 31.0 us, DeepSeek-V3/tp8 block 33.3 against 43.2,
+ *   Mixtral-8x7B per-tensor 126.1 against 146.6) and lost at T=4 (0.95-0.96x) and T=8
+ *   (0.84-0.94x); T=2 and other GPUs are not measured, so they stay vLLM's. OPGRAFT_TUNE_MOE_FP8
+ *   overrides it; the tile rules below were argued from the kernels' structure, not measured.
  * - moe.max_tokens as for bf16 (8 on sm_90).
  * - gate_up warps twice the bf16 rule's (8 for H <= 2048, 16 above): a block covers 32 rows of I,
  *   so the grid has half the blocks, and each warp's k-step still moves 2 KB.
@@ -56,7 +57,7 @@ int opgraft__moe_parse_shape(const char *shape, og_moe_shape *s) {
 static int fp8_rule(const opgraft_tune_query *q, const og_moe_shape *s, int64_t *value) {
   const char *key = q->key;
   const int32_t T = q->tokens;
-  if (strcmp(key, "moe.fp8") == 0) return *value = 0, 1;
+  if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90 && T == 1, 1;
   if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s->H <= 2048 ? 8 : 16, 1;
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 8, 1;
   if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)

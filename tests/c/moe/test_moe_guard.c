@@ -320,8 +320,8 @@ static opgraft_moe_args fp8_args(int32_t layout) {
   return a;
 }
 
-/* The rule hands FP8 back everywhere (not yet measured as a win); the guard's other checks are
- * tested with moe.fp8 set to 1. */
+/* The rule takes FP8 at one token on sm_90 only (measured as a win there); the guard's other
+ * checks are tested with moe.fp8 set to 1. */
 static void fp8_on(void) {
   setenv("OPGRAFT_TUNE_MOE_FP8", "1", 1);
   opgraft_tune_reload();
@@ -358,7 +358,7 @@ static void test_fp8_archs_and_switches(void **state) {
   a.arch = 80;
   expect_refusal(&a, "the FP8 kernels need sm_89", "fp8 on sm_80");
   a.arch = 89; /* compiled and tested on CPU, never measured: handed back by the rule */
-  expect_refusal(&a, "moe.fp8 is 0 on sm_89", "fp8 on sm_89");
+  expect_refusal(&a, "moe.fp8 is 0 on sm_89 at T=1", "fp8 on sm_89");
   setenv("OPGRAFT_TUNE_MOE_FP8", "1", 1);
   opgraft_tune_reload();
   expect_ok(&a, "fp8 on sm_89 with moe.fp8=1");
@@ -368,7 +368,9 @@ static void test_fp8_archs_and_switches(void **state) {
   expect_refusal(&a, "moe.fp8 is 0 on sm_90", "fp8 with moe.fp8=0");
   unsetenv("OPGRAFT_TUNE_MOE_FP8");
   opgraft_tune_reload();
-  expect_refusal(&a, "moe.fp8 is 0 on sm_90", "fp8 on sm_90 by the rule");
+  expect_ok(&a, "fp8 on sm_90 at one token by the rule");
+  set_shape(&a, 2, 2048, 768, 128, 8);
+  expect_refusal(&a, "moe.fp8 is 0 on sm_90 at T=2", "fp8 on sm_90 at two tokens by the rule");
   fp8_on();
   expect_ok(&a, "fp8 on sm_90 with moe.fp8=1");
   setenv("OPGRAFT_MOE_FP8", "0", 1);
@@ -458,14 +460,17 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
   og_moe_shape sh;
   assert_true(opgraft__moe_parse_shape(key, &sh) && sh.fp8 && sh.E == 128 && sh.k == 8);
   assert_true(opgraft__moe_parse_shape("moe:bf16:E8:H4096:I14336:k2", &sh) && !sh.fp8);
-  /* The rule: FP8 off until measured as a win; gate_up's warps twice bf16's; routing by slot up to 32 slots. */
+  /* The rule: FP8 at one token on sm_90 (measured as a win there); gate_up's warps twice bf16's; routing by
+   * slot up to 32 slots. */
   const struct {
     const char *key, *shape;
     int32_t arch, tokens;
     int64_t want;
   } rules[] = {
-      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 0},
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 1},
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 0},
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 89, 1, 0},
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 1},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 4, 0},
       {"moe.gate_up.warps", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 8},
       {"moe.gate_up.warps", "moe:bf16:E128:H2048:I768:k8", 90, 1, 4},

@@ -220,7 +220,7 @@ def test_kill_switch_hands_fp8_back(clean, monkeypatch):
     assert b"OPGRAFT_MOE_FP8=0" in reason.value
     monkeypatch.delenv("OPGRAFT_MOE_FP8")
     assert _lib.lib().opgraft_moe_supports(ctypes.byref(a), reason, 256) == _lib.EUNSUPPORTED
-    assert b"moe.fp8 is 0 on sm_90" in reason.value  # the shipped rule: FP8 not yet measured as a win
+    assert b"moe.fp8 is 0 on sm_90 at T=3" in reason.value  # the shipped rule: FP8 at one token only
     monkeypatch.setenv("OPGRAFT_TUNE_MOE_FP8", "1")
     _lib.lib().opgraft_tune_reload()
     try:
