@@ -203,6 +203,18 @@ def run_case(c: dict, device="cuda") -> dict:
         return _run_fp8_case(c, device) if "kind" in c else _run_case(c, device)
 
 
+def _to_local(ids, emap, k: int):
+    """ids with this rank's experts in them: token 0 routed to as many of them as k allows, every
+    other token to one (a rank of 4 of 256 experts would otherwise see no token routed to it, and
+    its all-zero output would match any kernel). Each row stays k distinct experts."""
+    local = (emap >= 0).nonzero().flatten().tolist()
+    rows = ids.tolist()
+    for t, row in enumerate(rows):
+        want = local[: min(k, len(local))] if t == 0 else [local[t % len(local)]]
+        rows[t] = want + [e for e in row if e not in want][: k - len(want)]
+    return torch.tensor(rows, dtype=ids.dtype, device=ids.device)
+
+
 def _routing(c: dict, global_experts: int, device, gen):
     """A case's routing over global_experts: weights, ids, and with c["ep"] the expert_map of a rank
     holding a random subset of them; then the ids' edits (a duplicate expert in a row, expert 0
@@ -211,6 +223,8 @@ def _routing(c: dict, global_experts: int, device, gen):
     tw, ids = moe_bench.make_routing(c["T"], global_experts, shape.top_k, device, gen,
                                      ids_dtype=torch.int64 if c["ids64"] else torch.int32)
     emap = moe_bench.ep_map(shape, global_experts, device, c["seed"]) if c["ep"] else None
+    if emap is not None:
+        ids = _to_local(ids, emap, shape.top_k)
     if c["dup"]:
         ids[:, 1] = ids[:, 0]
     if c["hot"]:

@@ -70,3 +70,17 @@ def test_fp8_bench_rows(oracle_kernel, monkeypatch):
         assert rows[0]["builtin_missing"] and "vllm-triton" in rows[0]["builtin_missing"]
         text = moe_bench.format_table(rows)
         assert kind in text and "FP8 backends missing" in text
+
+
+def test_expert_parallel_cases_route_tokens_to_the_ranks_experts():
+    """A rank with 4 of 256 experts and random top-8 routing would see no token routed to it; the
+    cases route token 0 to all of its experts and every other token to one, rows still distinct."""
+    for c in [c for c in checks.cases() + checks.fp8_cases() if c["ep"]]:
+        gen = torch.Generator().manual_seed(200 + c["seed"])
+        tw, ids, emap = checks._routing(c, c["ep"], "cpu", gen)
+        local = emap[ids.long()]
+        k, n_local = c["shape"].top_k, c["shape"].num_experts
+        assert (local[0] >= 0).sum() == min(k, n_local), c["name"]
+        assert bool(((local >= 0).sum(1) >= 1).all()), c["name"]
+        if not c["dup"]:
+            assert all(len(set(r)) == k for r in ids.tolist()), c["name"]
