@@ -7,12 +7,13 @@
 #   OPGRAFT_COMMIT=<sha> tools/gpu_serve_study.sh PARTS_DIR OUT_DIR [serve_bench study options ...]
 #
 # Everything lands in OUT_DIR: setup.log, study.log, serve-summary.json, vllm/ (vLLM's own result
-# files), logs/ (each server's, client's and latency run's log). OPGRAFT_SERVE_BUDGET_S (default
+# files), logs/ (each server's, client's and latency run's log), and all of it again as one archive,
+# OUT_DIR.tgz, for hosts that hand back few files. OPGRAFT_SERVE_BUDGET_S (default
 # 570) is the time of the whole script, install included: the study skips (and reports) the
 # phases that no longer fit, so that one 10-minute command comes back with its results. The
 # tables are printed last. Exit status: the study's (1 when a setting failed).
 set -uo pipefail
-[ $# -ge 2 ] || { sed -n '2,13p' "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,14p' "$0"; exit 2; }
 parts=$1 out=$2; shift 2
 . "$(dirname "$0")/gpu_setup.sh"  # the wheelhouse and opgraft into OPGRAFT_SITE; PYTHONPATH; stamp
 
@@ -21,5 +22,6 @@ left=$(awk -v a="$t0" -v b="$(date +%s.%N)" -v t="${OPGRAFT_SERVE_BUDGET_S:-570}
 python3 -m tools.serve_bench study --out-dir "$out" --budget-s "$left" --no-table "$@" 2>&1 | tee "$out/study.log"
 rc=${PIPESTATUS[0]}
 stamp "serve study"
+tar czf "${out%/}.tgz" -C "$out" .
 python3 -m tools.serve_bench table "$out"
 exit "$rc"
