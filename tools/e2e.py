@@ -348,11 +348,14 @@ def _worker_profile(worker=None, action: str = "start", host: bool = False) -> d
 
         out["kernels"] = {k[:160]: [n, us] for k, (n, us) in profiler_kernels(prof).items()}
         if host:
-            out["host"] = {k[:160]: [n, us] for k, (n, us) in profiler_host_ops(prof).items()}
+            out["host"] = {k[:160]: [n, us, tot] for k, (n, us, tot) in profiler_host_ops(prof).items()}
     except Exception as e:  # a profiler that cannot run must not end the study
         this._PROFILER = None
         out["error"] = f"{type(e).__name__}: {e}"
     return out
+
+
+RUNNER_SCOPE = "gpu_model_runner: "  # vLLM's record_function scopes of a model-runner step
 
 
 def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
@@ -374,10 +377,12 @@ def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
     prefill_step = {"steps": 1, "gpu_us_per_step": round(sum(r["us_per_step"] for r in pre), 1),
                     "kernels_per_step": sum(r["launches_per_step"] for r in pre), "kernels": pre[:top]}
     if "host" in prefill:  # the worker's host ops during the prefill alone (--profile-host)
-        ops = sorted(({"op": k, "calls": n, "us": round(us, 1)} for k, (n, us) in prefill["host"].items()),
-                     key=lambda r: -r["us"])
+        ops = sorted(({"op": k, "calls": n, "us": round(us, 1), "total_us": round(tot, 1)}
+                      for k, (n, us, tot) in prefill["host"].items()), key=lambda r: -r["us"])
+        # vLLM's model-runner scopes (VLLM_CUSTOM_SCOPES_FOR_PROFILING): the wall time of each phase
+        scopes = {r["op"]: r["total_us"] for r in ops if r["op"].startswith(RUNNER_SCOPE)}
         prefill_step["host"] = {"us": round(sum(r["us"] for r in ops), 1), "calls": sum(r["calls"] for r in ops),
-                                "ops": ops[:top]}
+                                "ops": ops[:top], "scopes": scopes}
     return {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
             "kernels_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
             "kernels": rows[:top], "prefill": prefill_step}
@@ -393,8 +398,11 @@ def host_diff(base: dict, other: dict, top: int = 10) -> dict:
              "delta_us": round(o.get(k, none)["us"] - b.get(k, none)["us"], 1),
              "base_calls": b.get(k, none)["calls"], "calls": o.get(k, none)["calls"]} for k in set(b) | set(o)]
     rows.sort(key=lambda r: -abs(r["delta_us"]))
+    bs, ts = base.get("scopes", {}), other.get("scopes", {})
+    scopes = [{"scope": k, "base_us": bs.get(k, 0.0), "us": ts.get(k, 0.0),
+               "delta_us": round(ts.get(k, 0.0) - bs.get(k, 0.0), 1)} for k in sorted(set(bs) | set(ts))]
     return {"us_delta": round(other.get("us", 0.0) - base.get("us", 0.0), 1),
-            "calls_delta": other.get("calls", 0) - base.get("calls", 0), "ops": rows[:top]}
+            "calls_delta": other.get("calls", 0) - base.get("calls", 0), "ops": rows[:top], "scopes": scopes}
 
 
 def profile_diff(base: dict, other: dict, top: int = 10) -> dict:
@@ -441,6 +449,8 @@ def summarize(values: list[float]) -> dict:
 def run(args) -> int:
     """One setting in this process; writes args.json after each batch size."""
     env = mode_env(args.mode)
+    if args.profile_host:  # vLLM's model-runner phases as profiler scopes (read once, at the first step)
+        env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     os.environ.clear()
     os.environ.update(env)
     cfg = model_config(args.model)
@@ -656,6 +666,8 @@ def compare(out_dir: str, modes=MODES) -> dict:
                     d = host_diff(bh, oh)
                     print(f"profile {m} vs disabled B={key}: host {d['us_delta']:+.1f} us of self CPU time per "
                           f"prefill ({bh['us'] / 1e3:.2f} -> {oh['us'] / 1e3:.2f} ms), calls {d['calls_delta']:+d}")
+                    for k in d["scopes"]:
+                        print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f} wall)  {k['scope']}")
                     for k in d["ops"][:12]:
                         print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
                               f"{k['base_calls']} -> {k['calls']} calls)  {k['op'][:80]}")

@@ -276,10 +276,10 @@ def test_profiler_kernels_reads_either_time_attribute():
               SimpleNamespace(key="host only", count=5, self_device_time_total=0.0),
               # a host op of a CPU + CUDA profile: torch gives it its kernels' time as well
               SimpleNamespace(key="aten::mm", count=4, device_type="DeviceType.CPU", self_device_time_total=10.0,
-                              self_cpu_time_total=40.0)]
+                              self_cpu_time_total=40.0, cpu_time_total=45.0)]
     prof = SimpleNamespace(key_averages=lambda: events)
     assert bench.profiler_kernels(prof) == {"new": (4, 10.0), "old": (2, 3.0)}
-    assert bench.profiler_host_ops(prof) == {"aten::mm": (4, 40.0)}
+    assert bench.profiler_host_ops(prof) == {"aten::mm": (4, 40.0, 45.0)}
 
 
 def test_tunables_context_sets_and_clears_through_the_api(monkeypatch):

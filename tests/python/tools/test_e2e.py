@@ -239,14 +239,22 @@ def test_worker_profile_records_host_ops_when_asked():
 
 
 def test_host_ops_of_the_prefill_and_their_difference():
-    pre = {"kernels": {"k": [1, 10.0]}, "host": {"aten::mm": [145, 900.0], "opgraft::linear": [145, 2900.0]}}
+    pre = {"kernels": {"k": [1, 10.0]}, "host": {"aten::mm": [145, 900.0, 950.0],
+                                                 "opgraft::linear": [145, 2900.0, 3850.0],
+                                                 "gpu_model_runner: forward": [1, 5.0, 30000.0]}}
     ours = e2e.profile_rows(pre, {"kernels": {"k": [2, 20.0]}}, 1)["prefill"]["host"]
-    assert ours == {"us": 3800.0, "calls": 290, "ops": [{"op": "opgraft::linear", "calls": 145, "us": 2900.0},
-                                                        {"op": "aten::mm", "calls": 145, "us": 900.0}]}
-    base = e2e.profile_rows({"kernels": {}, "host": {"aten::mm": [145, 1000.0]}}, {"kernels": {}}, 1)["prefill"]
+    assert ours == {"us": 3805.0, "calls": 291, "scopes": {"gpu_model_runner: forward": 30000.0},
+                    "ops": [{"op": "opgraft::linear", "calls": 145, "us": 2900.0, "total_us": 3850.0},
+                            {"op": "aten::mm", "calls": 145, "us": 900.0, "total_us": 950.0},
+                            {"op": "gpu_model_runner: forward", "calls": 1, "us": 5.0, "total_us": 30000.0}]}
+    base = e2e.profile_rows({"kernels": {}, "host": {"aten::mm": [145, 1000.0, 1000.0],
+                                                     "gpu_model_runner: forward": [1, 5.0, 10000.0]}},
+                            {"kernels": {}}, 1)["prefill"]
     d = e2e.host_diff(base["host"], ours)
     assert d["us_delta"] == 2800.0 and d["calls_delta"] == 145
-    assert [r["op"] for r in d["ops"]] == ["opgraft::linear", "aten::mm"] and d["ops"][1]["delta_us"] == -100.0
+    assert [r["op"] for r in d["ops"][:2]] == ["opgraft::linear", "aten::mm"] and d["ops"][1]["delta_us"] == -100.0
+    assert d["scopes"] == [{"scope": "gpu_model_runner: forward", "base_us": 10000.0, "us": 30000.0,
+                            "delta_us": 20000.0}]
     assert "host" not in e2e.profile_rows({"kernels": {}}, {"kernels": {}}, 1)["prefill"]
 
 
@@ -332,10 +340,10 @@ def test_compare_prints_the_profile_difference(tmp_path, capsys):
                                                 "logprobs": [[-1.0]], "profile": [prof], "t_1_s": t1}}}
     (tmp_path / "e2e-disabled.json").write_text(json.dumps(
         run("disabled", {"fused_moe_kernel": [96, 3000.0]}, {"nvjet_gemm": [144, 900.0]}, [0.07, 0.06],
-            {"aten::mm": [144, 1000.0]})))
+            {"aten::mm": [144, 1000.0, 1000.0]})))
     (tmp_path / "e2e-opgraft.json").write_text(json.dumps(
         run("opgraft", {"moe_down_bf16": [48, 3500.0]}, {"nvjet_gemm": [144, 1000.0]}, [0.11],
-            {"aten::mm": [144, 1000.0], "opgraft::linear": [144, 3000.0]})))
+            {"aten::mm": [144, 1000.0, 1000.0], "opgraft::linear": [144, 3000.0, 4000.0]})))
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
     assert "profile opgraft vs disabled B=8: GPU +500.0 us per step, kernels -48.0 per step" in out
@@ -418,3 +426,24 @@ def test_model_config_that_is_not_utf8(tmp_path):
     (tmp_path / "config.json").write_bytes(b'{"architectures": ["\xff"]}')
     with pytest.raises(SystemExit, match=r"not UTF-8 text \(byte 0xff at offset 20\)"):
         e2e.model_config(str(tmp_path))
+
+
+def test_study_passes_profile_host_to_each_setting(tmp_path, monkeypatch):
+    cmds = []
+
+    def fake_run_group(cmd, env, out, timeout):
+        cmds.append(cmd)
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"status": "done", "batches": {}}, f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", fake_run_group)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    a = _study_args(tmp_path, ["disabled", "opgraft"])
+    a.profile_steps, a.profile_host = 2, True
+    assert e2e.study(a) == 0
+    assert len(cmds) == 2 and all("--profile-host" in c for c in cmds)
+    a.profile_host = False
+    cmds.clear()
+    e2e.study(a)
+    assert cmds and not any("--profile-host" in c for c in cmds)
