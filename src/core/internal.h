@@ -116,7 +116,14 @@ int32_t opgraft__cu_check(og_CUresult r, const char *what);
 
 /* The current context's device: compute capability (major*10+minor) and name. */
 int32_t opgraft__current_device(og_CUcontext *ctx, int32_t *arch, char *name, size_t name_len);
-/* ---- plan_cache.c: the plans of the argument-struct entry points (plans made with malloc) ---- */
+/* What every op's plan starts with: the context and tunables generation it was made under. */
+typedef struct og_plan_head {
+  og_CUcontext ctx;
+  uint32_t tune_gen;
+} og_plan_head;
+
+/* ---- plan_cache.c: the plans of the argument-struct entry points (plans made with malloc, each
+ * starting with an og_plan_head) ---- */
 typedef struct og_plan_cache {
   pthread_mutex_t lock;
   int n, next, cap;
@@ -126,17 +133,18 @@ typedef struct og_plan_cache {
 #define OG_PLAN_CACHE(name, cap)   \
   static void *name##_slots[cap]; \
   static og_plan_cache name = {PTHREAD_MUTEX_INITIALIZER, 0, 0, cap, name##_slots}
-/* Copies into out (size bytes) the first plan match(plan, key) accepts; 1 if there is one. */
-int opgraft__plan_cache_find(og_plan_cache *c, int (*match)(const void *plan, const void *key), const void *key,
-                             void *out, size_t size);
+/* Copies into out (size bytes) the first plan made in ctx under the current tunables that
+ * match(plan, key) accepts; 1 if there is one. */
+int opgraft__plan_cache_find(og_plan_cache *c, og_CUcontext ctx, int (*match)(const void *plan, const void *key),
+                             const void *key, void *out, size_t size);
 /* Keeps plan (the cache owns it from now on); when full, frees the oldest to make room. */
 void opgraft__plan_cache_put(og_plan_cache *c, void *plan);
 
 /* The driver API and the thread's current context (OPGRAFT_ENODEV where there is none). */
 int32_t opgraft__current_ctx(const og_cuda_api **cu, og_CUcontext *ctx);
-/* OPGRAFT_ESTALE (with the reason) when a plan made in plan_ctx under tunables generation
- * plan_gen cannot run in ctx now; what names the plan ("<op> plan"). */
-int32_t opgraft__plan_check(og_CUcontext ctx, og_CUcontext plan_ctx, uint32_t plan_gen, const char *what);
+/* OPGRAFT_ESTALE (with the reason) when a plan with this head cannot run in ctx now; what names
+ * the plan ("<op> plan"). */
+int32_t opgraft__plan_check(og_CUcontext ctx, const og_plan_head *plan, const char *what);
 
 /* ---- jit.c ---- */
 typedef struct og_source {

@@ -5,12 +5,15 @@
 
 #include "internal.h"
 
-int opgraft__plan_cache_find(og_plan_cache *c, int (*match)(const void *plan, const void *key), const void *key,
-                             void *out, size_t size) {
+int opgraft__plan_cache_find(og_plan_cache *c, og_CUcontext ctx, int (*match)(const void *plan, const void *key),
+                             const void *key, void *out, size_t size) {
+  const uint32_t gen = opgraft__tune_generation();
   int found = 0;
   pthread_mutex_lock(&c->lock);
-  for (int i = 0; i < c->n && !found; ++i)
-    if (match(c->slots[i], key)) memcpy(out, c->slots[i], size), found = 1;
+  for (int i = 0; i < c->n && !found; ++i) {
+    const og_plan_head *h = c->slots[i];
+    if (h->ctx == ctx && h->tune_gen == gen && match(h, key)) memcpy(out, h, size), found = 1;
+  }
   pthread_mutex_unlock(&c->lock);
   return found;
 }

@@ -289,10 +289,10 @@ int32_t opgraft__current_ctx(const og_cuda_api **cu, og_CUcontext *ctx) {
   return OPGRAFT_OK;
 }
 
-int32_t opgraft__plan_check(og_CUcontext ctx, og_CUcontext plan_ctx, uint32_t plan_gen, const char *what) {
-  if (ctx == plan_ctx && plan_gen == opgraft__tune_generation()) return OPGRAFT_OK;
+int32_t opgraft__plan_check(og_CUcontext ctx, const og_plan_head *plan, const char *what) {
+  if (ctx == plan->ctx && plan->tune_gen == opgraft__tune_generation()) return OPGRAFT_OK;
   return opgraft__fail(OPGRAFT_ESTALE, "%s made under %s: make a new one", what,
-                       ctx != plan_ctx ? "another CUDA context" : "other tunables");
+                       ctx != plan->ctx ? "another CUDA context" : "other tunables");
 }
 
 /* Device attributes from the CUDA driver API documentation. */

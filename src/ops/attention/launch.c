@@ -9,8 +9,7 @@
 #include "attention.h"
 
 struct opgraft_attention_plan {
-  og_CUcontext ctx;
-  uint32_t tune_gen;
+  og_plan_head head; /* first: the plan cache reads it */
   opgraft_attention_args args; /* the layout the plan was made for: pointers, batch and bound cleared */
   int32_t arch;
   og_attn_cfg cfg;
@@ -69,7 +68,7 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
 
   opgraft_attention_plan *p = calloc(1, sizeof *p);
   if (!p) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
-  p->ctx = ctx, p->tune_gen = gen, p->arch = arch;
+  p->head = (og_plan_head){ctx, gen}, p->arch = arch;
   layout_of(a, &p->args);
   opgraft__attn_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
   const int64_t G = a->num_heads / a->num_kv_heads;
@@ -181,7 +180,7 @@ int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const voi
   og_CUcontext ctx = NULL;
   int32_t st = opgraft__current_ctx(&cu, &ctx);
   if (st) return st;
-  if ((st = opgraft__plan_check(ctx, plan->ctx, plan->tune_gen, "attention plan"))) return st;
+  if ((st = opgraft__plan_check(ctx, &plan->head, "attention plan"))) return st;
   if (batch == 0) return OPGRAFT_OK;
   if (!q || !k_cache || !v_cache || !block_table || !seq_lens || !out || !sinks != !plan->args.sinks ||
       (plan->workspace && !workspace))
@@ -200,16 +199,8 @@ int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const voi
 
 OG_PLAN_CACHE(plans, 64);
 
-typedef struct plan_key {
-  og_CUcontext ctx;
-  uint32_t gen;
-  opgraft_attention_args layout; /* layout_of the call's args */
-} plan_key;
-
-static int plan_matches(const void *plan, const void *key) {
-  const opgraft_attention_plan *p = plan;
-  const plan_key *k = key;
-  return p->ctx == k->ctx && p->tune_gen == k->gen && memcmp(&p->args, &k->layout, sizeof k->layout) == 0;
+static int plan_matches(const void *plan, const void *layout) { /* layout: layout_of the call's args */
+  return memcmp(&((const opgraft_attention_plan *)plan)->args, layout, sizeof(opgraft_attention_args)) == 0;
 }
 
 int32_t opgraft_attention_workspace_size(const opgraft_attention_args *a, size_t *bytes) {
@@ -233,10 +224,10 @@ int32_t opgraft_attention_run(const opgraft_attention_args *a, void *workspace, 
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
   if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
-  plan_key key = {ctx, opgraft__tune_generation(), {0}};
-  layout_of(a, &key.layout);
+  opgraft_attention_args layout;
+  layout_of(a, &layout);
   opgraft_attention_plan local, *plan = &local; /* a copy: the cached one may be evicted meanwhile */
-  if (!opgraft__plan_cache_find(&plans, plan_matches, &key, &local, sizeof local)) {
+  if (!opgraft__plan_cache_find(&plans, ctx, plan_matches, &layout, &local, sizeof local)) {
     opgraft_attention_plan *made = NULL;
     if ((st = opgraft_attention_plan_create(a, &made, reason, sizeof reason))) return st;
     local = *made;

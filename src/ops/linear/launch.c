@@ -8,8 +8,7 @@
 #include "linear.h"
 
 struct opgraft_linear_plan {
-  og_CUcontext ctx;
-  uint32_t tune_gen;
+  og_plan_head head; /* first: the plan cache reads it */
   opgraft_linear_args args; /* the arguments the plan was made for, pointers cleared */
   int32_t arch;
   og_linear_cfg cfg;
@@ -43,7 +42,7 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
 
   opgraft_linear_plan *p = calloc(1, sizeof *p);
   if (!p) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
-  p->ctx = ctx, p->tune_gen = gen, p->arch = arch, p->args = *a;
+  p->head = (og_plan_head){ctx, gen}, p->arch = arch, p->args = *a;
   p->args.x = p->args.weight = NULL;
   p->args.bias = a->bias ? (const void *)1 : NULL; /* only whether there is one */
   p->args.out = NULL, p->args.gpu_name = NULL;
@@ -91,7 +90,7 @@ int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, 
   og_CUcontext ctx = NULL;
   int32_t st = opgraft__current_ctx(&cu, &ctx);
   if (st) return st;
-  if ((st = opgraft__plan_check(ctx, plan->ctx, plan->tune_gen, "linear plan"))) return st;
+  if ((st = opgraft__plan_check(ctx, &plan->head, "linear plan"))) return st;
   if (plan->args.rows == 0) return OPGRAFT_OK;
   if (!x || !weight || !out || !bias != !plan->args.bias)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a NULL pointer (or bias unlike the plan's)");
@@ -114,16 +113,8 @@ static int same_plan(const opgraft_linear_args *p, const opgraft_linear_args *q)
          p->out_features == q->out_features && p->in_features == q->in_features && p->arch == q->arch;
 }
 
-typedef struct plan_key {
-  og_CUcontext ctx;
-  uint32_t gen;
-  const opgraft_linear_args *a;
-} plan_key;
-
-static int plan_matches(const void *plan, const void *key) {
-  const opgraft_linear_plan *p = plan;
-  const plan_key *k = key;
-  return p->ctx == k->ctx && p->tune_gen == k->gen && same_plan(&p->args, k->a);
+static int plan_matches(const void *plan, const void *args) {
+  return same_plan(&((const opgraft_linear_plan *)plan)->args, args);
 }
 
 int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
@@ -137,9 +128,8 @@ int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
   og_CUcontext ctx = NULL;
   if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
 
-  const plan_key key = {ctx, opgraft__tune_generation(), a};
   opgraft_linear_plan local, *plan = &local; /* a copy: the cached one may be evicted meanwhile */
-  if (!opgraft__plan_cache_find(&plans, plan_matches, &key, &local, sizeof local)) {
+  if (!opgraft__plan_cache_find(&plans, ctx, plan_matches, a, &local, sizeof local)) {
     opgraft_linear_plan *made = NULL;
     if ((st = opgraft_linear_plan_create(a, &made, reason, sizeof reason))) return st;
     local = *made;

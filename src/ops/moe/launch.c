@@ -8,8 +8,7 @@
 #include "moe.h"
 
 struct opgraft_moe_plan {
-  og_CUcontext ctx;
-  uint32_t tune_gen;
+  og_plan_head head; /* first: the plan cache reads it */
   opgraft_moe_args args; /* the arguments the plan was made for, pointers cleared */
   int32_t arch;
   og_moe_cfg cfg;
@@ -72,7 +71,7 @@ int32_t opgraft_moe_plan_create(const opgraft_moe_args *a, opgraft_moe_plan **ou
 
   opgraft_moe_plan *p = calloc(1, sizeof *p);
   if (!p) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
-  p->ctx = ctx, p->tune_gen = gen, p->arch = arch, p->args = *a;
+  p->head = (og_plan_head){ctx, gen}, p->arch = arch, p->args = *a;
   p->args.hidden_states = p->args.w13 = p->args.w2 = p->args.topk_weights = p->args.topk_ids = NULL;
   p->args.expert_map = a->expert_map ? (const void *)1 : NULL; /* only whether there is one */
   p->args.out = NULL, p->args.gpu_name = NULL;
@@ -184,7 +183,7 @@ static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void 
   og_CUcontext ctx = NULL;
   int32_t st = opgraft__current_ctx(&cu, &ctx);
   if (st) return st;
-  if ((st = opgraft__plan_check(ctx, plan->ctx, plan->tune_gen, "MoE plan"))) return st;
+  if ((st = opgraft__plan_check(ctx, &plan->head, "MoE plan"))) return st;
   const opgraft_moe_args *a = &plan->args;
   const int fp8 = opgraft__moe_is_fp8(a);
   if (!fp8 != !xs)
@@ -242,16 +241,8 @@ static int same_plan(const opgraft_moe_args *p, const opgraft_moe_args *q) {
          p->expert_map_len == q->expert_map_len && p->arch == q->arch;
 }
 
-typedef struct plan_key {
-  og_CUcontext ctx;
-  uint32_t gen;
-  const opgraft_moe_args *a;
-} plan_key;
-
-static int plan_matches(const void *plan, const void *key) {
-  const opgraft_moe_plan *p = plan;
-  const plan_key *k = key;
-  return p->ctx == k->ctx && p->tune_gen == k->gen && same_plan(&p->args, k->a);
+static int plan_matches(const void *plan, const void *args) {
+  return same_plan(&((const opgraft_moe_plan *)plan)->args, args);
 }
 
 int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_t workspace_bytes, void *stream,
@@ -273,9 +264,8 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   og_CUcontext ctx = NULL;
   if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
 
-  const plan_key key = {ctx, opgraft__tune_generation(), a};
   opgraft_moe_plan local, *plan = &local; /* a copy: the cached one may be evicted meanwhile */
-  if (!opgraft__plan_cache_find(&plans, plan_matches, &key, &local, sizeof local)) {
+  if (!opgraft__plan_cache_find(&plans, ctx, plan_matches, a, &local, sizeof local)) {
     opgraft_moe_plan *made = NULL;
     if ((st = opgraft_moe_plan_create(a, &made, reason, sizeof reason))) return st;
     local = *made;
