@@ -223,6 +223,20 @@ def _check_outputs(outputs: dict, need_plot: bool = False) -> bool:
     return ok
 
 
+def _keep_rows(what: str, measure, rows: list) -> int:
+    """Runs measure(), which appends to rows as it goes: 0, or 130 on an interrupt and 1 on a
+    failure (said on stderr), with the rows measured so far kept for the caller to write."""
+    try:
+        measure()
+    except KeyboardInterrupt:
+        print("\ninterrupted: results so far", file=sys.stderr)
+        return 130
+    except Exception as e:
+        print(f"error: the {what} failed after {len(rows)} rows: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _gpu_bench(run, format_table) -> tuple[list[dict], int]:
     """The GPU part of every bench: the read ceiling, then run(ceiling, rows), which appends the
     rows as they are measured. An interrupt (exit 130) or a failure (exit 1) keeps the rows so
@@ -230,17 +244,13 @@ def _gpu_bench(run, format_table) -> tuple[list[dict], int]:
     from . import bench
 
     rows: list[dict] = []
-    rc = 0
-    try:
+
+    def measure():
         ceiling = bench.measure_read_ceiling("cuda")
         print(f"read ceiling: {ceiling:.3f} TB/s (16-byte streaming reads of 4 GiB)", file=sys.stderr)
         run(ceiling, rows)
-    except KeyboardInterrupt:
-        print("\ninterrupted: results so far", file=sys.stderr)
-        rc = 130
-    except Exception as e:  # what was measured before the failure is still written
-        print(f"error: the bench failed after {len(rows)} rows: {type(e).__name__}: {e}", file=sys.stderr)
-        rc = 1
+
+    rc = _keep_rows("bench", measure, rows)
     print(format_table(rows))
     return rows, rc
 
@@ -616,17 +626,9 @@ def cmd_profile(args) -> int:
     ceiling = bench.measure_read_ceiling("cuda")
     w13, w2 = make_weights(shape, args.dtype, "cuda")
     rows: list[dict] = []
-    rc = 0
     print(f"read ceiling {ceiling:.3f} TB/s; {shape.name} {args.dtype}")
     print(f"{'T':>3} {'stage':<8} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6}  verdict")
-    try:
-        _profile_rows(args, shape, ceiling, w13, w2, rows)
-    except KeyboardInterrupt:
-        print("\ninterrupted: results so far", file=sys.stderr)
-        rc = 130
-    except Exception as e:  # what was measured before the failure is still written
-        print(f"error: the profile failed after {len(rows)} rows: {type(e).__name__}: {e}", file=sys.stderr)
-        rc = 1
+    rc = _keep_rows("profile", lambda: _profile_rows(args, shape, ceiling, w13, w2, rows), rows)
     if args.json:
         failed = _write_json(args.json, {"gpu": bench.gpu_facts(), "rows": rows})
         rc = rc or failed
