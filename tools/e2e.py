@@ -321,7 +321,7 @@ def _worker_profile(worker=None, action: str = "start", host: bool = False) -> d
     """Runs in vLLM's worker process (collective_rpc). "start" starts a CUDA-activity torch
     profiler (host: the CPU's too); "stop" stops it and returns {kernel name: [launches, self
     device µs]} of everything the GPU ran meanwhile, kernels inside CUDA-graph replays included,
-    and with host, {host op: [calls, self CPU µs]} of the worker's threads."""
+    and for a profiler that recorded the CPU, {host op: [calls, self CPU µs, CPU µs]}."""
     # collective_rpc pickles this function by value when the study runs as __main__, and its
     # globals with it: the running profiler lives in the importable module instead.
     import tools.e2e as this
@@ -347,7 +347,7 @@ def _worker_profile(worker=None, action: str = "start", host: bool = False) -> d
         from opgraft.bench import profiler_host_ops, profiler_kernels
 
         out["kernels"] = {k[:160]: [n, us] for k, (n, us) in profiler_kernels(prof).items()}
-        if host:
+        if ProfilerActivity.CPU in prof.activities:
             out["host"] = {k[:160]: [n, us, tot] for k, (n, us, tot) in profiler_host_ops(prof).items()}
     except Exception as e:  # a profiler that cannot run must not end the study
         this._PROFILER = None
@@ -528,9 +528,10 @@ def run(args) -> int:
         if args.profile_steps:  # GPU time per decode step, kernel by kernel (after the timed runs)
             runs = []
             for max_tokens in (1, args.profile_steps + 1):
-                started = llm.collective_rpc(_worker_profile, args=("start", args.profile_host and max_tokens == 1))
+                host = args.profile_host and max_tokens == 1  # the host ops of the prefill alone
+                started = llm.collective_rpc(_worker_profile, args=("start", host))
                 llm.generate(tok[:b], sp(max_tokens), use_tqdm=False)
-                stopped = llm.collective_rpc(_worker_profile, args=("stop", args.profile_host and max_tokens == 1))
+                stopped = llm.collective_rpc(_worker_profile, args=("stop",))
                 runs.append([a if "error" in a else z for a, z in zip(started, stopped)])
             prof = [profile_rows(p, f, args.profile_steps) for p, f in zip(*runs)]
         outs = llm.generate(tok[:b], sp(n, logprobs=0), use_tqdm=False)
