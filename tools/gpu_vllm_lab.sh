@@ -6,6 +6,12 @@
 #
 #   OUT=DIR bash tools/gpu_vllm_lab.sh PARTS_DIR [STEP ...]
 #     steps: check attention moe configs fp8 linear host before      (default: all)
+#            tune: `opgraft tune` at the decode points of every op (attention, the projections, FP8
+#            MoE at 2..8 tokens), winners in tune.json, which the steps after it use
+#            (OPGRAFT_TUNE_FILE); fp8-2: the FP8 bench at 1, 2, 4 and 8 tokens; attention-short:
+#            batch 1 and 8 at 1K/2K/8K against FA3 and Triton, then FlashInfer alone (its first call
+#            JIT-compiles its decode kernel, so it gets its own time limit); check-all: every op's
+#            GPU cases (tools.gpucheck --quick)
 set -uo pipefail
 parts=$1 out=/tmp/og-vllm-lab
 shift
@@ -35,6 +41,21 @@ for step in $steps; do
       | q | tail -45
     note "attention benched"
     ;;
+  check-all)  # every op's GPU cases against their references, reruns bit-identical
+    for op in moe attention linear; do
+      python3 -m tools.gpucheck --quick --ops "$op" --out "$out/check" 2>&1 | q >"$out/check-$op.log"
+    done
+    note "$(for op in moe attention linear; do printf '%s: %s; ' "$op" "$(grep -h 'cases pass' "$out/check-$op.log")"; done)"
+    grep -h FAIL "$out"/check-*.log | head
+    ;;
+  attention-short)
+    pts=(--model Qwen3-30B-A3B --batch 1,8 --context 1024,2048,8192)
+    python3 -m opgraft.cli bench attention "${pts[@]}" --impls opgraft,vllm-fa3,vllm-triton \
+      --json "$out/attention_short.json" 2>&1 | q | tail -22
+    FLASHINFER_WORKSPACE_BASE=/tmp/og-flashinfer timeout 240 python3 -m opgraft.cli bench attention "${pts[@]}" \
+      --impls vllm-flashinfer --json "$out/attention_flashinfer.json" 2>&1 | q | tail -8
+    note "attention short contexts benched (FlashInfer rc ${PIPESTATUS[0]})"
+    ;;
   moe)
     for m in Qwen3-30B-A3B:1 Qwen3-30B-A3B:2 Mixtral-8x7B:1; do
       python3 -m opgraft.cli bench moe --model "${m%%:*}" --tp "${m#*:}" --tokens 1,2,4,8 --no-baseline \
@@ -48,6 +69,24 @@ for step in $steps; do
         --json "$out/moe-$(basename "$f")" 2>&1 | q | grep -E " opgraft | vllm-builtin "
     done
     note "moe configs benched"
+    ;;
+  tune)
+    tf=$out/tune.json
+    tune() { timeout "$1" python3 -m opgraft.cli tune "${@:2}" --out "$tf" 2>&1 | q | grep -v "rows written"; }
+    tune 150 attention --batch 1,8 --context 1024,8192 --rounds 1 --report "$out/tune-attention.json"
+    tune 90 linear --proj qkv,o --rows 1,8 --rounds 1 --report "$out/tune-linear.json"
+    tune 200 moe --dtype fp8-block --tokens 2,4,8 --rounds 1 --report "$out/tune-moe-fp8.json" \
+      --keys moe.gate_up.warps,moe.gate_up.unroll,moe.gate_up.min_blocks,moe.down.warps,moe.down.unroll,moe.down.min_blocks,moe.pdl,moe.load
+    [ -s "$tf" ] && export OPGRAFT_TUNE_FILE=$tf
+    note "tuned: $(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['entries']))" "$tf" 2>/dev/null || echo 0) entries"
+    ;;
+  fp8-2)
+    for spec in Qwen3-30B-A3B:fp8-block:1 DeepSeek-V3:fp8-block:8; do
+      IFS=: read -r m d tp <<<"$spec"
+      timeout 150 python3 -m opgraft.cli bench moe --model "$m" --dtype "$d" --tp "$tp" --tokens 1,2,4,8 \
+        --json "$out/fp8-$m-$d-tp$tp.json" 2>&1 | q | grep -E "opgraft|vllm-triton|ceiling"
+    done
+    note "fp8 benched at 1, 2, 4, 8 tokens"
     ;;
   fp8)
     for spec in Qwen3-30B-A3B:fp8-block:1 DeepSeek-V3:fp8-block:8 Mixtral-8x7B:fp8-tensor:1; do

@@ -660,11 +660,92 @@ def _profile_rows(args, shape, ceiling, w13, w2, rows: list) -> None:
                   f"{VERDICTS[v] if stage == 'all' else v}")
 
 
+# Keys the FP8 MoE kernels do not read (they have no cooperative kernel, no one-token paths and
+# one gate_up token pass): the tuner skips them for the FP8 dtypes.
+_FP8_UNUSED = ("moe.fused", "moe.gate_up.nt", "moe.gate_up.one_token", "moe.down.one_token")
+
+
+def _tune_fixtures(args):
+    """[(fixture, (lo, hi))] for the op and points of a tune command: each fixture tunes the
+    token (moe), batch (attention) or row (linear) range around its own count."""
+    from .tune import token_ranges
+
+    if args.op == "moe":
+        shape = resolve(args.model).per_rank(args.tp)
+        from .bench.moe import FP8_KINDS, Fixture, Fp8Fixture, make_weights, make_weights_fp8
+
+        ts = sorted(set(args.tokens))
+        if args.dtype in FP8_KINDS:
+            w = make_weights_fp8(shape, args.dtype, "cuda")
+            fxs = [Fp8Fixture(shape, T, args.dtype, weights=w) for T in ts]
+        else:
+            w13, w2 = make_weights(shape, args.dtype, "cuda")
+            fxs = [Fixture(shape, T, args.dtype, w13=w13, w2=w2) for T in ts]
+        return list(zip(fxs, token_ranges(ts)))
+    if args.op == "attention":
+        from .bench.attention import TuneFixture
+        from .presets import ATTENTION_PRESETS
+
+        # Every batch is timed; the guard's attention.max_batch decides in vLLM.
+        os.environ.setdefault("OPGRAFT_TUNE_ATTENTION_MAX_BATCH", "4096")
+        shape = ATTENTION_PRESETS[args.model]
+        bs = sorted(set(args.batch))
+        hi = _lib.tune_range("attention.max_batch")[1]
+        return [(TuneFixture(shape, b, args.context, args.dtype), r)
+                for b, r in zip(bs, token_ranges(bs, upper=hi))]
+    from .bench.linear import TuneFixture
+    from .ops.linear import MAX_ROWS
+    from .presets import LINEAR_PRESETS
+
+    shapes = [s for s in LINEAR_PRESETS[args.model] if not args.proj or s.proj in args.proj]
+    ms = sorted(set(args.rows))
+    return [(TuneFixture(s, M, args.dtype), r) for s in shapes for M, r in zip(ms, token_ranges(ms, upper=MAX_ROWS))]
+
+
+def _tune_space(args) -> dict:
+    space = _lib.tune_space(args.op)
+    if args.op == "moe" and args.dtype.startswith("fp8"):
+        space = {k: v for k, v in space.items() if k not in _FP8_UNUSED}
+    if args.keys:
+        unknown = [k for k in args.keys if k not in space]
+        if unknown:
+            raise ValueError(f"--keys: {', '.join(unknown)} not among the tuned keys ({', '.join(space)})")
+        space = {k: space[k] for k in args.keys}
+    return space
+
+
+def _configure_tunables(fx, cfg: dict) -> None:
+    """Exactly cfg's tunables set through the library's API; the op's plans re-made."""
+    _lib.tune_clear()
+    _lib.tune_set(cfg)
+    fx.forget_plans()
+
+
 def cmd_tune(args) -> int:
-    shape, rc = _shape_tokens(args)
-    if shape is None:
-        return rc
-    if not _check_outputs({"--out": args.out}):
+    if args.op == "moe":
+        try:
+            resolve(args.model).per_rank(args.tp)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.op == "linear" and args.proj:
+        from .presets import LINEAR_PRESETS
+
+        names = [s.proj for s in LINEAR_PRESETS[args.model]]
+        unknown = [p for p in args.proj if p not in names]
+        if unknown:
+            print(f"error: --proj: {', '.join(unknown)} not a projection of {args.model} ({', '.join(names)})",
+                  file=sys.stderr)
+            return 2
+    if args.rounds < 1:
+        print("error: --rounds must be at least 1", file=sys.stderr)
+        return 2
+    if not _check_outputs({"--out": args.out, "--report": args.report}):
+        return 2
+    try:
+        space = _tune_space(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     ok, why = _gpu_status()
     if not ok:
@@ -674,51 +755,59 @@ def cmd_tune(args) -> int:
 
     import torch
 
-    from .bench.moe import Fixture, configure, make_weights, measure
-    from .tune import coordinate_descent, inject_baked, make_entries, merge_tune_file, token_ranges
+    from .tune import coordinate_descent, inject_baked, make_entries, merge_tune_file
 
     table = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src",
-                         "ops", "moe", "table.c")
+                         "ops", args.op, "table.c")
     if args.inject and not args.out and not os.path.exists(table):
-        print("error: --inject without --out writes src/ops/moe/table.c of a source checkout, and there is "
+        print(f"error: --inject without --out writes src/ops/{args.op}/table.c of a source checkout, and there is "
               "none here: give --out FILE (then set OPGRAFT_TUNE_FILE=FILE)", file=sys.stderr)
         return 2
     p = torch.cuda.get_device_properties(0)
     arch, gpu = p.major * 10 + p.minor, p.name
-    sk = shape.tune_key(args.dtype)
-    w13, w2 = make_weights(shape, args.dtype, "cuda")
-    MOE_SPACE = _lib.tune_space("moe")
-    winners = []
+    winners, report = [], []
     date = datetime.date.today().isoformat()
-    for T, rng in zip(sorted(set(args.tokens)), token_ranges(args.tokens)):
-        fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
-        configure({})
-        start = {k: _lib.tune_get(k, arch, gpu, sk, T)[0] for k in MOE_SPACE}
+    total = sum(len(v) for v in space.values())
+    for fx, rng in _tune_fixtures(args):
+        _configure_tunables(fx, {})
+        start = {k: _lib.tune_get(k, arch, gpu, fx.tune_key, fx.tokens)[0] for k in space}
         n = [0]
-        total = sum(len(v) for v in MOE_SPACE.values())
 
-        def cost(cfg):
-            r = measure(fx, cfg, stages_all=False)
-            return r["all_us"] if r["ok"] else float("inf")
+        def cost(cfg, fx=fx):
+            _configure_tunables(fx, cfg)
+            err = fx.check()
+            return fx.time() if err <= fx.tolerance else float("inf")
 
-        def progress(msg):
+        def progress(msg, fx=fx):
             n[0] += 1
-            print(f"\r  {shape.name} T={T} [{n[0]:>3}/{total * args.rounds}] {msg[:70]:<70}", end="",
-                  file=sys.stderr, flush=True)
+            print(f"\r  {fx.label} [{n[0]:>3}/{total * args.rounds}] {msg[:60]:<60}", end="", file=sys.stderr,
+                  flush=True)
 
-        best, best_us, hist = coordinate_descent(cost, MOE_SPACE, start, rounds=args.rounds, progress=progress)
+        try:
+            best, best_us, hist = coordinate_descent(cost, space, start, rounds=args.rounds, progress=progress)
+        except RuntimeError as e:  # not even the starting configuration passed its check
+            print(f"\n{fx.label}: {e}", file=sys.stderr)
+            _configure_tunables(fx, {})
+            return 1
         print(file=sys.stderr)
         start_us = hist[0][1]
         changed = {k: v for k, v in best.items() if start.get(k) != v}
-        print(f"T={T} (tokens {rng[0]}-{rng[1]}): {start_us:.1f} -> {best_us:.1f} us "
+        print(f"{fx.label} ({rng[0]}-{rng[1]}): {start_us:.2f} -> {best_us:.2f} us "
               f"({fx.bytes / (best_us * 1e-6) / 1e12:.2f} TB/s) {changed or 'no change'}")
-        if changed:
-            winners.append({"arch": arch, "gpu": gpu, "shape": sk, "tokens": rng, "values": changed,
-                            "why": f"opgraft tune {date}: {start_us:.1f} -> {best_us:.1f} us at T={T}"})
-    configure({})
+        report.append({"point": fx.label, "shape": fx.tune_key, "tokens": list(rng), "start": start,
+                       "start_us": round(start_us, 3), "best": best, "best_us": round(best_us, 3),
+                       "tried": len(hist)})
+        won = [{"arch": arch, "gpu": gpu, "shape": fx.tune_key, "tokens": rng, "values": changed,
+                "why": f"opgraft tune {date}: {fx.label} {start_us:.2f} -> {best_us:.2f} us"}] if changed else []
+        winners += won
+        _configure_tunables(fx, {})
+        # Each point's result is kept as soon as it exists (a long run may be stopped).
+        if args.report and _write_json(args.report, {"gpu": gpu, "arch": arch, "op": args.op, "rows": report}):
+            return 1
+        if args.out and won:
+            merge_tune_file(args.out, make_entries(won))
     entries = make_entries(winners)
     if args.out:
-        merge_tune_file(args.out, entries)
         print(f"wrote {len(entries)} entries to {args.out} (use it with OPGRAFT_TUNE_FILE={args.out})")
     elif args.inject:
         n_rows = inject_baked(table, entries)
@@ -918,18 +1007,45 @@ def main(argv=None) -> int:
     pr.set_defaults(fn=cmd_profile)
     tune_ops = sub.add_parser("tune", help="correctness-gated coordinate descent over an op's tunables").add_subparsers(
         dest="op", required=True, metavar="OP")
+    def tune_common(tp, table):
+        tp.add_argument("--rounds", type=int, default=2, help="rounds of the coordinate descent over the tunables")
+        tp.add_argument("--keys", type=lambda t: [k.strip() for k in t.split(",") if k.strip()], default=None,
+                        help="comma-separated tunable keys to search (default: all the op's tuned keys)")
+        tp.add_argument("--out", default=None, metavar="FILE",
+                        help="merge the winners into this JSON tune file (default: print them)")
+        tp.add_argument("--inject", action="store_true",
+                        help=f"write the winners where the library reads them (--out FILE, else {table})")
+        tp.add_argument("--report", default=None, metavar="FILE",
+                        help="write each point's start, best and times as JSON to FILE (default: no file)")
+        tp.set_defaults(fn=cmd_tune)
+
     tu = tune_ops.add_parser("moe", help="MoE experts")
     tu.add_argument("--model", default="Qwen3-30B-A3B", help=MODEL_HELP)
     tu.add_argument("--tokens", type=_parse_tokens, default="1,8",
                     help=TOKENS_HELP + "; each one tunes the token range around it")
-    tu.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and activations' type")
+    tu.add_argument("--dtype", choices=["bf16", "fp16", *FP8_DTYPES], default="bf16",
+                    help="the weights' and activations' type (FP8: e4m3 weights with block or per-tensor scales)")
     tu.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: tune one rank's shape (I/tp)")
-    tu.add_argument("--rounds", type=int, default=2, help="rounds of the coordinate descent over the tunables")
-    tu.add_argument("--out", default=None, metavar="FILE",
-                    help="merge the winners into this JSON tune file (default: print them)")
-    tu.add_argument("--inject", action="store_true",
-                    help="write the winners where the library reads them (--out FILE, else src/ops/moe/table.c)")
-    tu.set_defaults(fn=cmd_tune)
+    tune_common(tu, "src/ops/moe/table.c")
+    from .presets import ATTENTION_PRESETS
+
+    ta = tune_ops.add_parser("attention", aliases=["attn"], help="paged decode attention")
+    ta.add_argument("--model", choices=list(ATTENTION_PRESETS), default="Qwen3-30B-A3B", help="the heads' preset (default: %(default)s)")
+    ta.add_argument("--batch", type=lambda t: _parse_ints(t, "--batch", 1, 4096), default=[1, 8],
+                    help="batch sizes; each one tunes the batch range around it")
+    ta.add_argument("--context", type=lambda t: _parse_ints(t, "--context", 1, 1 << 20), default=[1024, 8192],
+                    help="context lengths a configuration is timed at (its cost: their geometric mean)")
+    ta.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the cache's and queries' type")
+    tune_common(ta, "src/ops/attention/table.c")
+    tl = tune_ops.add_parser("linear", help="decode projections")
+    tl.add_argument("--model", choices=list(LINEAR_PRESETS), default="Qwen3-30B-A3B",
+                    help="whose projections (each tuned on its own)")
+    tl.add_argument("--proj", type=lambda t: [p.strip() for p in t.split(",") if p.strip()], default=None,
+                    help="comma-separated projection names of the model (default: all)")
+    tl.add_argument("--rows", type=lambda t: _parse_ints(t, "--rows", 1, 8), default=[1, 8],
+                    help="row counts M; each one tunes the row range around it")
+    tl.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and inputs' type")
+    tune_common(tl, "src/ops/linear/table.c")
     d = sub.add_parser("doctor", help="what opgraft would do on this machine, and why")
     d.add_argument("--model", default=None,
                    help="a preset, a config.json or a model folder: which calls would take our kernel "

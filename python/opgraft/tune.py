@@ -1,9 +1,9 @@
-"""Correctness-gated coordinate descent over the MoE kernel's tunables.
+"""Correctness-gated coordinate descent over an op's tunables (`opgraft tune moe|attention|linear`).
 
 The search itself (coordinate_descent) is pure Python and takes any cost function, so it is tested
-without a GPU; the GPU cost function sets a configuration through the tunables' environment
-variables, checks the result against the fp64 oracle (an incorrect configuration can never win)
-and times both kernels with CUDA-graph replays.
+without a GPU; the GPU cost function (opgraft.cli.cmd_tune) sets a configuration through the
+library's tunables API, checks the op's output against the fp64 oracle (an incorrect configuration
+can never win) and times the kernel as the op's bench does (other data read before each call).
 """
 
 from __future__ import annotations
@@ -11,32 +11,6 @@ from __future__ import annotations
 import math
 import re
 from typing import Callable
-
-# Candidate values per tunable key; the kernel clamps what would not fit (src/moe.c).
-MOE_SPACE = {
-    "moe.gate_up.warps": [1, 2, 4, 8, 16],
-    "moe.gate_up.unroll": [1, 2, 4],
-    "moe.gate_up.min_blocks": [0, 1, 2, 4],
-    "moe.gate_up.nt": [0, 1],
-    "moe.down.warps": [2, 4, 8, 16],
-    "moe.down.unroll": [1, 2, 4, 8],
-    "moe.down.min_blocks": [0, 2, 4],
-    "moe.l2_fetch": [0, 128, 256],
-    "moe.prefetch": [0, 1, 2, 4],
-    "moe.fused": [0, 1],
-    "moe.w2_prefetch": [0, 8, 16, 24, 32],
-    "moe.w2_prefetch_last": [0, 1],
-    "moe.pdl": [0, 1],
-    "moe.down.early": [0, 1],
-    "moe.pdl_in": [0, 1],
-    "moe.gate_up.one_token": [0, 1],
-    "moe.down.one_token": [0, 1],
-    "moe.gate_up.slot_routing": [0, 1],
-    "moe.down.warp_routing": [0, 1],
-    "moe.load": [4, 1],
-    "moe.down_load": [1, 4],
-    "moe.stream": [0, 1],
-}
 
 
 def coordinate_descent(cost: Callable[[dict], float], space: dict, start: dict, rounds: int = 2,
@@ -78,14 +52,14 @@ def coordinate_descent(cost: Callable[[dict], float], space: dict, start: dict, 
 MAX_TOKENS = 64  # the kernel's token limit (src/moe.c)
 
 
-def token_ranges(tokens: list[int]) -> list[tuple[int, int]]:
-    """Splits 1..MAX_TOKENS among the tuned token counts at geometric midpoints, e.g. [1, 8] ->
-    [(1, 2), (3, 64)]: each tuned T covers the counts nearest to it on a log scale."""
+def token_ranges(tokens: list[int], upper: int = MAX_TOKENS) -> list[tuple[int, int]]:
+    """Splits 1..upper among the tuned counts (tokens, a batch, rows) at geometric midpoints, e.g.
+    [1, 8] -> [(1, 2), (3, 64)]: each tuned count covers the counts nearest to it on a log scale."""
     ts = sorted(set(tokens))
     ranges = []
     lo = 1
     for i, t in enumerate(ts):
-        hi = MAX_TOKENS if i == len(ts) - 1 else max(t, int((t * ts[i + 1]) ** 0.5))
+        hi = upper if i == len(ts) - 1 else max(t, int((t * ts[i + 1]) ** 0.5))
         ranges.append((lo, hi))
         lo = hi + 1
     return ranges
@@ -159,7 +133,7 @@ def _row_signature(line: str):
 
 
 def inject_baked(table_path: str, entries: list[dict]) -> int:
-    """Adds rows for entries to the baked table (src/ops/moe/table.c) just before the END marker,
+    """Adds rows for entries to an op's baked table (src/ops/<op>/table.c) just before the END marker,
     replacing older rows of the same arch, gpu, shape, tokens and key. Returns rows written."""
     text = open(table_path, encoding="utf-8").read()
     if BEGIN not in text or END not in text:

@@ -322,7 +322,8 @@ def _help_entries(text):
     return entries
 
 
-@pytest.mark.parametrize("cmd", [["bench", "moe"], ["profile", "moe"], ["tune", "moe"], ["doctor"]],
+@pytest.mark.parametrize("cmd", [["bench", "moe"], ["profile", "moe"], ["tune", "moe"], ["tune", "attention"],
+                                 ["tune", "linear"], ["doctor"]],
                          ids=lambda c: " ".join(c))
 def test_every_option_that_takes_a_value_says_its_default(cmd, capsys):
     from opgraft import cli

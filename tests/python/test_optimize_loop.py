@@ -323,3 +323,66 @@ def test_gpu_facts_names_the_device_and_vllm(monkeypatch):
     facts = bench.gpu_facts()
     assert facts["gpu"] == "NVIDIA H200" and facts["arch"] == "sm_90" and facts["sms"] == 132
     assert set(bench.run_facts()) >= {"gpu", "arch", "driver", "torch", "vllm", "commit", "date"}
+
+
+def test_token_ranges_take_an_upper_bound():
+    assert token_ranges([1, 8], upper=8) == [(1, 2), (3, 8)]
+    assert token_ranges([1, 8, 32], upper=4096) == [(1, 2), (3, 16), (17, 4096)]
+
+
+class _FakeFixture:
+    """A tuner point whose cost and correctness follow the tunables the library reports for it, so
+    the loop is checked end to end through the real tunables API (no GPU)."""
+
+    tune_key, tokens, label, bytes, tolerance = "linear:bf16:N4096:K2048", 1, "fake N4096 K2048 M=1", 16e6, 1e-2
+
+    def __init__(self):
+        self.forgotten = 0
+
+    def forget_plans(self):
+        self.forgotten += 1
+
+    def _get(self, key):
+        return _lib.tune_get(key, 90, "NVIDIA H200", self.tune_key, self.tokens)[0]
+
+    def check(self):  # 16 warps would compute a wrong answer: the tuner must never pick them
+        return 1.0 if self._get("linear.warps") == 16 else 1e-3
+
+    def time(self):
+        return 10.0 - 2.0 * (self._get("linear.warps") == 4) - 1.0 * (self._get("linear.pdl") == 1)
+
+
+def test_tune_loop_keeps_only_correct_winners_and_clears_its_settings(tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+
+    class Props:
+        major, minor, name = 9, 0, "NVIDIA H200"
+
+    fx = _FakeFixture()
+    monkeypatch.setattr(cli, "_gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(cli, "_tune_fixtures", lambda args: [(fx, (1, 2))])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(_lib, "tune_space", lambda op: {"linear.warps": [2, 4, 8, 16], "linear.pdl": [0, 1]})
+    out, report = tmp_path / "tune.json", tmp_path / "report.json"
+    rc = cli.main(["tune", "linear", "--out", str(out), "--report", str(report)])
+    assert rc == 0, capsys.readouterr().err
+    (entry,) = json.loads(out.read_text())["entries"]
+    assert entry["values"] == {k: v for k, v in {"linear.warps": 4, "linear.pdl": 1}.items() if fx._get(k) != v}
+    assert entry["shape"] == fx.tune_key and entry["tokens"] == [1, 2] and entry["arch"] == 90
+    (point,) = json.loads(report.read_text())["rows"]
+    assert point["start"] == {k: fx._get(k) for k in ("linear.warps", "linear.pdl")}  # what ships
+    assert point["best_us"] == 7.0 and point["best"] == {"linear.warps": 4, "linear.pdl": 1}
+    # the candidates were set through the API and are gone afterwards; plans were re-made each time
+    assert _lib.tune_get("linear.warps", 90, "NVIDIA H200", fx.tune_key, 1)[1] != "api"
+    assert fx.forgotten >= 3
+
+
+def test_tune_rejects_unknown_keys_and_no_rounds(capsys):
+    rc = cli.main(["tune", "attention", "--keys", "attention.warps,attention.nope"])
+    assert rc == 2 and "attention.nope" in capsys.readouterr().err
+    rc = cli.main(["tune", "moe", "--dtype", "fp8-block", "--keys", "moe.fused"])
+    assert rc == 2 and "moe.fused" in capsys.readouterr().err  # the FP8 kernels do not read it
+    rc = cli.main(["tune", "linear", "--rounds", "0"])
+    assert rc == 2 and "--rounds" in capsys.readouterr().err
+    rc = cli.main(["tune", "linear", "--proj", "qkv,gate_up"])  # Qwen3-30B-A3B has no dense MLP
+    assert rc == 2 and "gate_up" in capsys.readouterr().err

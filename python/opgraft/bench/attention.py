@@ -21,6 +21,7 @@ start/end times (bench.timed_calls), as in a decode step.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -301,6 +302,53 @@ def bench_point(shape: AttnShape, batch: int, context: int, dtype: str = "bf16",
     del p
     torch.cuda.empty_cache()
     return rows
+
+
+class TuneFixture:
+    """Decode batches of one shape and batch size at several contexts, for the tuner: a
+    configuration is checked on each (fp64, the first rows) and timed as bench_point times ours
+    (max_seq_len 0, as in a CUDA graph); its cost is the geometric mean over the contexts, since a
+    row holds for every context of its batch range (the lengths live on the device)."""
+
+    def __init__(self, shape: AttnShape, batch: int, contexts, dtype: str = "bf16", reps: int = 20,
+                 between_mib: int = BETWEEN_MIB, check_rows: int = 4):
+        self.shape, self.batch, self.contexts, self.dtype, self.reps = shape, batch, list(contexts), dtype, reps
+        self.problems = [make_problem([c] * batch, shape.heads_q, shape.heads_kv, shape.head_size, dtype,
+                                      seed=batch + c) for c in self.contexts]
+        self.check_rows = check_rows
+        self.refs = [reference(p, check_rows) for p in self.problems]
+        self.outs = [[torch.empty_like(p.query) for _ in range(2)] for p in self.problems]
+        self.bytes = sum(kv_bytes(p) for p in self.problems)
+        self.tolerance = TOLERANCE[dtype]
+        self.between = between_traffic(between_mib, "cuda")
+        self.tokens = batch
+        self.tune_key = f"attention:{dtype}:D{shape.head_size}:G{shape.heads_q // shape.heads_kv}:bs16"
+        self.label = f"{shape.name} batch {batch} contexts {','.join(map(str, self.contexts))}"
+
+    def forget_plans(self) -> None:
+        ops.forget_plans()
+
+    def check(self) -> float:
+        err = 0.0
+        for p, ref in zip(self.problems, self.refs):
+            ok, _ = ops.supports(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale)
+            if not ok:
+                return float("inf")
+            out = torch.full_like(p.query, float("nan"))
+            run_ours(p, out)
+            err = max(err, rel_err(out[: self.check_rows], ref))
+        return err
+
+    def times(self) -> list[float]:
+        out = []
+        for p, outs in zip(self.problems, self.outs):
+            out.append(timed_calls(lambda i, _w, p=p, outs=outs: run_ours(p, outs[i]), [(0, None), (1, None)],
+                                   self.between, self.reps, cross_check=False)[0])
+        return out
+
+    def time(self) -> float:
+        ts = self.times()
+        return math.exp(sum(math.log(t) for t in ts) / len(ts))
 
 
 IMPLS = ("opgraft", *BASELINES)

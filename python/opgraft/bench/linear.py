@@ -124,6 +124,47 @@ def bench_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device="cuda
     return out_rows
 
 
+class TuneFixture:
+    """One projection at one row count for the tuner: the weight copies, inputs and fp64
+    reference of bench_shape, a configuration checked and timed as bench_shape times ours."""
+
+    def __init__(self, shape: LinearShape, M: int, dtype: str = "bf16", device="cuda", reps: int = 30,
+                 between_mib: int = BETWEEN_MIB):
+        measure_whole_row_range()
+        self.shape, self.M, self.dtype, self.reps = shape, M, dtype, reps
+        L = copies_for(shape)
+        self.weights = [make_weight(shape, dtype, device, seed=i) for i in range(L)]
+        gen = torch.Generator(device=device).manual_seed(4321)
+        self.xs = [torch.randn((M, shape.in_features), generator=gen, device=device).to(TORCH_DTYPES[dtype])
+                   for _ in range(L)]
+        self.outs = [torch.empty((M, shape.out_features), dtype=self.xs[0].dtype, device=device) for _ in range(L)]
+        self.ref = reference(self.xs[0], self.weights[0])
+        self.bytes = call_bytes(shape, M)
+        self.tolerance = TOLERANCE[dtype]
+        self.between = between_traffic(between_mib, device)
+        self.tokens = M
+        self.tune_key = shape.tune_key(dtype)
+        self.label = f"{shape.model} {shape.proj} [{shape.out_features}, {shape.in_features}] M={M}"
+
+    def forget_plans(self) -> None:
+        ops.forget_plans()
+
+    def check(self) -> float:
+        ok, _ = ops.linear_supports(self.xs[0], self.weights[0])
+        if not ok:
+            return float("inf")
+        out = torch.full_like(self.outs[0], float("nan"))
+        ops.linear_into(out, self.xs[0], self.weights[0])
+        return rel_err(out, self.ref)
+
+    def time(self) -> float:
+        def call(i, _):
+            ops.linear_into(self.outs[i], self.xs[i], self.weights[i])
+
+        return timed_calls(call, [(i, None) for i in range(len(self.xs))], self.between, self.reps, "span",
+                           False)[0]
+
+
 def bench_models(models=tuple(LINEAR_PRESETS), rows=ROWS, dtype: str = "bf16", ceiling_tbps: float | None = None,
                  between_mib: int = BETWEEN_MIB, timing: str = "subtract", progress=None) -> list[dict]:
     out = []

@@ -25,8 +25,11 @@ static int regs_cap(int W, int mb) {
 void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const char *gpu, og_attn_cfg *c) {
   char shape[128];
   opgraft__attn_shape_key(a, shape, sizeof shape);
+  /* The batch is the query's token count (one query token a sequence), so rows can hold for a
+   * batch range; the lengths live on the device and cannot key a row. */
+  const int32_t B = a->batch > INT32_MAX ? INT32_MAX : (int32_t)a->batch;
   const int64_t G = a->num_kv_heads > 0 ? a->num_heads / a->num_kv_heads : 1;
-  c->warps = (int)opgraft__tune_value("attention.warps", arch, gpu, shape, 0);
+  c->warps = (int)opgraft__tune_value("attention.warps", arch, gpu, shape, B);
   if (c->warps < 1) c->warps = 1;
   /* Up to 64 KB of warp partials in shared memory (the dynamic limit set at launch is far above). */
   while (c->warps > 1 && (int64_t)c->warps * G * a->head_size * 4 > (64 << 10)) c->warps /= 2;
@@ -36,15 +39,15 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   /* 0: as many blocks an SM as the register need allows; a value is clamped down to that. */
   int fit = 16;
   while (fit > 1 && regs_cap(c->warps, fit) < need) --fit;
-  const int64_t mb = opgraft__tune_value("attention.min_blocks", arch, gpu, shape, 0);
+  const int64_t mb = opgraft__tune_value("attention.min_blocks", arch, gpu, shape, B);
   c->min_blocks = mb == 0 || mb > fit ? fit : (int)mb;
   if (c->min_blocks < 1) c->min_blocks = 1;
-  const int64_t chunk = opgraft__tune_value("attention.min_chunk", arch, gpu, shape, 0);
+  const int64_t chunk = opgraft__tune_value("attention.min_chunk", arch, gpu, shape, B);
   c->min_chunk = (int)((chunk + 15) / 16 * 16);
-  c->max_splits = (int)opgraft__tune_value("attention.max_splits", arch, gpu, shape, 0);
+  c->max_splits = (int)opgraft__tune_value("attention.max_splits", arch, gpu, shape, B);
   /* Forms 1 and 4 exist (og_common.cuh); any other value reads as 4. */
-  c->load = opgraft__tune_value("attention.load", arch, gpu, shape, 0) == 1 ? 1 : 4;
-  c->pdl = arch >= 90 && opgraft__tune_value("attention.pdl", arch, gpu, shape, 0) != 0;
+  c->load = opgraft__tune_value("attention.load", arch, gpu, shape, B) == 1 ? 1 : 4;
+  c->pdl = arch >= 90 && opgraft__tune_value("attention.pdl", arch, gpu, shape, B) != 0;
   c->softcap = a->softcap > 0;
   c->window = a->window_left >= 0;
   c->sinks = !a->sinks ? 0 : a->sinks_dtype == OPGRAFT_DTYPE_FP32 ? 2 : 1;

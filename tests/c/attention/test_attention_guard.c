@@ -323,6 +323,27 @@ static void test_config(void **state) {
   assert_true(og_attn_smem_bytes(256, 8, 8) <= (64u << 10) + 8u * 288u * 2u + 512u);
 }
 
+/* A tuned row holds for a batch range: the query's token count is the batch. */
+static void test_rows_match_by_batch(void **state) {
+  char dir[256], path[512];
+  og_tmpdir(dir, sizeof dir);
+  snprintf(path, sizeof path, "%s/tune.json", dir);
+  og_write_file(path, "{\"version\": 1, \"entries\": [{\"arch\": 90, \"shape\": \"attention:bf16:D128:G8:bs16\", "
+                      "\"tokens\": [1, 2], \"values\": {\"attention.min_chunk\": 512}, \"why\": \"test\"}]}");
+  setenv("OPGRAFT_TUNE_FILE", path, 1);
+  opgraft_tune_reload();
+  opgraft_attention_args a = valid_args();
+  og_attn_cfg c;
+  a.batch = 2;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.min_chunk, 512);
+  a.batch = 3;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.min_chunk, 128); /* the rule's */
+  unsetenv("OPGRAFT_TUNE_FILE");
+  og_rm_rf(dir);
+}
+
 static void test_workspace(void **state) {
   opgraft_attention_args a = valid_args();
   size_t bytes = 0;
@@ -412,6 +433,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_refusals, reset_tunables),
       cmocka_unit_test_teardown(test_registered_with_its_tunables, reset_tunables),
       cmocka_unit_test_teardown(test_config, reset_tunables),
+      cmocka_unit_test_teardown(test_rows_match_by_batch, reset_tunables),
       cmocka_unit_test_teardown(test_workspace, reset_tunables),
       cmocka_unit_test(test_splits_partition_the_keys),
       cmocka_unit_test(test_combine_tree),
