@@ -73,9 +73,9 @@ for step in $steps; do
   tune)
     tf=$out/tune.json
     tune() { timeout "$1" python3 -m opgraft.cli tune "${@:2}" --out "$tf" 2>&1 | q | grep -v "rows written"; }
-    tune 150 attention --batch 1,8 --context 1024,8192 --rounds 1 --report "$out/tune-attention.json"
-    tune 90 linear --proj qkv,o --rows 1,8 --rounds 1 --report "$out/tune-linear.json"
-    tune 200 moe --dtype fp8-block --tokens 2,4,8 --rounds 1 --report "$out/tune-moe-fp8.json" \
+    tune 130 attention --batch 1,8 --context 1024,8192 --rounds 1 --report "$out/tune-attention.json"
+    tune 80 linear --proj qkv,o --rows 1,8 --rounds 1 --report "$out/tune-linear.json"
+    tune 180 moe --dtype fp8-block --tokens 2,4,8 --rounds 1 --report "$out/tune-moe-fp8.json" \
       --keys moe.gate_up.warps,moe.gate_up.unroll,moe.gate_up.min_blocks,moe.down.warps,moe.down.unroll,moe.down.min_blocks,moe.pdl,moe.load
     [ -s "$tf" ] && export OPGRAFT_TUNE_FILE=$tf
     note "tuned: $(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['entries']))" "$tf" 2>/dev/null || echo 0) entries"
