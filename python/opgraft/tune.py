@@ -145,6 +145,8 @@ def inject_baked(table_path: str, entries: list[dict]) -> int:
     kept = [line for line in body.split("\n") if _row_signature(line) not in new_sigs or _row_signature(line) is None]
     while kept and not kept[-1].strip():
         kept.pop()
+    if not kept:  # no rows yet: the first one starts on a line of its own
+        kept = [""]
     body = "\n".join(kept + new) + "\n    "
     with open(table_path, "w", encoding="utf-8") as f:
         f.write(head + BEGIN + body + END + tail)

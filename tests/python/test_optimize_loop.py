@@ -386,3 +386,14 @@ def test_tune_rejects_unknown_keys_and_no_rounds(capsys):
     assert rc == 2 and "--rounds" in capsys.readouterr().err
     rc = cli.main(["tune", "linear", "--proj", "qkv,gate_up"])  # Qwen3-30B-A3B has no dense MLP
     assert rc == 2 and "gate_up" in capsys.readouterr().err
+
+
+def test_inject_into_an_empty_table_puts_each_row_on_its_own_line(tmp_path):
+    table = tmp_path / "table.c"
+    table.write_text("static const og_tune_entry rows[] = {\n    /* BEGIN TUNED ROWS */\n    /* END TUNED ROWS */\n};\n")
+    entries = make_entries([{"arch": 90, "gpu": None, "shape": "attention:bf16:D128:G8:bs16", "tokens": (1, 2),
+                             "values": {"attention.warps": 8}, "why": "test"}])
+    assert inject_baked(str(table), entries) == 1
+    lines = table.read_text().splitlines()
+    assert lines[1].strip() == "/* BEGIN TUNED ROWS */" and lines[2].strip().startswith("{90, NULL,")
+    assert lines[3].strip() == "/* END TUNED ROWS */"

@@ -17,6 +17,8 @@ static const og_tunable tunables[] = {
 
 static const og_tune_entry rows[] = {
     /* BEGIN TUNED ROWS */
+    {90, NULL, "attention:bf16:D128:G8:bs16", 1, 2, "attention.warps", 8, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B batch 1 contexts 1024,8192 12.47 -> 10.87 us"},
+    {90, NULL, "attention:bf16:D128:G8:bs16", 3, 4096, "attention.warps", 8, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B batch 8 contexts 1024,8192 23.32 -> 22.05 us"},
     /* END TUNED ROWS */
     {0, NULL, NULL, 0, 0, NULL, 0, NULL}, /* closes the list (C has no empty arrays); not a row */
 };

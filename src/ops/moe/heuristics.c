@@ -22,13 +22,15 @@
  *   lost at 8 and 16 tokens, where T*k still fits 32 slots).
  *
  * FP8 weights (shape keys "moe:fp8block:..." and "moe:fp8tensor:..."):
- * - moe.fp8 1 on sm_90 at one token only: against vLLM 0.26's own FP8 path (its modular kernel:
- *   activation quantization, TritonExperts, finalize) in the same run on the H200
- *   (bench/results/2026-12-01-h200-v21-fp8-vllm/), ours with the same quantization won at T=1
- *   (Qwen3-30B-A3B block 25.9 against 31.0 us, DeepSeek-V3/tp8 block 33.3 against 43.2,
- *   Mixtral-8x7B per-tensor 126.1 against 146.6) and lost at T=4 (0.95-0.96x) and T=8
- *   (0.84-0.94x); T=2 and other GPUs are not measured, so they stay vLLM's. OPGRAFT_TUNE_MOE_FP8
- *   overrides it; the tile rules below were argued from the kernels' structure, not measured.
+ * - moe.fp8 1 on sm_90 at one token, and at two with block scales: against vLLM 0.26's own FP8
+ *   path (its modular kernel: activation quantization, TritonExperts, finalize) in the same run
+ *   on the H200 (bench/results/2026-12-01-h200-v21-fp8-vllm/), ours with the same quantization
+ *   won at T=1 (Qwen3-30B-A3B block 25.9 against 31.0 us, DeepSeek-V3/tp8 block 33.3 against
+ *   43.2, Mixtral-8x7B per-tensor 126.1 against 146.6) and lost at T=4 (0.95-0.96x) and T=8
+ *   (0.84-0.94x); at T=2, with the tuned rows of table.c, block scales won (-v22-lab/: Qwen3-30B-A3B
+ *   35.2 against 39.7 us, DeepSeek-V3/tp8 43.9 against 53.0) and per-tensor T=2 is not measured.
+ *   Other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8 overrides it; the tile rules below
+ *   were argued from the kernels' structure (the tuned rows, where they exist, were measured).
  * - moe.max_tokens as for bf16 (8 on sm_90).
  * - gate_up warps twice the bf16 rule's (8 for H <= 2048, 16 above): a block covers 32 rows of I,
  *   so the grid has half the blocks, and each warp's k-step still moves 2 KB.
@@ -49,7 +51,7 @@ int opgraft__moe_parse_shape(const char *shape, og_moe_shape *s) {
   if (!shape || sscanf(shape, "moe:%15[a-z0-9]:E%lld:H%lld:I%lld:k%lld", dt, &E, &H, &I, &k) != 5) return 0;
   if (E < 1 || H < 1 || I < 1 || k < 1) return 0;
   s->E = E, s->H = H, s->I = I, s->k = k;
-  s->fp8 = strncmp(dt, "fp8", 3) == 0;
+  s->fp8 = strcmp(dt, "fp8block") == 0 ? 1 : strncmp(dt, "fp8", 3) == 0 ? 2 : 0;
   return 1;
 }
 
@@ -57,7 +59,7 @@ int opgraft__moe_parse_shape(const char *shape, og_moe_shape *s) {
 static int fp8_rule(const opgraft_tune_query *q, const og_moe_shape *s, int64_t *value) {
   const char *key = q->key;
   const int32_t T = q->tokens;
-  if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90 && T == 1, 1;
+  if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90 && (T == 1 || (T == 2 && s->fp8 == 1)), 1;
   if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s->H <= 2048 ? 8 : 16, 1;
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 8, 1;
   if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)

@@ -17,7 +17,7 @@ extern const og_op opgraft__moe_op;
 
 typedef struct og_moe_shape {
   int64_t E, H, I, k;
-  int fp8; /* an FP8 key ("moe:fp8block:..." or "moe:fp8tensor:...") */
+  int fp8; /* an FP8 key: 1 "moe:fp8block:...", 2 "moe:fp8tensor:...", 0 neither */
 } og_moe_shape;
 /* Parses a shape key ("moe:bf16:E128:H2048:I768:k8"); 1 on success. */
 int opgraft__moe_parse_shape(const char *shape, og_moe_shape *s);

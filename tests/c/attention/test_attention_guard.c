@@ -281,16 +281,19 @@ static void test_config(void **state) {
   opgraft_attention_args a = valid_args();
   og_attn_cfg c;
   og_opts o;
-  opgraft__attn_config(&a, 90, NULL, &c);
+  /* The rule (sm_80: no baked rows); on sm_90 this shape has a tuned row (8 warps). */
+  opgraft__attn_config(&a, 80, NULL, &c);
   assert_int_equal(c.warps, 4);
   assert_int_equal(c.min_blocks, 3); /* 3 warps a scheduler x 168 registers fill its 16K */
   assert_int_equal(c.min_chunk, 128);
   assert_int_equal(c.pdl, 0);
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 8);
   assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
   assert_true(has_opt(&o, "-DOG_D=128") && has_opt(&o, "-DOG_G=8"));
   assert_true(has_opt(&o, "-DOG_SOFTCAP=0") && has_opt(&o, "-DOG_WINDOW=0") && has_opt(&o, "-DOG_SINKS=0"));
   char buf[1024];
-  assert_int_equal(opgraft_attention_describe(&a, 90, buf, sizeof buf), OPGRAFT_OK);
+  assert_int_equal(opgraft_attention_describe(&a, 80, buf, sizeof buf), OPGRAFT_OK);
   assert_non_null(strstr(buf, "-DOG_W=4"));
   /* The options' code paths follow the call. */
   a.softcap = 30, a.window_left = 127, a.sinks = (const void *)0x500000, a.sinks_dtype = OPGRAFT_DTYPE_FP32;

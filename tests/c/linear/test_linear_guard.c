@@ -242,7 +242,9 @@ static og_linear_cfg config_of(int64_t M, int64_t N, int64_t K, int32_t arch) {
   return c;
 }
 
-static void expect_cfg(int64_t N, int64_t K, int warps, int tiles, int unroll, int min_blocks, unsigned grid) {
+/* The shipped configuration at M=1 on sm_90 (the rule, or a baked row where one exists). */
+static void expect_cfg(int64_t N, int64_t K, int warps, int tiles, int unroll, int min_blocks, unsigned grid,
+                       int pdl) {
   opgraft_linear_args a = valid_args();
   set_shape(&a, 1, N, K);
   og_linear_cfg c;
@@ -254,20 +256,21 @@ static void expect_cfg(int64_t N, int64_t K, int warps, int tiles, int unroll, i
              min_blocks, grid);
   assert_int_equal(c.load, 4);
   assert_int_equal(c.l2_fetch, 128);
-  assert_int_equal(c.pdl, 0);
+  assert_int_equal(c.pdl, pdl);
 }
 
 static void test_rule_shapes(void **state) {
   /* Every block resident at once where 4 tiles a block allow it (132 SMs x 16 warps an SM). */
-  expect_cfg(5120, 2048, 8, 3, 4, 2, 214);    /* Qwen3-30B-A3B qkv: 640 tiles over 264 blocks */
-  expect_cfg(2048, 4096, 8, 1, 8, 2, 256);    /* Qwen3-30B-A3B o */
-  expect_cfg(128, 2048, 16, 1, 4, 1, 16);     /* Qwen3-30B-A3B router gate: 16 tiles < 132 SMs */
-  expect_cfg(151936, 2048, 8, 2, 4, 2, 9496); /* lm_head: many waves of 16-row blocks */
-  expect_cfg(6144, 4096, 8, 3, 4, 2, 256);    /* Llama-3-8B qkv */
-  expect_cfg(1280, 8192, 8, 1, 8, 2, 160);    /* Llama-3-70B/tp8 qkv */
-  expect_cfg(8192, 1024, 8, 4, 3, 2, 256);    /* Llama-3-70B/tp8 o: 4 tiles at 3 k-steps in flight */
-  expect_cfg(7, 72, 1, 1, 3, 16, 1);          /* tiny: one warp, its 3 k-steps */
-  expect_cfg(1, 8, 1, 1, 1, 16, 1);
+  /* Qwen3-30B-A3B qkv, 640 tiles over 264 blocks, and o: PDL from their tuned rows (table.c) */
+  expect_cfg(5120, 2048, 8, 3, 4, 2, 214, 1);
+  expect_cfg(2048, 4096, 8, 1, 8, 2, 256, 1);
+  expect_cfg(128, 2048, 16, 1, 4, 1, 16, 0);     /* Qwen3-30B-A3B router gate: 16 tiles < 132 SMs */
+  expect_cfg(151936, 2048, 8, 2, 4, 2, 9496, 0); /* lm_head: many waves of 16-row blocks */
+  expect_cfg(6144, 4096, 8, 3, 4, 2, 256, 0);    /* Llama-3-8B qkv */
+  expect_cfg(1280, 8192, 8, 1, 8, 2, 160, 0);    /* Llama-3-70B/tp8 qkv */
+  expect_cfg(8192, 1024, 8, 4, 3, 2, 256, 0);    /* Llama-3-70B/tp8 o: 4 tiles at 3 k-steps in flight */
+  expect_cfg(7, 72, 1, 1, 3, 16, 1, 0);          /* tiny: one warp, its 3 k-steps */
+  expect_cfg(1, 8, 1, 1, 1, 16, 1, 0);
   /* The rule's values are what the tunables give where no row exists. */
   int64_t v = 0;
   char src[64];
@@ -318,7 +321,7 @@ static void test_describe(void **state) {
   char buf[512];
   assert_int_equal(opgraft_linear_describe(&a, 90, buf, sizeof buf), OPGRAFT_OK);
   assert_string_equal(buf, "-DOG_DTYPE=1 -DOG_K=2048 -DOG_WARPS=8 -DOG_TILES=3 -DOG_U=4 -DOG_MINB=2 -DOG_LOAD=4 "
-                           "-DOG_L2_FETCH=128 -DOG_PDL=0 grid=214 threads=256");
+                           "-DOG_L2_FETCH=128 -DOG_PDL=1 grid=214 threads=256");
   char small[40];
   assert_int_equal(opgraft_linear_describe(&a, 90, small, sizeof small), OPGRAFT_ERANGE);
   assert_int_equal(opgraft_linear_describe(NULL, 90, buf, sizeof buf), OPGRAFT_EINVAL);

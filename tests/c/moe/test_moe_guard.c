@@ -370,7 +370,9 @@ static void test_fp8_archs_and_switches(void **state) {
   opgraft_tune_reload();
   expect_ok(&a, "fp8 on sm_90 at one token by the rule");
   set_shape(&a, 2, 2048, 768, 128, 8);
-  expect_refusal(&a, "moe.fp8 is 0 on sm_90 at T=2", "fp8 on sm_90 at two tokens by the rule");
+  expect_ok(&a, "fp8 block scales on sm_90 at two tokens by the rule");
+  set_shape(&a, 3, 2048, 768, 128, 8);
+  expect_refusal(&a, "moe.fp8 is 0 on sm_90 at T=3", "fp8 on sm_90 at three tokens by the rule");
   fp8_on();
   expect_ok(&a, "fp8 on sm_90 with moe.fp8=1");
   setenv("OPGRAFT_MOE_FP8", "0", 1);
@@ -460,7 +462,7 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
   og_moe_shape sh;
   assert_true(opgraft__moe_parse_shape(key, &sh) && sh.fp8 && sh.E == 128 && sh.k == 8);
   assert_true(opgraft__moe_parse_shape("moe:bf16:E8:H4096:I14336:k2", &sh) && !sh.fp8);
-  /* The rule: FP8 at one token on sm_90 (measured as a win there); gate_up's warps twice bf16's; routing by
+  /* The rule: FP8 at one token on sm_90, two with block scales (measured as wins there); gate_up's warps twice bf16's; routing by
    * slot up to 32 slots. */
   const struct {
     const char *key, *shape;
@@ -468,7 +470,9 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
     int64_t want;
   } rules[] = {
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 1},
-      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 0},
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 1},
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 3, 0},
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 2, 0},
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 89, 1, 0},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 1},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 4, 0},
