@@ -24,6 +24,7 @@ from . import Plan as _Plan
 # The kernel's own row limit (OG_LINEAR_MAX_ROWS, src/ops/linear/linear.h): larger calls are
 # handed back without building a plan key.
 MAX_ROWS = 8
+_TOO_MANY = f"rows N > {MAX_ROWS} (kernel limit)"
 
 
 def linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
@@ -154,7 +155,7 @@ def linear_or_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     bit). Counts each decision in dispatch.stats_of("linear")."""
     stats = dispatch.stats_of("linear")
     if x.dim() != 2 or x.shape[0] < 1 or x.shape[0] > MAX_ROWS:
-        why = (f"rows {x.shape[0]} > {MAX_ROWS} (kernel limit)" if x.dim() == 2 and x.shape[0] > MAX_ROWS
+        why = (_TOO_MANY if x.dim() == 2 and x.shape[0] > MAX_ROWS  # every prefill's projection: no formatting
                else "no rows" if x.dim() == 2 else f"x has {x.dim()} dimensions")
         stats.delegate(why)
         return torch.nn.functional.linear(x, weight, bias)

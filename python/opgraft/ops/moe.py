@@ -126,6 +126,11 @@ def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return a
 
 
+# The kernels' token limit (OG_MOE_MAX_TOKENS, src/ops/moe/moe.h): the seam hands larger calls (a
+# prefill's) back before it builds anything.
+MAX_TOKENS = 64
+
+
 class Plan(_Plan):
     __slots__ = ()
     destroy = "opgraft_moe_plan_destroy"

@@ -125,6 +125,9 @@ def _window_of(impl, md) -> tuple[int, int]:
     return (-1, -1) if window is None else (int(window[0]), int(window[1]))
 
 
+_PREFILL = "prefill or mixed batch (max_query_len > 1)"
+
+
 def _call_reason(impl, md, output_scale, output_block_scale, kv_cache) -> str:
     """Why this call goes to FlashAttention ("" if our kernel may take it)."""
     if md is None:
@@ -132,7 +135,7 @@ def _call_reason(impl, md, output_scale, output_block_scale, kv_cache) -> str:
     if output_scale is not None or output_block_scale is not None:
         return "fused output quantization"
     if md.max_query_len != 1:
-        return "prefill or mixed batch (max_query_len > 1)"
+        return _PREFILL
     if getattr(md, "use_cascade", False):
         return "cascade attention"
     if md.causal is not True:
@@ -200,6 +203,9 @@ def _build():
                               output_block_scale)
 
             md = attn_metadata
+            if md is not None and md.max_query_len != 1:  # a prefill or mixed batch: at once (TTFT)
+                dispatch.stats_of("attention").delegate(self._og_reason or _PREFILL)
+                return delegate()
             reason = self._og_reason or _call_reason(self, md, output_scale, output_block_scale, kv_cache)
             if reason:
                 call = dispatch.AttentionCall(query, None, None, None, None, output, self.scale, 0.0, -1, None, 0,

@@ -163,6 +163,7 @@ def _make_wrapper(cls, module, default_gemm, original):
     hand_back_traced = const(lambda reason: _note_hand_back(reason + " (at trace)"))
     route_traced = const(_note_traced_route)
     half = (torch.bfloat16, torch.float16)
+    max_rows, too_many = linear_op.MAX_ROWS, linear_op._TOO_MANY
 
     def static_reason(self, layer, x, bias, tracing) -> str:
         """Why vLLM keeps this call whatever its row count ("" if the op may take it)."""
@@ -197,6 +198,9 @@ def _make_wrapper(cls, module, default_gemm, original):
             return original(self, layer, x, bias)
 
         tracing = torch.compiler.is_compiling()
+        if not tracing and x.dim() == 2 and x.shape[0] > max_rows:  # an eager prefill's call, at once
+            dispatch.stats_of("linear").delegate(too_many)
+            return original(self, layer, x, bias)
         name = variant_traced() if tracing else _variant()
         reason = "passthrough variant" if name == "passthrough" else static_reason(self, layer, x, bias, tracing)
         if reason:

@@ -208,6 +208,10 @@ def _seam_reason(self, cls, hidden_states, activation, a1q_scale, expert_map, w1
     return "", fp8
 
 
+_MAX_TOKENS = 64  # opgraft.ops.moe.MAX_TOKENS (not imported here: torch loads with the first call)
+_TOO_MANY = f"N tokens > {_MAX_TOKENS} (kernel limit)"
+
+
 def make_wrapper(cls, original):
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
@@ -217,6 +221,10 @@ def make_wrapper(cls, original):
                             global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                             expert_tokens_meta, apply_router_weight_on_input)
 
+        T = hidden_states.shape[0] if hidden_states.dim() == 2 else 0
+        if T > _MAX_TOKENS:  # a prefill's call: nothing else to look at (its host time is the TTFT's)
+            dispatch.stats_of("moe").delegate(_TOO_MANY)
+            return delegate()
         reason, fp8 = _seam_reason(self, cls, hidden_states, activation, a1q_scale, expert_map, w1, w2,
                                    apply_router_weight_on_input)
         if not reason and expert_map is None and w1.shape[0] != global_num_experts:

@@ -322,7 +322,8 @@ def test_real_layers_hand_back_bit_for_bit():
     res = run_layers_probe()
     assert res["installed"] and "linear seam installed" in res["summary"]
     assert all(res["equal"].values()), res["equal"]
-    assert res["reasons"] == {"tensors are not on a CUDA device": 15}
+    # calls of more rows than the kernel takes (a prefill's) are handed back before anything else
+    assert res["reasons"] == {"tensors are not on a CUDA device": 10, "rows N > N (kernel limit)": 5}
 
 
 def test_real_layers_through_the_op():

@@ -239,6 +239,20 @@ def test_guard_refusal_delegates_and_counts(clean, monkeypatch):
     assert s["taken"] == 0 and s["delegated_by_reason"] == {"tensors are not on a CUDA device": 1}
 
 
+def test_a_prefill_is_handed_back_before_anything_is_built(clean, monkeypatch):
+    from opgraft.ops import moe as moe_op
+
+    assert moe_seam._MAX_TOKENS == moe_op.MAX_TOKENS
+    rec = _Recorder()
+    inst = _inst_without_attrs(monkeypatch)
+    monkeypatch.setattr(moe_seam, "_seam_reason", lambda *a, **k: pytest.fail("a prefill reached the seam's checks"))
+    args = _call_args(T=moe_op.MAX_TOKENS + 1)
+    _wrapped(rec)(inst, **args)
+    (got_self, got_out, got_rest), = rec.calls
+    assert got_self is inst and got_out is args["output"]
+    assert dispatch.stats()["moe"]["delegated_by_reason"] == {"N tokens > N (kernel limit)": 1}
+
+
 def test_seam_level_refusals(clean, monkeypatch):
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
