@@ -38,7 +38,8 @@ chosen tokens' logprobs for the parity check between settings. With --profile-st
 profiler in the worker records the GPU's kernels during a prefill alone and during the same
 prefill plus N decode steps; the difference is the GPU time of one decode step, kernel by kernel
 (CUDA-graph replays included), to set against the ITL; the prefill's own kernels are kept too, to
-set against the one-token run, and with --profile-host the worker's host ops during that prefill
+set against the one-token run (whose phases, from vLLM's per-request stats, are kept for every
+rep: front end, queue, the engine core's prefill step), and with --profile-host the worker's host ops during that prefill
 (self CPU time, op by op), for a one-token run that is longer than its GPU time. The MoE counters of the engine's
 worker process (opgraft.stats()) are read through vLLM's collective_rpc.
 """
@@ -204,6 +205,28 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
     if _multicast_off(env):
         env.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     return env
+
+
+def one_token_phases(outs, t1_s: float) -> dict:
+    """Where a one-token run's time went, from vLLM's per-request stats (RequestOutput.metrics,
+    kept when log stats are on), in ms, the slowest request's: `first_token` (arrival to first
+    token, as the front end sees it), `queue` (queued to scheduled) and `engine` (scheduled to
+    first token: the prefill step in the engine core, timestamps of its own clock), and `outside`
+    (the generate call less first_token: input processing and output handling). Missing stats
+    give {}."""
+    ms = {}
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        if m is None or not getattr(m, "first_token_ts", 0):
+            return {}
+        got = {"first_token": m.first_token_latency * 1e3, "queue": (m.scheduled_ts - m.queued_ts) * 1e3,
+               "engine": (m.first_token_ts - m.scheduled_ts) * 1e3}
+        for k, v in got.items():
+            ms[k] = max(ms.get(k, v), v)
+    if not ms:
+        return {}
+    ms["outside"] = t1_s * 1e3 - ms["first_token"]
+    return {k: round(v, 2) for k, v in ms.items()}
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -483,7 +506,7 @@ def run(args) -> int:
     llm = LLM(model=write_model_dir(cfg, model_dir_for(cfg)), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
               max_num_seqs=max(batches), gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=False, tensor_parallel_size=args.tp,
+              enable_prefix_caching=False, tensor_parallel_size=args.tp, disable_log_stats=False,
               enable_expert_parallel=args.expert_parallel,
               compilation_config=compilation_config(capture, args.tp, os.environ))
     result["startup_s"] = round(time.perf_counter() - t0, 1)
@@ -503,11 +526,12 @@ def run(args) -> int:
     for b in batches:  # warm every batch size once (first-call costs, lazy compiles)
         llm.generate(tok[:b], sp(8), use_tqdm=False)
     for b in batches:
-        itl, tps, t1s, tns = [], [], [], []
+        itl, tps, t1s, tns, phases = [], [], [], [], []
         for _ in range(args.reps):
             t = time.perf_counter()
-            llm.generate(tok[:b], sp(1), use_tqdm=False)
+            first = llm.generate(tok[:b], sp(1), use_tqdm=False)
             t1 = time.perf_counter() - t
+            phases.append(one_token_phases(first, t1))
             t = time.perf_counter()
             outs = llm.generate(tok[:b], sp(n), use_tqdm=False)
             tn = time.perf_counter() - t
@@ -544,7 +568,7 @@ def run(args) -> int:
         result["batches"][str(b)] = {"itl_ms": summarize(itl), "decode_tok_s": summarize(tps),
                                      "itl_ms_floor": itl_floor_ms(t1s, tns, n),
                                      "itl_ms_all": [round(x, 4) for x in itl],
-                                     "t_1_s": t1s, "t_n_s": tns,
+                                     "t_1_s": t1s, "t_n_s": tns, "t_1_phases_ms": phases,
                                      "token_ids": ids, "logprobs": lps}
         if prof is not None:
             result["batches"][str(b)]["profile"] = prof

@@ -276,7 +276,10 @@ def test_profiler_kernels_reads_either_time_attribute():
               SimpleNamespace(key="host only", count=5, self_device_time_total=0.0),
               # a host op of a CPU + CUDA profile: torch gives it its kernels' time as well
               SimpleNamespace(key="aten::mm", count=4, device_type="DeviceType.CPU", self_device_time_total=10.0,
-                              self_cpu_time_total=40.0, cpu_time_total=45.0)]
+                              self_cpu_time_total=40.0, cpu_time_total=45.0),
+              # a record_function scope's span on the device (vLLM's "gpu_model_runner: forward")
+              SimpleNamespace(key="gpu_model_runner: forward", count=1, is_user_annotation=True,
+                              self_device_time_total=105000.0)]
     prof = SimpleNamespace(key_averages=lambda: events)
     assert bench.profiler_kernels(prof) == {"new": (4, 10.0), "old": (2, 3.0)}
     assert bench.profiler_host_ops(prof) == {"aten::mm": (4, 40.0, 45.0)}
@@ -373,7 +376,7 @@ def test_tune_loop_keeps_only_correct_winners_and_clears_its_settings(tmp_path, 
     assert point["start"] == {k: fx._get(k) for k in ("linear.warps", "linear.pdl")}  # what ships
     assert point["best_us"] == 7.0 and point["best"] == {"linear.warps": 4, "linear.pdl": 1}
     # the candidates were set through the API and are gone afterwards; plans were re-made each time
-    assert _lib.tune_get("linear.warps", 90, "NVIDIA H200", fx.tune_key, 1)[1] != "api"
+    assert _lib.tune_get("linear.warps", 90, "NVIDIA H200", fx.tune_key, 1)[1] != "set"
     assert fx.forgotten >= 3
 
 

@@ -157,10 +157,13 @@ def profiler_kernels(prof) -> dict:
     """{kernel name: (launches, self device µs)} of a stopped torch profiler, kernels inside
     CUDA-graph replays included (torch names the time self_device_time_total, older releases
     self_cuda_time_total). Host ops of a profile that records the CPU too are left out: torch
-    gives each the device time of the kernels it launched, which would count them twice."""
+    gives each the device time of the kernels it launched, which would count them twice; so are
+    the device spans of record_function scopes."""
     out = {}
     for ev in prof.key_averages():
-        if _host_event(ev):
+        # record_function scopes (vLLM's model-runner phases) also appear on the device as spans
+        # over kernels, not kernels
+        if _host_event(ev) or getattr(ev, "is_user_annotation", False):
             continue
         us = getattr(ev, "self_device_time_total", None)
         if us is None:

@@ -447,3 +447,19 @@ def test_study_passes_profile_host_to_each_setting(tmp_path, monkeypatch):
     cmds.clear()
     e2e.study(a)
     assert cmds and not any("--profile-host" in c for c in cmds)
+
+
+def test_one_token_phases_come_from_vllms_request_stats():
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.metrics.stats import RequestStateStats  # the class RequestOutput.metrics holds
+
+    def out(queued, scheduled, first, latency):
+        m = RequestStateStats(queued_ts=queued, scheduled_ts=scheduled, first_token_ts=first,
+                              first_token_latency=latency)
+        return NS(metrics=m)
+
+    ph = e2e.one_token_phases([out(10.0, 10.002, 10.012, 0.015), out(10.0, 10.002, 10.020, 0.021)], 0.030)
+    assert ph == {"first_token": 21.0, "queue": 2.0, "engine": 18.0, "outside": 9.0}
+    assert e2e.one_token_phases([NS(metrics=None)], 0.03) == {}
+    assert e2e.one_token_phases([out(0, 0, 0, 0)], 0.03) == {}  # stats off: no timestamps
