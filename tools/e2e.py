@@ -523,8 +523,9 @@ def run(args) -> int:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                               detokenize=False, logprobs=logprobs)
 
-    for b in batches:  # warm every batch size once (first-call costs, lazy compiles)
-        llm.generate(tok[:b], sp(8), use_tqdm=False)
+    for b in batches:  # warm every batch size once, at the timed length (first-call costs, lazy compiles:
+        # after 8-token warm-ups vLLM's FP8 Triton experts still JIT-compiled inside the timed runs)
+        llm.generate(tok[:b], sp(n), use_tqdm=False)
     for b in batches:
         itl, tps, t1s, tns, phases = [], [], [], [], []
         for _ in range(args.reps):

@@ -1,6 +1,7 @@
 /* The decode-attention op's rules: tunable values derived from the shape and the GPU, used where
- * no baked row (table.c) matches. Only attention.max_batch is measured; the other values are
- * argued from the kernel's structure (a tuner sweep decides them):
+ * no baked row (table.c) matches. Only attention.max_batch is measured here; the other values are
+ * argued from the kernel's structure (the tuner's rows override them where measured: 8 warps for
+ * Qwen3-30B-A3B's heads, v22):
  * - attention.max_batch 32 on sm_90: against vLLM 0.26's FA3 in the same run (H200, 2026-12-01,
  *   bench/results/2026-12-01-h200-v20-vllm/) ours won at batch 1 and 8 at every context
  *   (1.02-1.40x) and at batch 64 with 1K tokens (1.22x), and lost at batch 64 with 8K and 32K

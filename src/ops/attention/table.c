@@ -1,6 +1,7 @@
 /* The decode-attention op's tunable keys and baked per-arch rows, and its descriptor for the
- * core's registry. There are no rows yet: nothing has been measured on a GPU, so the rule in
- * heuristics.c decides everywhere (`opgraft tune --inject` adds rows between the markers). */
+ * core's registry. Rows match by shape and batch (the query's token count); where none matches,
+ * the rule in heuristics.c decides (`opgraft tune attention --inject` adds rows between the
+ * markers). */
 #include "attention.h"
 
 /* Ranges are what the kernel accepts (the configuration clamps what would not fit); the last
@@ -17,6 +18,7 @@ static const og_tunable tunables[] = {
 
 static const og_tune_entry rows[] = {
     /* BEGIN TUNED ROWS */
+    /* Qwen3-30B-A3B heads: `opgraft tune attention` (v22), cost the geometric mean of 1K and 8K tokens. */
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 2, "attention.warps", 8, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B batch 1 contexts 1024,8192 12.47 -> 10.87 us"},
     {90, NULL, "attention:bf16:D128:G8:bs16", 3, 4096, "attention.warps", 8, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B batch 8 contexts 1024,8192 23.32 -> 22.05 us"},
     /* END TUNED ROWS */

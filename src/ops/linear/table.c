@@ -25,8 +25,8 @@ static const og_tune_entry rows[] = {
      * between calls, bench/results/2026-12-01-h200-v20-vllm/linear_bench_span.json): handed back. */
     {90, NULL, "linear:bf16:N8192:K1024", 0, 0, "linear.max_rows", 0, "H200 2026-12-01: Llama-3-70B/tp8 o, ours 7.99 / 8.03 / 8.07 us at M=1/4/8 against cuBLAS 7.46 / 7.42 / 7.45"},
     {90, NULL, "linear:bf16:N8192:K3584", 0, 0, "linear.max_rows", 0, "H200 2026-12-01: Llama-3-70B/tp8 down, ours 17.86 / 17.88 / 17.99 us at M=1/4/8 against cuBLAS 17.64 / 17.52 / 17.50"},
-    {90, NULL, "linear:bf16:N5120:K2048", 1, 2, "linear.min_blocks", 4, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B qkv [5120, 2048] M=1 8.04 -> 7.64 us"},
-    {90, NULL, "linear:bf16:N5120:K2048", 1, 2, "linear.pdl", 1, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B qkv [5120, 2048] M=1 8.04 -> 7.64 us"},
+    /* Qwen3-30B-A3B qkv and o at 1-2 rows: `opgraft tune linear` (v22), PDL after the previous kernel. */
+    {90, NULL, "linear:bf16:N5120:K2048", 1, 2, "linear.pdl", 1, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B qkv [5120, 2048] M=1 8.04 -> 7.64 us with pdl 1 and min_blocks 4 (which the configuration clamps to its 2)"},
     {90, NULL, "linear:bf16:N2048:K4096", 1, 2, "linear.pdl", 1, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B o [2048, 4096] M=1 7.12 -> 7.00 us"},
     /* END TUNED ROWS */
     {0, NULL, NULL, 0, 0, NULL, 0, NULL},

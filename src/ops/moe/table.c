@@ -76,6 +76,8 @@ static const og_tune_entry rows[] = {
     {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-30B-A3B/tp4 T=1 11.6 -> 11.1 us; with down unroll 6 10.3"},
     {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.down.unroll", 6, "H200 2026-11-30 (v16) with moe.down.early 1: Qwen3-30B-A3B/tp4 T=1 11.1 -> 10.3 us (8: 10.4; 2: 11.3)"},
     {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-235B-A22B T=1 76.1 -> 75.1 us"},
+    /* FP8 block scales, Qwen3-30B-A3B: `opgraft tune moe --dtype fp8-block` (v22), activations quantized
+     * beforehand; T=1 keeps the rule (not tuned). */
     {90, NULL, "moe:fp8block:E128:H2048:I768:k8", 2, 2, "moe.gate_up.warps", 4, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B fp8-block T=2 35.52 -> 32.10 us"},
     {90, NULL, "moe:fp8block:E128:H2048:I768:k8", 2, 2, "moe.pdl", 1, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B fp8-block T=2 35.52 -> 32.10 us"},
     {90, NULL, "moe:fp8block:E128:H2048:I768:k8", 3, 5, "moe.pdl", 1, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B fp8-block T=4 55.40 -> 53.57 us"},
