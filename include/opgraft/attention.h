@@ -79,8 +79,9 @@ OPGRAFT_EXTERN int32_t opgraft_attention_supports(const opgraft_attention_args *
                                                   size_t reason_len);
 
 /* A plan: the guard's decision, the tunables and the compiled kernel for one layout (dtypes,
- * heads, head size, block size, strides, options, GPU), resolved once. The batch, the lengths,
- * max_seq_len and the pointers are a run's; the pointers in args are not kept. On
+ * heads, head size, block size, strides, options, GPU) and batch, resolved once: the guard's batch
+ * limit and the tuned rows depend on the batch. The lengths, max_seq_len and the pointers are a
+ * run's, and a run takes at most the plan's batch; the pointers in args are not kept. On
  * OPGRAFT_EUNSUPPORTED, reason says why. The plan belongs to the CUDA context current at
  * creation. */
 typedef struct opgraft_attention_plan opgraft_attention_plan;
@@ -93,9 +94,9 @@ OPGRAFT_EXTERN void opgraft_attention_plan_destroy(opgraft_attention_plan *plan)
  * workspace serves every call of the plan on one stream, CUDA graphs included. Two runs that may
  * execute at the same time need two workspaces. */
 OPGRAFT_EXTERN size_t opgraft_attention_plan_workspace_size(const opgraft_attention_plan *plan);
-/* Runs the plan for batch sequences on tensors laid out as at creation, on stream. No host
- * synchronisation and no allocation: capturable into a CUDA graph. sinks must be set iff it was
- * at creation. Misaligned or NULL pointers give OPGRAFT_EINVAL; a plan made before the tunables
+/* Runs the plan for batch sequences (at most the plan's) on tensors laid out as at creation, on
+ * stream. No host synchronisation and no allocation: capturable into a CUDA graph. sinks must be
+ * set iff it was at creation. Misaligned or NULL pointers give OPGRAFT_EINVAL; a plan made before the tunables
  * changed, or used under another CUDA context, gives OPGRAFT_ESTALE and runs nothing. */
 OPGRAFT_EXTERN int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const void *q,
                                                   const void *k_cache, const void *v_cache,

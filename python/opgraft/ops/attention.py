@@ -86,9 +86,10 @@ _plans = PlanCache(1024)
 
 def _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks, flags,
                 query_len):
-    return (query.shape[1:], query.stride(), query.dtype, query.device, key_cache.shape, key_cache.stride(),
-            key_cache.dtype, value_cache.shape, value_cache.stride(), value_cache.dtype, block_table.shape[1:],
-            block_table.stride(), block_table.dtype, seq_lens.dtype, None if out is None else (out.stride(), out.dtype),
+    # The batch is part of a plan (its guard limit and tuned rows depend on it); the lengths are not.
+    return (seq_lens.shape[0], query.shape[1:], query.stride(), query.dtype, query.device, key_cache.shape,
+            key_cache.stride(), key_cache.dtype, value_cache.shape, value_cache.stride(), value_cache.dtype,
+            block_table.shape[1:], block_table.stride(), block_table.dtype, seq_lens.dtype, None if out is None else (out.stride(), out.dtype),
             float(scale), float(softcap or 0.0), int(window_left),
             None if sinks is None else (sinks.shape, sinks.dtype), flags, query_len)
 
@@ -105,8 +106,12 @@ def _capturing() -> bool:
 _prepared: set = set()
 
 
+# The kernel's batch limit (OG_ATTN_MAX_BATCH, src/ops/attention/attention.h: the grid's z).
+MAX_BATCH = 65535
+
+
 def _static_key(a: _lib.AttentionArgs, device_index: int):
-    return (device_index, a.dtype, a.num_heads // max(1, a.num_kv_heads), a.head_size, a.softcap > 0,
+    return (device_index, a.batch, a.dtype, a.num_heads // max(1, a.num_kv_heads), a.head_size, a.softcap > 0,
             a.window_left >= 0, a.sinks_dtype if a.sinks else None, _lib.lib().opgraft_tune_generation())
 
 
@@ -195,17 +200,32 @@ def workspace(device, nbytes: int) -> torch.Tensor | None:
 
 
 def prepare(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, device, softcap: float = 0.0,
-            window_left: int = -1, sinks_dtype: torch.dtype | None = None, block_size: int = 16) -> tuple[bool, str]:
-    """Compiles and loads the kernel for a layer's static configuration and reserves the
-    workspace, so that the first real call (maybe under CUDA graph capture) only makes its plan.
-    (True, "") or (False, why the layer's calls will be handed back)."""
+            window_left: int = -1, sinks_dtype: torch.dtype | None = None, block_size: int = 16,
+            batches=(1,)) -> tuple[bool, str]:
+    """Compiles and loads the kernel for a layer's static configuration at each of batches (the
+    CUDA-graph capture sizes: a plan is per batch) and reserves the workspace, so that a call under
+    CUDA graph capture only makes its plan. (True, "") or (False, why the layer's calls will be
+    handed back), from batch 1; a larger batch the guard refuses is simply not prepared."""
+    ok, why = True, ""
+    for b in sorted({1, *batches}):
+        took, reason = _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, window_left,
+                                    sinks_dtype, block_size, b)
+        if b == 1:
+            ok, why = took, reason
+            if not ok:
+                break
+    return ok, why
+
+
+def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, window_left, sinks_dtype, block_size,
+                 batch) -> tuple[bool, str]:
     code = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}.get(dtype)
     if code is None:
         return False, f"dtype {dtype} (the kernel takes bf16 and fp16)"
     a = _lib.AttentionArgs()
     a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
     a.dtype = a.kv_dtype = code
-    a.batch, a.query_len, a.num_heads, a.num_kv_heads, a.head_size = 1, 1, num_heads, num_kv_heads, head_size
+    a.batch, a.query_len, a.num_heads, a.num_kv_heads, a.head_size = batch, 1, num_heads, num_kv_heads, head_size
     a.block_size, a.num_blocks, a.max_blocks = block_size, 1, 1
     a.scale, a.softcap, a.window_left = 1.0, float(softcap or 0.0), int(window_left)
     fake = 1 << 20  # never dereferenced: a plan keeps no pointers

@@ -175,19 +175,23 @@ def _build():
 
                 from ..ops import attention
 
-                block_size = 16
+                block_size, sizes = 16, (1, 2, 4, 8, 16, 24, 32)  # vLLM's first capture sizes, if it has none
                 try:
                     from vllm.config import get_current_vllm_config_or_none
 
                     cfg = get_current_vllm_config_or_none()
                     block_size = int(getattr(cfg.cache_config, "block_size", None) or 16) if cfg else 16
+                    # a plan is per batch, and the decode graphs are captured at these batches
+                    captured = getattr(cfg.compilation_config, "cudagraph_capture_sizes", None) if cfg else None
+                    if captured:
+                        sizes = tuple(int(b) for b in captured if 0 < int(b) <= attention.MAX_BATCH)
                 except Exception:
                     pass
                 left = _window_of(self, None)[0]
                 sinks_dtype = self.sinks.dtype if self.sinks is not None else None
                 ok, why = attention.prepare(self.num_heads, self.num_kv_heads, self.head_size, act_dtype,
                                             torch.device("cuda", torch.cuda.current_device()), self.logits_soft_cap,
-                                            left, sinks_dtype, block_size)
+                                            left, sinks_dtype, block_size, batches=sizes)
                 if not ok:
                     self._og_reason = why
             except Exception as e:  # no NVRTC, a compile error: this layer stays FlashAttention's

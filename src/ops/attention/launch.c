@@ -10,7 +10,7 @@
 
 struct opgraft_attention_plan {
   og_plan_head head; /* first: the plan cache reads it */
-  opgraft_attention_args args; /* the layout the plan was made for: pointers, batch and bound cleared */
+  opgraft_attention_args args; /* the layout the plan was made for: pointers and bound cleared */
   int32_t arch;
   og_attn_cfg cfg;
   og_CUfunction fn;
@@ -25,6 +25,7 @@ static void layout_of(const opgraft_attention_args *a, opgraft_attention_args *k
   memset(k, 0, sizeof *k);
   k->struct_size = a->struct_size;
   k->dtype = a->dtype, k->kv_dtype = a->kv_dtype, k->flags = a->flags;
+  k->batch = a->batch; /* the guard's attention.max_batch and the tuned rows match by batch */
   k->query_len = a->query_len;
   k->num_heads = a->num_heads, k->num_kv_heads = a->num_kv_heads, k->head_size = a->head_size;
   k->block_size = a->block_size, k->num_blocks = a->num_blocks, k->max_blocks = a->max_blocks;
@@ -176,6 +177,9 @@ int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const voi
   if (batch < 0 || batch > OG_ATTN_MAX_BATCH || max_seq_len < 0)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: batch %lld, max_seq_len %lld", (long long)batch,
                          (long long)max_seq_len);
+  if (batch > plan->args.batch) /* the guard decided for the plan's batch, not a larger one */
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: batch %lld > the plan's %lld", (long long)batch,
+                         (long long)plan->args.batch);
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
   int32_t st = opgraft__current_ctx(&cu, &ctx);

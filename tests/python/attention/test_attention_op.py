@@ -205,3 +205,32 @@ def test_dispatch_plans_a_taken_call_once(monkeypatch):
 def test_prepare_refuses_what_the_guard_refuses():
     ok, why = ops.prepare(8, 2, 64, torch.float32, "cpu")
     assert not ok and "float32" in why
+
+
+def test_a_plan_is_per_batch():
+    """The guard's batch limit and the tuned rows depend on the batch, so two batches of one layout
+    never share a plan (a plan made at batch 1 must not run batch 64)."""
+    p1 = attn_bench.make_problem([5], 8, 2, 64, device="cpu")
+    p2 = attn_bench.make_problem([5, 7], 8, 2, 64, device="cpu")
+    k1 = ops._layout_key(p1.query, p1.key_cache, p1.value_cache, p1.block_table, p1.seq_lens, None, p1.scale, 0.0,
+                         -1, None, 0, 1)
+    k2 = ops._layout_key(p2.query, p2.key_cache, p2.value_cache, p2.block_table, p2.seq_lens, None, p2.scale, 0.0,
+                         -1, None, 0, 1)
+    assert (k1[0], k2[0]) == (1, 2) and k1 != k2
+
+
+def test_prepare_loads_every_capture_size_and_needs_only_batch_one(monkeypatch):
+    seen = []
+
+    def one(*args):
+        batch = args[-1]
+        seen.append(batch)
+        return (True, "") if batch <= 32 else (False, f"batch {batch} > attention.max_batch 32")
+
+    monkeypatch.setattr(ops, "_prepare_one", one)
+    assert ops.prepare(32, 4, 128, torch.bfloat16, "cpu", batches=(64, 8, 2, 8)) == (True, "")
+    assert seen == [1, 2, 8, 64]  # batch 1 first; a size the guard refuses does not fail the layer
+    seen.clear()
+    monkeypatch.setattr(ops, "_prepare_one", lambda *a: seen.append(a[-1]) or (False, "no NVRTC"))
+    assert ops.prepare(32, 4, 128, torch.bfloat16, "cpu", batches=(8,)) == (False, "no NVRTC")
+    assert seen == [1]
