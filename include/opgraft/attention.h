@@ -96,8 +96,9 @@ OPGRAFT_EXTERN void opgraft_attention_plan_destroy(opgraft_attention_plan *plan)
 OPGRAFT_EXTERN size_t opgraft_attention_plan_workspace_size(const opgraft_attention_plan *plan);
 /* Runs the plan for batch sequences (at most the plan's) on tensors laid out as at creation, on
  * stream. No host synchronisation and no allocation: capturable into a CUDA graph. sinks must be
- * set iff it was at creation. Misaligned or NULL pointers give OPGRAFT_EINVAL; a plan made before the tunables
- * changed, or used under another CUDA context, gives OPGRAFT_ESTALE and runs nothing. */
+ * set iff it was at creation. Misaligned or NULL pointers give OPGRAFT_EINVAL; a plan made before
+ * the tunables changed, or used under another CUDA context, gives OPGRAFT_ESTALE and runs
+ * nothing. */
 OPGRAFT_EXTERN int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const void *q,
                                                   const void *k_cache, const void *v_cache,
                                                   const void *block_table, const void *seq_lens,

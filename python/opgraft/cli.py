@@ -665,23 +665,24 @@ def _profile_rows(args, shape, ceiling, w13, w2, rows: list) -> None:
 _FP8_UNUSED = ("moe.fused", "moe.gate_up.nt", "moe.gate_up.one_token", "moe.down.one_token")
 
 
-def _tune_fixtures(args):
-    """[(fixture, (lo, hi))] for the op and points of a tune command: each fixture tunes the
-    token (moe), batch (attention) or row (linear) range around its own count."""
+def _tune_fixtures(args, shape=None):
+    """(fixture, (lo, hi)) for the op and points of a tune command, made one at a time as the
+    tuner reaches them: each tunes the token (moe, shape: the rank's MoE shape), batch (attention)
+    or row (linear) range around its own count."""
     from .tune import token_ranges
 
     if args.op == "moe":
-        shape = resolve(args.model).per_rank(args.tp)
         from .bench.moe import FP8_KINDS, Fixture, Fp8Fixture, make_weights, make_weights_fp8
 
         ts = sorted(set(args.tokens))
         if args.dtype in FP8_KINDS:
             w = make_weights_fp8(shape, args.dtype, "cuda")
-            fxs = [Fp8Fixture(shape, T, args.dtype, weights=w) for T in ts]
+            fxs = (Fp8Fixture(shape, T, args.dtype, weights=w) for T in ts)
         else:
             w13, w2 = make_weights(shape, args.dtype, "cuda")
-            fxs = [Fixture(shape, T, args.dtype, w13=w13, w2=w2) for T in ts]
-        return list(zip(fxs, token_ranges(ts)))
+            fxs = (Fixture(shape, T, args.dtype, w13=w13, w2=w2) for T in ts)
+        yield from zip(fxs, token_ranges(ts))
+        return
     if args.op == "attention":
         from .bench.attention import TuneFixture
         from .presets import ATTENTION_PRESETS
@@ -691,15 +692,22 @@ def _tune_fixtures(args):
         shape = ATTENTION_PRESETS[args.model]
         bs = sorted(set(args.batch))
         hi = _lib.tune_range("attention.max_batch")[1]
-        return [(TuneFixture(shape, b, args.context, args.dtype), r)
-                for b, r in zip(bs, token_ranges(bs, upper=hi))]
+        for b, r in zip(bs, token_ranges(bs, upper=hi)):
+            yield TuneFixture(shape, b, args.context, args.dtype), r
+        return
     from .bench.linear import TuneFixture
     from .ops.linear import MAX_ROWS
     from .presets import LINEAR_PRESETS
 
-    shapes = [s for s in LINEAR_PRESETS[args.model] if not args.proj or s.proj in args.proj]
     ms = sorted(set(args.rows))
-    return [(TuneFixture(s, M, args.dtype), r) for s in shapes for M, r in zip(ms, token_ranges(ms, upper=MAX_ROWS))]
+    for s in LINEAR_PRESETS[args.model]:
+        if args.proj and s.proj not in args.proj:
+            continue
+        weights = None  # one set of weight copies for the shape's row counts
+        for M, r in zip(ms, token_ranges(ms, upper=MAX_ROWS)):
+            fx = TuneFixture(s, M, args.dtype, weights=weights)
+            weights = fx.weights
+            yield fx, r
 
 
 def _tune_space(args) -> dict:
@@ -714,17 +722,11 @@ def _tune_space(args) -> dict:
     return space
 
 
-def _configure_tunables(fx, cfg: dict) -> None:
-    """Exactly cfg's tunables set through the library's API; the op's plans re-made."""
-    _lib.tune_clear()
-    _lib.tune_set(cfg)
-    fx.forget_plans()
-
-
 def cmd_tune(args) -> int:
+    shape = None
     if args.op == "moe":
         try:
-            resolve(args.model).per_rank(args.tp)
+            shape = resolve(args.model).per_rank(args.tp)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -755,6 +757,7 @@ def cmd_tune(args) -> int:
 
     import torch
 
+    from . import bench
     from .tune import coordinate_descent, inject_baked, make_entries, merge_tune_file
 
     table = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src",
@@ -768,13 +771,13 @@ def cmd_tune(args) -> int:
     winners, report = [], []
     date = datetime.date.today().isoformat()
     total = sum(len(v) for v in space.values())
-    for fx, rng in _tune_fixtures(args):
-        _configure_tunables(fx, {})
+    for fx, rng in _tune_fixtures(args, shape):
+        bench.configure({}, fx.forget_plans)
         start = {k: _lib.tune_get(k, arch, gpu, fx.tune_key, fx.tokens)[0] for k in space}
         n = [0]
 
         def cost(cfg, fx=fx):
-            _configure_tunables(fx, cfg)
+            bench.configure(cfg, fx.forget_plans)
             err = fx.check()
             return fx.time() if err <= fx.tolerance else float("inf")
 
@@ -787,7 +790,7 @@ def cmd_tune(args) -> int:
             best, best_us, hist = coordinate_descent(cost, space, start, rounds=args.rounds, progress=progress)
         except RuntimeError as e:  # not even the starting configuration passed its check
             print(f"\n{fx.label}: {e}", file=sys.stderr)
-            _configure_tunables(fx, {})
+            bench.configure({}, fx.forget_plans)
             return 1
         print(file=sys.stderr)
         start_us = hist[0][1]
@@ -800,7 +803,7 @@ def cmd_tune(args) -> int:
         won = [{"arch": arch, "gpu": gpu, "shape": fx.tune_key, "tokens": rng, "values": changed,
                 "why": f"opgraft tune {date}: {fx.label} {start_us:.2f} -> {best_us:.2f} us"}] if changed else []
         winners += won
-        _configure_tunables(fx, {})
+        bench.configure({}, fx.forget_plans)
         # Each point's result is kept as soon as it exists (a long run may be stopped).
         if args.report and _write_json(args.report, {"gpu": gpu, "arch": arch, "op": args.op, "rows": report}):
             return 1

@@ -363,7 +363,7 @@ def test_tune_loop_keeps_only_correct_winners_and_clears_its_settings(tmp_path, 
 
     fx = _FakeFixture()
     monkeypatch.setattr(cli, "_gpu_status", lambda: (True, ""))
-    monkeypatch.setattr(cli, "_tune_fixtures", lambda args: [(fx, (1, 2))])
+    monkeypatch.setattr(cli, "_tune_fixtures", lambda args, shape=None: [(fx, (1, 2))])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
     monkeypatch.setattr(_lib, "tune_space", lambda op: {"linear.warps": [2, 4, 8, 16], "linear.pdl": [0, 1]})
     out, report = tmp_path / "tune.json", tmp_path / "report.json"

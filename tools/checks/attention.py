@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from opgraft import _lib, bench
+from opgraft import bench
 from opgraft.bench import attention as attn_bench
 from opgraft.ops import attention as ops
 
@@ -88,26 +88,8 @@ def cases() -> list[dict]:
 
 
 def run_case(c: dict, device="cuda") -> dict:
-    with attn_bench_tunables(c["tunables"]):
+    with bench.tunables(c["tunables"], ops.forget_plans):
         return _run_case(c, device)
-
-
-class attn_bench_tunables:
-    """A context in which the case's tunables are set (through the library's API), cleared again on exit."""
-
-    def __init__(self, cfg: dict):
-        self.cfg = cfg
-
-    def __enter__(self):
-        _lib.tune_clear()
-        _lib.tune_set(self.cfg)
-        ops.forget_plans()
-        return self
-
-    def __exit__(self, *exc):
-        _lib.tune_clear()
-        ops.forget_plans()
-        return False
 
 
 def _check_out(p, out, lens, tol) -> dict:

@@ -17,9 +17,33 @@ import subprocess
 
 import torch
 
-from .. import ops
+from .. import _lib, ops
 
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3}
+
+
+def configure(cfg: dict, forget_plans) -> None:
+    """Exactly cfg's tunables set through the library's API (above the environment, the tune file
+    and the tables): every other tunable back to its usual source. forget_plans (the op's) makes
+    its plans be made again."""
+    _lib.tune_clear()
+    _lib.tune_set(cfg)
+    forget_plans()
+
+
+class tunables:
+    """A context in which cfg's tunables are set (configure), cleared again on exit."""
+
+    def __init__(self, cfg: dict, forget_plans):
+        self.cfg, self.forget_plans = cfg, forget_plans
+
+    def __enter__(self):
+        configure(self.cfg, self.forget_plans)
+        return self
+
+    def __exit__(self, *exc):
+        configure({}, self.forget_plans)
+        return False
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

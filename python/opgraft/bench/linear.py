@@ -129,11 +129,12 @@ class TuneFixture:
     reference of bench_shape, a configuration checked and timed as bench_shape times ours."""
 
     def __init__(self, shape: LinearShape, M: int, dtype: str = "bf16", device="cuda", reps: int = 30,
-                 between_mib: int = BETWEEN_MIB):
+                 between_mib: int = BETWEEN_MIB, weights=None):
         measure_whole_row_range()
         self.shape, self.M, self.dtype, self.reps = shape, M, dtype, reps
         L = copies_for(shape)
-        self.weights = [make_weight(shape, dtype, device, seed=i) for i in range(L)]
+        # weights: another row count's copies of the same shape, or None (made here)
+        self.weights = weights or [make_weight(shape, dtype, device, seed=i) for i in range(L)]
         gen = torch.Generator(device=device).manual_seed(4321)
         self.xs = [torch.randn((M, shape.in_features), generator=gen, device=device).to(TORCH_DTYPES[dtype])
                    for _ in range(L)]

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _lib
 from ..ops import moe as ops
 from ..presets import MoeShape
 from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, speed, timed_calls
+from . import configure as _configure
+from . import tunables as _tunables
 
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -242,11 +243,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def configure(cfg: dict) -> None:
-    """Exactly cfg's tunables set through the library's API (above the environment, the tune file
-    and the tables): every other tunable back to its usual source. The op's plans are re-made."""
-    _lib.tune_clear()
-    _lib.tune_set(cfg)
-    ops.forget_plans()
+    """bench.configure for the MoE op: exactly cfg's tunables, its plans re-made."""
+    _configure(cfg, ops.forget_plans)
 
 
 class Fixture:
@@ -262,6 +260,7 @@ class Fixture:
         self.xs = [make_x(T, shape.hidden, dtype, "cuda", gen) for _ in range(n_routings)]
         self.routings = [make_routing(T, shape.num_experts, shape.top_k, "cuda", gen) for _ in range(n_routings)]
         self.outs = [torch.empty_like(x) for x in self.xs]
+        self.scales = [None] * n_routings  # FP8 scales a call (Fp8Fixture)
         self.ws = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
         self.ref = reference(self.xs[0], w13, w2, *self.routings[0])
         self.bytes = unique_expert_bytes(shape, self.routings)
@@ -274,14 +273,15 @@ class Fixture:
         ops.forget_plans()
 
     def check(self) -> float:
-        out = torch.full_like(self.xs[0], float("nan"))
-        ops.moe_experts_into(out, self.xs[0], self.w13, self.w2, *self.routings[0], workspace=self.ws)
+        out = torch.full_like(self.outs[0], float("nan"))
+        ops.moe_experts_into(out, self.xs[0], self.w13, self.w2, *self.routings[0], workspace=self.ws,
+                             fp8=self.scales[0])
         return rel_err(out, self.ref)
 
     def time(self, stages=ops.STAGE_ALL, reps=30) -> float:
         def call(i, _):
             ops.moe_experts_into(self.outs[i], self.xs[i], self.w13, self.w2, *self.routings[i],
-                                 workspace=self.ws, stages=stages)
+                                 workspace=self.ws, stages=stages, fp8=self.scales[i])
 
         return timed_calls(call, [(i, None) for i in range(len(self.xs))], self.between, reps, cross_check=False)[0]
 
@@ -300,19 +300,11 @@ def measure(fx: Fixture, cfg: dict, stages_all=True) -> dict:
     return r
 
 
-class tunables:
-    """A context in which cfg's tunables are set (configure), cleared again on exit."""
+class tunables(_tunables):
+    """bench.tunables for the MoE op."""
 
     def __init__(self, cfg: dict):
-        self.cfg = cfg
-
-    def __enter__(self):
-        configure(self.cfg)
-        return self
-
-    def __exit__(self, *exc):
-        configure({})
-        return False
+        super().__init__(cfg, ops.forget_plans)
 
 
 # ---- FP8 weights ------------------------------------------------------------------------------
@@ -524,7 +516,7 @@ def unique_expert_bytes_fp8(shape: MoeShape, kind: str, routings, local=None) ->
 FP8_TOLERANCE = 1e-2
 
 
-class Fp8Fixture:
+class Fp8Fixture(Fixture):
     """Fixture's FP8 counterpart for the tuner: e4m3 weights and activations of one (shape, T,
     kind), the activations quantized beforehand (the kernel's own time, as the seam calls it after
     vLLM's prepare step), checked against the fp64 oracle of the quantized model."""
@@ -549,22 +541,6 @@ class Fp8Fixture:
         self.tolerance = FP8_TOLERANCE
         self.tokens, self.tune_key, self.label = T, shape.tune_key(kind.replace("-", "")), f"{shape.name} {kind} T={T}"
         self.between = between_traffic(BETWEEN_MIB, "cuda")
-
-    def forget_plans(self) -> None:
-        ops.forget_plans()
-
-    def check(self) -> float:
-        out = torch.full_like(self.outs[0], float("nan"))
-        ops.moe_experts_into(out, self.xs[0], self.w13, self.w2, *self.routings[0], workspace=self.ws,
-                             fp8=self.scales[0])
-        return rel_err(out, self.ref)
-
-    def time(self, stages=ops.STAGE_ALL, reps=30) -> float:
-        def call(i, _):
-            ops.moe_experts_into(self.outs[i], self.xs[i], self.w13, self.w2, *self.routings[i], workspace=self.ws,
-                                 stages=stages, fp8=self.scales[i])
-
-        return timed_calls(call, [(i, None) for i in range(len(self.xs))], self.between, reps, cross_check=False)[0]
 
 
 def _vllm_workspace(device) -> None:

@@ -237,6 +237,9 @@ def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, win
     if sinks_dtype is not None:
         a.sinks, a.sinks_dtype = fake, {torch.float32: _lib.DTYPE_FP32, torch.bfloat16: _lib.DTYPE_BF16,
                                         torch.float16: _lib.DTYPE_FP16}.get(sinks_dtype, 0)
+    key = _static_key(a, _device_index(device))
+    if key in _prepared:  # another layer of the same configuration did it (and reserved the workspace)
+        return True, ""
     handle = ctypes.c_void_p()
     reason = ctypes.create_string_buffer(256)
     with torch.cuda.device(device):
@@ -248,7 +251,7 @@ def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, win
         reserve_workspace(device, _lib.lib().opgraft_attention_plan_workspace_size(handle.value))
     finally:
         _lib.lib().opgraft_attention_plan_destroy(handle.value)
-    _prepared.add(_static_key(a, _device_index(device)))
+    _prepared.add(key)
     return True, ""
 
 

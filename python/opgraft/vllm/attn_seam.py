@@ -129,13 +129,12 @@ _PREFILL = "prefill or mixed batch (max_query_len > 1)"
 
 
 def _call_reason(impl, md, output_scale, output_block_scale, kv_cache) -> str:
-    """Why this call goes to FlashAttention ("" if our kernel may take it)."""
+    """Why a call of one query token a sequence (forward hands the others back first) goes to
+    FlashAttention ("" if our kernel may take it)."""
     if md is None:
         return "no attention metadata (profile run)"
     if output_scale is not None or output_block_scale is not None:
         return "fused output quantization"
-    if md.max_query_len != 1:
-        return _PREFILL
     if getattr(md, "use_cascade", False):
         return "cascade attention"
     if md.causal is not True:

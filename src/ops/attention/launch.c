@@ -1,5 +1,5 @@
 /* The decode-attention op's plans and launches: a plan resolves the guard, the tunables, the
- * compiled kernel and its occupancy once per layout; a run picks the split count from the batch
+ * compiled kernel and its occupancy once per layout and batch; a run picks the split count from the batch
  * and the length bound, fills the pointers and enqueues one kernel. */
 #include <stdio.h>
 #include <stdlib.h>
