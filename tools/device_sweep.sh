@@ -12,6 +12,6 @@ done
 if command -v ncu >/dev/null && [ -n "${NCU_SPEC:-}" ]; then
   ncu --clock-control none --kernel-name regex:moe_ --launch-skip 2 --launch-count 2 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-      python3 bench/ncu_moe.py ${NCU_SPEC/:/ } > "$OUT/ncu.txt" 2>&1
+      python3 -m tools.ncu_moe ${NCU_SPEC//:/ } > "$OUT/ncu.txt" 2>&1
   grep -E "moe_|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|L2 Hit|Registers|Stall|Warp Cycles|Issued Warp" "$OUT/ncu.txt" | head -60
 fi

@@ -3,7 +3,7 @@
 # the kernel cache with the compile tests on every core, run every op's GPU correctness cases,
 # compute-sanitizer on a few of them, then the timings that need no vLLM. Results land in $OUT.
 #
-#   OUT=DIR bash tools/gpu_lab.sh [STEP ...]      steps: build warm check sanitize host before moe linear attention
+#   OUT=DIR bash tools/gpu_lab.sh [STEP ...]      steps: build warm check sanitize host before moe fp8 linear attention
 #
 # With no steps, all of them but warm (which compiles every op's variants for both archs in
 # parallel; the checks and benches compile what they use on demand). BEFORE_TREE (default .before) is an older tree's python/, src/,
@@ -93,6 +93,23 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
         2>/dev/null | grep -E " opgraft " | head -2
     done
     note "moe configs benched"
+    ;;
+  fp8)  # the FP8 MoE stages alone and together, then Nsight Compute on each stage at 1 and 8 tokens
+    for m in Qwen3-30B-A3B:1 DeepSeek-V3:8; do
+      python3 -m opgraft.cli profile moe --model "${m%%:*}" --tp "${m#*:}" --dtype fp8-block --tokens 1,2,4,8 \
+        --json "$OUT/fp8-profile-${m%%:*}.json" 2>&1 | tail -13
+    done
+    if command -v ncu >/dev/null; then
+      for T in 1 8; do
+        timeout 120 ncu --clock-control none --kernel-name regex:moe_ --launch-skip 4 --launch-count 2 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+          --section LaunchStats --section InstructionStats --section ComputeWorkloadAnalysis \
+          python3 -m tools.ncu_moe Qwen3-30B-A3B "$T" fp8-block >"$OUT/ncu-fp8-T$T.txt" 2>&1
+        grep -E "moe_|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slots Busy|Executed Ipc A|L2 Hit" \
+          "$OUT/ncu-fp8-T$T.txt" | head -30
+      done
+    fi
+    note "fp8 profiled"
     ;;
   linear)
     python3 -m opgraft.cli bench linear --rows 1,4,8 --json "$OUT/linear_bench.json" 2>&1 | tail -40

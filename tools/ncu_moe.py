@@ -1,21 +1,22 @@
-"""One warmed-up MoE call at a preset's dims, for Nsight Compute:
+"""Warmed-up MoE calls at a preset's dims, for Nsight Compute:
     ncu --clock-control none --kernel-name regex:moe_ --launch-skip 2 --launch-count 2 \\
-        python3 bench/ncu_moe.py Mixtral-8x7B 1
+        python3 -m tools.ncu_moe Mixtral-8x7B 1 [bf16|fp16|fp8-block|fp8-tensor]
+Three calls, each after the bench's traffic between calls (64 MiB of other reads), so that the
+profiled kernels find the L2 as a decode step leaves it.
 """
 import sys
 
 import torch
 
-from opgraft.bench import moe as bench
+from opgraft.bench.moe import FP8_KINDS, Fixture, Fp8Fixture
 from opgraft.ops import moe as ops
 from opgraft.presets import resolve
 
 shape, T = resolve(sys.argv[1]), int(sys.argv[2])
-w13, w2 = bench.make_weights(shape, "bf16", "cuda")
-gen = torch.Generator(device="cuda").manual_seed(5)
-x = bench.make_x(T, shape.hidden, "bf16", "cuda", gen)
-tw, ids = bench.make_routing(T, shape.num_experts, shape.top_k, "cuda", gen)
-out = torch.empty_like(x)
-for _ in range(2):
-    ops.moe_experts_into(out, x, w13, w2, tw, ids)
+dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
+fx = (Fp8Fixture if dtype in FP8_KINDS else Fixture)(shape, T, dtype, n_routings=1)
+for _ in range(3):
+    if fx.between:
+        fx.between()
+    ops.moe_experts_into(fx.outs[0], fx.xs[0], fx.w13, fx.w2, *fx.routings[0], workspace=fx.ws, fp8=fx.scales[0])
 torch.cuda.synchronize()

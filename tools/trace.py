@@ -20,7 +20,7 @@ import statistics
 import sys
 
 KERNELS = ("gate_up", "down", "fused")
-SLOTS = {0: "start", 1: "routing set up", 2: "gate_up tiles done", 3: "released", 7: "end"}
+SLOTS = {0: "start", 1: "routing set up", 2: "gate_up tiles done", 3: "released", 5: "warp 0 k-loop done", 7: "end"}
 
 
 def _base(k: int, b: int, trace_blocks: int) -> int:
@@ -139,6 +139,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.trace", formatter_class=DefaultsHelp)
     ap.add_argument("--model", default="Qwen3-30B-A3B", help="a preset, a config.json or a model folder holding one")
     ap.add_argument("--tokens", type=int, default=1, help="tokens of the traced call")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp8-block", "fp8-tensor"], default="bf16",
+                    help="the weights' type (FP8: e4m3 weights, activations quantized beforehand)")
     ap.add_argument("--tp", type=int, default=1, help="one rank's shape under tensor parallelism")
     ap.add_argument("--configs", default="[{}]", help='JSON list of tunable settings, e.g. [{}, {"moe.pdl": 0}]')
     ap.add_argument("--reps", type=int, default=9, help="repetitions (after one dropped call that compiles)")
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
     import ctypes
 
     from opgraft import _lib
-    from opgraft.bench.moe import Fixture, configure
+    from opgraft.bench.moe import FP8_KINDS, Fixture, Fp8Fixture, configure
     from opgraft.ops import moe as ops
 
     def workspace_bytes(a):
@@ -184,8 +186,8 @@ def main(argv=None) -> int:
         _lib.check(_lib.lib().opgraft_moe_workspace_size(ctypes.byref(a), ctypes.byref(n)))
         return n.value
 
-    fx = Fixture(shape, args.tokens)
-    a = ops.moe_args(fx.xs[0], fx.w13, fx.w2, *fx.routings[0], fx.outs[0])
+    fx = (Fp8Fixture if args.dtype in FP8_KINDS else Fixture)(shape, args.tokens, args.dtype)
+    a = ops.moe_args(fx.xs[0], fx.w13, fx.w2, *fx.routings[0], fx.outs[0], fp8=fx.scales[0])
     with_trace = workspace_bytes(a)
     os.environ["OPGRAFT_TRACE"] = "0"
     plain = workspace_bytes(a)
@@ -202,7 +204,7 @@ def main(argv=None) -> int:
             region.zero_()
             if fx.between:
                 fx.between()
-            ops.moe_experts_into(fx.outs[0], fx.xs[0], fx.w13, fx.w2, *fx.routings[0], workspace=ws)
+            ops.moe_experts_into(fx.outs[0], fx.xs[0], fx.w13, fx.w2, *fx.routings[0], workspace=ws, fp8=fx.scales[0])
             torch.cuda.synchronize()
             times = region.view(torch.int64).cpu().tolist()
             runs.append((summarize(times, trace_blocks), per_sm(times, trace_blocks)))
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
                 raw.append(raw_records(times, trace_blocks))
         summary = combine([r[0] for r in runs[1:]])
         sms = combine_sm([r[1] for r in runs[1:]])
-        print(f"== {shape.name} T={args.tokens} {cfg}")
+        print(f"== {shape.name} {args.dtype} T={args.tokens} {cfg}")
         print(format_table(summary), flush=True)
         print("per SM:", json.dumps(sms), flush=True)
         results.append({"model": shape.name, "tokens": args.tokens, "config": cfg, "timeline_us": summary,

@@ -2,36 +2,30 @@
 // w2 [E, H, I], 128x128-style block scales or one scale per expert matrix) and the e4m3
 // activations with their scales that vLLM's prepare step hands TritonExperts.apply.
 //
-// Why e4m3 tensor cores and no conversion. Decode is memory-bound: at ~4.4 TB/s of 1-byte weights
-// an H200 SM must consume ~17 weights a cycle. Dequantizing e4m3 to bf16 in registers for the
-// bf16 MMA costs ~2.25 integer/half instructions a weight (LOP3/SHF per byte pair plus a bf16
-// multiply for the exponent bias; sm_90 converts e4m3 only to f16) and would keep the integer
-// pipe over half busy, on the bandwidth's critical path. mma.sync.m16n8k32 e4m3 (sm_89+) takes
-// the bytes as they are: the activations already arrive in e4m3 from vLLM, so no operand is ever
-// converted, and a k-step needs 4 MMAs and 16 FMAs for 2 KB of weights a warp.
+// The products. mma.sync.m16n8k32 e4m3 is Ada's (sm_89); sm_90 has FP8 tensor cores only in
+// wgmma, and ptxas turns an e4m3 mma.sync into F2FP conversions of both operands to f16 and two
+// m16n8k16 f16 MMAs (read in the SASS). gate_up keeps that form (its x arrives in e4m3 from
+// vLLM); down converts its weights itself and feeds the f16 intermediate as it is
+// (og_mma_e4m3_f16), so only the weights are ever converted there.
 //
-// Scales. Each MMA covers one 32-k step and starts from zero; its products are scaled into fp32
+// Scales. Each k-step's product covers 32 k and starts from zero; it is scaled into fp32
 // accumulators at once: block scales by (the weight block's scale, uniform over a tile that lies
 // in one block_n x block_k block) x (the activation scale of each column's token, per 1 x block_k
 // group: the lane's columns 2c and 2c+1), per-tensor scales in the epilogue. So the fp32 sums are
-// exact-scaled per step and the tensor core never accumulates e4m3 products over more than 32 k.
+// exact-scaled per step.
 //
 // Layout of the work (the bf16 kernels' structure, moe.cu, with their routing):
 //   moe_gate_up_fp8_<out>: one block per (used expert or routing slot, 32 rows of I). A lane
 //     loads 8 bytes of each of its 8 rows (gate g, g+8, g+16, g+24 and the up rows) a k-step and
 //     8 bytes of x; the block sums its warps in a fixed order, then one warp per (token, slot)
 //     pair scales act = w * silu(gate) * up by absmax / 448 of its 32 rows (vLLM's group scale,
-//     on groups of 32 rows instead of vLLM's 128) and writes it as two e4m3 terms, hi + lo / 16
-//     (og_e4m3_split): about 8 significant bits, near bf16's 9, where vLLM's TritonExperts feeds
-//     its second GEMM one e4m3 term (4 bits). 2 bytes an element, as bf16 would take.
+//     on groups of 32 rows instead of vLLM's 128) and writes it in f16: 11 significant bits, where
+//     vLLM's TritonExperts feeds its second GEMM one e4m3 term (4 bits).
 //   moe_down_fp8_<out>: one block per 16 rows of H; warps share the (used expert, I chunk) items;
-//     a 32-k step's group of act has one scale, so the step's two MMAs (hi, lo on the same
-//     weights) are scaled per column token.
-// Why 32-row gate_up tiles: the second GEMM's MMA takes 32 consecutive rows of I (one 8-byte
-// load a lane), so each group of act must have one scale over those 32 rows; a block of 32 rows
-// computes them all and needs no cross-block maximum. Why two e4m3 terms and not bf16: a bf16
-// intermediate would need the bf16 MMA and w2 converted in registers (the cost above); two e4m3
-// terms cost one more MMA a k-step, which the tensor cores have to spare.
+//     a 32-k step's group of act has one scale, so each step's product is scaled per column token.
+// Why 32-row gate_up tiles: down's k-step takes 32 consecutive rows of I, so each group of act
+// must have one scale over those 32 rows; a block of 32 rows computes them all and needs no
+// cross-block maximum.
 //
 // No atomics and fixed summation orders: the same inputs give the same bits every run. Paths:
 // routing by slot (OG_GU_SLOTS, OG_DOWN_WARP) or the general routing, OG_PDL / OG_DOWN_EARLY /

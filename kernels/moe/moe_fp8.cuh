@@ -1,5 +1,5 @@
 // What the FP8 MoE kernels (moe_fp8.cu) share: their compile-time scaling constants, 8-byte
-// loads, the e4m3 tensor-core product and the e4m3 rounding of the intermediate activation.
+// loads, the e4m3 tensor-core products and the f16 rounding of the intermediate activation.
 //
 // OG_SCALE 1: block scales, OG_BN x OG_BK weight blocks (vLLM's weight_block_size) and 1 x OG_BK
 // activation groups; OG_SCALE 2: one scale per expert matrix and one activation scale.
@@ -57,13 +57,6 @@ __device__ __forceinline__ og_vec2 og_load_operand8(const void *p) {
   return v;
 }
 
-// The intermediate activation, written by gate_up earlier on the stream: a plain (coherent) load.
-__device__ __forceinline__ og_vec2 og_load_coherent8(const void *p) {
-  og_vec2 v;
-  asm("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
 // The intermediate's scales, written by gate_up earlier on the stream (under programmatic
 // dependent launch, while moe_down may already run): a plain (coherent) load.
 __device__ __forceinline__ float og_load_coherent_f32(const float *p) {
@@ -85,33 +78,39 @@ __device__ __forceinline__ void og_mma_e4m3(float (&d)[4], const og_vec2 &r, con
       : "r"(r.x), "r"(r8.x), "r"(r.y), "r"(r8.y), "r"(b.x), "r"(b.y), "f"(0.f));
 }
 
-// v rounded to e4m3 (to nearest even, saturating at +-448), as its byte.
-__device__ __forceinline__ unsigned char og_e4m3(float v) {
+// Two e4m3 bytes (the low one first) as f16x2, exactly: e4m3 converts to f16 without rounding.
+__device__ __forceinline__ og_u32 og_e4m3x2_f16x2(og_u32 v16) {
+  og_u32 r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)v16));
+  return r;
+}
+
+// One 32-k step of 16 e4m3 weight rows times 8 f16 columns, fp32 result from zero: r and r8 are
+// rows g and g+8 as the 8 bytes a lane c loads at physical k = 8c..8c+7, b column g's 8 values
+// at the same k (a 16-byte load). Two m16n8k16 f16 MMAs: the first takes physical 8c..8c+3 as its
+// logical k 2c, 2c+1 (a0/a1/b0) and 8+2c, 9+2c (a2/a3/b1), the second 8c+4..8c+7 the same way; a
+// dot product does not depend on the order of k. sm_90 has no e4m3 mma.sync of its own (ptxas
+// turns one into these conversions and two f16 MMAs), so converting the weights here costs
+// nothing, and the f16 operand needs none. d as og_mma_e4m3's.
+__device__ __forceinline__ void og_mma_e4m3_f16(float (&d)[4], const og_vec2 &r, const og_vec2 &r8, const og_vec4 &b) {
+  const og_u32 a0 = og_e4m3x2_f16x2(r.x), a1 = og_e4m3x2_f16x2(r8.x), a2 = og_e4m3x2_f16x2(r.x >> 16),
+               a3 = og_e4m3x2_f16x2(r8.x >> 16);
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "f"(0.f));
+  const og_u32 c0 = og_e4m3x2_f16x2(r.y), c1 = og_e4m3x2_f16x2(r8.y), c2 = og_e4m3x2_f16x2(r.y >> 16),
+               c3 = og_e4m3x2_f16x2(r8.y >> 16);
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(b.z), "r"(b.w));
+}
+
+// v (|v| <= 448 here) as f16 bits, rounded to nearest even: 11 significant bits, bf16's 8 and
+// more, where vLLM's TritonExperts feeds its second GEMM one e4m3 term (4).
+__device__ __forceinline__ unsigned short og_f16_bits(float v) {
   unsigned short h;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.f), "f"(v));
-  return (unsigned char)(h & 0xffu);
-}
-
-// The value of an e4m3 byte (exact: e4m3 converts to f16 exactly).
-__device__ __forceinline__ float og_e4m3_value(unsigned char b) {
-  og_u32 h2;
-  float f;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)b));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h2 & 0xffffu)));
-  return f;
-}
-
-// The intermediate activation as two e4m3 terms on one scale: v = a / scale (|v| <= 448) is
-// hi = e4m3(v) plus lo = e4m3(16 * (v - hi)) / 16. v - hi is exact in fp32 (hi is v rounded,
-// within a factor 2 of it, or 0), |16 (v - hi)| <= |v| stays in range, and lo's own rounding
-// leaves an error of at most 2^-8 |v| (plus 2^-14 where lo is subnormal): about bf16's 2^-9,
-// where one e4m3 term (vLLM's intermediate) has 2^-4.
-struct og_e4m3_pair {
-  unsigned char hi, lo;
-};
-__device__ __forceinline__ og_e4m3_pair og_e4m3_split(float v) {
-  og_e4m3_pair q;
-  q.hi = og_e4m3(v);
-  q.lo = og_e4m3(16.f * (v - og_e4m3_value(q.hi)));
-  return q;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
 }

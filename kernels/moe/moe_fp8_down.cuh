@@ -1,23 +1,42 @@
 // The FP8 down stage: out[t, h] = sum over used experts e of W2[e][h, :] . act(t, e) for one tile
-// of 16 rows of H, e4m3 weights times each of the intermediate's two e4m3 terms, each k-step's
-// products scaled into fp32 accumulators that sum over experts.
+// of 16 rows of H, e4m3 weights times the f16 intermediate, each k-step's products scaled into
+// fp32 accumulators that sum over experts.
 #pragma once
 #include "moe_down.cuh"
 #include "moe_fp8.cuh"
 
-// down for one tile: 16 rows of H, summed over every used expert and token. The B operands of
-// token tile nt are act's two terms of the lane's token nt*8 + g for the item's expert (workspace
-// row src0), or zero: two MMAs on the same weights, hi + lo / 16; the accumulators of column 2c (2c+1) take the scale of that column's token, found by
-// shuffle from lane 8c (8c+4), which holds its row. A token that lists the expert twice has one
-// act row (og_fp8_write_act), its first slot's: src0. EARLY as in og_down_tile.
-// Both terms of act's workspace row `row` (or zeros for -1) at byte offset off.
-__device__ __forceinline__ void og_load_act2(const unsigned char *hi, const unsigned char *lo, int row, long long off,
-                                             og_vec2 &b, og_vec2 &bl) {
-  if (row >= 0) {
-    b = og_load_coherent8(hi + (long long)row * OG_I + off);
-    bl = og_load_coherent8(lo + (long long)row * OG_I + off);
-  } else {
-    b = bl = og_zero2();
+// down for one tile: 16 rows of H, summed over every used expert and token. The B operand of
+// token tile nt is act (f16) of the lane's token nt*8 + g for the item's expert (workspace row
+// src0), or zero; the accumulators of column 2c (2c+1) take the scale of that column's token,
+// found by shuffle from lane 8c (8c+4), which holds its row. A token that lists the expert twice
+// has one act row (og_fp8_write_act), its first slot's: src0. EARLY as in og_down_tile.
+// act's workspace row `row` (or zeros for -1), 8 values from element off.
+__device__ __forceinline__ og_vec4 og_load_act(const unsigned short *act, int row, long long off) {
+  if (row >= 0) return og_load_coherent(act + (long long)row * OG_I + off);
+  og_vec4 z;
+  z.x = z.y = z.z = z.w = 0u;
+  return z;
+}
+
+// The scales of k-step s: the weight block's (f[0]) and, for the lane's two accumulator columns
+// of each token tile, the column token's act scale (f[1 + 2 nt], f[2 + 2 nt]; 0 without a
+// token). Loaded with the step's operands where registers allow (OG_DOWN_HOIST) and multiplied
+// only where used: loaded next to their use, each k-step waited a round trip for its scales after
+// its MMAs were ready.
+#ifndef OG_DOWN_HOIST
+#define OG_DOWN_HOIST (OG_NT * OG_U2 <= 16 && OG_W2 <= 8)  // at 16 warps (128 registers) they would spill
+#endif
+__device__ __forceinline__ void og_fp8_col_scales(const og_moe_fp8_params &q, const float *ws, const int *col0,
+                                                  const int *col1, int s, float *f) {
+#if OG_SCALE == 1
+  f[0] = ws[((unsigned)s * 32u / OG_BK) * q.w2s_stride[2]];  // unsigned: the steps of one block share a load
+#else
+  f[0] = ws[0];
+#endif
+#pragma unroll
+  for (int nt = 0; nt < OG_NT; ++nt) {
+    f[1 + 2 * nt] = col0[nt] >= 0 ? og_load_coherent_f32(q.act_scale + (long long)col0[nt] * OG_AS + s) : 0.f;
+    f[2 + 2 * nt] = col1[nt] >= 0 ? og_load_coherent_f32(q.act_scale + (long long)col1[nt] * OG_AS + s) : 0.f;
   }
 }
 
@@ -33,7 +52,7 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
   const int nchunks = (steps + OG_U2 - 1) / OG_U2;
   const int items = r.nused * nchunks;
   const long long row8 = 8 * p.w2_rstride;
-  const unsigned char *act = (const unsigned char *)p.act, *act_lo = (const unsigned char *)q.act_lo;
+  const unsigned short *act = (const unsigned short *)p.act;
 
   float acc[OG_NT][4];
 #pragma unroll
@@ -63,7 +82,9 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
         col1[nt] = __shfl_sync(OG_FULL, src0[nt], 8 * c + 4);
       }
     }
-    og_vec2 a[OG_U2], a8[OG_U2], b[OG_U2][OG_NT], bl[OG_U2][OG_NT];
+    og_vec2 a[OG_U2], a8[OG_U2];
+    og_vec4 b[OG_U2][OG_NT];
+    float f[OG_U2][1 + 2 * OG_NT];  // the k-steps' scales (og_fp8_col_scales)
 #pragma unroll
     for (int u = 0; u < OG_U2; ++u) {
       const int s = ch * OG_U2 + u;
@@ -71,9 +92,11 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
         const long long off = (long long)(s * 32 + c * 8);
         a[u] = og_load_stream8<OG_DOWN_LOAD>(wrow + off);
         a8[u] = og_load_stream8<OG_DOWN_LOAD>(wrow + row8 + off);
-        if (!EARLY)
+        if (!EARLY) {
 #pragma unroll
-          for (int nt = 0; nt < OG_NT; ++nt) og_load_act2(act, act_lo, src0[nt], off, b[u][nt], bl[u][nt]);
+          for (int nt = 0; nt < OG_NT; ++nt) b[u][nt] = og_load_act(act, src0[nt], off);
+          if (OG_DOWN_HOIST) og_fp8_col_scales(q, ws, col0, col1, s, f[u]);
+        }
       }
     }
     if (EARLY) {  // act's loads after the wait (the first item's), after the weights' in any case
@@ -87,7 +110,8 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
         if (steps % OG_U2 == 0 || s < steps) {
           const long long off = (long long)(s * 32 + c * 8);
 #pragma unroll
-          for (int nt = 0; nt < OG_NT; ++nt) og_load_act2(act, act_lo, src0[nt], off, b[u][nt], bl[u][nt]);
+          for (int nt = 0; nt < OG_NT; ++nt) b[u][nt] = og_load_act(act, src0[nt], off);
+          if (OG_DOWN_HOIST) og_fp8_col_scales(q, ws, col0, col1, s, f[u]);
         }
       }
     }
@@ -95,27 +119,22 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
     for (int u = 0; u < OG_U2; ++u) {
       const int s = ch * OG_U2 + u;
       if (steps % OG_U2 == 0 || s < steps) {
-#if OG_SCALE == 1
-        const float w = ws[((s * 32) / OG_BK) * q.w2s_stride[2]];
-#else
-        const float w = ws[0];
-#endif
+        if (!OG_DOWN_HOIST) og_fp8_col_scales(q, ws, col0, col1, s, f[u]);
 #pragma unroll
         for (int nt = 0; nt < OG_NT; ++nt) {
           if (nt * 8 < T) {
-            const float f0 = col0[nt] >= 0 ? w * og_load_coherent_f32(q.act_scale + (long long)col0[nt] * OG_AS + s) : 0.f;
-            const float f1 = col1[nt] >= 0 ? w * og_load_coherent_f32(q.act_scale + (long long)col1[nt] * OG_AS + s) : 0.f;
-            float d[4], dl[4];
-            og_mma_e4m3(d, a[u], a8[u], b[u][nt]);
-            og_mma_e4m3(dl, a[u], a8[u], bl[u][nt]);
+            const float f0 = f[u][0] * f[u][1 + 2 * nt], f1 = f[u][0] * f[u][2 + 2 * nt];
+            float d[4];
+            og_mma_e4m3_f16(d, a[u], a8[u], b[u][nt]);
 #pragma unroll
-            for (int k = 0; k < 4; ++k) acc[nt][k] += fmaf(dl[k], 0.0625f, d[k]) * (k & 1 ? f1 : f0);
+            for (int k = 0; k < 4; ++k) acc[nt][k] = fmaf(d[k], k & 1 ? f1 : f0, acc[nt][k]);
           }
         }
       }
     }
   }
 
+  OG_TS(1, 5);
   if (EARLY) og_pdl_wait();  // warps without items: out may alias x, which gate_up reads
 #pragma unroll
   for (int nt = 0; nt < OG_NT; ++nt)

@@ -1,12 +1,10 @@
 // The FP8 gate/up stage: for one tile of 32 rows of I of one expert, act = w * silu(G x) * (U x)
-// as two e4m3 terms with one fp32 scale per (routing slot, tile), from e4m3 weights and
-// activations.
+// in f16 with one fp32 scale per (routing slot, tile), from e4m3 weights and activations.
 #pragma once
 #include "moe_fp8.cuh"
 
 // The epilogue for the pairs p0..p0+8*NT-1 of one tile: sums the W warps' gate and up partials in
-// warp order, applies the per-tensor scales, and writes act's two terms (og_e4m3_split) and its
-// scale. A warp takes one pair,
+// warp order, applies the per-tensor scales, and writes act (f16) and its scale. A warp takes one pair,
 // a lane one of its 32 rows (row r = lane: half r / 16, then row (r % 16) of the MMA tile). A
 // token that lists the expert more than once gets one act row, at its first such slot, with the
 // sum of those slots' router weights (in slot order): moe_down reads only that row.
@@ -41,12 +39,10 @@ __device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q, con
     float amax = fabsf(a);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(OG_FULL, amax, o));
-    // vLLM's group scale, max(absmax, 1e-10) / 448; a / scale in two e4m3 terms.
+    // vLLM's group scale, max(absmax, 1e-10) / 448; a / scale in f16 (the scale keeps f16 in
+    // range whatever the model's activations are).
     const float scale = fmaxf(amax, 1e-10f) / 448.f;
-    const og_e4m3_pair v = og_e4m3_split(a / scale);
-    const long long at = (long long)i * OG_I + tile * 32 + lane;
-    ((unsigned char *)p.act)[at] = v.hi;
-    ((unsigned char *)q.act_lo)[at] = v.lo;
+    ((unsigned short *)p.act)[(long long)i * OG_I + tile * 32 + lane] = og_f16_bits(a / scale);
     if (lane == 0) q.act_scale[(long long)i * OG_AS + tile] = scale;
   }
 }
@@ -162,6 +158,7 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
           s_red[warp][nt][hf][1][k][lane] = acc_u[nt][k];
         }
     }
+    OG_TS(0, 5);
     __syncthreads();
     og_fp8_write_act<W, NT>(q, s_red, s_pairs, npairs, p0, e, tile);
     __syncthreads();

@@ -7,11 +7,10 @@
 #include "moe_params.h"
 
 typedef struct og_moe_fp8_params {
-  og_moe_params b;          /* x, w13, w2 in e4m3; act: the workspace's [T*k, I] in e4m3 (first term) */
+  og_moe_params b;          /* x, w13, w2 in e4m3; act: the workspace's [T*k, I] in f16 */
   const float *x_scale;     /* OG_SCALE 1: [T, ceil(H/OG_BK)]; 2: [1] */
   const float *w13_scale;   /* 1: [E, 2*ceil(I/OG_BN), ceil(H/OG_BK)]; 2: [E] or [E, 2] */
   const float *w2_scale;    /* 1: [E, ceil(H/OG_BN), ceil(I/OG_BK)]; 2: [E] */
-  void *act_lo;             /* workspace: [T*k, I] in e4m3, the intermediate's second term */
   float *act_scale;         /* workspace: [T*k, I/32], one scale per slot and 32 rows of I */
   long long xs_stride[2];
   long long w13s_stride[3];

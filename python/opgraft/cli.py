@@ -621,30 +621,33 @@ def cmd_profile(args) -> int:
     if not ok:
         return _cpu_bench(shape, args.tokens, args.dtype, why, args.json)
     from . import bench
-    from .bench.moe import make_weights
+    from .bench.moe import FP8_KINDS, make_weights, make_weights_fp8
 
     ceiling = bench.measure_read_ceiling("cuda")
-    w13, w2 = make_weights(shape, args.dtype, "cuda")
+    weights = make_weights_fp8(shape, args.dtype, "cuda") if args.dtype in FP8_KINDS else make_weights(shape, args.dtype, "cuda")
     rows: list[dict] = []
     print(f"read ceiling {ceiling:.3f} TB/s; {shape.name} {args.dtype}")
     print(f"{'T':>3} {'stage':<8} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6}  verdict")
-    rc = _keep_rows("profile", lambda: _profile_rows(args, shape, ceiling, w13, w2, rows), rows)
+    rc = _keep_rows("profile", lambda: _profile_rows(args, shape, ceiling, weights, rows), rows)
     if args.json:
         failed = _write_json(args.json, {"gpu": bench.gpu_facts(), "rows": rows})
         rc = rc or failed
     return rc
 
 
-def _profile_rows(args, shape, ceiling, w13, w2, rows: list) -> None:
-    """Times each token count's stages; appends the rows and prints them as they come."""
-    from . import bench
-    from .bench.moe import Fixture
+def _profile_rows(args, shape, ceiling, weights, rows: list) -> None:
+    """Times each token count's stages; appends the rows and prints them as they come. weights:
+    (w13, w2), or make_weights_fp8's four tensors for the FP8 dtypes."""
+    from .bench.moe import FP8_KINDS, Fixture, Fp8Fixture
     from .ops import moe as ops
 
     for T in args.tokens:
-        fx = Fixture(shape, T, args.dtype, w13=w13, w2=w2)
+        if args.dtype in FP8_KINDS:
+            fx = Fp8Fixture(shape, T, args.dtype, weights=weights)
+        else:
+            fx = Fixture(shape, T, args.dtype, w13=weights[0], w2=weights[1])
         err = fx.check()
-        if err > bench.TOLERANCE[args.dtype]:
+        if err > fx.tolerance:
             print(f"{T:>3} kernel output wrong (rel err {err:.2e}): not profiled")
             continue
         b_all = fx.bytes
@@ -1004,7 +1007,8 @@ def main(argv=None) -> int:
     pr = profile_ops.add_parser("moe", help="MoE experts: gate/up and down stages")
     pr.add_argument("--model", default="Qwen3-30B-A3B", help=MODEL_HELP)
     pr.add_argument("--tokens", type=_parse_tokens, default="1,8", help=TOKENS_HELP)
-    pr.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="the weights' and activations' type")
+    pr.add_argument("--dtype", choices=["bf16", "fp16", *FP8_DTYPES], default="bf16",
+                    help="the weights' and activations' type (FP8: e4m3 weights, activations quantized beforehand)")
     pr.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: profile one rank's shape (I/tp)")
     pr.add_argument("--json", default=None, metavar="FILE", help="write the rows to FILE (default: no file)")
     pr.set_defaults(fn=cmd_profile)

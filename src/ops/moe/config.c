@@ -35,7 +35,7 @@ static void config_shared(const opgraft_moe_args *a, int32_t arch, const char *g
  * (no cooperative one), routing by slot for calls of up to 32 routing slots (one token included),
  * else the general routing. gate_up's tiles are 32 rows of I, a half (16 rows) a pass over H,
  * its k-steps 4 weight loads of 8 bytes a lane; down's k-steps 2 weight loads of 8 bytes and
- * act's two e4m3 terms a token tile. */
+ * 16 bytes of act (f16) a token tile. */
 static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu, const char *shape,
                        og_moe_cfg *c) {
   const int32_t T = (int32_t)a->num_tokens;

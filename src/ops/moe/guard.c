@@ -182,15 +182,13 @@ int32_t opgraft_moe_supports(const opgraft_moe_args *args, char *reason, size_t 
 
 static size_t pad256(size_t n) { return (n + 255u) & ~(size_t)255u; }
 
-size_t opgraft__moe_act_lo_offset(const opgraft_moe_args *a) {
-  return pad256((size_t)a->num_tokens * (size_t)a->top_k * (size_t)a->inter);
+size_t opgraft__moe_act_scale_offset(const opgraft_moe_args *a) {
+  return pad256((size_t)a->num_tokens * (size_t)a->top_k * (size_t)a->inter * 2u);
 }
-
-size_t opgraft__moe_act_scale_offset(const opgraft_moe_args *a) { return 2 * opgraft__moe_act_lo_offset(a); }
 
 size_t opgraft__moe_act_bytes(const opgraft_moe_args *a) {
   const size_t slots = (size_t)a->num_tokens * (size_t)a->top_k;
-  /* FP8 weights: act's two e4m3 terms, then one fp32 scale per slot and 32 rows of I. */
+  /* FP8 weights: act in f16, then one fp32 scale per slot and 32 rows of I. */
   if (opgraft__moe_is_fp8(a)) return opgraft__moe_act_scale_offset(a) + pad256(slots * (size_t)(a->inter / 32) * 4u);
   return pad256(slots * (size_t)a->inter * 2u);
 }
@@ -200,7 +198,7 @@ int32_t opgraft_moe_workspace_size(const opgraft_moe_args *a, size_t *bytes) {
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: bad arguments");
   if (a->num_tokens < 0 || a->top_k < 0 || a->inter < 0)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_workspace_size: negative size");
-  /* act: [T*k, I] in the activation dtype (FP8 weights: two e4m3 terms, then scales), padded to 256
+  /* act: [T*k, I] in the activation dtype (FP8 weights: f16, then scales), padded to 256
    * bytes, then 256 bytes for the fused kernel's barrier counter. */
   *bytes = opgraft__moe_act_bytes(a) + 256u + (opgraft__moe_trace_on() ? opgraft__moe_trace_bytes(a) : 0u);
   return OPGRAFT_OK;

@@ -131,10 +131,7 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_moe_plan *plan, og_mo
   const size_t act = opgraft__moe_act_bytes(a);
   og_moe_params *p = &f->b;
   p->act = workspace;
-  if (opgraft__moe_is_fp8(a)) {
-    f->act_lo = (char *)workspace + opgraft__moe_act_lo_offset(a);
-    f->act_scale = (float *)((char *)workspace + opgraft__moe_act_scale_offset(a));
-  }
+  if (opgraft__moe_is_fp8(a)) f->act_scale = (float *)((char *)workspace + opgraft__moe_act_scale_offset(a));
   if (plan->cfg.trace) p->trace = (unsigned long long *)((char *)workspace + act + 256u);
   void *params[] = {opgraft__moe_is_fp8(a) ? (void *)f : (void *)p};
   int32_t st;

@@ -36,10 +36,9 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
                                   char *reason, size_t reason_len);
 /* The pointer checks every run repeats (alignment, NULL), as a reason. */
 int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, size_t reason_len);
-/* The workspace's act region (FP8 weights: act's first e4m3 term, its second from
- * opgraft__moe_act_lo_offset on, its scales from opgraft__moe_act_scale_offset on). */
+/* The workspace's act region (FP8 weights: act in f16, its scales from
+ * opgraft__moe_act_scale_offset on). */
 size_t opgraft__moe_act_bytes(const opgraft_moe_args *a);
-size_t opgraft__moe_act_lo_offset(const opgraft_moe_args *a);
 size_t opgraft__moe_act_scale_offset(const opgraft_moe_args *a);
 /* OPGRAFT_TRACE: per-block phase times after the workspace's counter area (a diagnostic). */
 int opgraft__moe_trace_on(void);
