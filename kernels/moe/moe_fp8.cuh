@@ -19,6 +19,22 @@
 #elif OG_SCALE != 2
 #error "OG_SCALE must be 1 (block) or 2 (per-tensor)"
 #endif
+// The k of a k-step of gate_up and of down: 32 (8 bytes of a weight row a lane) or 64 (16 bytes).
+#ifndef OG_GU_KS
+#define OG_GU_KS 32
+#endif
+#ifndef OG_DOWN_KS
+#define OG_DOWN_KS 32
+#endif
+#if (OG_GU_KS != 32 && OG_GU_KS != 64) || (OG_DOWN_KS != 32 && OG_DOWN_KS != 64)
+#error "OG_GU_KS and OG_DOWN_KS are 32 or 64"
+#endif
+#if OG_SCALE == 1 && ((OG_GU_KS == 64 || OG_DOWN_KS == 64) && OG_BK % 64 != 0)
+#error "64-k steps need weight blocks of a multiple of 64 in k"
+#endif
+#if (OG_GU_KS == 64 && OG_H % 64 != 0) || (OG_DOWN_KS == 64 && OG_I % 64 != 0)
+#error "64-k steps need H (gate_up) or I (down) to be a multiple of 64"
+#endif
 // The intermediate activation's groups: one fp32 scale per routing slot and 32 rows of I.
 #define OG_AS (OG_I / 32)
 
@@ -85,20 +101,27 @@ __device__ __forceinline__ og_u32 og_e4m3x2_f16x2(og_u32 v16) {
   return r;
 }
 
-// One 32-k step of 16 e4m3 weight rows times 8 f16 columns, fp32 result from zero: r and r8 are
-// rows g and g+8 as the 8 bytes a lane c loads at physical k = 8c..8c+7, b column g's 8 values
-// at the same k (a 16-byte load). Two m16n8k16 f16 MMAs: the first takes physical 8c..8c+3 as its
-// logical k 2c, 2c+1 (a0/a1/b0) and 8+2c, 9+2c (a2/a3/b1), the second 8c+4..8c+7 the same way; a
-// dot product does not depend on the order of k. sm_90 has no e4m3 mma.sync of its own (ptxas
-// turns one into these conversions and two f16 MMAs), so converting the weights here costs
-// nothing, and the f16 operand needs none. d as og_mma_e4m3's.
+// One 32-k step of 16 e4m3 weight rows times 8 f16 columns, fp32 result from zero (ACC false)
+// or added to d: r and r8 are rows g and g+8 as the 8 bytes a lane c loads at physical k =
+// 8c..8c+7, b column g's 8 values at the same k (a 16-byte load). Two m16n8k16 f16 MMAs: the
+// first takes physical 8c..8c+3 as its logical k 2c, 2c+1 (a0/a1/b0) and 8+2c, 9+2c (a2/a3/b1),
+// the second 8c+4..8c+7 the same way; a dot product does not depend on the order of k. sm_90 has
+// no e4m3 mma.sync of its own (ptxas turns one into these conversions and two f16 MMAs), so
+// converting the weights here costs nothing. d as og_mma_e4m3's.
+template <bool ACC = false>
 __device__ __forceinline__ void og_mma_e4m3_f16(float (&d)[4], const og_vec2 &r, const og_vec2 &r8, const og_vec4 &b) {
   const og_u32 a0 = og_e4m3x2_f16x2(r.x), a1 = og_e4m3x2_f16x2(r8.x), a2 = og_e4m3x2_f16x2(r.x >> 16),
                a3 = og_e4m3x2_f16x2(r8.x >> 16);
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "f"(0.f));
+  if (ACC)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "f"(0.f));
   const og_u32 c0 = og_e4m3x2_f16x2(r.y), c1 = og_e4m3x2_f16x2(r8.y), c2 = og_e4m3x2_f16x2(r.y >> 16),
                c3 = og_e4m3x2_f16x2(r8.y >> 16);
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
@@ -106,6 +129,66 @@ __device__ __forceinline__ void og_mma_e4m3_f16(float (&d)[4], const og_vec2 &r,
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(b.z), "r"(b.w));
 }
+
+// 8 e4m3 bytes (x then y, low byte first) as 8 f16.
+__device__ __forceinline__ og_vec4 og_e4m3x8_f16(og_u32 x, og_u32 y) {
+  og_vec4 v;
+  v.x = og_e4m3x2_f16x2(x), v.y = og_e4m3x2_f16x2(x >> 16), v.z = og_e4m3x2_f16x2(y), v.w = og_e4m3x2_f16x2(y >> 16);
+  return v;
+}
+
+// A k-step of 64 (OG_GU_KS / OG_DOWN_KS 64): a lane loads 16 bytes of each weight row, physical k
+// 16c..16c+15, and the B values of the same k; the step is two of og_mma_e4m3_f16's 8-byte halves
+// (16c..16c+7, then 16c+8..16c+15), together every k of the 64 once. Half the load instructions
+// of 32-k steps for the same bytes: on the H200 the FP8 stages took as long as the bf16 ones
+// for half the bytes, the same count of (half as wide) loads in flight (bench/NOTES.md, v23).
+struct og_vec8 {
+  og_vec4 lo, hi;  // 16 f16: physical k 16c..16c+7, 16c+8..16c+15
+};
+__device__ __forceinline__ void og_mma_k64_f16(float (&d)[4], const og_vec4 &r, const og_vec4 &r8, const og_vec8 &b) {
+  og_vec2 r0, r80, r1, r81;
+  r0.x = r.x, r0.y = r.y, r80.x = r8.x, r80.y = r8.y;
+  r1.x = r.z, r1.y = r.w, r81.x = r8.z, r81.y = r8.w;
+  og_mma_e4m3_f16<false>(d, r0, r80, b.lo);
+  og_mma_e4m3_f16<true>(d, r1, r81, b.hi);
+}
+
+// The k-step product of the two stages' operand forms: 32 k of e4m3 x e4m3 (og_mma_e4m3), or 64
+// k of e4m3 weights times 16 e4m3 (gate_up's x) or f16 values (down's act).
+__device__ __forceinline__ void og_mma_step(float (&d)[4], const og_vec2 &r, const og_vec2 &r8, const og_vec2 &b) {
+  og_mma_e4m3(d, r, r8, b);
+}
+__device__ __forceinline__ void og_mma_step(float (&d)[4], const og_vec4 &r, const og_vec4 &r8, const og_vec4 &b) {
+  og_vec8 f;
+  f.lo = og_e4m3x8_f16(b.x, b.y), f.hi = og_e4m3x8_f16(b.z, b.w);
+  og_mma_k64_f16(d, r, r8, f);
+}
+__device__ __forceinline__ void og_mma_step(float (&d)[4], const og_vec2 &r, const og_vec2 &r8, const og_vec4 &b) {
+  og_mma_e4m3_f16(d, r, r8, b);
+}
+__device__ __forceinline__ void og_mma_step(float (&d)[4], const og_vec4 &r, const og_vec4 &r8, const og_vec8 &b) {
+  og_mma_k64_f16(d, r, r8, b);
+}
+
+// A lane's weight bytes of a row a k-step (8 or 16), loaded in og_load_stream's forms.
+template <int KS>
+struct og_kstep;
+template <>
+struct og_kstep<32> {
+  typedef og_vec2 w;
+  template <int FORM>
+  __device__ __forceinline__ static w load(const void *p) { return og_load_stream8<FORM>(p); }
+  __device__ __forceinline__ static w operand(const void *p) { return og_load_operand8(p); }
+  __device__ __forceinline__ static w zero() { return og_zero2(); }
+};
+template <>
+struct og_kstep<64> {
+  typedef og_vec4 w;
+  template <int FORM>
+  __device__ __forceinline__ static w load(const void *p) { return og_load_stream<FORM>(p); }
+  __device__ __forceinline__ static w operand(const void *p) { return og_load_shared_operand(p); }
+  __device__ __forceinline__ static w zero() { return og_zero4(); }
+};
 
 // v (|v| <= 448 here) as f16 bits, rounded to nearest even: 11 significant bits, bf16's 8 and
 // more, where vLLM's TritonExperts feeds its second GEMM one e4m3 term (4).

@@ -49,12 +49,12 @@ __device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q, con
 
 // gate_up over one tile of expert e for its npairs (token, slot) pairs s_pairs[0..npairs): NT
 // 8-pair MMA tiles a pass (an expert with more pairs, only where a token lists it more than once,
-// takes more passes), U k-steps of loads in flight a warp, W warps splitting H. The tile's two
-// halves (rows 0-15 and 16-31 of the 32) are two passes over H, so that only one half's
-// accumulators and operands are in registers. Each k-step's products are scaled into the fp32
-// accumulators at once (block scales: the weight block's scale times each column token's
-// activation scale; per-tensor scales: in the epilogue), so no e4m3 product is ever accumulated
-// over more than 32 k inside the tensor core.
+// takes more passes), U k-steps (OG_GU_KS k each: a lane's 8 or 16 bytes of a row) of loads in
+// flight a warp, W warps splitting H. The tile's two halves (rows 0-15 and 16-31 of the 32) are
+// two passes over H, so that only one half's accumulators and operands are in registers. Each
+// k-step's products are scaled into the fp32 accumulators at once (block scales: the weight
+// block's scale times each column token's activation scale; per-tensor scales: in the
+// epilogue), so no product is accumulated over more than one k-step inside the tensor core.
 template <int W, int NT, int U>
 __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e, int tile, const int *s_pairs,
                                                int npairs, float (*s_red)[NT][2][2][4][32]) {
@@ -63,7 +63,8 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
   const int g = lane >> 2, c = lane & 3;
   const long long rs = p.w13_rstride;
   const long long up_off = (long long)OG_I * rs;
-  const int steps = OG_H / 32;
+  typedef og_kstep<OG_GU_KS> K;
+  const int steps = OG_H / OG_GU_KS;
 #if OG_SCALE == 1
   const float *wsg = q.w13_scale + e * q.w13s_stride[0] + (long long)((tile * 32) / OG_BN) * q.w13s_stride[1];
   const float *wsu = q.w13_scale + e * q.w13s_stride[0] + (long long)(OG_IB + (tile * 32) / OG_BN) * q.w13s_stride[1];
@@ -94,20 +95,20 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
         for (int k = 0; k < 4; ++k) acc_g[nt][k] = acc_u[nt][k] = 0.f;
 
       for (int s0 = warp * U; s0 < steps; s0 += W * U) {
-        og_vec2 a[U][4], bx[U][NT];  // a[.]: gate rows g, g+8 of the half, then up rows g, g+8
+        typename K::w a[U][4], bx[U][NT];  // a[.]: gate rows g, g+8 of the half, then up rows g, g+8
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int s = s0 + u;
           if (steps % (W * U) == 0 || s < steps) {
-            const long long off = (long long)(s * 32 + c * 8);
-            a[u][0] = og_load_stream8<OG_LOAD>(wg + off);
-            a[u][1] = og_load_stream8<OG_LOAD>(wg + 8 * rs + off);
-            a[u][2] = og_load_stream8<OG_LOAD>(wg + up_off + off);
-            a[u][3] = og_load_stream8<OG_LOAD>(wg + up_off + 8 * rs + off);
+            const long long off = (long long)(s * OG_GU_KS + c * (OG_GU_KS / 4));
+            a[u][0] = K::template load<OG_LOAD>(wg + off);
+            a[u][1] = K::template load<OG_LOAD>(wg + 8 * rs + off);
+            a[u][2] = K::template load<OG_LOAD>(wg + up_off + off);
+            a[u][3] = K::template load<OG_LOAD>(wg + up_off + 8 * rs + off);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
-              bx[u][nt] = xoff[nt] >= 0 ? og_load_operand8((const char *)p.x + (long long)xoff[nt] * p.x_stride + off)
-                                        : og_zero2();
+              bx[u][nt] = xoff[nt] >= 0 ? K::operand((const char *)p.x + (long long)xoff[nt] * p.x_stride + off)
+                                        : K::zero();
           }
         }
         // The scale factors of the lane's two columns for gate and up, reloaded where a step
@@ -119,7 +120,7 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
           const int s = s0 + u;
           if (steps % (W * U) == 0 || s < steps) {
 #if OG_SCALE == 1
-            constexpr int SPB = OG_BK / 32;
+            constexpr int SPB = OG_BK / OG_GU_KS;  // k-steps a weight block
             const bool fresh = u == 0 || (SPB % U == 0 || U % SPB == 0 ? u % SPB == 0 : s % SPB == 0);
             if (fresh) {
               const int kb = s / SPB;
@@ -139,10 +140,10 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
             for (int nt = 0; nt < NT; ++nt) {
               if (p0 + nt * 8 < npairs) {
                 float d[4];
-                og_mma_e4m3(d, a[u][0], a[u][1], bx[u][nt]);
+                og_mma_step(d, a[u][0], a[u][1], bx[u][nt]);
                 acc_g[nt][0] += d[0] * fg0[nt], acc_g[nt][1] += d[1] * fg1[nt];
                 acc_g[nt][2] += d[2] * fg0[nt], acc_g[nt][3] += d[3] * fg1[nt];
-                og_mma_e4m3(d, a[u][2], a[u][3], bx[u][nt]);
+                og_mma_step(d, a[u][2], a[u][3], bx[u][nt]);
                 acc_u[nt][0] += d[0] * fu0[nt], acc_u[nt][1] += d[1] * fu1[nt];
                 acc_u[nt][2] += d[2] * fu0[nt], acc_u[nt][3] += d[3] * fu1[nt];
               }

@@ -666,6 +666,8 @@ def _profile_rows(args, shape, ceiling, weights, rows: list) -> None:
 # Keys the FP8 MoE kernels do not read (they have no cooperative kernel, no one-token paths and
 # one gate_up token pass): the tuner skips them for the FP8 dtypes.
 _FP8_UNUSED = ("moe.fused", "moe.gate_up.nt", "moe.gate_up.one_token", "moe.down.one_token")
+# Keys only the FP8 kernels read: the tuner skips them for bf16 and fp16.
+_FP8_ONLY = ("moe.fp8_kstep",)
 
 
 def _tune_fixtures(args, shape=None):
@@ -715,8 +717,9 @@ def _tune_fixtures(args, shape=None):
 
 def _tune_space(args) -> dict:
     space = _lib.tune_space(args.op)
-    if args.op == "moe" and args.dtype.startswith("fp8"):
-        space = {k: v for k, v in space.items() if k not in _FP8_UNUSED}
+    if args.op == "moe":
+        skip = _FP8_UNUSED if args.dtype.startswith("fp8") else _FP8_ONLY
+        space = {k: v for k, v in space.items() if k not in skip}
     if args.keys:
         unknown = [k for k in args.keys if k not in space]
         if unknown:

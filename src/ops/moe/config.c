@@ -34,12 +34,18 @@ static void config_shared(const opgraft_moe_args *a, int32_t arch, const char *g
  * ("moe:fp8block:..." / "moe:fp8tensor:..."), for the paths the FP8 kernels have: two kernels
  * (no cooperative one), routing by slot for calls of up to 32 routing slots (one token included),
  * else the general routing. gate_up's tiles are 32 rows of I, a half (16 rows) a pass over H,
- * its k-steps 4 weight loads of 8 bytes a lane; down's k-steps 2 weight loads of 8 bytes and
- * 16 bytes of act (f16) a token tile. */
+ * its k-steps 4 weight loads of 16 bytes a lane (8 where 64-k steps do not fit); down's k-steps
+ * 2 weight loads of 16 bytes and 32 bytes of act (f16) a token tile (8 and 16). */
 static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu, const char *shape,
                        og_moe_cfg *c) {
   const int32_t T = (int32_t)a->num_tokens;
   c->gu_nt = c->nt;
+  /* 64-k steps (16-byte weight loads) where the k dimension and the weight blocks' k divide by 64
+   * (the activations' 1 x block_k groups then hold whole steps too). */
+  const int ks = (int)opgraft__tune_value("moe.fp8_kstep", arch, gpu, shape, T) == 32 ? 32 : 64;
+  const int bk_ok = a->scale_layout != OPGRAFT_MOE_SCALE_BLOCK || a->block_k % 64 == 0;
+  c->gu_ks = ks == 64 && bk_ok && a->hidden % 64 == 0 ? 64 : 32;
+  c->down_ks = ks == 64 && bk_ok && a->inter % 64 == 0 ? 64 : 32;
   while (c->w1 > 1 && c->w1 * c->nt > 16) c->w1 /= 2; /* 2 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   if (c->nt >= 2 && c->w1 > 8) c->w1 = 8; /* 16 warps cap a thread at 128 registers */
@@ -52,18 +58,19 @@ static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   /* Accumulators plus the operands of the k-steps in flight, in registers a thread; where the
    * minimum caps a thread at 128 registers, at most 6 k-steps (8 reach 128 and spill on some
    * shapes). */
-  while (c->u1 > 1 && 8 * c->nt + c->u1 * (8 + 2 * c->nt) > 96) c->u1--;
-  if (c->gu_min_blocks * c->w1 >= 16 && c->u1 > 6) c->u1 = 6;
+  const int q1 = c->gu_ks / 32, q2 = c->down_ks / 32; /* a k-step's registers, in 32-k steps' */
+  while (c->u1 > 1 && 8 * c->nt + c->u1 * q1 * (8 + 2 * c->nt) > 96) c->u1--;
+  if (c->gu_min_blocks * c->w1 >= 16 && c->u1 * q1 > 6) c->u1 = 6 / q1;
   /* An unroll that splits H's k-steps evenly over the warps needs no bounds checks (fewer
    * registers) and gives every warp the same steps. */
   for (int u = c->u1; u * 2 > c->u1; --u)
-    if ((a->hidden / 32) % (c->w1 * u) == 0) {
+    if ((a->hidden / c->gu_ks) % (c->w1 * u) == 0) {
       c->u1 = u;
       break;
     }
-  while (c->u2 > 1 && 4 * c->nt + c->u2 * (4 + 4 * c->nt) > 72) c->u2--; /* act: two terms */
+  while (c->u2 > 1 && 4 * c->nt + c->u2 * q2 * (4 + 4 * c->nt) > 72) c->u2--; /* act: 16 bytes a 32-k step */
   for (int u = c->u2; u * 2 > c->u2; --u) /* chunks of whole k-steps over I, likewise */
-    if ((a->inter / 32) % u == 0) {
+    if ((a->inter / c->down_ks) % u == 0) {
       c->u2 = u;
       break;
     }
@@ -147,6 +154,8 @@ int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_
     OG_OPT("-DOG_SCALE=%d", block ? 1 : 2);
     OG_OPT("-DOG_BN=%d", block ? a->block_n : 0);
     OG_OPT("-DOG_BK=%d", block ? a->block_k : 0);
+    OG_OPT("-DOG_GU_KS=%d", c->gu_ks);
+    OG_OPT("-DOG_DOWN_KS=%d", c->down_ks);
   }
 #undef OG_OPT
   return opgraft__opts_check(o, "MoE");

@@ -29,6 +29,8 @@ static const og_tunable tunables[] = {
     {"moe.pdl_in", 0, 1, 0, "0 1"},
     {"moe.load", 1, 4, 4, "4 1"},
     {"moe.down_load", 1, 4, 1, "1 4"},
+    /* FP8 weights: the k of a k-step (64: 16-byte weight loads, where the shape allows). */
+    {"moe.fp8_kstep", 32, 64, 64, "64 32"},
     /* FP8 weights taken (1) or handed back (0); also OPGRAFT_MOE_FP8=0. A switch, not tuned. */
     {"moe.fp8", 0, 1, 0, NULL},
 };
