@@ -448,12 +448,13 @@ def profile_diff(base: dict, other: dict, top: int = 10) -> dict:
             "kernels": rows[:top]}
 
 
-def compilation_config(capture: list[int], tp: int, env) -> dict:
+def compilation_config(capture: list[int] | None, tp: int, env) -> dict:
     """vLLM's compilation_config for a setting. With tensor parallelism on a host that turns NVLink
     multicast off (NCCL_NVLS_ENABLE=0), vLLM's all-reduce + RMSNorm fusion is off too: it runs
     FlashInfer's all-reduce, whose backend vLLM picks by itself and which on an H200 pair picked
-    a multicast one ("mnnvl") and failed with an illegal address. Same for every setting."""
-    cfg: dict = {"cudagraph_capture_sizes": capture}
+    a multicast one ("mnnvl") and failed with an illegal address. Same for every setting. capture
+    None: vLLM's own capture sizes (up to 512 by default)."""
+    cfg: dict = {} if capture is None else {"cudagraph_capture_sizes": capture}
     if tp > 1 and _multicast_off(env):
         cfg["pass_config"] = {"fuse_allreduce_rms": False}
     return cfg
@@ -504,7 +505,8 @@ def run(args) -> int:
     result.update(vllm=vllm.__version__, torch=torch.__version__,
                   gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
     batches = sorted(set(args.batches))
-    capture = sorted({c for c in (1, 2, 4, 8, 16, 32) if c <= max(batches)} | set(batches))
+    capture = None if args.capture == "vllm" else sorted({c for c in (1, 2, 4, 8, 16, 32) if c <= max(batches)} |
+                                                          set(batches))
     llm = LLM(model=write_model_dir(cfg, model_dir_for(cfg)), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", seed=0, max_model_len=args.input_len + args.output_len + 8,
               max_num_seqs=max(batches), gpu_memory_utilization=args.gpu_memory_utilization,
@@ -795,7 +797,8 @@ def study(args) -> int:
                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                "--reps", str(args.reps), "--init-std", str(args.init_std),
                "--profile-steps", str(args.profile_steps), *(["--profile-host"] if args.profile_host else []),
-               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp),
+               "--capture", args.capture]
         if args.expert_parallel:
             cmd.append("--expert-parallel")
         if os.path.exists(path):  # a previous study's result must not stand in for this one's
@@ -850,6 +853,9 @@ def main(argv=None) -> int:
                             "(self CPU time op by op, compared between settings)")
         p.add_argument("--init-std", type=float, default=0.02,
                        help="re-initialize the dummy weights as N(0, std^2) (0: keep vLLM's)")
+        p.add_argument("--capture", choices=["study", "vllm"], default="study",
+                       help="CUDA-graph capture sizes: the study's (1, 2, 4, ... up to the largest batch) or vLLM's own "
+                            "default list (up to 512, captured from the largest down, as `vllm serve` does)")
 
     r = sub.add_parser("run", help="one setting, in this process", **with_defaults)
     common(r)

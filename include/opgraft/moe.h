@@ -32,10 +32,10 @@ extern "C" {
  *   process_weights_after_loading) and w2_scale[e * s0], and one dynamic activation scale
  *   hidden_scale[0] (scaled_fp8_quant's per-tensor scale of the call's hidden states).
  *   Scale strides are in elements, non-negative, of any layout (DeepGEMM's transposed scales too).
- *   dtype is then the output's (bf16 or fp16). The intermediate silu(gate) * up * w is kept as
- *   two e4m3 terms (hi + lo / 16, about 8 significant bits) on one fp32 scale per (token, slot)
- *   and 32 consecutive rows of I, where vLLM's TritonExperts quantizes it to one e4m3 term per
- *   1x128 group (block) or per tensor: more precise. With FP8 weights
+ *   dtype is then the output's (bf16 or fp16). The intermediate silu(gate) * up * w is kept in
+ *   f16 (11 significant bits) on one fp32 scale per (token, slot) and 16 consecutive rows of I,
+ *   where vLLM's TritonExperts quantizes it to one e4m3 term per 1x128 group (block) or per
+ *   tensor: more precise. With FP8 weights
  *   apply_router_weight_on_input is refused.
  * ------------------------------------------------------------------------------------------- */
 typedef enum {

@@ -15,17 +15,19 @@
 // exact-scaled per step.
 //
 // Layout of the work (the bf16 kernels' structure, moe.cu, with their routing):
-//   moe_gate_up_fp8_<out>: one block per (used expert or routing slot, 32 rows of I). A lane
-//     loads 8 bytes of each of its 8 rows (gate g, g+8, g+16, g+24 and the up rows) a k-step and
-//     8 bytes of x; the block sums its warps in a fixed order, then one warp per (token, slot)
-//     pair scales act = w * silu(gate) * up by absmax / 448 of its 32 rows (vLLM's group scale,
-//     on groups of 32 rows instead of vLLM's 128) and writes it in f16: 11 significant bits, where
-//     vLLM's TritonExperts feeds its second GEMM one e4m3 term (4 bits).
+//   moe_gate_up_fp8_<out>: one block per (used expert or routing slot, 16 or 32 rows of I,
+//     OG_GU_ROWS). A lane loads 8 or 16 bytes (OG_GU_KS) of each of its 4 rows of a pass (gate g,
+//     g+8 and the up rows) a k-step and as many of x; the block sums its warps in a fixed order,
+//     then one warp per (token, slot) pair scales act = w * silu(gate) * up by absmax / 448 of
+//     each 16 rows (vLLM's group scale, on groups of 16 rows instead of vLLM's 128) and writes it
+//     in f16: 11 significant bits, where vLLM's TritonExperts feeds its second GEMM one e4m3 term
+//     (4 bits).
 //   moe_down_fp8_<out>: one block per 16 rows of H; warps share the (used expert, I chunk) items;
-//     a 32-k step's group of act has one scale, so each step's product is scaled per column token.
-// Why 32-row gate_up tiles: down's k-step takes 32 consecutive rows of I, so each group of act
-// must have one scale over those 32 rows; a block of 32 rows computes them all and needs no
-// cross-block maximum.
+//     a lane's k of a step lie in one group of act, whose scale over its slot's largest scales
+//     the lane's act values; the step's product takes the largest and the weight block's scale.
+// Why groups of 16 rows: a gate_up block computes every group it writes (no cross-block
+// maximum), and 16-row tiles give twice the blocks of 32-row ones: the 192 blocks of a
+// one-token Qwen3-30B-A3B call filled 132 SMs unevenly (60 with two blocks, 72 with one).
 //
 // No atomics and fixed summation orders: the same inputs give the same bits every run. Paths:
 // routing by slot (OG_GU_SLOTS, OG_DOWN_WARP) or the general routing, OG_PDL / OG_DOWN_EARLY /
@@ -38,7 +40,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
   const og_moe_params &p = q.b;
   __shared__ int s_pairs[OG_MAXPAIRS];
   __shared__ int s_npairs;
-  __shared__ float s_red[OG_W1][OG_NT][2][2][4][32];
+  __shared__ float s_red[OG_W1][OG_NT][OG_GU_HALVES][2][4][32];
   OG_TS(0, 0);
 #if OG_PDL_IN
   og_pdl_wait();  // the previous kernel's results (routing, x) are complete and visible
@@ -46,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
 #if OG_PDL
   og_pdl_launch_dependents();  // moe_down may take the SMs of blocks that finish
 #endif
-  const int tiles = OG_I / 32;
+  const int tiles = OG_I / OG_GU_ROWS;
 #if OG_GU_SLOTS
   __shared__ int s_e;
   const int i = blockIdx.x / tiles;  // the routing slot
@@ -68,7 +70,11 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
   OG_TS(0, 7);
 }
 
-extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
+// down's launch bounds: with no minimum ptxas compiled the 64-k steps at an unroll of 2 to 64
+// registers and spilled; a minimum of 1 there (elsewhere it cost DeepSeek-V3/tp8's 448-block
+// grid 15% on the H200).
+#define OG_DOWN_BOUND (OG_DOWN_MIN > 0 ? OG_DOWN_MIN : OG_DOWN_KS == 64 && OG_U2 <= 2 ? 1 : 0)
+extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_BOUND)
     OG_SUFFIX(moe_down_fp8)(const og_moe_fp8_params q) {
   const og_moe_params &p = q.b;
 #if OG_DOWN_WARP

@@ -35,8 +35,16 @@
 #if (OG_GU_KS == 64 && OG_H % 64 != 0) || (OG_DOWN_KS == 64 && OG_I % 64 != 0)
 #error "64-k steps need H (gate_up) or I (down) to be a multiple of 64"
 #endif
-// The intermediate activation's groups: one fp32 scale per routing slot and 32 rows of I.
-#define OG_AS (OG_I / 32)
+// gate_up's tiles: OG_GU_ROWS rows of I, in halves of 16 (one MMA tile of rows each).
+#ifndef OG_GU_ROWS
+#define OG_GU_ROWS 32
+#endif
+#if OG_GU_ROWS != 16 && OG_GU_ROWS != 32
+#error "OG_GU_ROWS is 16 or 32"
+#endif
+#define OG_GU_HALVES (OG_GU_ROWS / 16)
+// The intermediate activation's groups: one fp32 scale per routing slot and 16 rows of I.
+#define OG_AS (OG_I / 16)
 
 struct __align__(8) og_vec2 {
   og_u32 x, y;

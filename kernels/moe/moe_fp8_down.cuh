@@ -7,17 +7,17 @@
 
 // down for one tile: 16 rows of H, summed over every used expert and token. The B operand of
 // token tile nt is act (f16) of the lane's token nt*8 + g for the item's expert (workspace row
-// src0), or zero; the accumulators of column 2c (2c+1) take the scale of that column's token,
-// found by shuffle from lane 8c (8c+4), which holds its row. A token that lists the expert twice
-// has one act row (og_fp8_write_act), its first slot's: src0. EARLY as in og_down_tile.
+// src0), or zero. A token that lists the expert twice has one act row (og_fp8_write_act), its
+// first slot's: src0. EARLY as in og_down_tile.
 //
-// A k-step of OG_DOWN_KS k. At 32 it lies in one of act's 32-row groups, whose scale goes with
-// the weight block's into the accumulation. At 64 a lane's 16 k lie in one group (16c.. of the
-// step) but the step spans two, so a lane scales its B values by its group's scale over the
-// slot's largest (og_fp8_slot_max; <= 1, so f16 stays in range) and the accumulation takes the
-// weight block's scale times that largest scale.
+// Scales. A lane's k of a step (8 at OG_DOWN_KS 32, 16 at 64: from s * KS + c * KS / 4) lie in
+// one of act's 16-row groups, but a step spans two or four. So a lane multiplies its B values by
+// its group's scale over the largest scale of the slot (og_fp8_slot_max; <= 1, so f16 stays in
+// range), and the step's product is scaled by the weight block's scale times that largest scale
+// of each accumulator column's token (column 2c, 2c+1: shuffled from lane 8c, 8c+4, which hold
+// those tokens as their B column).
 
-// KS 32: act's workspace row `row` (or zeros for -1), 8 values from element off; KS 64: 16.
+// act's workspace row `row` (or zeros for -1) from element off: 8 values (KS 32) or 16 (KS 64).
 __device__ __forceinline__ og_vec4 og_load_act8(const unsigned short *act, int row, long long off) {
   return row >= 0 ? og_load_coherent(act + (long long)row * OG_I + off) : og_zero4();
 }
@@ -32,71 +32,76 @@ __device__ __forceinline__ void og_load_act(const unsigned short *act, int row, 
 #ifndef OG_DOWN_HOIST
 #define OG_DOWN_HOIST (OG_NT * OG_U2 <= 16 && OG_W2 <= 8)  // at 16 warps (128 registers) they would spill
 #endif
-#define OG_DOWN_NF (OG_DOWN_KS == 32 ? 1 + 2 * OG_NT : 1 + OG_NT)
-// The scales of k-step s: the weight block's (f[0]), then at KS 32 the act scales of the lane's
-// two accumulator columns of each token tile (f[1 + 2 nt], f[2 + 2 nt]; 0 without a token), at
-// KS 64 the lane's B group scale over the slot's largest (f[1 + nt]). Loaded with the step's
-// operands where registers allow (OG_DOWN_HOIST) and multiplied only where used: loaded next to
-// their use, each k-step waited a round trip for its scales after its MMAs were ready.
+// The scales of k-step s: the weight block's (f[0]) and, for each token tile, the lane's B group
+// scale over its slot's largest (f[1 + nt]; 0 without a token). Loaded with the step's operands
+// where registers allow (OG_DOWN_HOIST) and multiplied only where used: loaded next to their use,
+// each k-step waited a round trip for its scales after its MMAs were ready.
 __device__ __forceinline__ void og_fp8_step_scales(const og_moe_fp8_params &q, const float *ws, const int *src0,
-                                                   const int *col0, const int *col1, const float *inv_max, int s,
-                                                   int c, float *f) {
+                                                   const float *inv_max, int s, int c, float *f) {
 #if OG_SCALE == 1
   f[0] = ws[((unsigned)s * OG_DOWN_KS / OG_BK) * q.w2s_stride[2]];  // unsigned: the steps of one block share a load
 #else
   f[0] = ws[0];
 #endif
+  const int grp = (s * OG_DOWN_KS + c * (OG_DOWN_KS / 4)) / 16;
 #pragma unroll
-  for (int nt = 0; nt < OG_NT; ++nt) {
-#if OG_DOWN_KS == 32
-    f[1 + 2 * nt] = col0[nt] >= 0 ? og_load_coherent_f32(q.act_scale + (long long)col0[nt] * OG_AS + s) : 0.f;
-    f[2 + 2 * nt] = col1[nt] >= 0 ? og_load_coherent_f32(q.act_scale + (long long)col1[nt] * OG_AS + s) : 0.f;
-#else
-    f[1 + nt] = src0[nt] >= 0 ? og_load_coherent_f32(q.act_scale + (long long)src0[nt] * OG_AS + 2 * s + (c >> 1)) *
-                                    inv_max[nt]
+  for (int nt = 0; nt < OG_NT; ++nt)
+    f[1 + nt] = src0[nt] >= 0 ? og_load_coherent_f32(q.act_scale + (long long)src0[nt] * OG_AS + grp) * inv_max[nt]
                               : 0.f;
-#endif
-  }
 }
 
-// KS 64: for each token tile, 1 / (the largest act scale of the lane's B column's slot) and that
-// largest scale of the lane's two accumulator columns (m0, m1; 0 without a token). Warp-uniform.
+// The scale loads og_fp8_slot_max keeps in flight, in 16-byte chunks a lane: 4 (16 registers)
+// unless the launch bounds cap a thread at fewer than 128 registers, where those spill.
+#define OG_DOWN_SCALE_UNROLL (65536 / (OG_W2 * 32 * (OG_DOWN_MIN > 0 ? OG_DOWN_MIN : 1)) >= 128 ? 4 : 1)
+// For each token tile: 1 / (the largest act scale of the lane's B column's slot) and that largest
+// scale of the lane's two accumulator columns (m0, m1; 0 without a token). The four lanes of a
+// B column share its loads (up to 16 scales a lane at once, OG_DOWN_SCALE_UNROLL: one round for
+// I <= 1024) and their maxima. Warp-uniform.
 __device__ __forceinline__ void og_fp8_slot_max(const og_moe_fp8_params &q, const int *src0, int c, float *inv_max,
                                                 float *m0, float *m1) {
 #pragma unroll
   for (int nt = 0; nt < OG_NT; ++nt) {
     float m = 0.f;
-    if (src0[nt] >= 0) {  // every load issued at once (a row is 16-byte aligned where OG_AS % 4 == 0)
+    if (src0[nt] >= 0) {
       const float *row = q.act_scale + (long long)src0[nt] * OG_AS;
-      if (OG_AS % 4 == 0) {
-#pragma unroll
-        for (int j = 0; j < OG_AS; j += 4) {
+      if (OG_AS % 4 == 0) {  // 16-byte chunks, round robin over the four lanes (rows are 16-byte aligned)
+#pragma unroll(OG_DOWN_SCALE_UNROLL)
+        for (int j = 4 * c; j < OG_AS; j += 16) {
           const og_vec4 v = og_load_coherent(row + j);
           m = fmaxf(m, fmaxf(fmaxf(__uint_as_float(v.x), __uint_as_float(v.y)),
                              fmaxf(__uint_as_float(v.z), __uint_as_float(v.w))));
         }
       } else {
-#pragma unroll
-        for (int j = 0; j < OG_AS; ++j) m = fmaxf(m, og_load_coherent_f32(row + j));
+#pragma unroll(4 * OG_DOWN_SCALE_UNROLL)
+        for (int j = c; j < OG_AS; j += 4) m = fmaxf(m, og_load_coherent_f32(row + j));
       }
     }
+    m = fmaxf(m, __shfl_xor_sync(OG_FULL, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(OG_FULL, m, 2));
     inv_max[nt] = m > 0.f ? 1.f / m : 0.f;
     m0[nt] = __shfl_sync(OG_FULL, m, 8 * c);
     m1[nt] = __shfl_sync(OG_FULL, m, 8 * c + 4);
   }
 }
 
-// b's 16 f16 times v (f16x2 products, rounded to nearest).
+// b's f16 values times v (f16x2 products, rounded to nearest).
 __device__ __forceinline__ og_u32 og_hmul2(og_u32 a, og_u32 b) {
   og_u32 r;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
-__device__ __forceinline__ void og_scale_f16(og_vec8 &b, float v) {
+__device__ __forceinline__ og_u32 og_f16x2_of(float v) {
   og_u32 h;
   asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(h) : "f"(v));
-  b.lo.x = og_hmul2(b.lo.x, h), b.lo.y = og_hmul2(b.lo.y, h), b.lo.z = og_hmul2(b.lo.z, h), b.lo.w = og_hmul2(b.lo.w, h);
-  b.hi.x = og_hmul2(b.hi.x, h), b.hi.y = og_hmul2(b.hi.y, h), b.hi.z = og_hmul2(b.hi.z, h), b.hi.w = og_hmul2(b.hi.w, h);
+  return h;
+}
+__device__ __forceinline__ void og_scale_f16(og_vec4 &b, float v) {
+  const og_u32 h = og_f16x2_of(v);
+  b.x = og_hmul2(b.x, h), b.y = og_hmul2(b.y, h), b.z = og_hmul2(b.z, h), b.w = og_hmul2(b.w, h);
+}
+__device__ __forceinline__ void og_scale_f16(og_vec8 &b, float v) {
+  og_scale_f16(b.lo, v);
+  og_scale_f16(b.hi, v);
 }
 
 template <int W, bool EARLY = false>
@@ -126,11 +131,11 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
     for (int k = 0; k < 4; ++k) acc[nt][k] = 0.f;
 
   int cur_u = -1;
-  bool fresh = false;  // the item is the first of its expert (KS 64: its slot maxima still to load)
+  bool fresh = false;  // the item is the first of its expert: its slot maxima still to load
   const char *wrow = 0;
   const float *ws = 0;  // this tile's row of w2 scales for the current expert
-  int src0[OG_NT], src1[OG_NT], col0[OG_NT], col1[OG_NT];
-  float inv_max[OG_NT], m0[OG_NT], m1[OG_NT];  // KS 64 (og_fp8_slot_max)
+  int src0[OG_NT], src1[OG_NT];
+  float inv_max[OG_NT], m0[OG_NT], m1[OG_NT];  // og_fp8_slot_max
   for (int it = warp; it < items; it += W) {
     const int uu = it / nchunks, ch = it - uu * nchunks;
     if (uu != cur_u) {  // warp-uniform: every lane takes the shuffles
@@ -143,18 +148,13 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
       ws = q.w2_scale + e * q.w2s_stride[0];
 #endif
       og_act_sources(r, T, e, g, src0, src1);
-#pragma unroll
-      for (int nt = 0; nt < OG_NT; ++nt) {
-        col0[nt] = __shfl_sync(OG_FULL, src0[nt], 8 * c);
-        col1[nt] = __shfl_sync(OG_FULL, src0[nt], 8 * c + 4);
-      }
     }
     typename K::w a[OG_U2], a8[OG_U2];
     act_t b[OG_U2][OG_NT];
-    float f[OG_U2][OG_DOWN_NF];  // the k-steps' scales (og_fp8_step_scales)
+    float f[OG_U2][1 + OG_NT];  // the k-steps' scales (og_fp8_step_scales)
     // act, its scales (written by gate_up) and the slot maxima they give: after the wait with EARLY
     auto load_act = [&]() {
-      if (OG_DOWN_KS == 64 && fresh) og_fp8_slot_max(q, src0, c, inv_max, m0, m1);
+      if (fresh) og_fp8_slot_max(q, src0, c, inv_max, m0, m1);
       fresh = false;
 #pragma unroll
       for (int u = 0; u < OG_U2; ++u) {
@@ -163,7 +163,7 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
           const long long off = (long long)(s * OG_DOWN_KS + c * (OG_DOWN_KS / 4));
 #pragma unroll
           for (int nt = 0; nt < OG_NT; ++nt) og_load_act(act, src0[nt], off, b[u][nt]);
-          if (OG_DOWN_HOIST) og_fp8_step_scales(q, ws, src0, col0, col1, inv_max, s, c, f[u]);
+          if (OG_DOWN_HOIST) og_fp8_step_scales(q, ws, src0, inv_max, s, c, f[u]);
         }
       }
     };
@@ -185,16 +185,12 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
     for (int u = 0; u < OG_U2; ++u) {
       const int s = ch * OG_U2 + u;
       if (steps % OG_U2 == 0 || s < steps) {
-        if (!OG_DOWN_HOIST) og_fp8_step_scales(q, ws, src0, col0, col1, inv_max, s, c, f[u]);
+        if (!OG_DOWN_HOIST) og_fp8_step_scales(q, ws, src0, inv_max, s, c, f[u]);
 #pragma unroll
         for (int nt = 0; nt < OG_NT; ++nt) {
           if (nt * 8 < T) {
-#if OG_DOWN_KS == 32
-            const float f0 = f[u][0] * f[u][1 + 2 * nt], f1 = f[u][0] * f[u][2 + 2 * nt];
-#else
             og_scale_f16(b[u][nt], f[u][1 + nt]);
             const float f0 = f[u][0] * m0[nt], f1 = f[u][0] * m1[nt];
-#endif
             float d[4];
             og_mma_step(d, a[u], a8[u], b[u][nt]);
 #pragma unroll

@@ -1,15 +1,17 @@
-// The FP8 gate/up stage: for one tile of 32 rows of I of one expert, act = w * silu(G x) * (U x)
-// in f16 with one fp32 scale per (routing slot, tile), from e4m3 weights and activations.
+// The FP8 gate/up stage: for one tile of OG_GU_ROWS (16 or 32) rows of I of one expert, act =
+// w * silu(G x) * (U x) in f16 with one fp32 scale per (routing slot, 16 rows), from e4m3 weights
+// and activations.
 #pragma once
 #include "moe_fp8.cuh"
 
 // The epilogue for the pairs p0..p0+8*NT-1 of one tile: sums the W warps' gate and up partials in
-// warp order, applies the per-tensor scales, and writes act (f16) and its scale. A warp takes one pair,
-// a lane one of its 32 rows (row r = lane: half r / 16, then row (r % 16) of the MMA tile). A
+// warp order, applies the per-tensor scales, and writes act (f16) and its scales. A warp takes one
+// pair, a lane one of its rows (row r = lane: half r / 16, then row (r % 16) of the MMA tile). A
 // token that lists the expert more than once gets one act row, at its first such slot, with the
 // sum of those slots' router weights (in slot order): moe_down reads only that row.
 template <int W, int NT>
-__device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q, const float (*s_red)[NT][2][2][4][32],
+__device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q,
+                                                 const float (*s_red)[NT][OG_GU_HALVES][2][4][32],
                                                  const int *s_pairs, int npairs, int p0, int e, int tile) {
   const og_moe_params &p = q.b;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -25,10 +27,12 @@ __device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q, con
     const int nn = n - p0, nt = nn >> 3, cn = nn & 7;
     const int qi = (rr >> 3) * 2 + (cn & 1), l = (rr & 7) * 4 + (cn >> 1);
     float gs = 0.f, us = 0.f;
+    if (h < OG_GU_HALVES) {
 #pragma unroll
-    for (int w = 0; w < W; ++w) {
-      gs += s_red[w][nt][h][0][qi][l];
-      us += s_red[w][nt][h][1][qi][l];
+      for (int w = 0; w < W; ++w) {
+        gs += s_red[w][nt][h][0][qi][l];
+        us += s_red[w][nt][h][1][qi][l];
+      }
     }
 #if OG_SCALE == 2
     const float sx = q.x_scale[0];
@@ -38,26 +42,28 @@ __device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q, con
     const float a = og_silu(gs) * us * rw;
     float amax = fabsf(a);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(OG_FULL, amax, o));
-    // vLLM's group scale, max(absmax, 1e-10) / 448; a / scale in f16 (the scale keeps f16 in
-    // range whatever the model's activations are).
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(OG_FULL, amax, o));  // over the half
+    // vLLM's group scale, max(absmax, 1e-10) / 448, over 16 rows; a / scale in f16 (the scale
+    // keeps f16 in range whatever the model's activations are).
     const float scale = fmaxf(amax, 1e-10f) / 448.f;
-    ((unsigned short *)p.act)[(long long)i * OG_I + tile * 32 + lane] = og_f16_bits(a / scale);
-    if (lane == 0) q.act_scale[(long long)i * OG_AS + tile] = scale;
+    if (h < OG_GU_HALVES) {
+      ((unsigned short *)p.act)[(long long)i * OG_I + tile * OG_GU_ROWS + lane] = og_f16_bits(a / scale);
+      if (rr == 0) q.act_scale[(long long)i * OG_AS + tile * OG_GU_HALVES + h] = scale;
+    }
   }
 }
 
 // gate_up over one tile of expert e for its npairs (token, slot) pairs s_pairs[0..npairs): NT
 // 8-pair MMA tiles a pass (an expert with more pairs, only where a token lists it more than once,
 // takes more passes), U k-steps (OG_GU_KS k each: a lane's 8 or 16 bytes of a row) of loads in
-// flight a warp, W warps splitting H. The tile's two halves (rows 0-15 and 16-31 of the 32) are
-// two passes over H, so that only one half's accumulators and operands are in registers. Each
+// flight a warp, W warps splitting H. The tile's halves of 16 rows (one, or two at 32 rows) are
+// passes over H, so that only one half's accumulators and operands are in registers. Each
 // k-step's products are scaled into the fp32 accumulators at once (block scales: the weight
 // block's scale times each column token's activation scale; per-tensor scales: in the
 // epilogue), so no product is accumulated over more than one k-step inside the tensor core.
 template <int W, int NT, int U>
 __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e, int tile, const int *s_pairs,
-                                               int npairs, float (*s_red)[NT][2][2][4][32]) {
+                                               int npairs, float (*s_red)[NT][OG_GU_HALVES][2][4][32]) {
   const og_moe_params &p = q.b;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
@@ -66,8 +72,9 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
   typedef og_kstep<OG_GU_KS> K;
   const int steps = OG_H / OG_GU_KS;
 #if OG_SCALE == 1
-  const float *wsg = q.w13_scale + e * q.w13s_stride[0] + (long long)((tile * 32) / OG_BN) * q.w13s_stride[1];
-  const float *wsu = q.w13_scale + e * q.w13s_stride[0] + (long long)(OG_IB + (tile * 32) / OG_BN) * q.w13s_stride[1];
+  const float *wsg = q.w13_scale + e * q.w13s_stride[0] + (long long)((tile * OG_GU_ROWS) / OG_BN) * q.w13s_stride[1];
+  const float *wsu =
+      q.w13_scale + e * q.w13s_stride[0] + (long long)(OG_IB + (tile * OG_GU_ROWS) / OG_BN) * q.w13s_stride[1];
 #endif
 
   for (int p0 = 0; p0 < npairs; p0 += 8 * NT) {
@@ -86,8 +93,8 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
 #endif
     }
 #pragma unroll 1
-    for (int hf = 0; hf < 2; ++hf) {
-      const char *wg = (const char *)p.w13 + e * p.w13_estride + (long long)(tile * 32 + hf * 16 + g) * rs;
+    for (int hf = 0; hf < OG_GU_HALVES; ++hf) {
+      const char *wg = (const char *)p.w13 + e * p.w13_estride + (long long)(tile * OG_GU_ROWS + hf * 16 + g) * rs;
       float acc_g[NT][4], acc_u[NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)

@@ -11,7 +11,7 @@ typedef struct og_moe_fp8_params {
   const float *x_scale;     /* OG_SCALE 1: [T, ceil(H/OG_BK)]; 2: [1] */
   const float *w13_scale;   /* 1: [E, 2*ceil(I/OG_BN), ceil(H/OG_BK)]; 2: [E] or [E, 2] */
   const float *w2_scale;    /* 1: [E, ceil(H/OG_BN), ceil(I/OG_BK)]; 2: [E] */
-  float *act_scale;         /* workspace: [T*k, I/32], one scale per slot and 32 rows of I */
+  float *act_scale;         /* workspace: [T*k, I/16], one scale per slot and 16 rows of I */
   long long xs_stride[2];
   long long w13s_stride[3];
   long long w2s_stride[3];

@@ -667,7 +667,7 @@ def _profile_rows(args, shape, ceiling, weights, rows: list) -> None:
 # one gate_up token pass): the tuner skips them for the FP8 dtypes.
 _FP8_UNUSED = ("moe.fused", "moe.gate_up.nt", "moe.gate_up.one_token", "moe.down.one_token")
 # Keys only the FP8 kernels read: the tuner skips them for bf16 and fp16.
-_FP8_ONLY = ("moe.fp8_kstep",)
+_FP8_ONLY = ("moe.fp8_kstep", "moe.gate_up.fp8_rows")
 
 
 def _tune_fixtures(args, shape=None):

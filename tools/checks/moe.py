@@ -6,7 +6,7 @@ FP8 weights (cases named "fp8 ..."; `python -m tools.gpucheck --only fp8` runs t
 block (128x128, and vLLM 0.33's 64x64 / 32x32) and per-tensor scales, weights quantized from
 random bf16 ones with vLLM's own functions where they import, activations as vLLM's prepare step
 quantizes them; each against the fp64 oracle of the quantized model (tolerance 1e-2: the
-intermediate's two e4m3 terms keep ~8 bits) and, where vLLM's TritonExperts runs, against vLLM's
+intermediate is f16 on 16-row scales) and, where vLLM's TritonExperts runs, against vLLM's
 result: its own error vs the oracle is stated next to ours, and ours vs vLLM's must stay within
 1.25x vLLM's own error. The bench rows: OPGRAFT_CHECK_DTYPES (default "bf16,fp8-block,fp8-tensor")
 picks the dtypes."""
@@ -132,7 +132,7 @@ def cases() -> list[dict]:
     return cases + fp8_cases()
 
 
-FP8_TOL = 1e-2  # the intermediate's two e4m3 terms keep ~8 significant bits, the output bf16
+FP8_TOL = 1e-2  # the e4m3 inputs, the f16 intermediate, the output bf16
 
 
 def _fp8_case(name, shape, T, kind="fp8-block", block=(128, 128), out_dtype="bf16", ids64=False, x_pad=0,

@@ -33,7 +33,7 @@ static void config_shared(const opgraft_moe_args *a, int32_t arch, const char *g
 /* FP8 weights (moe/moe_fp8.cu): the same keys, resolved under the FP8 shape key
  * ("moe:fp8block:..." / "moe:fp8tensor:..."), for the paths the FP8 kernels have: two kernels
  * (no cooperative one), routing by slot for calls of up to 32 routing slots (one token included),
- * else the general routing. gate_up's tiles are 32 rows of I, a half (16 rows) a pass over H,
+ * else the general routing. gate_up's tiles are 16 or 32 rows of I, a half (16 rows) a pass over H,
  * its k-steps 4 weight loads of 16 bytes a lane (8 where 64-k steps do not fit); down's k-steps
  * 2 weight loads of 16 bytes and 32 bytes of act (f16) a token tile (8 and 16). */
 static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu, const char *shape,
@@ -46,6 +46,7 @@ static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   const int bk_ok = a->scale_layout != OPGRAFT_MOE_SCALE_BLOCK || a->block_k % 64 == 0;
   c->gu_ks = ks == 64 && bk_ok && a->hidden % 64 == 0 ? 64 : 32;
   c->down_ks = ks == 64 && bk_ok && a->inter % 64 == 0 ? 64 : 32;
+  c->gu_rows = opgraft__tune_value("moe.gate_up.fp8_rows", arch, gpu, shape, T) == 32 ? 32 : 16;
   while (c->w1 > 1 && c->w1 * c->nt > 16) c->w1 /= 2; /* 2 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   if (c->nt >= 2 && c->w1 > 8) c->w1 = 8; /* 16 warps cap a thread at 128 registers */
@@ -156,6 +157,7 @@ int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_
     OG_OPT("-DOG_BK=%d", block ? a->block_k : 0);
     OG_OPT("-DOG_GU_KS=%d", c->gu_ks);
     OG_OPT("-DOG_DOWN_KS=%d", c->down_ks);
+    OG_OPT("-DOG_GU_ROWS=%d", c->gu_rows);
   }
 #undef OG_OPT
   return opgraft__opts_check(o, "MoE");

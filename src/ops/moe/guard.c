@@ -188,8 +188,8 @@ size_t opgraft__moe_act_scale_offset(const opgraft_moe_args *a) {
 
 size_t opgraft__moe_act_bytes(const opgraft_moe_args *a) {
   const size_t slots = (size_t)a->num_tokens * (size_t)a->top_k;
-  /* FP8 weights: act in f16, then one fp32 scale per slot and 32 rows of I. */
-  if (opgraft__moe_is_fp8(a)) return opgraft__moe_act_scale_offset(a) + pad256(slots * (size_t)(a->inter / 32) * 4u);
+  /* FP8 weights: act in f16, then one fp32 scale per slot and 16 rows of I. */
+  if (opgraft__moe_is_fp8(a)) return opgraft__moe_act_scale_offset(a) + pad256(slots * (size_t)(a->inter / 16) * 4u);
   return pad256(slots * (size_t)a->inter * 2u);
 }
 

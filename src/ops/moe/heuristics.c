@@ -22,22 +22,23 @@
  *   lost at 8 and 16 tokens, where T*k still fits 32 slots).
  *
  * FP8 weights (shape keys "moe:fp8block:..." and "moe:fp8tensor:..."):
- * - moe.fp8 1 on sm_90 at one token, and at two with block scales: against vLLM 0.26's own FP8
- *   path (its modular kernel: activation quantization, TritonExperts, finalize) in the same run
- *   on the H200 (bench/results/2026-12-01-h200-v21-fp8-vllm/), ours with the same quantization
- *   won at T=1 (Qwen3-30B-A3B block 25.9 against 31.0 us, DeepSeek-V3/tp8 block 33.3 against
- *   43.2, Mixtral-8x7B per-tensor 126.1 against 146.6) and lost at T=4 (0.95-0.96x) and T=8
- *   (0.84-0.94x); at T=2, with the tuned rows of table.c, block scales won (-v22-lab/: Qwen3-30B-A3B
- *   35.2 against 39.7 us, DeepSeek-V3/tp8 43.9 against 53.0) and per-tensor T=2 is not measured.
- *   Other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8 overrides it; the tile rules below
- *   were argued from the kernels' structure (the tuned rows, where they exist, were measured).
+ * - moe.fp8 1 on sm_90 at one token, and at two with block scales: against vLLM 0.26's own
+ *   FP8 path (its modular kernel: activation quantization, TritonExperts, finalize) in the same
+ *   run on the H200, ours with the same quantization, v23 kernels
+ *   (bench/results/2026-12-01-h200-v23-fp8/vllm/): Qwen3-30B-A3B block 20.4 / 29.5 / 47.2 / 78.8
+ *   us at T = 1 / 2 / 4 / 8 against 31.1 / 39.8 / 55.5 / 86.7; DeepSeek-V3/tp8 block 25.3 / 40.1 /
+ *   66.3 / 117.0 against 43.2 / 53.4 / 70.0 / 107.1 (T=4 a 6% win that a later run of the same
+ *   kernels did not repeat, 72.3 us alone; T=8 lost: both vLLM's). table.c takes Qwen3-30B-A3B's
+ *   3..8, whose later run repeated its times. Per-tensor beyond one token is not measured on these kernels (v21, one
+ *   token: Mixtral-8x7B 126.1 against 146.6 us): vLLM's. Other GPUs are not measured: vLLM's.
+ *   OPGRAFT_TUNE_MOE_FP8 overrides it; the tile rules below were argued from the kernels'
+ *   structure (the tuned rows, where they exist, were measured).
  * - moe.max_tokens as for bf16 (8 on sm_90).
- * - gate_up warps twice the bf16 rule's (8 for H <= 2048, 16 above): a block covers 32 rows of I,
- *   so the grid has half the blocks, and each warp's k-step still moves 2 KB.
- * - Both stages unroll 8: a k-step moves half of bf16's bytes a lane (gate_up: 4 rows of one
- *   half of a tile x 8 bytes; down: 2 rows x 8 bytes), so twice the steps keep the same 256 bytes
- *   a lane in flight (config.c clamps them where more token tiles need the registers); down
- *   warps as for bf16.
+ * - gate_up warps 8 for H <= 2048, 16 above (argued for the 32-row tiles of v22; on the 16-row
+ *   tiles the tuned Qwen3-30B-A3B rows take 4 at one token and 2 from two).
+ * - Both stages unroll 8 32-k steps' worth: config.c turns that into 4 of the 64-k steps (16
+ *   bytes of each row a lane), the same bytes in flight, and clamps it where more token tiles need
+ *   the registers; down warps as for bf16.
  * - Routing by slot in both stages whenever T*k fits 32 slots (one token included: the FP8
  *   kernels have no separate one-token paths). */
 #include <stdio.h>

@@ -93,9 +93,9 @@ int32_t opgraft_moe_plan_create(const opgraft_moe_args *a, opgraft_moe_plan **ou
   const int64_t used_max = a->num_tokens * a->top_k < a->num_experts ? a->num_tokens * a->top_k : a->num_experts;
   /* gate_up's blocks: (used expert, tile), or (routing slot, tile) with the slot routing and the
    * one-slot path: every slot then, also where a rank holds fewer experts than a token picks
-   * (k > E under expert parallelism); tiles of 16 rows of I (FP8: 32) */
+   * (k > E under expert parallelism); tiles of 16 rows of I (FP8: 16 or 32) */
   const int64_t gu_rows = p->cfg.gu_slots || p->cfg.gu_one ? a->num_tokens * a->top_k : used_max;
-  p->grid1 = (unsigned)(gu_rows * (a->inter / (fp8 ? 32 : 16)));
+  p->grid1 = (unsigned)(gu_rows * (a->inter / (fp8 ? p->cfg.gu_rows : 16)));
   p->grid2 = (unsigned)(a->hidden / 16);
   opgraft_moe_workspace_size(a, &p->workspace);
   if (fp8) {

@@ -61,6 +61,7 @@ typedef struct og_moe_cfg {
   int gu_min_blocks;  /* gate_up's __launch_bounds__ minimum blocks per SM (0: the default rule) */
   int down_min_blocks; /* down's, likewise */
   int gu_ks, down_ks;  /* FP8: the k of gate_up's / down's k-steps, 32 or 64 (OG_GU_KS, OG_DOWN_KS) */
+  int gu_rows;         /* FP8: rows of I a gate_up tile, 16 or 32 (OG_GU_ROWS) */
 } og_moe_cfg;
 void opgraft__moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c);
 /* The compile options of a configuration; OPGRAFT_EINVAL if they did not fit. */

@@ -371,7 +371,9 @@ static void test_fp8_archs_and_switches(void **state) {
   expect_ok(&a, "fp8 on sm_90 at one token by the rule");
   set_shape(&a, 2, 2048, 768, 128, 8);
   expect_ok(&a, "fp8 block scales on sm_90 at two tokens by the rule");
-  set_shape(&a, 3, 2048, 768, 128, 8);
+  set_shape(&a, 4, 2048, 768, 128, 8);
+  expect_ok(&a, "fp8 block scales on sm_90 at four tokens by Qwen3-30B-A3B's row");
+  set_shape(&a, 3, 2048, 384, 128, 8); /* a shape without table rows */
   expect_refusal(&a, "moe.fp8 is 0 on sm_90 at T=3", "fp8 on sm_90 at three tokens by the rule");
   fp8_on();
   expect_ok(&a, "fp8 on sm_90 with moe.fp8=1");
@@ -462,8 +464,8 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
   og_moe_shape sh;
   assert_true(opgraft__moe_parse_shape(key, &sh) && sh.fp8 && sh.E == 128 && sh.k == 8);
   assert_true(opgraft__moe_parse_shape("moe:bf16:E8:H4096:I14336:k2", &sh) && !sh.fp8);
-  /* The rule: FP8 at one token on sm_90, two with block scales (measured as wins there); gate_up's warps twice bf16's; routing by
-   * slot up to 32 slots. */
+  /* The rule: FP8 at one token on sm_90, two with block scales (measured as wins there),
+   * Qwen3-30B-A3B's row 3..8; gate_up's warps twice bf16's; routing by slot up to 32 slots. */
   const struct {
     const char *key, *shape;
     int32_t arch, tokens;
@@ -471,12 +473,16 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
   } rules[] = {
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 1},
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 1},
-      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 3, 0},
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 3, 1},
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 8, 1},  /* Qwen3-30B-A3B's row, table.c */
+      {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 9, 0},
+      {"moe.fp8", "moe:fp8block:E256:H7168:I256:k8", 90, 2, 1},  /* DeepSeek-V3/tp8: the rule */
+      {"moe.fp8", "moe:fp8block:E256:H7168:I256:k8", 90, 3, 0},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 2, 0},
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 89, 1, 0},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 1},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 4, 0},
-      {"moe.gate_up.warps", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 8},
+      {"moe.gate_up.warps", "moe:fp8block:E128:H2048:I384:k8", 90, 1, 8},
       {"moe.gate_up.warps", "moe:bf16:E128:H2048:I768:k8", 90, 1, 4},
       {"moe.gate_up.warps", "moe:fp8block:E384:H7168:I2048:k8", 90, 1, 16},
       {"moe.gate_up.unroll", "moe:fp8block:E384:H7168:I2048:k8", 90, 1, 8},
@@ -495,7 +501,7 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
       fail_msg("%s for %s sm_%d T=%d: %lld (%s), expected %lld", rules[i].key, rules[i].shape, rules[i].arch,
                rules[i].tokens, (long long)v, src, (long long)rules[i].want);
   }
-  /* Workspace: act [T*k, I] in f16, padded, then a scale per slot and 32 rows, padded, then the
+  /* Workspace: act [T*k, I] in f16, padded, then a scale per slot and 16 rows, padded, then the
    * counter's 256 bytes. */
   const int64_t cases[][3] = {{1, 8, 768}, {3, 3, 160}, {64, 8, 2048}, {5, 2, 96}};
   for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
@@ -504,7 +510,7 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
     assert_int_equal(opgraft_moe_workspace_size(&a, &bytes), OPGRAFT_OK);
     const size_t slots = (size_t)(cases[i][0] * cases[i][1]);
     const size_t want = (slots * (size_t)cases[i][2] * 2 + 255) / 256 * 256 +
-                        (slots * (size_t)(cases[i][2] / 32) * 4 + 255) / 256 * 256 + 256;
+                        (slots * (size_t)(cases[i][2] / 16) * 4 + 255) / 256 * 256 + 256;
     if (bytes != want) fail_msg("fp8 workspace T=%lld k=%lld I=%lld: %zu, expected %zu", (long long)cases[i][0],
                                 (long long)cases[i][1], (long long)cases[i][2], bytes, want);
   }

@@ -53,7 +53,8 @@ def test_cli_rejects_bad_arguments():
                  ["run", "--mode", "opgraft", "--batches", "1,,8"],
                  ["run", "--mode", "opgraft", "--batches", "0"],
                  ["run", "--mode", "opgraft", "--output-len", "1"],
-                 ["run", "--mode", "opgraft", "--tp", "0"]):
+                 ["run", "--mode", "opgraft", "--tp", "0"],
+                 ["run", "--mode", "opgraft", "--capture", "all"]):
         with pytest.raises(SystemExit) as ei:
             e2e.main(argv)
         assert ei.value.code == 2
@@ -315,6 +316,10 @@ def test_compilation_config_turns_the_allreduce_fusion_off_only_for_tp_without_m
     assert cfg["pass_config"] == {"fuse_allreduce_rms": False}
 
 
+def test_capture_vllm_leaves_the_capture_sizes_to_vllm():
+    assert e2e.compilation_config(None, 1, {}) == {}
+
+
 def test_itl_floor_ignores_a_stalled_run():
     # reps: the one-token run of rep 0 and the full run of rep 2 stalled for seconds
     t1s, tns = [3.36, 0.23, 0.21], [4.13, 2.54, 3.80]
@@ -371,7 +376,7 @@ def _study_args(tmp_path, modes):
     return argparse.Namespace(
         modes=modes, out_dir=str(tmp_path), log_dir=None, model="Qwen3-30B-A3B", batches=[1], input_len=8,
         output_len=4, reps=1, init_std=0.02, profile_steps=0, profile_host=False, gpu_memory_utilization=0.5, tp=1,
-        expert_parallel=False, mode_timeout=10)
+        expert_parallel=False, mode_timeout=10, capture="study")
 
 
 def test_study_fails_and_names_each_failed_setting(tmp_path, monkeypatch, capsys):
@@ -448,6 +453,10 @@ def test_study_passes_profile_host_to_each_setting(tmp_path, monkeypatch):
     cmds.clear()
     e2e.study(a)
     assert cmds and not any("--profile-host" in c for c in cmds)
+    a.capture = "vllm"
+    cmds.clear()
+    e2e.study(a)
+    assert cmds and all(c[c.index("--capture") + 1] == "vllm" for c in cmds)
 
 
 def test_one_token_phases_come_from_vllms_request_stats():
