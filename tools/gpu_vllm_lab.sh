@@ -8,7 +8,8 @@
 #     steps: check attention moe configs fp8 linear host before      (default: all)
 #            tune: `opgraft tune` at the decode points of every op (attention, the projections, FP8
 #            MoE at 2..8 tokens), winners in tune.json, which the steps after it use
-#            (OPGRAFT_TUNE_FILE); fp8-2: the FP8 bench at 1, 2, 4 and 8 tokens; attention-short:
+#            (OPGRAFT_TUNE_FILE); tune-fp8: FP8 MoE alone, every key, Qwen3-30B-A3B and
+#            DeepSeek-V3/tp8 at 1..8 tokens, likewise; fp8-2: the FP8 bench at 1, 2, 4 and 8 tokens; attention-short:
 #            batch 1 and 8 at 1K/2K/8K against FA3 and Triton, then FlashInfer alone (its first call
 #            JIT-compiles its decode kernel, so it gets its own time limit); check-all: every op's
 #            GPU cases (tools.gpucheck --quick)
@@ -79,6 +80,15 @@ for step in $steps; do
       --keys moe.gate_up.warps,moe.gate_up.unroll,moe.gate_up.min_blocks,moe.down.warps,moe.down.unroll,moe.down.min_blocks,moe.pdl,moe.load
     [ -s "$tf" ] && export OPGRAFT_TUNE_FILE=$tf
     note "tuned: $(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['entries']))" "$tf" 2>/dev/null || echo 0) entries"
+    ;;
+  tune-fp8)  # FP8 MoE on every key, Qwen3-30B-A3B and DeepSeek-V3/tp8 at 1, 2, 4, 8 tokens (for fp8-2 next)
+    tf=$out/tune.json
+    for spec in Qwen3-30B-A3B:1 DeepSeek-V3:8; do
+      timeout 200 python3 -m opgraft.cli tune moe --model "${spec%%:*}" --tp "${spec#*:}" --dtype fp8-block \
+        --tokens 1,2,4,8 --rounds 1 --out "$tf" --report "$out/tune-fp8-${spec%%:*}.json" 2>&1 | q | grep -E -- "->"
+    done
+    [ -s "$tf" ] && export OPGRAFT_TUNE_FILE=$tf
+    note "fp8 tuned: $(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['entries']))" "$tf" 2>/dev/null || echo 0) entries"
     ;;
   fp8-2)
     for spec in Qwen3-30B-A3B:fp8-block:1 DeepSeek-V3:fp8-block:8; do
