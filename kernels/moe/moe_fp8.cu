@@ -4,11 +4,11 @@
 //
 // The products. mma.sync.m16n8k32 e4m3 is Ada's (sm_89); sm_90 has FP8 tensor cores only in
 // wgmma, and ptxas turns an e4m3 mma.sync into F2FP conversions of both operands to f16 and two
-// m16n8k16 f16 MMAs (read in the SASS). gate_up keeps that form (its x arrives in e4m3 from
-// vLLM); down converts its weights itself and feeds the f16 intermediate as it is
-// (og_mma_e4m3_f16), so only the weights are ever converted there.
+// m16n8k16 f16 MMAs (read in the SASS). So the kernels convert e4m3 to f16 themselves where a
+// k-step takes 64 k (og_mma_step) and keep the e4m3 mma.sync at 32; down feeds the f16
+// intermediate as it is, so only the weights are converted there.
 //
-// Scales. Each k-step's product covers 32 k and starts from zero; it is scaled into fp32
+// Scales. Each k-step's product (32 or 64 k) starts from zero; it is scaled into fp32
 // accumulators at once: block scales by (the weight block's scale, uniform over a tile that lies
 // in one block_n x block_k block) x (the activation scale of each column's token, per 1 x block_k
 // group: the lane's columns 2c and 2c+1), per-tensor scales in the epilogue. So the fp32 sums are
@@ -70,11 +70,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
   OG_TS(0, 7);
 }
 
-// down's launch bounds: with no minimum ptxas compiled the 64-k steps at an unroll of 2, or in
-// blocks of 1-2 warps, to 64-96 registers and spilled; a minimum of 1 there. The measured
-// configurations (unroll 4, 8-16 warps) keep no minimum, as they ran.
-#define OG_DOWN_BOUND (OG_DOWN_MIN > 0 ? OG_DOWN_MIN : OG_DOWN_KS == 64 && (OG_U2 <= 2 || OG_W2 <= 2) ? 1 : 0)
-extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_BOUND)
+extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
     OG_SUFFIX(moe_down_fp8)(const og_moe_fp8_params q) {
   const og_moe_params &p = q.b;
 #if OG_DOWN_WARP

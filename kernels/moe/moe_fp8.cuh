@@ -109,6 +109,15 @@ __device__ __forceinline__ og_u32 og_e4m3x2_f16x2(og_u32 v16) {
   return r;
 }
 
+// d += A B for one m16n8k16 f16 tile (A's fragment a0..a3, B's b0, b1), fp32 accumulators.
+__device__ __forceinline__ void og_mma_f16(float (&d)[4], og_u32 a0, og_u32 a1, og_u32 a2, og_u32 a3, og_u32 b0,
+                                           og_u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // One 32-k step of 16 e4m3 weight rows times 8 f16 columns, fp32 result from zero (ACC false)
 // or added to d: r and r8 are rows g and g+8 as the 8 bytes a lane c loads at physical k =
 // 8c..8c+7, b column g's 8 values at the same k (a 16-byte load). Two m16n8k16 f16 MMAs: the
@@ -118,24 +127,11 @@ __device__ __forceinline__ og_u32 og_e4m3x2_f16x2(og_u32 v16) {
 // converting the weights here costs nothing. d as og_mma_e4m3's.
 template <bool ACC = false>
 __device__ __forceinline__ void og_mma_e4m3_f16(float (&d)[4], const og_vec2 &r, const og_vec2 &r8, const og_vec4 &b) {
-  const og_u32 a0 = og_e4m3x2_f16x2(r.x), a1 = og_e4m3x2_f16x2(r8.x), a2 = og_e4m3x2_f16x2(r.x >> 16),
-               a3 = og_e4m3x2_f16x2(r8.x >> 16);
-  if (ACC)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
-  else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "f"(0.f));
-  const og_u32 c0 = og_e4m3x2_f16x2(r.y), c1 = og_e4m3x2_f16x2(r8.y), c2 = og_e4m3x2_f16x2(r.y >> 16),
-               c3 = og_e4m3x2_f16x2(r8.y >> 16);
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(b.z), "r"(b.w));
+  if (!ACC) d[0] = d[1] = d[2] = d[3] = 0.f;
+  og_mma_f16(d, og_e4m3x2_f16x2(r.x), og_e4m3x2_f16x2(r8.x), og_e4m3x2_f16x2(r.x >> 16), og_e4m3x2_f16x2(r8.x >> 16),
+             b.x, b.y);
+  og_mma_f16(d, og_e4m3x2_f16x2(r.y), og_e4m3x2_f16x2(r8.y), og_e4m3x2_f16x2(r.y >> 16), og_e4m3x2_f16x2(r8.y >> 16),
+             b.z, b.w);
 }
 
 // 8 e4m3 bytes (x then y, low byte first) as 8 f16.

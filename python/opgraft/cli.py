@@ -624,7 +624,8 @@ def cmd_profile(args) -> int:
     from .bench.moe import FP8_KINDS, make_weights, make_weights_fp8
 
     ceiling = bench.measure_read_ceiling("cuda")
-    weights = make_weights_fp8(shape, args.dtype, "cuda") if args.dtype in FP8_KINDS else make_weights(shape, args.dtype, "cuda")
+    make = make_weights_fp8 if args.dtype in FP8_KINDS else make_weights
+    weights = make(shape, args.dtype, "cuda")
     rows: list[dict] = []
     print(f"read ceiling {ceiling:.3f} TB/s; {shape.name} {args.dtype}")
     print(f"{'T':>3} {'stage':<8} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6}  verdict")

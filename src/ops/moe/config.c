@@ -78,6 +78,10 @@ static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->down_min_blocks = c->nt <= 2 ? (int)opgraft__tune_value("moe.down.min_blocks", arch, gpu, shape, T) : 0;
   while (c->down_min_blocks > 1 && c->down_min_blocks * c->w2 > 16) c->down_min_blocks--;
   if (c->down_min_blocks < 2) c->down_min_blocks = 0;
+  /* With no minimum ptxas compiled down's 64-k steps at an unroll of 2, or in blocks of 1-2 warps,
+   * to 64-96 registers and spilled; a minimum of 1 there. The measured configurations (unroll 4,
+   * 8-16 warps) keep none, as they ran. */
+  if (c->down_min_blocks == 0 && c->down_ks == 64 && (c->u2 <= 2 || c->w2 <= 2)) c->down_min_blocks = 1;
 }
 
 /* Resolves the kernel configuration; clamps keep the static shared memory under 48 KB and the
