@@ -9,7 +9,8 @@
 #            tune: `opgraft tune` at the decode points of every op (attention, the projections, FP8
 #            MoE at 2..8 tokens), winners in tune.json, which the steps after it use
 #            (OPGRAFT_TUNE_FILE); tune-fp8: FP8 MoE alone, every key, Qwen3-30B-A3B and
-#            DeepSeek-V3/tp8 at 1..8 tokens, likewise; fp8-2: the FP8 bench at 1, 2, 4 and 8 tokens; attention-short:
+#            DeepSeek-V3/tp8 at 1..8 tokens (OPGRAFT_TUNE_FP8_MODELS="MODEL:TP ...", each within
+#            OPGRAFT_TUNE_FP8_TIMEOUT s), likewise; fp8-2: the FP8 bench at 1, 2, 4 and 8 tokens; attention-short:
 #            batch 1 and 8 at 1K/2K/8K against FA3 and Triton, then FlashInfer alone (its first call
 #            JIT-compiles its decode kernel, so it gets its own time limit); check-all: every op's
 #            GPU cases (tools.gpucheck --quick)
@@ -83,8 +84,8 @@ for step in $steps; do
     ;;
   tune-fp8)  # FP8 MoE on every key, Qwen3-30B-A3B and DeepSeek-V3/tp8 at 1, 2, 4, 8 tokens (for fp8-2 next)
     tf=$out/tune.json
-    for spec in Qwen3-30B-A3B:1 DeepSeek-V3:8; do
-      timeout 200 python3 -m opgraft.cli tune moe --model "${spec%%:*}" --tp "${spec#*:}" --dtype fp8-block \
+    for spec in ${OPGRAFT_TUNE_FP8_MODELS:-Qwen3-30B-A3B:1 DeepSeek-V3:8}; do
+      timeout "${OPGRAFT_TUNE_FP8_TIMEOUT:-200}" python3 -m opgraft.cli tune moe --model "${spec%%:*}" --tp "${spec#*:}" --dtype fp8-block \
         --tokens 1,2,4,8 --rounds 1 --out "$tf" --report "$out/tune-fp8-${spec%%:*}.json" 2>&1 | q | grep -E -- "->"
     done
     [ -s "$tf" ] && export OPGRAFT_TUNE_FILE=$tf
