@@ -29,7 +29,8 @@
  *   us at T = 1 / 2 / 4 / 8 against 31.1 / 39.8 / 55.5 / 86.7; DeepSeek-V3/tp8 block 25.3 / 40.1 /
  *   66.3 / 117.0 against 43.2 / 53.4 / 70.0 / 107.1 (T=4 a 6% win that a later run of the same
  *   kernels did not repeat, 72.3 us alone; T=8 lost: both vLLM's). table.c takes Qwen3-30B-A3B's
- *   3..8, whose later run repeated its times. Per-tensor beyond one token is not measured on
+ *   3..8, whose later run repeated its times, and DeepSeek-V3/tp8's 3..8 with its tuned rows (v24:
+ *   22.2 / 31.5 / 52.0 / 92.5 against 43.3 / 53.5 / 70.1 / 106.9, 2026-12-01-h200-v24-fp8/vllm/). Per-tensor beyond one token is not measured on
  *   these kernels (v21, one token: Mixtral-8x7B 126.1 against 146.6 us): vLLM's. Other GPUs are
  *   not measured: vLLM's.
  *   OPGRAFT_TUNE_MOE_FP8 overrides it; the tile rules below were argued from the kernels'

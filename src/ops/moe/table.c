@@ -96,10 +96,26 @@ static const og_tune_entry rows[] = {
     {90, NULL, "moe:fp8block:E128:H2048:I768:k8", 6, 64, "moe.gate_up.warps", 2, "H200 2026-12-01 opgraft tune, v23 kernels: T=8 80.62 -> 76.39 us (with v22's pdl 1)"},
     {90, NULL, "moe:fp8block:E128:H2048:I768:k8", 6, 64, "moe.pdl", 1, "H200 2026-12-01 opgraft tune, v23 kernels: T=8 80.62 -> 76.39 us (with v22's pdl 1)"},
     {90, NULL, "moe:fp8block:E128:H2048:I768:k8", 6, 64, "moe.load", 1, "H200 2026-12-01 opgraft tune, v23 kernels: T=8 80.62 -> 76.39 us (with v22's pdl 1)"},
+    /* FP8 block scales, DeepSeek-V3 under tensor parallelism 8 (one rank's experts: E256, H7168,
+     * I256), likewise (v24). */
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 1, 1, "moe.gate_up.warps", 8, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=1 22.19 -> 19.71 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 1, 1, "moe.pdl", 1, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=1 22.19 -> 19.71 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 1, 1, "moe.pdl_in", 1, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=1 22.19 -> 19.71 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 2, 2, "moe.gate_up.warps", 8, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=2 36.69 -> 28.40 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 2, 2, "moe.pdl", 1, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=2 36.69 -> 28.40 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 2, 2, "moe.load", 1, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=2 36.69 -> 28.40 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 3, 5, "moe.gate_up.warps", 4, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=4 62.39 -> 48.58 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 3, 5, "moe.pdl", 1, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=4 62.39 -> 48.58 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 3, 5, "moe.load", 1, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=4 62.39 -> 48.58 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 6, 64, "moe.gate_up.warps", 1, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=8 116.03 -> 90.29 us"},
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 6, 64, "moe.pdl", 1, "H200 2026-12-01 opgraft tune, v23 kernels (64 MiB between calls): DeepSeek-V3/tp8 fp8-block T=8 116.03 -> 90.29 us"},
     /* Qwen3-30B-A3B block FP8 past the rule's two tokens: against vLLM's FP8 path in the same run,
      * ours with its quantization 47.2 against 55.5 us at T=4, 78.8 against 86.7 at T=8 (3, 5..7
      * lie between measured wins; a later run: 44.7 and 75.3 us alone). */
     {90, NULL, "moe:fp8block:E128:H2048:I768:k8", 3, 8, "moe.fp8", 1, "H200 2026-12-01 v23 kernels vs vLLM 0.26 TritonExperts: Qwen3-30B-A3B T=4 1.18x, T=8 1.10x"},
+    /* DeepSeek-V3/tp8 block FP8 past two tokens with the rows above: ours with vLLM's quantization
+     * 52.0 against 70.1 us at T=4, 92.5 against 106.9 at T=8 in the same run (v24). */
+    {90, NULL, "moe:fp8block:E256:H7168:I256:k8", 3, 8, "moe.fp8", 1, "H200 2026-12-01 tuned v23 kernels vs vLLM 0.26 TritonExperts: DeepSeek-V3/tp8 T=4 1.35x, T=8 1.16x"},
     /* END TUNED ROWS */
 };
 

@@ -476,8 +476,10 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 3, 1},
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 8, 1},  /* Qwen3-30B-A3B's row, table.c */
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 9, 0},
-      {"moe.fp8", "moe:fp8block:E256:H7168:I256:k8", 90, 2, 1},  /* DeepSeek-V3/tp8: the rule */
-      {"moe.fp8", "moe:fp8block:E256:H7168:I256:k8", 90, 3, 0},
+      {"moe.fp8", "moe:fp8block:E256:H7168:I256:k8", 90, 8, 1},  /* DeepSeek-V3/tp8's row */
+      {"moe.fp8", "moe:fp8block:E256:H7168:I256:k8", 90, 9, 0},
+      {"moe.fp8", "moe:fp8block:E384:H7168:I256:k8", 90, 2, 1},  /* Kimi-K2/tp8: the rule */
+      {"moe.fp8", "moe:fp8block:E384:H7168:I256:k8", 90, 3, 0},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 2, 0},
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 89, 1, 0},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 1},
