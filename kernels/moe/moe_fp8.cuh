@@ -174,12 +174,14 @@ __device__ __forceinline__ void og_mma_step(float (&d)[4], const og_vec4 &r, con
   og_mma_k64_f16(d, r, r8, b);
 }
 
-// A lane's weight bytes of a row a k-step (8 or 16), loaded in og_load_stream's forms.
+// A lane's weight bytes of a row a k-step (8 or 16), loaded in og_load_stream's forms, and its
+// down stage's B operand (8 or 16 f16 of act).
 template <int KS>
 struct og_kstep;
 template <>
 struct og_kstep<32> {
   typedef og_vec2 w;
+  typedef og_vec4 act;
   template <int FORM>
   __device__ __forceinline__ static w load(const void *p) { return og_load_stream8<FORM>(p); }
   __device__ __forceinline__ static w operand(const void *p) { return og_load_operand8(p); }
@@ -188,6 +190,7 @@ struct og_kstep<32> {
 template <>
 struct og_kstep<64> {
   typedef og_vec4 w;
+  typedef og_vec8 act;
   template <int FORM>
   __device__ __forceinline__ static w load(const void *p) { return og_load_stream<FORM>(p); }
   __device__ __forceinline__ static w operand(const void *p) { return og_load_shared_operand(p); }

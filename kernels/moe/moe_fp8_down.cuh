@@ -109,11 +109,6 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
                                                  float (*s_red)[OG_NT][4][32]) {
   const og_moe_params &p = q.b;
   typedef og_kstep<OG_DOWN_KS> K;
-#if OG_DOWN_KS == 32
-  typedef og_vec4 act_t;
-#else
-  typedef og_vec8 act_t;
-#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int T = p.T;
@@ -150,7 +145,7 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
       og_act_sources(r, T, e, g, src0, src1);
     }
     typename K::w a[OG_U2], a8[OG_U2];
-    act_t b[OG_U2][OG_NT];
+    typename K::act b[OG_U2][OG_NT];
     float f[OG_U2][1 + OG_NT];  // the k-steps' scales (og_fp8_step_scales)
     // act, its scales (written by gate_up) and the slot maxima they give: after the wait with EARLY
     auto load_act = [&]() {

@@ -22,19 +22,14 @@
  *   lost at 8 and 16 tokens, where T*k still fits 32 slots).
  *
  * FP8 weights (shape keys "moe:fp8block:..." and "moe:fp8tensor:..."):
- * - moe.fp8 1 on sm_90 at one token, and at two with block scales: against vLLM 0.26's own
- *   FP8 path (its modular kernel: activation quantization, TritonExperts, finalize) in the same
- *   run on the H200, ours with the same quantization, v23 kernels
- *   (bench/results/2026-12-01-h200-v23-fp8/vllm/): Qwen3-30B-A3B block 20.4 / 29.5 / 47.2 / 78.8
- *   us at T = 1 / 2 / 4 / 8 against 31.1 / 39.8 / 55.5 / 86.7; DeepSeek-V3/tp8 block 25.3 / 40.1 /
- *   66.3 / 117.0 against 43.2 / 53.4 / 70.0 / 107.1 (T=4 a 6% win that a later run of the same
- *   kernels did not repeat, 72.3 us alone; T=8 lost: both vLLM's). table.c takes Qwen3-30B-A3B's
- *   3..8, whose later run repeated its times, and DeepSeek-V3/tp8's 3..8 with its tuned rows (v24:
- *   22.2 / 31.5 / 52.0 / 92.5 against 43.3 / 53.5 / 70.1 / 106.9, 2026-12-01-h200-v24-fp8/vllm/). Per-tensor beyond one token is not measured on
- *   these kernels (v21, one token: Mixtral-8x7B 126.1 against 146.6 us): vLLM's. Other GPUs are
- *   not measured: vLLM's.
- *   OPGRAFT_TUNE_MOE_FP8 overrides it; the tile rules below were argued from the kernels'
- *   structure (the tuned rows, where they exist, were measured).
+ * - moe.fp8 1 on sm_90 at one token, and at two with block scales: where ours (with vLLM's
+ *   activation quantization) beat vLLM 0.26's own FP8 path (its modular kernel with TritonExperts)
+ *   in the same run on the H200 at every shape measured (bench/results/2026-12-01-h200-v23-fp8/
+ *   and -v24-fp8/, vllm/). From three tokens the shapes part: table.c takes the block shapes that
+ *   won there (Qwen3-30B-A3B, DeepSeek-V3/tp8, to eight tokens); elsewhere vLLM's. Per-tensor
+ *   scales beyond one token and other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8
+ *   overrides it; the tile rules below were argued from the kernels' structure (the tuned rows,
+ *   where they exist, were measured).
  * - moe.max_tokens as for bf16 (8 on sm_90).
  * - gate_up warps 8 for H <= 2048, 16 above (argued for the 32-row tiles of v22; on the 16-row
  *   tiles the tuned Qwen3-30B-A3B rows take 4 at one token and 2 from two).
