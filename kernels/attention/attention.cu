@@ -23,6 +23,14 @@
 // in the workspace, reset by that block) merges the node's children in order. The same bits every
 // run, whichever block comes last; one launch, and a combine no wider than 16 partials per block
 // (one block reading all of many splits' partials would be bound by one SM's bandwidth).
+// OG_CLUSTER (sm_90): the splits are launched in thread-block clusters; a sequence short enough
+// for one cluster's splits (n <= the cluster size) is merged through distributed shared memory (each
+// block merging a slice of the outputs, members in rank order), without the workspace, the
+// fences and the counters; a longer one takes the tree.
+//
+// A block's first tile is known before its length when the split is min_chunk tokens from token
+// 0 (any context up to S x min_chunk, no window): its block-table entry is loaded together with
+// the length, one dependent DRAM round trip fewer at short contexts.
 //
 // Padded rows (seq_lens[b] <= 0, vLLM's CUDA-graph padding) get zeros: finite, and what
 // FlashAttention returns for a row with no keys.
@@ -58,6 +66,9 @@
 // write); the kernel waits for it before its first global access, so only the launch overlaps.
 #ifndef OG_PDL
 #define OG_PDL 0
+#endif
+#ifndef OG_CLUSTER
+#define OG_CLUSTER 0
 #endif
 #define OG_FAN OG_ATTN_FAN
 
@@ -105,7 +116,51 @@ __device__ __forceinline__ float2 og_ld_cg2(const float *p) {
   asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
   return v;
 }
+// A read-only int load kept where it is written (volatile), so that it is in flight with its neighbours.
+__device__ __forceinline__ int og_ld_nc_s32(const int *p) {
+  int v;
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ og_u32 og_reg(const og_vec4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+#if OG_CLUSTER
+__device__ __forceinline__ unsigned og_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ unsigned og_cluster_size() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every block of the cluster; shared-memory writes before it are seen after it.
+__device__ __forceinline__ void og_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The same meeting without ordering memory (no fence: a thread's loads whose values it has used
+// are complete): keeps every block, and its shared memory, until the others have read it.
+__device__ __forceinline__ void og_cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+// The address of this block's shared variable p in the shared memory of cluster block `rank`.
+__device__ __forceinline__ unsigned og_dsmem(const void *p, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float4 og_ld_dsmem4(unsigned a) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ float2 og_ld_dsmem2(unsigned a) {
+  float2 v;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(a));
+  return v;
+}
+#endif
 
 // The logit in log2 units from a raw dot product q . k.
 __device__ __forceinline__ float og_logit(const og_attn_params &p, float qk) {
@@ -155,6 +210,25 @@ __device__ __forceinline__ og_vec4 og_kv_load(const og_u16 *ptr, bool valid) {
   return valid ? og_load_stream<OG_LOAD>(ptr) : og_zero4();
 }
 
+// V rows of the tile at token tb (cache block blk, its row `row`): tokens c, c+8, c+4, c+12,
+// dims 64j + 8g .. +8 (vbase holds the lane's 8g); keys outside [start, r1) or blk < 0 read zeros.
+__device__ __forceinline__ void og_v_tile(og_vec4 (&vc)[OG_DV], og_vec4 (&v8)[OG_DV], og_vec4 (&v4)[OG_DV],
+                                          og_vec4 (&v12)[OG_DV], const og_attn_params &p, const og_u16 *vbase, int blk,
+                                          int row, int tb, int c, int start, int r1) {
+  const int j0 = tb + c;
+  const bool ok = blk >= 0;
+  const bool w0 = ok && j0 >= start && j0 < r1, w8 = ok && j0 + 8 >= start && j0 + 8 < r1;
+  const bool w4 = ok && j0 + 4 >= start && j0 + 4 < r1, w12 = ok && j0 + 12 >= start && j0 + 12 < r1;
+  const og_u16 *vp = vbase + (long long)max(blk, 0) * p.v_sb + (long long)(row + c) * p.v_st;
+#pragma unroll
+  for (int j = 0; j < OG_DV; ++j) {
+    vc[j] = og_kv_load(vp + 64 * j, w0);
+    v8[j] = og_kv_load(vp + 8 * p.v_st + 64 * j, w8);
+    v4[j] = og_kv_load(vp + 4 * p.v_st + 64 * j, w4);
+    v12[j] = og_kv_load(vp + 12 * p.v_st + 64 * j, w12);
+  }
+}
+
 // Combines count (<= OG_FAN) consecutive partials src .. src+count-1 in order: into the output
 // (root) or into the partial dst. All threads of the block take part.
 __device__ __forceinline__ void og_combine(const og_attn_params &p, int b, int hq0, long long src, int count, bool root,
@@ -201,6 +275,50 @@ __device__ __forceinline__ void og_combine(const og_attn_params &p, int b, int h
   }
 }
 
+#if OG_CLUSTER
+#define OG_CLUSTER_MAX 8
+// The output of a sequence whose m (<= the cluster size) splits are the cluster's first m blocks:
+// res is each block's [G][D] unnormalised output followed by its [G] (max, sum) pairs; every
+// block of the cluster merges a slice of the outputs, members in rank order. Every thread of
+// every block of the cluster calls it; no block leaves before all have read.
+__device__ __forceinline__ void og_cluster_merge(const og_attn_params &p, int b, int hq0, const float *res, int m,
+                                                 int crank, int csize) {
+  og_cluster_sync();
+  unsigned rb[OG_CLUSTER_MAX];
+#pragma unroll
+  for (int i = 0; i < OG_CLUSTER_MAX; ++i) rb[i] = i < m ? og_dsmem(res, i) : 0u;
+  const int total = OG_G * (OG_D / 4), per = (total + csize - 1) / csize;
+  const int end = min(total, (crank + 1) * per);
+  for (int it = crank * per + (int)threadIdx.x; it < end; it += OG_NT) {
+    const int h = it / (OG_D / 4), d = (it % (OG_D / 4)) * 4;
+    float2 ml[OG_CLUSTER_MAX];
+    float4 v[OG_CLUSTER_MAX];
+#pragma unroll
+    for (int i = 0; i < OG_CLUSTER_MAX; ++i)  // every load in flight before the first product
+      if (i < m) {
+        ml[i] = og_ld_dsmem2(rb[i] + (unsigned)(OG_G * OG_D + 2 * h) * 4u);
+        v[i] = og_ld_dsmem4(rb[i] + (unsigned)(h * OG_D + d) * 4u);
+      }
+    float mx = og_ninf();
+#pragma unroll
+    for (int i = 0; i < OG_CLUSTER_MAX; ++i)
+      if (i < m) mx = fmaxf(mx, ml[i].x);
+    const float mu = mx == og_ninf() ? 0.f : mx;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < OG_CLUSTER_MAX; ++i)
+      if (i < m) {
+        const float e = og_exp2(ml[i].x - mu);
+        sum += ml[i].y * e;
+        acc.x += v[i].x * e, acc.y += v[i].y * e, acc.z += v[i].z * e, acc.w += v[i].w * e;
+      }
+    og_write_out(p, b, hq0 + h, d, acc, sum, mu);
+  }
+  og_cluster_sync_relaxed();
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(attention_decode)(const og_attn_params p) {
   extern __shared__ __align__(16) unsigned char og_smem[];
   og_u16 *sq = (og_u16 *)og_smem;
@@ -222,7 +340,13 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
       qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_shared_operand(qb + (long long)h * p.q_sh + d) : og_zero4();
     }
   }
-  const int L = __ldg(p.seq_lens + b);
+  const int *bt = p.block_table + (long long)b * p.bt_stride;
+#if !OG_WINDOW
+  // The first tile if the split is min_chunk tokens from token 0; loaded with the length.
+  const int tb_guess = s * p.min_chunk + 16 * warp, bi_guess = tb_guess / p.block_size;
+  const int blk_guess = bi_guess < p.max_blocks ? og_ld_nc_s32(bt + bi_guess) : -1;
+#endif
+  const int L = og_ld_nc_s32(p.seq_lens + b);
   if (L <= 0) {  // a padded row: zeros
     if (s == 0)
       for (int i = tid; i < OG_G * (OG_D / 8); i += OG_NT) {
@@ -240,7 +364,14 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   const int S = gridDim.x;
   int a0, chunk;
   const int n = og_attn_split(L, start, S, p.min_chunk, &a0, &chunk);
-  if (s >= n) return;
+  if (s >= n) {
+#if OG_CLUSTER  // past the last split: still merges a slice when the splits are its cluster's
+    const int csize = (int)og_cluster_size();
+    if (n > 1 && n <= csize && s < csize)
+      og_cluster_merge(p, b, hq0, region + OG_ATTN_RES_OFF(OG_D, OG_G, OG_W), n, (int)og_cluster_rank(), csize);
+#endif
+    return;
+  }
   const int r0 = a0 + s * chunk, r1 = min(L, r0 + chunk);
   const int ntiles = (r1 - r0 + 15) >> 4;
 
@@ -251,7 +382,6 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
     if (i < OG_QITEMS) *(og_vec4 *)(sq + h * OG_QROW + d) = qreg[r];
   }
-  const int *bt = p.block_table + (long long)b * p.bt_stride;
   const og_u16 *kbase = (const og_u16 *)p.k + (long long)hk * p.k_sh + 8 * c;  // this lane's 8 dims of a 32
   const og_u16 *vbase = (const og_u16 *)p.v + (long long)hk * p.v_sh + 8 * g;  // this lane's 8 dims of a 64
   __syncthreads();
@@ -268,8 +398,14 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 
   // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8.
   og_vec4 kg[OG_DK], k8[OG_DK];
-  int t = warp, row = 0;
-  int blk = t < ntiles ? og_tile_block(p, bt, r0 + 16 * t, &row) : -1;
+  int t = warp, row = 0, blk;
+#if !OG_WINDOW
+  if (r0 + 16 * t == tb_guess) {
+    row = tb_guess - bi_guess * p.block_size;
+    blk = t < ntiles && blk_guess >= 0 && blk_guess < p.num_blocks ? blk_guess : -1;
+  } else
+#endif
+    blk = t < ntiles ? og_tile_block(p, bt, r0 + 16 * t, &row) : -1;
   {
     const int tb = r0 + 16 * t;
     const bool v0 = blk >= 0 && tb + g >= start && tb + g < r1, v1 = blk >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
@@ -285,22 +421,8 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     const int tn = t + OG_W;
     int row_next = 0;
     const int blk_next = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next) : -1;
-    // V rows of this tile: tokens c, c+8, c+4, c+12, dims 64j + 8g .. +8.
     og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];
-    {
-      const int j0 = tb + c;
-      const bool ok = blk >= 0;
-      const bool w0 = ok && j0 >= start && j0 < r1, w8 = ok && j0 + 8 >= start && j0 + 8 < r1;
-      const bool w4 = ok && j0 + 4 >= start && j0 + 4 < r1, w12 = ok && j0 + 12 >= start && j0 + 12 < r1;
-      const og_u16 *vp = vbase + (long long)max(blk, 0) * p.v_sb + (long long)(row + c) * p.v_st;
-#pragma unroll
-      for (int j = 0; j < OG_DV; ++j) {
-        vc[j] = og_kv_load(vp + 64 * j, w0);
-        v8[j] = og_kv_load(vp + 8 * p.v_st + 64 * j, w8);
-        v4[j] = og_kv_load(vp + 4 * p.v_st + 64 * j, w4);
-        v12[j] = og_kv_load(vp + 12 * p.v_st + 64 * j, w12);
-      }
-    }
+    og_v_tile(vc, v8, v4, v12, p, vbase, blk, row, tb, c, start, r1);
     // S^T: [token g / g+8][head 2c / 2c+1] of each 8-head tile.
     float sc[OG_NH][4];
 #pragma unroll
@@ -400,7 +522,12 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   }
   __syncthreads();
 
-  // The block's result, warps in order; written out (one split) or as this split's partial.
+  // The block's result, warps in order; written out (one split), kept for the cluster's merge
+  // (the splits are its cluster's), or written as this split's partial.
+#if OG_CLUSTER
+  const bool on_chip = n <= (int)og_cluster_size();  // (read again: fewer registers live through the loop)
+  float *res = region + OG_ATTN_RES_OFF(OG_D, OG_G, OG_W);
+#endif
   const int group = b * gridDim.y + hk;
   const long long base = (long long)group * p.slots_per_group;
   for (int it = tid; it < OG_G * (OG_D / 4); it += OG_NT) {
@@ -420,18 +547,29 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     }
     if (n == 1) {
       og_write_out(p, b, hq0 + h, d, acc, sum, mu);
+#if OG_CLUSTER
+    } else if (on_chip) {
+      *(float4 *)(res + h * OG_D + d) = acc;
+      if (d == 0) *(float2 *)(res + OG_G * OG_D + 2 * h) = make_float2(mx, sum);
+#endif
     } else {
       *(float4 *)(p.part + ((base + s) * OG_G + h) * OG_D + d) = acc;
       if (d == 0) *(float2 *)(p.part_ml + ((base + s) * OG_G + h) * 2) = make_float2(mx, sum);
     }
   }
   if (n == 1) return;
+#if OG_CLUSTER
+  if (on_chip) {
+    og_cluster_merge(p, b, hq0, res, n, (int)og_cluster_rank(), (int)og_cluster_size());
+    return;
+  }
+#endif
+  og_attn_node node = {s, n, S, 0, 0};
 
   // A tree of OG_FAN-wide combines over the splits, fixed by split index: the last block to
   // arrive at a node (a counter in the workspace, which that block resets) combines the node's
   // children in order into the node's partial, or into the output at the root. Level l's
   // partials are slots off_l .. off_l + c_l of the group (c_0 = S, c_{l+1} = ceil(c_l / FAN)).
-  og_attn_node node = {s, n, S, 0, 0};
   for (;;) {
     __threadfence();
     __syncthreads();

@@ -36,6 +36,11 @@ typedef struct og_attn_params {
 /* The split combine's fan-in: a node of the combine tree merges this many partials at most. */
 #define OG_ATTN_FAN 16
 
+/* Where a block's result for its cluster's merge starts (OG_CLUSTER), in floats after the start of
+ * the warps' partials (outputs W*G*D, maxima and sums W*G*2), at a 16-byte boundary; it takes
+ * G*D + G*2 floats. */
+#define OG_ATTN_RES_OFF(D, G, W) ((((W) * (G) * (D) + (W) * (G) * 2) + 3) / 4 * 4)
+
 /* The split and tree arithmetic, shared by the kernel and the host (whose tests check it). */
 #ifdef __CUDACC_RTC__
 #define OG_ATTN_FN __device__ __forceinline__
@@ -89,12 +94,14 @@ static inline void og_attn_tree(int S, int *slots, int *counters) {
   *slots = sl, *counters = co;
 }
 
-/* Bytes of dynamic shared memory the kernel takes for (D, G, warps): the query rows, then either
- * the warps' partials (outputs, maxima, sums) or, reusing that room, a combine's weights. */
-static inline unsigned og_attn_smem_bytes(int D, int G, int W) {
+/* Bytes of dynamic shared memory the kernel takes for (D, G, warps, cluster merge or not): the
+ * query rows, then either the warps' partials (outputs, maxima, sums; with the cluster merge the
+ * block's result after them) or, reusing that room, a combine's weights. */
+static inline unsigned og_attn_smem_bytes(int D, int G, int W, int cluster) {
   const unsigned nh8 = (unsigned)((G + 7) / 8) * 8u;
   const unsigned sq = nh8 * (unsigned)OG_ATTN_QROW(D) * 2u;
-  const unsigned warps = (unsigned)(W * G * D) * 4u + (unsigned)(W * G) * 8u;
+  const unsigned warps = cluster ? (unsigned)(OG_ATTN_RES_OFF(D, G, W) + G * D + G * 2) * 4u
+                                 : (unsigned)(W * G * D) * 4u + (unsigned)(W * G) * 8u;
   const unsigned comb = (unsigned)OG_ATTN_FAN * (unsigned)G * 8u + (unsigned)G * 12u;
   return sq + (warps > comb ? warps : comb);
 }

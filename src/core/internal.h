@@ -73,6 +73,7 @@ typedef struct og_cuda_api {
   og_CUresult (*cuMemsetD32Async)(unsigned long long, unsigned int, size_t, og_CUstream);
   og_CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int *, og_CUfunction, int, size_t);
   og_CUresult (*cuFuncSetAttribute)(og_CUfunction, int, int);
+  og_CUresult (*cuOccupancyMaxActiveClusters)(int *, og_CUfunction, const struct og_CUlaunchConfig *);
 } og_cuda_api;
 
 /* CUlaunchAttribute / CUlaunchConfig as documented in the driver API (cuda.h, CUDA 12 and 13). */
@@ -82,10 +83,15 @@ typedef struct og_CUlaunchAttribute {
   union {
     char bytes[64];
     int flag; /* the int-valued attributes: cooperative, programmaticStreamSerializationAllowed */
+    unsigned dim[3]; /* clusterDim */
     void *align;
   } value;
 } og_CUlaunchAttribute;
-enum { OG_LAUNCH_ATTRIBUTE_COOPERATIVE = 2, OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
+enum {
+  OG_LAUNCH_ATTRIBUTE_COOPERATIVE = 2,
+  OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4,
+  OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+};
 typedef struct og_CUlaunchConfig {
   unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
   og_CUstream stream;

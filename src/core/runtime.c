@@ -96,7 +96,7 @@ static const char *const cuda_names[] = {
     "cuInit",          "cuDriverGetVersion",  "cuCtxGetCurrent", "cuCtxGetDevice",
     "cuDeviceGetAttribute", "cuDeviceGetName", "cuModuleLoadData", "cuModuleGetFunction",
     "cuLaunchKernel",  "cuGetErrorString", "cuLaunchKernelEx", "cuMemsetD32Async",
-    "cuOccupancyMaxActiveBlocksPerMultiprocessor", "cuFuncSetAttribute",
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor", "cuFuncSetAttribute", "cuOccupancyMaxActiveClusters",
 };
 
 /* A library that loads but has no cuInit is not a CUDA driver at all, whatever it is called. */

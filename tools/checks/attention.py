@@ -79,10 +79,23 @@ def cases() -> list[dict]:
               tunables={"attention.max_splits": 17, "attention.min_chunk": 16}),
         _case("load form 1 and PDL", RAGGED, 32, 4, 128, tunables={"attention.load": 1, "attention.pdl": 1}),
         _case("min_blocks 1, head 64 GQA 16", [1000, 3], 32, 2, 64, tunables={"attention.min_blocks": 1}),
+        # the cluster merge (sm_90): one cluster a sequence, clusters feeding the tree, empty splits
+        _case("cluster 8, batch 1 context 1000", [1000], 32, 4, 128, tunables={"attention.cluster": 8}),
+        _case("cluster 8, ragged with padded rows, length hint 8192", RAGGED, 32, 4, 128, hint=8192,
+              tunables={"attention.cluster": 8}),
+        _case("cluster 4, min_chunk 16 (too long for a cluster: the tree), context 8192", [8192, 300, 0], 32, 4, 128,
+              tunables={"attention.cluster": 4, "attention.min_chunk": 16, "attention.max_splits": 1024}),
+        _case("cluster 2, warps 2, window and fp32 sinks, head 64", [1000, 100, 1, 0], 64, 8, 64, window=127,
+              sinks="fp32", tunables={"attention.cluster": 2, "attention.warps": 2}),
+        _case("cluster 8, GQA 5 head 128 and PDL", [300, 77, 1], 10, 2, 128,
+              tunables={"attention.cluster": 8, "attention.pdl": 1}),
+        _case("cluster 8, batch 64 context 1000", [1000] * 64, 32, 4, 128, tunables={"attention.cluster": 8}),
         # CUDA graphs: captured with one set of lengths, replayed with others
         _case("CUDA graph replayed with new lengths and padded rows", RAGGED, 32, 4, 128, graph=True),
         _case("CUDA graph, window and sinks, fp16", RAGGED, 16, 4, 64, dtype="fp16", window=63, sinks="fp32",
               graph=True),
+        _case("CUDA graph with the cluster merge, new lengths", RAGGED, 32, 4, 128, graph=True, hint=32768,
+              tunables={"attention.cluster": 8}),
     ]
     return c
 

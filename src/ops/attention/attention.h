@@ -42,6 +42,7 @@ typedef struct og_attn_cfg {
   int max_splits;  /* splits of one sequence at most */
   int load;        /* K/V load form (og_load_stream) */
   int pdl;         /* programmatic dependent launch (sm_90+) */
+  int cluster;     /* blocks a thread-block cluster merging splits on chip (sm_90+; 1 = none): 2, 4 or 8 */
   int softcap, window, sinks; /* the options' code paths (OG_SOFTCAP, OG_WINDOW, OG_SINKS) */
 } og_attn_cfg;
 void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const char *gpu, og_attn_cfg *c);
@@ -56,5 +57,11 @@ size_t opgraft__attn_workspace_bytes(const opgraft_attention_args *a, int64_t ma
 void opgraft__attn_workspace_offsets(const opgraft_attention_args *a, int64_t max_slots, int max_splits,
                                      size_t *ml_off, size_t *part_off);
 #define OG_ATTN_SOURCE "attention/attention.cu"
+
+/* launch.c: the cluster size (1, 4 or 8; at most `cluster` and S) for a launch of S splits a
+ * group over `groups` groups, and S lowered to a multiple of it with every cluster resident at
+ * once (resident_of[log2 size] of them): the largest size that keeps at least 70% of the splits,
+ * else 1 (S unchanged). */
+int opgraft__attn_cluster_of(int cluster, const int resident_of[4], int64_t groups, int *S);
 
 #endif

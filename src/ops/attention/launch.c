@@ -16,6 +16,7 @@ struct opgraft_attention_plan {
   og_CUfunction fn;
   unsigned threads, smem;
   int64_t slots;      /* blocks of one wave: split calls put at most this many in the tree */
+  int max_clusters[4]; /* clusters of 1, 2, 4, 8 blocks resident at once (cfg.cluster and below) */
   size_t workspace, ml_off, part_off;
   og_attn_params proto; /* strides and scalars; a run adds the pointers */
 };
@@ -74,7 +75,7 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
   opgraft__attn_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
   const int64_t G = a->num_heads / a->num_kv_heads;
   p->threads = 32u * (unsigned)p->cfg.warps;
-  p->smem = og_attn_smem_bytes((int)a->head_size, (int)G, p->cfg.warps);
+  p->smem = og_attn_smem_bytes((int)a->head_size, (int)G, p->cfg.warps, p->cfg.cluster > 1);
   og_opts o;
   char name[64];
   opgraft__attn_fn_name(a->dtype, name);
@@ -91,6 +92,18 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
     st = opgraft__cu_check(cu->cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, p->fn, (int)p->threads, p->smem),
                            "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   if (!st && per_sm < 1) st = opgraft__fail(OPGRAFT_ECUDA, "the attention kernel cannot be resident on this GPU");
+  /* Clusters pack into GPCs: fewer may be resident than blocks / size. */
+  for (int i = 1, c = 2; !st && c <= p->cfg.cluster; ++i, c *= 2) {
+    og_CUlaunchAttribute attr;
+    memset(&attr, 0, sizeof attr);
+    attr.id = OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.dim[0] = (unsigned)c, attr.value.dim[1] = attr.value.dim[2] = 1;
+    og_CUlaunchConfig lc = {(unsigned)c, 1, 1, p->threads, 1, 1, p->smem, NULL, &attr, 1};
+    st = opgraft__cu_check(cu->cuOccupancyMaxActiveClusters(&p->max_clusters[i], p->fn, &lc),
+                           "cuOccupancyMaxActiveClusters (attention)");
+    if (!st && p->max_clusters[i] < 1)
+      st = opgraft__fail(OPGRAFT_ECUDA, "no cluster of %d attention blocks can be resident on this GPU", c);
+  }
   if (st) {
     free(p);
     return st;
@@ -141,9 +154,25 @@ static int split_count(const opgraft_attention_plan *plan, int64_t batch, int64_
   return S < 2 ? 1 : (int)S;
 }
 
+int opgraft__attn_cluster_of(int cluster, const int resident_of[4], int64_t groups, int *S) {
+  int c = 1, i = 0;
+  while (c * 2 <= cluster && c * 2 <= *S && i < 3) c *= 2, ++i;
+  for (; c >= 4; c /= 2, --i) { /* a cluster of 2 merged no faster than the tree (v25) */
+    int64_t per = *S / c;    /* clusters a group, no more than fit at once (else they run in waves) */
+    if (groups * per > resident_of[i]) per = resident_of[i] / groups;
+    if (per >= 1 && 10 * per * c >= 7 * (int64_t)*S) { /* at most 30% fewer splits */
+      *S = (int)(per * c);
+      return c;
+    }
+  }
+  return 1;
+}
+
 static int32_t launch(const og_cuda_api *cu, const opgraft_attention_plan *plan, og_attn_params *p, int64_t batch,
                       int64_t max_seq_len, void *workspace, og_CUstream s) {
-  const int S = split_count(plan, batch, max_seq_len);
+  int S = split_count(plan, batch, max_seq_len);
+  const int cs =
+      S > 1 ? opgraft__attn_cluster_of(plan->cfg.cluster, plan->max_clusters, batch * plan->args.num_kv_heads, &S) : 1;
   if (S > 1) {
     og_attn_tree(S, &p->slots_per_group, &p->counters_per_group);
     p->counters = (unsigned *)workspace;
@@ -152,15 +181,23 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_attention_plan *plan,
   }
   void *params[] = {p};
   const unsigned gy = (unsigned)plan->args.num_kv_heads, gz = (unsigned)batch;
+  og_CUlaunchAttribute attrs[2];
+  unsigned na = 0;
+  memset(attrs, 0, sizeof attrs);
   if (plan->cfg.pdl) {
     /* The kernel waits (griddepcontrol.wait) for the previous kernel before any global access. */
-    og_CUlaunchAttribute attr;
-    memset(&attr, 0, sizeof attr);
-    attr.id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.flag = 1;
-    og_CUlaunchConfig lc = {(unsigned)S, gy, gz, plan->threads, 1, 1, plan->smem, s, &attr, 1};
+    attrs[na].id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attrs[na++].value.flag = 1;
+  }
+  if (cs > 1) {
+    attrs[na].id = OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attrs[na].value.dim[0] = (unsigned)cs, attrs[na].value.dim[1] = attrs[na].value.dim[2] = 1;
+    ++na;
+  }
+  if (na) {
+    og_CUlaunchConfig lc = {(unsigned)S, gy, gz, plan->threads, 1, 1, plan->smem, s, attrs, na};
     return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan->fn, params, NULL),
-                             "launch attention_decode (programmatic dependent launch)");
+                             "launch attention_decode (cuLaunchKernelEx: programmatic dependent launch or clusters)");
   }
   return opgraft__cu_check(cu->cuLaunchKernel(plan->fn, (unsigned)S, gy, gz, plan->threads, 1, 1, plan->smem, s, params,
                                               NULL),

@@ -151,6 +151,14 @@ static int setup(void **state) {
               nsome);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_LOAD", "1", NULL}, some, nsome);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, some, nsome);
+  /* The cluster merge (sm_90; on sm_80 the setting compiles the shipped code) over every shipped
+   * variant, and with the warps and PDL it may be tuned with. */
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL}, shipped,
+              (int)(sizeof shipped / sizeof *shipped));
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "4", "OPGRAFT_TUNE_ATTENTION_WARPS", "8", NULL}, some,
+              nsome);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", "OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, some,
+              nsome);
   long threads = sysconf(_SC_NPROCESSORS_ONLN);
   const char *env = getenv("OPGRAFT_TEST_JOBS");
   if (env && atoi(env) > 0) threads = atoi(env);

@@ -253,8 +253,8 @@ static void test_registered_with_its_tunables(void **state) {
   assert_non_null(strstr(opgraft_abi_layout(), "\"opgraft_attention_args\""));
   /* The rule decides every key (there are no baked rows yet). */
   const char *keys[] = {"attention.warps", "attention.min_blocks", "attention.min_chunk", "attention.max_splits",
-                        "attention.load", "attention.pdl"};
-  for (int i = 0; i < 6; ++i) {
+                        "attention.load", "attention.pdl", "attention.cluster"};
+  for (int i = 0; i < 7; ++i) {
     const opgraft_tune_query q = {keys[i], 90, "NVIDIA H200", "attention:bf16:D128:G8:bs16", 0};
     int64_t v;
     char src[64];
@@ -323,7 +323,52 @@ static void test_config(void **state) {
   set_vllm_cache(&a, 4096, 16, 8, 256);
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(c.warps, 8);
-  assert_true(og_attn_smem_bytes(256, 8, 8) <= (64u << 10) + 8u * 288u * 2u + 512u);
+  assert_true(og_attn_smem_bytes(256, 8, 8, 0) <= (64u << 10) + 8u * 288u * 2u + 512u);
+  /* The cluster merge adds the block's result (G x D floats and G pairs) at a 16-byte boundary. */
+  assert_int_equal(og_attn_smem_bytes(256, 8, 8, 1), og_attn_smem_bytes(256, 8, 8, 0) + 8u * 256u * 4u + 8u * 8u);
+  assert_int_equal(OG_ATTN_RES_OFF(64, 5, 1) % 4, 0);
+  assert_true(OG_ATTN_RES_OFF(64, 5, 1) >= 5 * 64 + 5 * 2);
+  /* Cluster sizes: powers of two up to 8, sm_90 only. */
+  a.num_heads = 32;
+  set_vllm_cache(&a, 4096, 16, 4, 128);
+  const char *sizes[][2] = {{"1", "1"}, {"3", "2"}, {"4", "4"}, {"8", "8"}};
+  for (int i = 0; i < 4; ++i) {
+    setenv("OPGRAFT_TUNE_ATTENTION_CLUSTER", sizes[i][0], 1);
+    opgraft_tune_reload();
+    opgraft__attn_config(&a, 90, NULL, &c);
+    assert_int_equal(c.cluster, atoi(sizes[i][1]));
+    opgraft__attn_config(&a, 80, NULL, &c);
+    assert_int_equal(c.cluster, 1);
+  }
+  unsetenv("OPGRAFT_TUNE_ATTENTION_CLUSTER");
+  opgraft_tune_reload();
+}
+
+/* The cluster size and the split count a launch rounds to. */
+static void test_cluster_of(void **state) {
+  const int resident[4] = {132, 66, 30, 15}; /* an H200 at one block an SM */
+  static const int cases[][5] = {
+      /* cluster, groups, S in, size out, S out */
+      {8, 4, 33, 8, 24},   /* 16 clusters of 8 > 15 resident: 3 a group, 27% fewer splits */
+      {8, 5, 26, 8, 24},   /* 15 clusters of 8 */
+      {8, 4, 40, 4, 28},   /* 3 of 8 a group would lose 40%: 7 of 4 */
+      {8, 8, 4, 4, 4},     /* 8 clusters of 4 */
+      {8, 1, 13, 4, 12},   /* 8 of 13 would lose 38% */
+      {8, 20, 6, 1, 6},    /* 4 of 6 would lose 33% */
+      {8, 32, 4, 1, 4},    /* 32 clusters of 4 > 30 resident; of 2, the tree is as fast */
+      {8, 4, 64, 1, 64},
+      {8, 1, 3, 1, 3},
+      {1, 4, 33, 1, 33},   /* off */
+      {8, 4, 1, 1, 1},     /* no split */
+      {16, 1, 100, 8, 96}, /* 8 at most */
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+    int S = cases[i][2];
+    const int c = opgraft__attn_cluster_of(cases[i][0], resident, cases[i][1], &S);
+    if (c != cases[i][3] || S != cases[i][4])
+      fail_msg("cluster %d groups %d S %d: size %d S %d, expected %d and %d", cases[i][0], cases[i][1], cases[i][2], c, S,
+               cases[i][3], cases[i][4]);
+  }
 }
 
 /* A tuned row holds for a batch range: the query's token count is the batch. */
@@ -440,6 +485,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_workspace, reset_tunables),
       cmocka_unit_test(test_splits_partition_the_keys),
       cmocka_unit_test(test_combine_tree),
+      cmocka_unit_test(test_cluster_of),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
