@@ -12,7 +12,8 @@
 #            DeepSeek-V3/tp8 at 1..8 tokens (OPGRAFT_TUNE_FP8_MODELS="MODEL:TP ...", each within
 #            OPGRAFT_TUNE_FP8_TIMEOUT s), likewise; fp8-2: the FP8 bench at 1, 2, 4 and 8 tokens; attention-short:
 #            batch 1 and 8 at 1K/2K/8K against FA3 and Triton, then FlashInfer alone (its first call
-#            JIT-compiles its decode kernel, so it gets its own time limit); check-all: every op's
+#            JIT-compiles its decode kernel, so it gets its own time limit; OPGRAFT_LAB_ATTN_CONTEXTS
+#            the contexts, OPGRAFT_LAB_ATTN_ALT="VAR=V ..." ours again under those); check-all: every op's
 #            GPU cases (tools.gpucheck --quick)
 set -uo pipefail
 parts=$1 out=/tmp/og-vllm-lab
@@ -51,11 +52,15 @@ for step in $steps; do
     grep -h FAIL "$out"/check-*.log | head
     ;;
   attention-short)
-    pts=(--model Qwen3-30B-A3B --batch 1,8 --context 1024,2048,8192)
+    pts=(--model Qwen3-30B-A3B --batch 1,8 --context "${OPGRAFT_LAB_ATTN_CONTEXTS:-1024,2048,8192}")
     python3 -m opgraft.cli bench attention "${pts[@]}" --impls opgraft,vllm-fa3,vllm-triton \
       --json "$out/attention_short.json" 2>&1 | q | tail -22
     FLASHINFER_WORKSPACE_BASE=/tmp/og-flashinfer timeout 240 python3 -m opgraft.cli bench attention "${pts[@]}" \
       --impls vllm-flashinfer --json "$out/attention_flashinfer.json" 2>&1 | q | tail -8
+    if [ -n "${OPGRAFT_LAB_ATTN_ALT:-}" ]; then  # ours again under other tunables, e.g. OPGRAFT_TUNE_ATTENTION_CLUSTER=8
+      env $OPGRAFT_LAB_ATTN_ALT python3 -m opgraft.cli bench attention "${pts[@]}" --impls opgraft \
+        --json "$out/attention_short_alt.json" 2>&1 | q | tail -12
+    fi
     note "attention short contexts benched (FlashInfer rc ${PIPESTATUS[0]})"
     ;;
   moe)
