@@ -1,7 +1,6 @@
 /* The linear op's tunable keys and its baked per-arch rows, and its descriptor for the core's
  * registry. Rows match like tune-file entries (src/core/tune.c); where none matches, the rule in
- * heuristics.c decides from the shape. Rows exist only where a measurement beat that rule: none
- * yet (no GPU has run the kernel). */
+ * heuristics.c decides from the shape. Rows exist only where a measurement beat that rule. */
 #include "linear.h"
 
 /* Ranges are what the kernel accepts; the fallback applies only where neither a row nor the rule
@@ -23,8 +22,17 @@ static const og_tune_entry rows[] = {
     /* BEGIN TUNED ROWS */
     /* Shapes where torch's cuBLAS call won in the same run (H200 2026-12-01, span timing, 64 MiB
      * between calls, bench/results/2026-12-01-h200-v20-vllm/linear_bench_span.json): handed back. */
-    {90, NULL, "linear:bf16:N8192:K1024", 0, 0, "linear.max_rows", 0, "H200 2026-12-01: Llama-3-70B/tp8 o, ours 7.99 / 8.03 / 8.07 us at M=1/4/8 against cuBLAS 7.46 / 7.42 / 7.45"},
-    {90, NULL, "linear:bf16:N8192:K3584", 0, 0, "linear.max_rows", 0, "H200 2026-12-01: Llama-3-70B/tp8 down, ours 17.86 / 17.88 / 17.99 us at M=1/4/8 against cuBLAS 17.64 / 17.52 / 17.50"},
+    {90, NULL, "linear:bf16:N8192:K3584", 0, 0, "linear.max_rows", 0, "H200 2026-12-01: Llama-3-70B/tp8 down, ours 17.86 / 17.88 / 17.99 us at M=1/4/8 against cuBLAS 17.64 / 17.52 / 17.50; tuned (v25) 17.66 / 17.57 at M=1/8 against 17.79 / 17.64, a tie"},
+    /* Llama-3-70B/tp8's lm_head: 1% ahead at one row, 1-2% behind from two (v25, three runs): ours at one row. */
+    {90, NULL, "linear:bf16:N16032:K8192", 0, 0, "linear.max_rows", 1, "H200 2026-12-02: Llama-3-70B/tp8 lm_head, ours 64.9 / 64.2 / 62.6 us at M=1 against cuBLAS 65.4 / 64.9 / 63.0; M=2 63.95 against 63.44, M=8 65.9 / 66.2 / 64.9 against 65.5 / 64.8 / 64.1"},
+    /* Llama-3-70B/tp8 qkv, o and gate_up: `opgraft tune linear` (v25); o, handed back before, now wins
+     * (three 8-row tiles a block): 6.94 / 6.95 / 7.08 us at M=1/2/8 against cuBLAS 7.40 / 7.31 / 7.33. */
+    {90, NULL, "linear:bf16:N1280:K8192", 1, 8, "linear.load", 1, "H200 2026-12-02 opgraft tune (64 MiB between calls): Llama-3-70B/tp8 qkv [1280, 8192] M=1 8.99 -> 8.63 us, M=8 10.01 -> 9.88"},
+    {90, NULL, "linear:bf16:N8192:K1024", 1, 8, "linear.tiles", 3, "H200 2026-12-02 opgraft tune (64 MiB between calls): Llama-3-70B/tp8 o [8192, 1024] M=1 8.12 -> 7.03 us, M=8 8.12 -> 7.20"},
+    {90, NULL, "linear:bf16:N7168:K8192", 1, 8, "linear.tiles", 2, "H200 2026-12-02 opgraft tune (64 MiB between calls): Llama-3-70B/tp8 gate_up [7168, 8192] M=1 33.40 -> 30.88 us, M=8 34.16 -> 31.42 (with load 1)"},
+    {90, NULL, "linear:bf16:N7168:K8192", 1, 8, "linear.load", 1, "H200 2026-12-02 opgraft tune: Llama-3-70B/tp8 gate_up, with tiles 2"},
+    {90, NULL, "linear:bf16:N7168:K8192", 1, 2, "linear.min_blocks", 1, "H200 2026-12-02 opgraft tune: Llama-3-70B/tp8 gate_up M=1, with tiles 2 and load 1"},
+    {90, NULL, "linear:bf16:N7168:K8192", 3, 8, "linear.pdl", 1, "H200 2026-12-02 opgraft tune: Llama-3-70B/tp8 gate_up M=8, with tiles 2 and load 1"},
     /* Qwen3-30B-A3B qkv and o at 1-2 rows: `opgraft tune linear` (v22), PDL after the previous kernel. */
     {90, NULL, "linear:bf16:N5120:K2048", 1, 2, "linear.pdl", 1, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B qkv [5120, 2048] M=1 8.04 -> 7.64 us with pdl 1 and min_blocks 4 (which the configuration clamps to its 2)"},
     {90, NULL, "linear:bf16:N2048:K4096", 1, 2, "linear.pdl", 1, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B o [2048, 4096] M=1 7.12 -> 7.00 us"},
