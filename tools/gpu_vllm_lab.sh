@@ -26,6 +26,7 @@ steps=${*:-check attention moe fp8 configs linear host before}
 summary=()
 note() { summary+=("$*"); stamp "$*"; }
 q() { grep -v "^INFO\|^WARNING\|^DEBUG\|^\[W\|Warning:" ; }
+entries() { python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['entries']))" "$1" 2>/dev/null || echo 0; }
 for step in $steps; do
   if awk -v a="$t0" -v b="$(date +%s.%N)" -v m="$BUDGET" 'BEGIN { exit !(b - a > m) }'; then
     note "skipped $step: past the ${BUDGET} s budget"
@@ -85,7 +86,7 @@ for step in $steps; do
     tune 180 moe --dtype fp8-block --tokens 2,4,8 --rounds 1 --report "$out/tune-moe-fp8.json" \
       --keys moe.gate_up.warps,moe.gate_up.unroll,moe.gate_up.min_blocks,moe.down.warps,moe.down.unroll,moe.down.min_blocks,moe.pdl,moe.load
     [ -s "$tf" ] && export OPGRAFT_TUNE_FILE=$tf
-    note "tuned: $(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['entries']))" "$tf" 2>/dev/null || echo 0) entries"
+    note "tuned: $(entries "$tf") entries"
     ;;
   tune-fp8)  # FP8 MoE on every key, Qwen3-30B-A3B and DeepSeek-V3/tp8 at 1, 2, 4, 8 tokens (for fp8-2 next)
     tf=$out/tune.json
@@ -94,7 +95,7 @@ for step in $steps; do
         --tokens 1,2,4,8 --rounds 1 --out "$tf" --report "$out/tune-fp8-${spec%%:*}.json" 2>&1 | q | grep -E -- "->"
     done
     [ -s "$tf" ] && export OPGRAFT_TUNE_FILE=$tf
-    note "fp8 tuned: $(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['entries']))" "$tf" 2>/dev/null || echo 0) entries"
+    note "fp8 tuned: $(entries "$tf") entries"
     ;;
   fp8-2)
     for spec in Qwen3-30B-A3B:fp8-block:1 DeepSeek-V3:fp8-block:8; do

@@ -16,7 +16,7 @@ struct opgraft_attention_plan {
   og_CUfunction fn;
   unsigned threads, smem;
   int64_t slots;      /* blocks of one wave: split calls put at most this many in the tree */
-  int max_clusters[4]; /* clusters of 1, 2, 4, 8 blocks resident at once (cfg.cluster and below) */
+  int max_clusters[4]; /* [log2 size]: clusters of 4 and 8 blocks resident at once (up to cfg.cluster) */
   size_t workspace, ml_off, part_off;
   og_attn_params proto; /* strides and scalars; a run adds the pointers */
 };
@@ -92,8 +92,8 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
     st = opgraft__cu_check(cu->cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, p->fn, (int)p->threads, p->smem),
                            "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   if (!st && per_sm < 1) st = opgraft__fail(OPGRAFT_ECUDA, "the attention kernel cannot be resident on this GPU");
-  /* Clusters pack into GPCs: fewer may be resident than blocks / size. */
-  for (int i = 1, c = 2; !st && c <= p->cfg.cluster; ++i, c *= 2) {
+  /* Clusters pack into GPCs: fewer may be resident than blocks / size. Sizes a launch uses only. */
+  for (int i = 2, c = 4; !st && c <= p->cfg.cluster; ++i, c *= 2) {
     og_CUlaunchAttribute attr;
     memset(&attr, 0, sizeof attr);
     attr.id = OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
