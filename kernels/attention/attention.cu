@@ -63,9 +63,18 @@
 #define OG_LOAD 4
 #endif
 // OG_PDL (sm_90): launched as a programmatic dependent of the stream's previous kernel (the KV
-// write); the kernel waits for it before its first global access, so only the launch overlaps.
+// write), which may write the query and the cache but not the lengths or the block table: the
+// kernel loads the length and its first block-table entry, then waits for that kernel
+// (griddepcontrol.wait) before it reads anything else.
 #ifndef OG_PDL
 #define OG_PDL 0
+#endif
+// OG_TRIGGER (sm_90): every block lets the stream's next kernel start as soon as it begins
+// (griddepcontrol.launch_dependents), so a next kernel launched as a programmatic dependent (the
+// output projection) streams its weights while this latency-bound kernel runs; that kernel
+// still waits for this one's output. No effect on a next kernel launched without the attribute.
+#ifndef OG_TRIGGER
+#define OG_TRIGGER 0
 #endif
 #ifndef OG_CLUSTER
 #define OG_CLUSTER 0
@@ -116,10 +125,17 @@ __device__ __forceinline__ float2 og_ld_cg2(const float *p) {
   asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
   return v;
 }
-// A read-only int load kept where it is written (volatile), so that it is in flight with its neighbours.
-__device__ __forceinline__ int og_ld_nc_s32(const int *p) {
+// The length and the first block-table entry, kept where they are written (volatile) so that
+// they are in flight together. Read-only (.nc) without PDL; under PDL coherent, because ptxas
+// moves a .nc load past griddepcontrol.wait (it did, in this kernel's SASS) and keeps a coherent
+// one ahead of it.
+__device__ __forceinline__ int og_ld_meta_s32(const int *p) {
   int v;
+#if OG_PDL
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+#else
   asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+#endif
   return v;
 }
 __device__ __forceinline__ og_u32 og_reg(const og_vec4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
@@ -328,25 +344,33 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int hq0 = hk * OG_G;  // the block's first query head
-#if OG_PDL
-  og_pdl_wait();
+#if OG_TRIGGER
+  og_pdl_launch_dependents();
 #endif
   og_vec4 qreg[OG_QREGS];
-  {
-    const og_u16 *qb = (const og_u16 *)p.q + (long long)b * p.q_st + (long long)hq0 * p.q_sh;
+  const og_u16 *qb = (const og_u16 *)p.q + (long long)b * p.q_st + (long long)hq0 * p.q_sh;
+#if !OG_PDL  // the query in flight with the length; under PDL it is read after the wait
 #pragma unroll
-    for (int r = 0; r < OG_QREGS; ++r) {
-      const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
-      qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_shared_operand(qb + (long long)h * p.q_sh + d) : og_zero4();
-    }
+  for (int r = 0; r < OG_QREGS; ++r) {
+    const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+    qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_shared_operand(qb + (long long)h * p.q_sh + d) : og_zero4();
   }
+#endif
   const int *bt = p.block_table + (long long)b * p.bt_stride;
 #if !OG_WINDOW
   // The first tile if the split is min_chunk tokens from token 0; loaded with the length.
   const int tb_guess = s * p.min_chunk + 16 * warp, bi_guess = tb_guess / p.block_size;
-  const int blk_guess = bi_guess < p.max_blocks ? og_ld_nc_s32(bt + bi_guess) : -1;
+  const int blk_guess = bi_guess < p.max_blocks ? og_ld_meta_s32(bt + bi_guess) : -1;
 #endif
-  const int L = og_ld_nc_s32(p.seq_lens + b);
+  const int L = og_ld_meta_s32(p.seq_lens + b);
+#if OG_PDL  // the query may have been written while this kernel ran: not the read-only path
+  og_pdl_wait();
+#pragma unroll
+  for (int r = 0; r < OG_QREGS; ++r) {
+    const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+    qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_coherent(qb + (long long)h * p.q_sh + d) : og_zero4();
+  }
+#endif
   if (L <= 0) {  // a padded row: zeros
     if (s == 0)
       for (int i = tid; i < OG_G * (OG_D / 8); i += OG_NT) {

@@ -45,6 +45,17 @@ __device__ __forceinline__ og_vec4 og_load_stream(const void *p) {
   return v;
 }
 
+// A weight load that must be issued before a griddepcontrol.wait: ptxas moves the read-only (.nc)
+// loads above across the wait (sinking them to their use, seen in the SASS), not a coherent one;
+// weights are never written, so the coherent path reads the same bytes.
+__device__ __forceinline__ og_vec4 og_load_before_wait(const void *p) {
+  og_vec4 v;
+  asm volatile("ld.global" OG_L2_FETCH_Q ".v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // Programmatic dependent launch (sm_90+; no-ops below). The primary kernel lets the next kernel
 // on the stream start while its own blocks still run; the next kernel waits, before it reads
 // anything the primary writes (or writes anything the primary may read), until the primary grid
@@ -60,7 +71,14 @@ __device__ __forceinline__ void og_pdl_wait() {
 #endif
 }
 
-// 16-byte load for small operands that many blocks read again (activations).
+// Asks L2 for the 128-byte line holding p (no destination, no register).
+__device__ __forceinline__ void og_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// 16-byte load for small operands that many blocks read again (activations) and that no kernel
+// running at the same time writes: ld.global.nc is read-only for the kernel's whole lifetime, so
+// ptxas moves it across a griddepcontrol.wait (it hoisted such loads above the wait, and a kernel
+// started early read its predecessor's output before that was written; bench/NOTES.md v26).
+// After a wait, read what the previous kernel wrote with og_load_coherent.
 __device__ __forceinline__ og_vec4 og_load_shared_operand(const void *p) {
   og_vec4 v;
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -69,10 +87,12 @@ __device__ __forceinline__ og_vec4 og_load_shared_operand(const void *p) {
   return v;
 }
 
-// Activations written by an earlier kernel of the same stream: a plain (coherent) load.
+// Activations written by an earlier kernel of the same stream, which may still run while this
+// one starts (programmatic dependent launch): a coherent load, volatile so that the compiler keeps
+// it after the wait (a plain asm has no memory effects for it).
 __device__ __forceinline__ og_vec4 og_load_coherent(const void *p) {
   og_vec4 v;
-  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;

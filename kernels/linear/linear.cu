@@ -19,7 +19,9 @@
 // OG_PDL (sm_90; the launcher sets the programmatic-serialization attribute): the kernel may start
 // while the stream's previous kernel still runs. Each warp issues its first weight loads (weights
 // are never written by another kernel), then waits (griddepcontrol.wait) before it reads x;
-// every thread has waited before the block writes y.
+// every thread has waited before the block writes y. OG_PDL 2 also asks L2 for the rest of the
+// warp's weights before the wait, a request a 128-byte line: a previous kernel that lets this one
+// start early (decode attention: latency-bound, DRAM idle) then hides the read's ramp.
 #include "og_common.cuh"
 #include "linear_params.h"
 
@@ -52,6 +54,20 @@
 #define OG_STEPS ((OG_NCH + 3) / 4)  // 32-wide k-steps (the last one partial when K % 32 != 0)
 #define OG_ROWS (8 * OG_TILES)       // rows of W a block owns
 
+#if OG_PDL >= 2
+// The warp's weights past its first OG_U k-steps (those are loaded already), asked of L2.
+__device__ __forceinline__ void og_prefetch_rest(const og_linear_params &p, long long n0, int s_begin, int s_end,
+                                                 int lane) {
+  const long long lo = 64LL * min(s_begin + OG_U, s_end), hi = min(64LL * s_end, 2LL * OG_K);
+  if (hi <= lo) return;
+  const int lines = (int)((hi - lo + 127) >> 7);
+  for (int i = lane; i < OG_ROWS * lines; i += 32) {
+    const long long n = n0 + i / lines;
+    if (n < p.N) og_prefetch_l2((const char *)p.w + 2 * n * p.w_stride + lo + 128LL * (i % lines));
+  }
+}
+#endif
+
 // Is chunk 4s + c of a row inside K? Only the last step of a K that is not a multiple of 32 has
 // chunks past the end; their operands are zero, which adds nothing to the sums.
 __device__ __forceinline__ bool og_chunk_in(int s, int c) { return OG_NCH % 4 == 0 || 4 * s + c < OG_NCH; }
@@ -82,12 +98,10 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
     for (int q = 0; q < 4; ++q) acc[t][q] = 0.f;
   const og_vec4 zero = og_zero4();
 
-  // The warp's contiguous range of k-steps.
+  // The warp's contiguous range of k-steps, OG_U at a time. With OG_PDL the first group is its
+  // own copy of the body (first = true): its weights are loaded before the wait.
   const int s_begin = warp * OG_STEPS / OG_WARPS, s_end = (warp + 1) * OG_STEPS / OG_WARPS;
-#if OG_PDL
-  bool waited = false;
-#endif
-  for (int s0 = s_begin; s0 < s_end; s0 += OG_U) {
+  auto group = [&](const int s0, const bool first) {
     og_vec4 b[OG_U][OG_TILES], a[OG_U];
 #pragma unroll
     for (int q = 0; q < OG_U; ++q) {
@@ -95,18 +109,24 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
       const bool ok = s < s_end && og_chunk_in(s, c);
 #pragma unroll
       for (int t = 0; t < OG_TILES; ++t)
-        b[q][t] = ok && wok[t] ? og_load_stream<OG_LOAD>(wrow[t] + 64LL * s) : zero;
+        b[q][t] = !(ok && wok[t]) ? zero
+                  : OG_PDL && first ? og_load_before_wait(wrow[t] + 64LL * s)
+                                    : og_load_stream<OG_LOAD>(wrow[t] + 64LL * s);
     }
-#if OG_PDL
-    if (!waited) {  // x may be the previous kernel's output: read it only after that kernel ends
-      og_pdl_wait();
-      waited = true;
-    }
+    if (OG_PDL && first) {  // x may be the previous kernel's output: read it only after that kernel ends
+#if OG_PDL >= 2
+      og_prefetch_rest(p, n0, s_begin, s_end, lane);
 #endif
+      og_pdl_wait();
+    }
 #pragma unroll
     for (int q = 0; q < OG_U; ++q) {
       const int s = s0 + q;
+#if OG_PDL  // x may have been written while this kernel ran: not the read-only path
+      a[q] = s < s_end && og_chunk_in(s, c) && xok ? og_load_coherent(xrow + 64LL * s) : zero;
+#else
       a[q] = s < s_end && og_chunk_in(s, c) && xok ? og_load_shared_operand(xrow + 64LL * s) : zero;
+#endif
     }
 #pragma unroll
     for (int q = 0; q < OG_U; ++q) {
@@ -115,10 +135,17 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
         for (int t = 0; t < OG_TILES; ++t) og_mma_k32(acc[t], a[q], zero, b[q][t]);
       }
     }
-  }
+  };
+  int s0 = s_begin;
 #if OG_PDL
-  if (!waited) og_pdl_wait();  // a warp without k-steps still writes y below
+  if (s0 < s_end) {
+    group(s0, true);
+    s0 += OG_U;
+  } else {
+    og_pdl_wait();  // a warp without k-steps still writes y below
+  }
 #endif
+  for (; s0 < s_end; s0 += OG_U) group(s0, false);
 
   // acc[t][0..1] = D[token g][rows 2c, 2c+1 of tile t]; acc[t][2..3] belong to tokens 8..15 (zero).
 #pragma unroll

@@ -82,10 +82,11 @@ __device__ __forceinline__ og_vec2 og_load_operand8(const void *p) {
 }
 
 // The intermediate's scales, written by gate_up earlier on the stream (under programmatic
-// dependent launch, while moe_down may already run): a plain (coherent) load.
+// dependent launch, while moe_down may already run): a coherent load, kept after the wait
+// (volatile, as og_load_coherent).
 __device__ __forceinline__ float og_load_coherent_f32(const float *p) {
   float v;
-  asm("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
 

@@ -26,9 +26,14 @@ def prepare() -> None:
 
 
 def _case(name, lens, hq, hk, d, dtype="bf16", bs=16, layout="NHD", softcap=0.0, window=-1, sinks=None, q_pad=0,
-          tunables=None, graph=False, hint=0, seed=0):
+          tunables=None, graph=False, hint=0, seed=0, write_q=False, o_proj=0):
+    """graph: captured into a CUDA graph, replayed with new lengths; in it, write_q puts a kernel
+    writing the query right before attention (a programmatic dependent must wait for it), o_proj
+    N an output projection [N, heads x head size] on opgraft's linear op right after (which may
+    start early under attention.trigger and must still read the finished output)."""
     return dict(name=name, lens=list(lens), hq=hq, hk=hk, d=d, dtype=dtype, bs=bs, layout=layout, softcap=softcap,
-                window=window, sinks=sinks, q_pad=q_pad, tunables=tunables or {}, graph=graph, hint=hint, seed=seed)
+                window=window, sinks=sinks, q_pad=q_pad, tunables=tunables or {}, graph=graph, hint=hint, seed=seed,
+                write_q=write_q, o_proj=o_proj)
 
 
 RAGGED = [1, 15, 16, 17, 1000, 0, 8192, 33]
@@ -96,6 +101,17 @@ def cases() -> list[dict]:
               graph=True),
         _case("CUDA graph with the cluster merge, new lengths", RAGGED, 32, 4, 128, graph=True, hint=32768,
               tunables={"attention.cluster": 8}),
+        # programmatic dependent launch in a decode step's order: q written, attention, o projection
+        _case("CUDA graph: q written, PDL attention, trigger, o projection pdl 2", [300], 32, 4, 128, graph=True,
+              write_q=True, o_proj=2048, tunables={"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 2}),
+        _case("CUDA graph: ragged, PDL attention, trigger, o projection pdl 1", RAGGED, 32, 4, 128, graph=True,
+              write_q=True, o_proj=2048, tunables={"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 1,
+                                                   "linear.max_rows": 8}),
+        _case("CUDA graph: trigger at 32K tokens, o projection pdl 1", [32768], 32, 4, 128, graph=True, o_proj=2048,
+              tunables={"attention.trigger": 1, "linear.pdl": 1}),
+        _case("CUDA graph: trigger, o projection pdl 2 (odd N, 10 heads of 64), fp16", [1000, 17, 0], 10, 2,
+              64, dtype="fp16", graph=True, write_q=True, o_proj=129,
+              tunables={"attention.trigger": 1, "attention.pdl": 1, "linear.pdl": 2, "linear.max_rows": 8}),
     ]
     return c
 
@@ -161,7 +177,29 @@ def _run_graph_case(c, p, res, tol, extra) -> dict:
     lens = c["lens"]
     B = len(lens)
     out = torch.full((B + extra, c["hq"], c["d"]), float("nan"), dtype=p.query.dtype, device="cuda")
-    graph = bench.capture(lambda: attn_bench.run_ours(p, out, c["hint"]), warmup=0)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    qsrc = p.query.clone()
+    w = y = None
+    if c["o_proj"]:
+        from opgraft.bench import linear as linear_bench
+        from opgraft.ops import linear as linear_ops
+        from opgraft.presets import LinearShape
+
+        w = linear_bench.make_weight(LinearShape("check", "o", c["o_proj"], c["hq"] * c["d"]), c["dtype"], "cuda")
+        y = torch.full((B, c["o_proj"]), float("nan"), dtype=p.query.dtype, device="cuda")
+        ok, why = linear_ops.linear_supports(out[:B].view(B, -1), w)
+        if not ok:
+            res.update(passed=False, reason=f"o projection handed back: {why}")
+            return res
+
+    def step():
+        if c["write_q"]:
+            p.query.copy_(qsrc)
+        attn_bench.run_ours(p, out, c["hint"])
+        if c["o_proj"]:
+            linear_ops.linear_into(y, out[:B].view(B, -1), w)
+
+    graph = bench.capture(step, warmup=0)
     variants = [lens, [max(0, L // 2) for L in lens], [0 if i % 2 else L for i, L in enumerate(lens)],
                 list(reversed([min(L, max(lens)) for L in lens]))]
     worst, det, good = 0.0, True, True
@@ -171,16 +209,29 @@ def _run_graph_case(c, p, res, tol, extra) -> dict:
         cap = [max(1, (L + c["bs"] - 1) // c["bs"]) * c["bs"] if L > 0 else c["bs"] for L in lens]
         v = [min(x, cap[i]) for i, x in enumerate(v)]
         p.seq_lens.copy_(torch.tensor(v, dtype=torch.int32))
-        outs = []
+        if c["write_q"]:  # a new query each set of lengths, written inside the graph
+            qsrc.copy_(torch.randn(qsrc.shape, generator=gen, device="cuda").to(qsrc.dtype))
+        outs, ys = [], []
         for _ in range(3):
             out.fill_(float("nan"))
+            if y is not None:
+                y.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
             outs.append(out.clone())
+            if y is not None:
+                ys.append(y.clone())
         chk = _check_out(p, outs[0], v, tol)
+        res.setdefault("attention_rel_err", []).append(chk["rel_err"])
         worst = max(worst, chk["rel_err"])
         good &= chk["ok"]
         det &= all(torch.equal(outs[0][:B], o[:B]) for o in outs[1:])
+        if y is not None:  # against this replay's attention output, in fp64
+            yerr = bench.rel_err(ys[0], outs[0][:B].reshape(B, -1).double() @ w.double().T)
+            res.setdefault("o_rel_err", []).append(yerr)
+            worst = max(worst, yerr)
+            good &= yerr <= tol
+            det &= all(torch.equal(ys[0], t) for t in ys[1:])
     p.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     res.update(rel_err=worst, deterministic=det, passed=bool(good and det), replays=len(variants) * 3)
     return res

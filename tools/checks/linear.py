@@ -77,6 +77,11 @@ def cases() -> list[dict]:
         _case("pdl: N=5120 K=2056 M=3 bias", 5120, 2056, 3, bias=True, tunables={"linear.pdl": 1}),
         _case("pdl, 16 warps, K=72 (warps without k-steps): N=129 M=8", 129, 72, 8,
               tunables={"linear.pdl": 1, "linear.warps": 16}),
+        _case("pdl 2 (L2 lines): N=5120 K=2056 M=3 bias", 5120, 2056, 3, bias=True, tunables={"linear.pdl": 2}),
+        _case("pdl 2, 4 tiles: N=2049 K=4104 M=8", 2049, 4104, 8, tunables={"linear.pdl": 2, "linear.tiles": 4}),
+        _case("pdl 2, 16 warps, K=72 (warps without k-steps): N=129 M=2", 129, 72, 2,
+              tunables={"linear.pdl": 2, "linear.warps": 16}),
+        _case("pdl 2, strided x and out: N=129 K=2048 M=4", 129, 2048, 4, x_pad=64, out_pad=3, tunables={"linear.pdl": 2}),
         # the custom op: ours, and its hand-backs to torch (bit for bit)
         _case("op: N=5120 K=2048 M=3 bias", 5120, 2048, 3, bias=True, path="op"),
         _case("op: M=9 goes to torch", 5120, 2048, 9, bias=True, path="op", expect="torch"),

@@ -48,6 +48,7 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   /* Forms 1 and 4 exist (og_common.cuh); any other value reads as 4. */
   c->load = opgraft__tune_value("attention.load", arch, gpu, shape, B) == 1 ? 1 : 4;
   c->pdl = arch >= 90 && opgraft__tune_value("attention.pdl", arch, gpu, shape, B) != 0;
+  c->trigger = arch >= 90 && opgraft__tune_value("attention.trigger", arch, gpu, shape, B) != 0;
   /* Portable cluster sizes, powers of two (the grid's split count is rounded to a multiple). */
   const int64_t cl = arch >= 90 ? opgraft__tune_value("attention.cluster", arch, gpu, shape, B) : 1;
   c->cluster = cl >= 8 ? 8 : cl >= 4 ? 4 : cl >= 2 ? 2 : 1;
@@ -69,6 +70,7 @@ int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg
   OG_OPT("-DOG_SINKS=%d", c->sinks);
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_PDL=%d", c->pdl);
+  OG_OPT("-DOG_TRIGGER=%d", c->trigger);
   OG_OPT("-DOG_CLUSTER=%d", c->cluster > 1);
 #undef OG_OPT
   return opgraft__opts_check(o, "attention");

@@ -17,7 +17,12 @@
  * - attention.max_splits 128: two combine levels at most (fan-in 16); batch 1 with 4 kv heads
  *   fills the H200's 396 block slots with 99 splits.
  * - attention.load 4 (plain read-only loads), attention.pdl 0: the forms the MoE op measured as
- *   safe defaults; both are tuner candidates.
+ *   safe defaults; both are tuner candidates (pdl 1 gained nothing before the o projection, v26).
+ * - attention.trigger 1 on sm_90: the output projection launched as a programmatic dependent
+ *   (linear.pdl) then streams its weights while attention runs. H200, Qwen3-30B-A3B, attention
+ *   then o [2048, 4096] timed as one span (tools.attn_o, v26): batch 1 at 256 / 1K / 8K tokens
+ *   15.53 / 16.17 / 22.28 us without PDL -> 14.31 / 14.77 / 20.86 with it; batch 8 -0.9 to -2.0
+ *   us. A next kernel launched without the attribute is not affected.
  * - attention.cluster 1 (no clusters): on the H200 at batch 1 with Qwen3-30B-A3B's heads, clusters
  *   of 8 merged contexts up to 1K tokens on chip 11-13% faster, but only 15 clusters of 8 are
  *   resident at one block an SM, so a launch keeps 24 of 33 splits and contexts from 4K tokens
@@ -45,6 +50,7 @@ int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value) {
   if (strcmp(key, "attention.max_splits") == 0) return *value = 128, 1;
   if (strcmp(key, "attention.load") == 0) return *value = 4, 1;
   if (strcmp(key, "attention.pdl") == 0) return *value = 0, 1;
+  if (strcmp(key, "attention.trigger") == 0) return *value = q->arch >= 90, 1;
   if (strcmp(key, "attention.cluster") == 0) return *value = 1, 1;
   return 0;
 }

@@ -14,6 +14,7 @@ static const og_tunable tunables[] = {
     {"attention.max_splits", 1, 1024, 128, "16 32 64 128 256"},
     {"attention.load", 1, 4, 4, "4 1"},
     {"attention.pdl", 0, 1, 0, "0 1"},
+    {"attention.trigger", 0, 1, 0, "0 1"},
     {"attention.cluster", 1, 8, 1, "1 4 8"},
 };
 

@@ -20,7 +20,9 @@ void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const ch
   c->load = opgraft__tune_value("linear.load", arch, gpu, shape, M) == 1 ? 1 : 4;
   const int64_t f = opgraft__tune_value("linear.l2_fetch", arch, gpu, shape, M);
   c->l2_fetch = f >= 256 ? 256 : f >= 128 ? 128 : 0; /* the hint has two sizes */
-  c->pdl = arch >= 90 && opgraft__tune_value("linear.pdl", arch, gpu, shape, M) != 0;
+  /* 0 off; 1 the first loads before the wait; 2 also the rest of the weights asked of L2 there. */
+  const int64_t pdl = arch >= 90 ? opgraft__tune_value("linear.pdl", arch, gpu, shape, M) : 0;
+  c->pdl = pdl >= 2 ? 2 : pdl != 0;
   const int64_t steps = (a->in_features / 8 + 3) / 4;
   const int64_t per_warp = (steps + c->warps - 1) / c->warps;
   while (c->unroll > 1 && c->unroll * (c->tiles + 1) > 16) c->unroll--;

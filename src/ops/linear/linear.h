@@ -41,7 +41,7 @@ typedef struct og_linear_cfg {
   int min_blocks; /* OG_MINB: launch-bounds minimum blocks per SM (0: none) */
   int load;       /* OG_LOAD: the weight load's form (og_common.cuh) */
   int l2_fetch;   /* OG_L2_FETCH: 0, 128 or 256 */
-  int pdl;        /* OG_PDL: programmatic dependent launch (sm_90+) */
+  int pdl;        /* OG_PDL: programmatic dependent launch (sm_90+); 2 with an L2 prefetch */
 } og_linear_cfg;
 void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const char *gpu, og_linear_cfg *c);
 /* The compile options of a configuration; OPGRAFT_EINVAL if they did not fit. */

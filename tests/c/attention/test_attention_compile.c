@@ -151,6 +151,10 @@ static int setup(void **state) {
               nsome);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_LOAD", "1", NULL}, some, nsome);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, some, nsome);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_TRIGGER", "1", NULL}, shipped,
+              (int)(sizeof shipped / sizeof *shipped));
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "1", "OPGRAFT_TUNE_ATTENTION_TRIGGER", "1", NULL}, some,
+              nsome);
   /* The cluster merge (sm_90; on sm_80 the setting compiles the shipped code) over every shipped
    * variant, and with the warps and PDL it may be tuned with. */
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL}, shipped,

@@ -253,8 +253,8 @@ static void test_registered_with_its_tunables(void **state) {
   assert_non_null(strstr(opgraft_abi_layout(), "\"opgraft_attention_args\""));
   /* The rule decides every key (there are no baked rows yet). */
   const char *keys[] = {"attention.warps", "attention.min_blocks", "attention.min_chunk", "attention.max_splits",
-                        "attention.load", "attention.pdl", "attention.cluster"};
-  for (int i = 0; i < 7; ++i) {
+                        "attention.load", "attention.pdl", "attention.trigger", "attention.cluster"};
+  for (int i = 0; i < 8; ++i) {
     const opgraft_tune_query q = {keys[i], 90, "NVIDIA H200", "attention:bf16:D128:G8:bs16", 0};
     int64_t v;
     char src[64];

@@ -37,6 +37,7 @@ NEEDS_TORCH = [
     ("tools.e2e", "run", "--mode", "opgraft"),
     ("tools.sweep", "--tokens", "1"),
     ("tools.read_sizes",),
+    ("tools.attn_o",),
 ]
 
 
@@ -50,10 +51,16 @@ def test_a_tool_without_torch_says_so_in_one_line(cmd):
 
 
 @pytest.mark.parametrize("module", ["tools.probe", "tools.trace", "tools.gpucheck", "tools.e2e", "tools.sweep",
-                                    "tools.read_sizes", "opgraft.cli"])
+                                    "tools.read_sizes", "tools.attn_o", "opgraft.cli"])
 def test_help_works_without_torch(module):
     r = run_hidden(module, "--help")
     assert r.returncode == 0 and "usage:" in r.stdout and not r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args", [("--variants", "pdl9"), ("--extra", "x=linear.pdl"), ("--extra", "=linear.pdl:1")])
+def test_attn_o_refuses_bad_variants_before_torch(args):
+    r = run_hidden("tools.attn_o", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "tools.attn_o: error:" in r.stderr, r.stderr
 
 
 def test_the_cli_without_torch():

@@ -1,0 +1,127 @@
+"""Decode attention and the output projection back to back, as a decode step runs them (GPU only).
+
+    PYTHONPATH=python python3 -m tools.attn_o [--model Qwen3-30B-A3B] [--batch 1,8]
+        [--context 256,1024,8192] [--variants NAME,...] [--json FILE]
+
+A call is what a layer does from the query to the projected output: a kernel writing the query
+(the stand-in for the rotary/KV-write kernels before attention), opgraft's decode attention over a
+shuffled paged cache (the context as the length hint, as a graph captured at max_model_len just
+above it), then the o projection [hidden, heads x head size] on opgraft's linear op or
+torch's (cuBLAS). Timed like every op here: rotated weight copies, 64 MiB of other reads before
+each call, the span from the end of those reads to the end of the projection (bench.time_calls_span),
+so an overlap between the two kernels counts. Each variant sets tunables only (VARIANTS), so the
+kernels are the shipped ones; the projection's output is checked against fp64 in every variant.
+"""
+import argparse
+import sys
+
+from opgraft._entry import check_outputs, require
+
+# name: (attention and linear tunables set for the variant, projection on opgraft's op?)
+VARIANTS = {
+    "cublas": ({"attention.trigger": 0}, False),
+    "pdl0": ({"attention.trigger": 0, "linear.pdl": 0}, True),
+    "pdl1": ({"attention.trigger": 0, "linear.pdl": 1}, True),
+    "trig-pdl1": ({"attention.trigger": 1, "linear.pdl": 1}, True),
+    "trig-pdl2": ({"attention.trigger": 1, "linear.pdl": 2}, True),
+    "apdl-trig-pdl2": ({"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 2}, True),
+    "shipped": ({}, True),  # the rows and rules as they ship
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.attn_o")
+    ap.add_argument("--model", default="Qwen3-30B-A3B")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--context", default="256,1024,8192")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=KEY:VALUE,...",
+                    help="one more variant on opgraft's projection, e.g. w16=attention.trigger:1,linear.warps:16")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    variants = dict(VARIANTS)
+    for spec in args.extra:
+        name, _, kvs = spec.partition("=")
+        try:
+            variants[name] = ({k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}, True)
+        except ValueError:
+            print(f"tools.attn_o: error: --extra {spec!r}: want NAME=KEY:VALUE,...", file=sys.stderr)
+            return 2
+        if not name:
+            print(f"tools.attn_o: error: --extra {spec!r}: no name", file=sys.stderr)
+            return 2
+    names = args.variants.split(",") + [e.partition("=")[0] for e in args.extra]
+    bad = [n for n in names if n not in variants]
+    if bad:
+        print(f"tools.attn_o: error: unknown variants {', '.join(bad)}", file=sys.stderr)
+        return 2
+    if not check_outputs("tools.attn_o", {"--json": args.json}):
+        return 2
+    torch = require("torch", "tools.attn_o")
+    if not torch.cuda.is_available():
+        print("tools.attn_o: no CUDA GPU here", file=sys.stderr)
+        return 2
+    from opgraft import _lib, bench
+    from opgraft.bench import attention as attn_bench
+    from opgraft.bench import linear as linear_bench
+    from opgraft.ops import attention as attn_ops
+    from opgraft.ops import linear as linear_ops
+    from opgraft.presets import ATTENTION_PRESETS, LINEAR_PRESETS
+
+    shape = ATTENTION_PRESETS[args.model]
+    oshape = next(s for s in LINEAR_PRESETS[args.model] if s.proj == "o")
+    linear_bench.measure_whole_row_range()
+    ceiling = bench.measure_read_ceiling("cuda")
+    between = bench.between_traffic(bench.BETWEEN_MIB, "cuda")
+    copies = linear_bench.copies_for(oshape)
+    weights = [linear_bench.make_weight(oshape, "bf16", "cuda", seed=i) for i in range(copies)]
+
+    def forget():
+        attn_ops.forget_plans()
+        linear_ops.forget_plans()
+
+    rows = []
+    for B in [int(b) for b in args.batch.split(",")]:
+        for C in [int(c) for c in args.context.split(",")]:
+            p = attn_bench.make_problem([C] * B, shape.heads_q, shape.heads_kv, shape.head_size, "bf16", "cuda")
+            qsrc = p.query.clone()
+            out = torch.empty((B, shape.heads_q, shape.head_size), dtype=torch.bfloat16, device="cuda")
+            x = out.view(B, -1)
+            ys = [torch.empty((B, oshape.out_features), dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+            last = [None]  # torch's output (it allocates its own, as vLLM's call does)
+            for name in names:
+                cfg, ours = variants[name]
+                with bench.tunables(cfg, forget):
+
+                    def call(i, _):
+                        p.query.copy_(qsrc)
+                        attn_bench.run_ours(p, out, C)
+                        if ours:
+                            linear_ops.linear_into(ys[i], x, weights[i])
+                        else:
+                            last[0] = torch.nn.functional.linear(x, weights[i])
+
+                    call(0, None)
+                    torch.cuda.synchronize()
+                    err = bench.rel_err(ys[0] if ours else last[0], x.double() @ weights[0].double().T)
+                    us = bench.time_calls_span(call, [(i, None) for i in range(copies)], between)
+                rows.append({"op": "attention+o", "model": args.model, "variant": name, "tunables": cfg,
+                             "batch": B, "context": C, "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"),
+                             "ok": err <= bench.TOLERANCE["bf16"]})
+                print(f"B={B:<3} C={C:<6} {name:<15} {us:8.2f} us  rel_err {err:.2e}", flush=True)
+    base = {(r["batch"], r["context"]): r["median_us"] for r in rows if r["variant"] == names[0]}
+    print(f"\n{'batch':>5} {'context':>7} " + " ".join(f"{n:>14}" for n in names))
+    for B in sorted({r["batch"] for r in rows}):
+        for C in sorted({r["context"] for r in rows}):
+            cells = {r["variant"]: r for r in rows if r["batch"] == B and r["context"] == C}
+            print(f"{B:>5} {C:>7} " + " ".join(
+                f"{cells[n]['median_us']:8.2f} {base[(B, C)] / cells[n]['median_us']:4.2f}x" + ("" if cells[n]["ok"] else "!")
+                for n in names))
+    print(f"(x: {names[0]}'s time over the variant's; ! an output outside tolerance; ceiling {ceiling:.2f} TB/s)")
+    if args.json:
+        bench.write_rows(args.json, ceiling, rows)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
