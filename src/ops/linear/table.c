@@ -38,6 +38,9 @@ static const og_tune_entry rows[] = {
     /* Qwen3-30B-A3B o: after attention, which lets it start early (attention.trigger), its weights
      * loaded and asked of L2 before the wait (tools.attn_o, attention + o as one span, v26). */
     {90, NULL, "linear:bf16:N2048:K4096", 1, 8, "linear.pdl", 2, "H200 2026-12-02 tools.attn_o (64 MiB between calls): Qwen3-30B-A3B attention + o, batch 1 at 256 / 1K / 8K tokens 15.53 / 16.17 / 22.28 us with pdl 0 -> 14.31 / 14.77 / 20.86 with pdl 2 and attention.trigger; batch 8 16.72 / 20.07 / 49.83 -> 15.73 / 18.81 / 47.84"},
+    /* Llama-3-8B's (and Mixtral-8x7B's) o [4096, 4096] after attention: pdl 1 (its first loads before
+     * the wait; the L2 prefetch of pdl 2 lost 3-5% here, 32 MB is more than attention's idle time). */
+    {90, NULL, "linear:bf16:N4096:K4096", 1, 8, "linear.pdl", 1, "H200 2026-12-02 tools.attn_o (64 MiB between calls): Llama-3-8B attention + o, batch 1 at 256 / 1K / 8K tokens 20.00 / 20.49 / 29.98 us with pdl 0 -> 19.67 / 19.98 / 28.26 with pdl 1 and attention.trigger (pdl 2 20.68 / 21.06 / 29.59); batch 8 21.76 / 27.67 / 82.40 -> 21.11 / 26.10 / 80.26"},
     /* END TUNED ROWS */
     {0, NULL, NULL, 0, 0, NULL, 0, NULL},
 };
