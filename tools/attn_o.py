@@ -15,7 +15,7 @@ kernels are the shipped ones; the projection's output is checked against fp64 in
 import argparse
 import sys
 
-from opgraft._entry import check_outputs, require
+from opgraft._entry import check_outputs, require_gpu
 
 # name: (attention and linear tunables set for the variant, projection on opgraft's op?)
 VARIANTS = {
@@ -57,11 +57,8 @@ def main(argv=None) -> int:
         return 2
     if not check_outputs("tools.attn_o", {"--json": args.json}):
         return 2
-    torch = require("torch", "tools.attn_o")
-    if not torch.cuda.is_available():
-        print("tools.attn_o: no CUDA GPU here", file=sys.stderr)
-        return 2
-    from opgraft import _lib, bench
+    torch = require_gpu("tools.attn_o")
+    from opgraft import bench
     from opgraft.bench import attention as attn_bench
     from opgraft.bench import linear as linear_bench
     from opgraft.ops import attention as attn_ops

@@ -17,7 +17,7 @@ import pkgutil
 import sys
 import time
 
-from opgraft._entry import require
+from opgraft._entry import require_gpu
 
 from . import checks
 
@@ -48,10 +48,7 @@ def main(argv=None) -> int:
     if unknown:
         print(f"tools.gpucheck: error: no checks for {', '.join(unknown)} (have: {', '.join(names)})", file=sys.stderr)
         return 2
-    torch = require("torch", "tools.gpucheck")
-    if not torch.cuda.is_available():
-        print("tools.gpucheck: no CUDA GPU here: the GPU check needs one", file=sys.stderr)
-        return 2
+    torch = require_gpu("tools.gpucheck", ": the GPU check needs one")
     from opgraft import _lib, bench
 
     mods = check_modules(args.ops.split(","))

@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from opgraft._entry import DefaultsHelp, check_outputs, require
+from opgraft._entry import DefaultsHelp, check_outputs, require_gpu
 from opgraft.presets import ConfigError, resolve
 
 KERNELS = ("moe_gate_up", "moe_down", "moe_fused")
@@ -106,10 +106,7 @@ def main(argv=None) -> int:
         return 2
     if not check_outputs("tools.probe", {"--json": args.json}):
         return 2
-    torch = require("torch", "tools.probe")
-    if not torch.cuda.is_available():
-        print("tools.probe: no CUDA GPU here", file=sys.stderr)
-        return 2
+    torch = require_gpu("tools.probe")
     from opgraft.bench.moe import make_routing, make_weights, make_x
     from opgraft.ops import moe as ops
 

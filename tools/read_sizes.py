@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from opgraft import _lib
-from opgraft._entry import check_outputs, require
+from opgraft._entry import check_outputs, require_gpu
 
 
 def main(argv=None) -> int:
@@ -23,10 +23,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not check_outputs("tools.read_sizes", {"--json": args.json}):
         return 2
-    torch = require("torch", "tools.read_sizes")
-    if not torch.cuda.is_available():
-        print("tools.read_sizes: no CUDA GPU here", file=sys.stderr)
-        return 2
+    torch = require_gpu("tools.read_sizes")
     from opgraft import bench
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -17,7 +17,7 @@ import json
 import sys
 
 from opgraft import _lib
-from opgraft._entry import check_outputs, require
+from opgraft._entry import check_outputs, require_gpu
 from opgraft.presets import ConfigError, resolve
 from opgraft.tune import coordinate_descent
 
@@ -59,10 +59,7 @@ def main(argv=None) -> int:
         return 2
     if not check_outputs("tools.sweep", {"--json": args.json}):
         return 2
-    torch = require("torch", "tools.sweep")
-    if not torch.cuda.is_available():
-        print("tools.sweep: no CUDA GPU here", file=sys.stderr)
-        return 2
+    torch = require_gpu("tools.sweep")
     from opgraft import bench
     from opgraft.bench.moe import Fixture, configure, make_weights, measure
 

@@ -149,7 +149,7 @@ def main(argv=None) -> int:
                     help="also store every block's records (kernel, block, SM, start, routing set up, released, end; "
                          "ns from the call's first start) of every repetition in the JSON")
     args = ap.parse_args(argv)
-    from opgraft._entry import check_outputs, require
+    from opgraft._entry import check_outputs, require_gpu
     from opgraft.presets import ConfigError, resolve
 
     try:
@@ -169,10 +169,7 @@ def main(argv=None) -> int:
         return 2
     if not check_outputs("tools.trace", {"--json": args.json}):
         return 2
-    torch = require("torch", "tools.trace")
-    if not torch.cuda.is_available():
-        print("tools.trace: no CUDA GPU here (the timeline is read from the GPU's kernels)", file=sys.stderr)
-        return 2
+    torch = require_gpu("tools.trace", " (the timeline is read from the GPU's kernels)")
     os.environ["OPGRAFT_TRACE"] = "1"  # before any plan is made
 
     import ctypes

@@ -349,12 +349,15 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 #endif
   og_vec4 qreg[OG_QREGS];
   const og_u16 *qb = (const og_u16 *)p.q + (long long)b * p.q_st + (long long)hq0 * p.q_sh;
-#if !OG_PDL  // the query in flight with the length; under PDL it is read after the wait
+  auto load_q = [&] {
 #pragma unroll
-  for (int r = 0; r < OG_QREGS; ++r) {
-    const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
-    qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_shared_operand(qb + (long long)h * p.q_sh + d) : og_zero4();
-  }
+    for (int r = 0; r < OG_QREGS; ++r) {
+      const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+      qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_activation<OG_PDL != 0>(qb + (long long)h * p.q_sh + d) : og_zero4();
+    }
+  };
+#if !OG_PDL  // the query in flight with the length; under PDL it is read after the wait
+  load_q();
 #endif
   const int *bt = p.block_table + (long long)b * p.bt_stride;
 #if !OG_WINDOW
@@ -363,13 +366,9 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   const int blk_guess = bi_guess < p.max_blocks ? og_ld_meta_s32(bt + bi_guess) : -1;
 #endif
   const int L = og_ld_meta_s32(p.seq_lens + b);
-#if OG_PDL  // the query may have been written while this kernel ran: not the read-only path
+#if OG_PDL
   og_pdl_wait();
-#pragma unroll
-  for (int r = 0; r < OG_QREGS; ++r) {
-    const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
-    qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_coherent(qb + (long long)h * p.q_sh + d) : og_zero4();
-  }
+  load_q();
 #endif
   if (L <= 0) {  // a padded row: zeros
     if (s == 0)

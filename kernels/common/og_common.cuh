@@ -98,6 +98,13 @@ __device__ __forceinline__ og_vec4 og_load_coherent(const void *p) {
   return v;
 }
 
+// An activation: under programmatic dependent launch (PDL, read after the wait) the previous
+// kernel may have written it while this one ran, so the coherent load; else the read-only path.
+template <bool PDL>
+__device__ __forceinline__ og_vec4 og_load_activation(const void *p) {
+  return PDL ? og_load_coherent(p) : og_load_shared_operand(p);
+}
+
 #ifndef OG_DTYPE
 #define OG_DTYPE 1
 #endif

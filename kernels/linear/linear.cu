@@ -122,11 +122,7 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
 #pragma unroll
     for (int q = 0; q < OG_U; ++q) {
       const int s = s0 + q;
-#if OG_PDL  // x may have been written while this kernel ran: not the read-only path
-      a[q] = s < s_end && og_chunk_in(s, c) && xok ? og_load_coherent(xrow + 64LL * s) : zero;
-#else
-      a[q] = s < s_end && og_chunk_in(s, c) && xok ? og_load_shared_operand(xrow + 64LL * s) : zero;
-#endif
+      a[q] = s < s_end && og_chunk_in(s, c) && xok ? og_load_activation<OG_PDL != 0>(xrow + 64LL * s) : zero;
     }
 #pragma unroll
     for (int q = 0; q < OG_U; ++q) {

@@ -23,6 +23,16 @@ def require(name: str, prog: str):
         raise SystemExit(2) from None
 
 
+def require_gpu(prog: str, why: str = ""):
+    """Returns torch when a CUDA GPU is usable here, or prints why `prog` cannot run (torch missing,
+    or no GPU: "PROG: no CUDA GPU here" + why) and exits with status 2."""
+    torch = require("torch", prog)
+    if not torch.cuda.is_available():
+        print(f"{prog}: no CUDA GPU here{why}", file=sys.stderr)
+        raise SystemExit(2)
+    return torch
+
+
 def output_problem(path: str, flag: str) -> str | None:
     """Why `path` (given with option `flag`) cannot be written, or None. Creates nothing."""
     if not path:
