@@ -87,7 +87,23 @@ typedef struct opgraft_moe_args {
   int64_t w13_scale_stride[3]; /* [E, 2*ceil(I/block_n), ceil(H/block_k)], or [E] / [E, 2] */
   const void *w2_scale;
   int64_t w2_scale_stride[3]; /* [E, ceil(H/block_n), ceil(I/block_k)], or [E] */
+  /* ---- ABI 5: routing inside the kernels (routing 0: topk_weights and topk_ids are inputs) ---- */
+  int32_t routing; /* opgraft_moe_routing */
+  /* routing != 0: the router's logits [T, num_experts] in dtype (bf16/fp16 weights only, no
+   * expert_map, no apply_router_weight_on_input). topk_weights (fp32) and topk_ids (int32), both
+   * [T, k] contiguous, then receive the routing the kernels computed, or are NULL (not written). */
+  const void *router_logits;
+  int64_t router_logits_stride[2];
 } opgraft_moe_args;
+
+/* How the call is routed (opgraft_moe_args.routing). The softmax routings are vLLM's
+ * topk_softmax (fused_moe/router/fused_topk_router.py): softmax over the E logits, the k largest
+ * (ties to the lower expert id), in decreasing order; _RENORM divides the k weights by their sum. */
+typedef enum {
+  OPGRAFT_MOE_ROUTING_TOPK = 0,           /* topk_weights and topk_ids given */
+  OPGRAFT_MOE_ROUTING_SOFTMAX = 1,        /* from router_logits, softmax top-k */
+  OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM = 2, /* the same, renormalized over the k picked */
+} opgraft_moe_routing;
 
 /* How FP8 weights are scaled (opgraft_moe_args.scale_layout). */
 typedef enum {
@@ -122,6 +138,13 @@ OPGRAFT_EXTERN size_t opgraft_moe_plan_workspace_size(const opgraft_moe_plan *pl
 OPGRAFT_EXTERN int32_t opgraft_moe_plan_run(const opgraft_moe_plan *plan, const void *hidden_states, const void *w13,
                                             const void *w2, const void *topk_weights, const void *topk_ids,
                                             const void *expert_map, void *out, void *workspace, void *stream);
+/* The same for a plan with routing != 0: router_logits as at creation; topk_weights and topk_ids
+ * receive the routing (or are NULL). opgraft_moe_plan_run refuses such a plan (OPGRAFT_EINVAL) and
+ * this one a plan without it. */
+OPGRAFT_EXTERN int32_t opgraft_moe_plan_run_routed(const opgraft_moe_plan *plan, const void *hidden_states,
+                                                   const void *w13, const void *w2, const void *router_logits,
+                                                   void *topk_weights, void *topk_ids, void *out, void *workspace,
+                                                   void *stream);
 /* The same for a plan of FP8 weights (weight_dtype OPGRAFT_DTYPE_FP8_E4M3), with the three scales
  * laid out as at creation; opgraft_moe_plan_run refuses such a plan (OPGRAFT_EINVAL) and this one a
  * plan without FP8 weights. */

@@ -39,6 +39,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
 #if OG_PDL
   og_pdl_launch_dependents();  // moe_down may take the SMs of blocks that finish
 #endif
+  OG_ROUTE_CALL(p, true);
   const int tiles = OG_I / 16;
 #if OG_GU_SLOTS
   __shared__ int s_e;
@@ -76,8 +77,9 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
 #endif
   __shared__ float s_red[OG_W2][OG_NT][4][32];
   OG_TS(1, 0);
-  // The routing was written before gate_up started (or, with OG_PDL_IN, before gate_up let this
-  // kernel launch): safe to read here.
+  // The routing (or the logits of OG_ROUTE) was written before gate_up started (or, with
+  // OG_PDL_IN, before gate_up let this kernel launch): safe to read here.
+  OG_ROUTE_CALL(p, false);
 #if OG_DOWN_ONE || OG_DOWN_WARP
   og_routing &r = rw[threadIdx.x >> 5];
   og_routing_warp(p, r, OG_DOWN_WARP ? p.T * OG_K : OG_K);
@@ -116,6 +118,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, 1)
   __shared__ int s_npairs;
   __shared__ float s_red[OG_W1 * OG_NT * 2 * 4 * 32];
   OG_TS(2, 0);
+  OG_ROUTE_CALL(p, true);
   og_routing_setup(p, r);
   OG_TS(2, 1);
   const int tiles = OG_I / 16;

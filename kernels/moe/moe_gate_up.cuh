@@ -35,7 +35,7 @@ __device__ __forceinline__ void og_write_act(const og_moe_params &p, const float
     }
     const int i = s_pairs[n];
     const int t = i / OG_K, j = i - t * OG_K;
-    const float rw = p.topk_w[t * p.topk_w_stride + j];
+    const float rw = og_topk_weight(p, t, j);
 #if OG_ON_INPUT
     const float a = og_silu(gs * rw) * (us * rw);
 #else

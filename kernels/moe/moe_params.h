@@ -23,6 +23,11 @@ typedef struct og_moe_params {
   int emap_len;
   unsigned long long *trace; /* OG_TRACE: per-block phase times, [3 kernels][trace_blocks][8], or NULL */
   int trace_blocks;
+  /* OG_ROUTE (routing from the router's logits; topk_w and topk_ids unused): */
+  const void *logits;      /* [T, E] in the hidden states' dtype, row stride logits_stride */
+  int *route_ids;          /* the routing gate_up computed, [T, k] contiguous int32, or NULL */
+  float *route_w;          /* its weights, [T, k] contiguous fp32, or NULL */
+  long long logits_stride;
 } og_moe_params;
 
 #endif

@@ -24,6 +24,8 @@ DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_INT64, DTYPE_FP8_E4M3, DT
 ACT_SILU, ACT_GELU = 1, 2
 # opgraft_moe_scale_layout
 SCALE_NONE, SCALE_BLOCK, SCALE_TENSOR = 0, 1, 2
+# opgraft_moe_routing
+ROUTING_TOPK, ROUTING_SOFTMAX, ROUTING_SOFTMAX_RENORM = 0, 1, 2
 
 _I64_2 = ctypes.c_int64 * 2
 _I64_3 = ctypes.c_int64 * 3
@@ -70,6 +72,9 @@ class MoeArgs(ctypes.Structure):
         ("w13_scale_stride", _I64_3),
         ("w2_scale", ctypes.c_void_p),
         ("w2_scale_stride", _I64_3),
+        ("routing", ctypes.c_int32),
+        ("router_logits", ctypes.c_void_p),
+        ("router_logits_stride", _I64_2),
     ]
 
 
@@ -208,6 +213,7 @@ _SIGNATURES = {
     "opgraft_moe_plan_workspace_size": (ctypes.c_size_t, [_P]),
     "opgraft_moe_plan_run": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "opgraft_moe_plan_run_fp8": (ctypes.c_int32, [_P] * 13),
+    "opgraft_moe_plan_run_routed": (ctypes.c_int32, [_P] * 10),
     "opgraft_moe_describe": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]),
     "opgraft_moe_run": (
         ctypes.c_int32,

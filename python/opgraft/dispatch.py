@@ -182,6 +182,50 @@ class ExpertsCall:
     fp8_scales: Any = None
 
 
+@dataclass
+class RoutedExpertsCall:
+    """One MoE layer's routing and experts from the router's logits: vLLM's softmax top-k
+    (renormalized or not) and the SwiGLU experts, both done by our kernels. Its delegate is vLLM's
+    own routing followed by the experts call (which the experts seam sees as an ExpertsCall), so a
+    hand-back is counted under "moe_route" and the experts call under "moe" as before."""
+
+    hidden_states: Any
+    w13: Any
+    w2: Any
+    router_logits: Any
+    top_k: int
+    renormalize: bool
+    delegate: Callable[[], Any]
+    extra_reason: str = ""
+
+
+def _moe_routed(call: RoutedExpertsCall):
+    if call.extra_reason:
+        return handed_back("moe_route", call.extra_reason, call)
+    from .ops import moe
+
+    out = call.hidden_states.new_empty(call.hidden_states.shape)
+    try:
+        plan = moe.plan_for_routed(call.hidden_states, call.w13, call.w2, call.router_logits, call.top_k,
+                                   call.renormalize, out)
+        if plan.handle is None:
+            return handed_back("moe_route", plan.reason, call)
+        moe.run_routed(plan, out, call.hidden_states, call.w13, call.w2, call.router_logits, call.top_k,
+                       call.renormalize)
+    except Exception as e:
+        return kernel_failed("moe_route", e, call)
+    stats_of("moe").take("routed")
+    return out
+
+
+def dispatch_routed(call: RoutedExpertsCall) -> Any:
+    """Our routing and experts with the MoE op's opgraft variant; under any other variant vLLM
+    routes and the experts call goes to that variant."""
+    if selected_variant("moe") != "opgraft":
+        return call.delegate()
+    return _moe_routed(call)
+
+
 @register_variant("moe", "passthrough")
 def _moe_passthrough(call: ExpertsCall):
     stats_of("moe").delegate("passthrough variant")

@@ -129,7 +129,114 @@ def cases() -> list[dict]:
         _case("expert_map: 4 of 256 experts, k=8 > 4 (DeepSeek-V3/ep64 dims), T=1, fp16", 
               MoeShape("DeepSeek-V3/ep64", 4, 7168, 2048, 8), 1, ep=256, dtype="fp16"),
     ]
-    return cases + fp8_cases()
+    return cases + routed_cases() + fp8_cases()
+
+
+def _routed_case(name, shape, T, renorm=True, dtype="bf16", ties=False, tunables=None):
+    """Routing from the router's logits in the kernels (cases named "routed ..."). ties: equal
+    logits at the top and across the k-th place, and a -0 next to a +0. Every token count is
+    checked: moe.route is forced on above the shipped 4 tokens."""
+    return dict(name=f"routed {name}", shape=shape, T=T, renorm=renorm, dtype=dtype, ties=ties,
+                tunables={"moe.route": 1, **(tunables or {})}, routed=True, seed=0)
+
+
+def routed_cases() -> list[dict]:
+    small = MoeShape("small", 16, 256, 128, 4)
+    q30 = PRESETS["Qwen3-30B-A3B"]
+    ONE = {"moe.gate_up.one_token": 1, "moe.down.one_token": 1, "moe.pdl_in": 1, "moe.pdl": 1, "moe.down.early": 1}
+    return [
+        _routed_case("Qwen3-30B-A3B T=1", q30, 1),
+        _routed_case("Qwen3-30B-A3B T=2", q30, 2),
+        _routed_case("Qwen3-30B-A3B T=8", q30, 8),
+        _routed_case("Qwen3-30B-A3B T=1, softmax without renormalize", q30, 1, renorm=False),
+        _routed_case("Qwen3-30B-A3B T=1, all one-token paths, pdl in", q30, 1, tunables=ONE),
+        _routed_case("Qwen3-30B-A3B T=4, slot routing, pdl in, down early", q30, 4,
+                     tunables=dict(SLOTS, **{"moe.pdl": 1, "moe.down.early": 1, "moe.pdl_in": 1})),
+        _routed_case("small T=13, ties", small, 13, ties=True),
+        _routed_case("small T=1, ties, one-token paths", small, 1, ties=True, tunables=ONE),
+        _routed_case("small T=64, softmax without renormalize", small, 64, renorm=False),
+        _routed_case("small T=5, fp16, ties", small, 5, dtype="fp16", ties=True),
+        _routed_case("small T=3, fused", small, 3, tunables={"moe.fused": 1}),
+        _routed_case("odd dims E=7 k=3 T=10", MoeShape("odd", 7, 96, 160, 3), 10),
+        _routed_case("Mixtral-8x7B T=4", PRESETS["Mixtral-8x7B"], 4),
+        _routed_case("Kimi-K2 dims E=384 T=1", PRESETS["Kimi-K2"], 1),
+    ]
+
+
+def _expected_routing(logits, k: int, renorm: bool):
+    """vLLM's topk_softmax in fp64: the k largest logits, ties to the lower id, in decreasing order."""
+    v = logits.double()
+    order = torch.sort(-v, dim=-1, stable=True).indices[:, :k]
+    p = torch.softmax(v, dim=-1).gather(1, order)
+    if renorm:
+        p = p / p.sum(-1, keepdim=True)
+    return p, order.to(torch.int32)
+
+
+def _vllm_topk(logits, k: int, renorm: bool):
+    """vLLM's own topk_softmax on these logits, or (None, why)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+    except Exception as e:
+        return None, f"vLLM not importable ({type(e).__name__})"
+    try:
+        w, ids, _ = fused_topk(logits, logits, k, renorm)
+    except Exception as e:
+        return None, f"vLLM's fused_topk failed ({type(e).__name__}: {str(e)[:80]})"
+    return (w, ids), ""
+
+
+def _run_routed_case(c: dict, device) -> dict:
+    shape: MoeShape = c["shape"]
+    T, dtype, k, E = c["T"], c["dtype"], shape.top_k, shape.num_experts
+    gen = torch.Generator(device=device).manual_seed(300 + c["seed"])
+    w13, w2 = moe_bench.make_weights(shape, dtype, device, seed=c["seed"])
+    x = moe_bench.make_x(T, shape.hidden, dtype, device, gen)
+    logits = (torch.randn((T, E), generator=gen, device=device) * 2).to(x.dtype)
+    if c["ties"]:
+        logits[:, 1] = logits[:, 0] = logits.max(-1).values + 1  # a tie at the top
+        kth = torch.sort(logits.float(), -1, descending=True).values[:, k - 1]
+        logits[:, E - 1] = kth.to(logits.dtype)  # a tie at the k-th place: the lower id wins it
+        logits[:, 2], logits[:, 3] = 0.0, -0.0
+    out = torch.full((T, shape.hidden), float("nan"), dtype=x.dtype, device=device)
+    tw = torch.full((T, k), float("nan"), device=device)
+    ids = torch.full((T, k), -7, dtype=torch.int32, device=device)
+    plan = ops.plan_for_routed(x, w13, w2, logits, k, c["renorm"], out, tw, ids)
+    res = {k_: v for k_, v in c.items() if k_ != "shape"}
+    res.update(shape=shape.as_dict(), supported=plan.handle is not None, reason=plan.reason)
+    if plan.handle is None:
+        res.update(passed=False)
+        return res
+    ops.run_routed(plan, out, x, w13, w2, logits, k, c["renorm"], tw, ids)
+    ew, eids = _expected_routing(logits, k, c["renorm"])
+    ids_ok = bool(torch.equal(ids, eids))
+    w_err = float(((tw.double() - ew).abs() / ew.abs().clamp_min(1e-30)).max())
+    ref = moe_bench.reference(x, w13, w2, ew.float(), eids)
+    err = bench.rel_err(out, ref)
+    # the same call with the routing given (vLLM's form): the same bits
+    given = torch.full_like(out, float("nan"))
+    ops.moe_experts_into(given, x, w13, w2, tw.clone(), ids.clone())
+    same_as_given = bool(torch.equal(out, given))
+    again = torch.full_like(out, float("nan"))
+    ops.run_routed(plan, again, x, w13, w2, logits, k, c["renorm"])  # no routing outputs this time
+    det = bool(torch.equal(out, again))
+    tol = bench.TOLERANCE[dtype]
+    res.update(rel_err=err, tolerance=tol, ids_exact=ids_ok, weights_rel_err=w_err, same_as_given_routing=same_as_given,
+               deterministic=det)
+    passed = err <= tol and ids_ok and w_err <= 1e-5 and same_as_given and det
+    if shape.hidden * shape.inter * E <= 16 * 256 * 256:
+        cref = ops.moe_routed_reference_cpu(x, w13, w2, logits, k, c["renorm"])
+        res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm().clamp_min(1e-300))
+        passed = passed and res["c_oracle_vs_torch_fp64"] < 1e-6
+    v, why = _vllm_topk(logits, k, c["renorm"])
+    if v is None:
+        res["vllm_missing"] = why
+    else:
+        res["ids_match_vllm"] = bool(torch.equal(v[1].to(torch.int32), ids))
+        res["weights_rel_err_vs_vllm"] = float(((tw - v[0]).abs() / v[0].abs().clamp_min(1e-30)).max())
+        passed = passed and res["ids_match_vllm"] and res["weights_rel_err_vs_vllm"] <= 1e-5
+    res["passed"] = bool(passed)
+    return res
 
 
 FP8_TOL = 1e-2  # the e4m3 inputs, the f16 intermediate, the output bf16
@@ -200,6 +307,8 @@ def fp8_cases() -> list[dict]:
 def run_case(c: dict, device="cuda") -> dict:
     """One correctness case, with its tunables (if any) set while it runs."""
     with tunables(c["tunables"]):
+        if c.get("routed"):
+            return _run_routed_case(c, device)
         return _run_fp8_case(c, device) if "kind" in c else _run_case(c, device)
 
 

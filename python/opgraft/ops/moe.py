@@ -296,3 +296,132 @@ def moe_reference_cpu(hidden, w13, w2, topk_weights, topk_ids, apply_router_weig
     ptr = ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))
     _lib.check(_lib.lib().opgraft_moe_reference(ctypes.byref(a), ptr))
     return out
+
+
+# ---- routing inside the kernels: the router's logits in, vLLM's topk_softmax done by the kernels ----
+
+
+def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
+                    top_k: int, renormalize: bool, out: torch.Tensor | None = None,
+                    topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
+                    arch: int = 0) -> _lib.MoeArgs:
+    """The C argument struct of a call routed from router_logits ([T, E], the hidden dtype) by
+    softmax top-k (renormalized over the k picked where renormalize); topk_weights (fp32) and
+    topk_ids (int32) [T, k], where given, receive the routing. dtype -1 when shapes or devices
+    are not those of such a call."""
+    a = _lib.MoeArgs()
+    a.struct_size = ctypes.sizeof(_lib.MoeArgs)
+    a.dtype = dtype_code(hidden) if dtype_code(hidden) == dtype_code(w13) == dtype_code(w2) == dtype_code(router_logits) else 0
+    a.activation = _lib.ACT_SILU
+    a.routing = _lib.ROUTING_SOFTMAX_RENORM if renormalize else _lib.ROUTING_SOFTMAX
+    T = hidden.shape[0] if hidden.dim() == 2 else -1
+    H = hidden.shape[1] if hidden.dim() == 2 else -1
+    E = w13.shape[0] if w13.dim() == 3 else -1
+    I = w2.shape[2] if w2.dim() == 3 else -1
+    k = int(top_k)
+    outs = [t for t in (topk_weights, topk_ids) if t is not None]
+    consistent = (
+        w13.dim() == 3 and w2.dim() == 3 and tuple(w13.shape[1:]) == (2 * I, H) and tuple(w2.shape) == (E, H, I)
+        and tuple(router_logits.shape) == (T, E) and all(tuple(t.shape) == (T, k) for t in outs)
+        and (out is None or tuple(out.shape) == (T, H))
+        and all(t.device == hidden.device for t in [w13, w2, router_logits] + outs)
+        and (out is None or out.device == hidden.device)
+    )
+    if not consistent:
+        a.dtype = -1
+        return a
+    a.num_tokens, a.hidden, a.inter, a.num_experts, a.top_k = T, H, I, E, k
+    a.hidden_states, a.hidden_states_stride = hidden.data_ptr(), strides(hidden, 2)
+    a.w13, a.w13_stride = w13.data_ptr(), strides(w13, 3)
+    a.w2, a.w2_stride = w2.data_ptr(), strides(w2, 3)
+    a.router_logits, a.router_logits_stride = router_logits.data_ptr(), strides(router_logits, 2)
+    a.topk_weights_dtype = dtype_code(topk_weights) if topk_weights is not None else _lib.DTYPE_FP32
+    a.topk_ids_dtype = dtype_code(topk_ids) if topk_ids is not None else _lib.DTYPE_INT32
+    a.topk_weights_stride = strides(topk_weights, 2) if topk_weights is not None else (ctypes.c_int64 * 2)(k, 1)
+    a.topk_ids_stride = strides(topk_ids, 2) if topk_ids is not None else (ctypes.c_int64 * 2)(k, 1)
+    a.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
+    a.topk_ids = topk_ids.data_ptr() if topk_ids is not None else None
+    if out is not None:
+        a.out, a.out_stride = out.data_ptr(), strides(out, 2)
+    else:
+        a.out, a.out_stride = 16, (ctypes.c_int64 * 2)(H, 1)
+    a.arch = arch
+    return a
+
+
+def _routed_key(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids):
+    def lay(t):
+        return None if t is None else (t.shape, t.stride(), t.dtype)
+
+    return ("routed", hidden.shape, hidden.stride(), hidden.dtype, hidden.device, w13.shape, w13.stride(), w13.dtype,
+            w2.shape, w2.stride(), w2.dtype, lay(router_logits), int(top_k), bool(renormalize),
+            None if out is None else (out.stride(), out.dtype), lay(topk_weights), lay(topk_ids))
+
+
+def plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out=None, topk_weights=None,
+                    topk_ids=None) -> Plan:
+    """The plan of a routed call's layout, made on first sight (the guard runs then)."""
+    key = _routed_key(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    if not hidden.is_cuda:
+        plan = Plan(None, "tensors are not on a CUDA device")
+    else:
+        a = moe_routed_args(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids)
+        if a.dtype == -1:
+            plan = Plan(None, "tensor shapes or devices are not those of a routed MoE call")
+        else:
+            handle = ctypes.c_void_p()
+            reason = ctypes.create_string_buffer(256)
+            with torch.cuda.device(hidden.device):
+                st = _lib.lib().opgraft_moe_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
+            if st == _lib.OK:
+                plan = Plan(handle.value, "", _lib.lib().opgraft_moe_plan_workspace_size(handle.value))
+            elif st == _lib.EUNSUPPORTED:
+                plan = Plan(None, reason.value.decode(errors="replace"))
+            else:
+                _lib.check(st)
+    return _plans.put(key, plan)
+
+
+def run_routed(plan: Plan, out, hidden, w13, w2, router_logits, top_k, renormalize, topk_weights=None,
+               topk_ids=None, workspace=None):
+    """Runs a routed plan (plan_for_routed) into out: the kernels route from router_logits and,
+    where topk_weights / topk_ids are given, write the routing there."""
+    for _ in range(2):
+        if plan.handle is None:
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
+        need = plan.workspace_bytes
+        ws = workspace.data_ptr() if workspace is not None else 0
+        if (not ws or ws % 16 or workspace.numel() * workspace.element_size() < need
+                or not workspace.is_contiguous()):
+            ws = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device).data_ptr()
+        st = _lib._lib.opgraft_moe_plan_run_routed(
+            plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), router_logits.data_ptr(),
+            None if topk_weights is None else topk_weights.data_ptr(),
+            None if topk_ids is None else topk_ids.data_ptr(), out.data_ptr(), ws, current_stream(hidden.device))
+        if st != _lib.ESTALE:
+            _lib.check(st)
+            return out
+        forget_plans()
+        plan = plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids)
+    _lib.check(st)
+    return out
+
+
+def moe_routed_into(out, hidden, w13, w2, router_logits, top_k: int, renormalize: bool = True,
+                    topk_weights=None, topk_ids=None, workspace=None):
+    """The experts with vLLM's softmax top-k routing done by the kernels, into out ([T, H])."""
+    plan = plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids)
+    return run_routed(plan, out, hidden, w13, w2, router_logits, top_k, renormalize, topk_weights, topk_ids,
+                      workspace)
+
+
+def moe_routed_reference_cpu(hidden, w13, w2, router_logits, top_k: int, renormalize: bool = True) -> torch.Tensor:
+    """The C fp64 oracle of a routed call on CPU tensors; float64 [T, H]."""
+    t = [x.cpu() for x in (hidden, w13, w2, router_logits)]
+    a = moe_routed_args(*t, top_k, renormalize)
+    out = torch.empty((t[0].shape[0], t[0].shape[1]), dtype=torch.float64)
+    _lib.check(_lib.lib().opgraft_moe_reference(ctypes.byref(a), ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))))
+    return out

@@ -130,6 +130,7 @@ int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_
   OG_OPT("-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
   OG_OPT("-DOG_IDS64=%d", a->topk_ids_dtype == OPGRAFT_DTYPE_INT64);
   OG_OPT("-DOG_EMAP=%d", a->expert_map != NULL);
+  OG_OPT("-DOG_ROUTE=%d", (int)a->routing);
   OG_OPT("-DOG_H=%lld", (long long)a->hidden);
   OG_OPT("-DOG_I=%lld", (long long)a->inter);
   OG_OPT("-DOG_E=%lld", (long long)a->num_experts);

@@ -20,6 +20,8 @@ const char *opgraft__moe_dtype_name(int32_t d) {
 
 int opgraft__moe_is_fp8(const opgraft_moe_args *a) { return a->weight_dtype == OPGRAFT_DTYPE_FP8_E4M3; }
 
+int opgraft__moe_routed(const opgraft_moe_args *a) { return a->routing != OPGRAFT_MOE_ROUTING_TOPK; }
+
 /* The shape key's dtype field: the activations' dtype, or the FP8 weights' scaling. */
 static const char *key_dtype(const opgraft_moe_args *a) {
   if (!opgraft__moe_is_fp8(a)) return opgraft__moe_dtype_name(a->dtype);
@@ -73,6 +75,25 @@ static int32_t check_fp8(const opgraft_moe_args *a, char *reason, size_t reason_
   return OPGRAFT_OK;
 }
 
+/* Routing from the router's logits: softmax top-k of bf16/fp16 logits over at most
+ * OG_MOE_ROUTE_MAX_EXPERTS experts, the outputs contiguous int32 / fp32. */
+static int32_t check_routing(const opgraft_moe_args *a, char *reason, size_t reason_len) {
+  if (a->routing != OPGRAFT_MOE_ROUTING_SOFTMAX && a->routing != OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM)
+    return OG_REASON("routing %d (softmax top-k, renormalized or not, supported)", a->routing);
+  if (opgraft__moe_is_fp8(a)) return OG_REASON("routing from logits with FP8 weights");
+  if (a->expert_map) return OG_REASON("routing from logits with an expert_map");
+  if (a->apply_router_weight_on_input) return OG_REASON("routing from logits with apply_router_weight_on_input");
+  if (a->num_experts > OG_MOE_ROUTE_MAX_EXPERTS)
+    return OG_REASON("routing from logits over %lld experts (at most %d)", (long long)a->num_experts,
+                     OG_MOE_ROUTE_MAX_EXPERTS);
+  if (a->topk_ids_dtype != OPGRAFT_DTYPE_INT32) return OG_REASON("routing from logits into int64 topk_ids");
+  if (a->router_logits_stride[1] != 1 || (a->num_tokens > 0 && a->router_logits_stride[0] < a->num_experts))
+    return OG_REASON("router_logits rows are not contiguous [T, E] rows");
+  if (a->num_tokens > 1 && (a->topk_weights_stride[0] != a->top_k || a->topk_ids_stride[0] != a->top_k))
+    return OG_REASON("routing outputs are not contiguous [T, k]");
+  return OPGRAFT_OK;
+}
+
 /* The checks that look only at the arguments. */
 int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_t reason_len) {
   if (!a) return OG_REASON("no arguments");
@@ -117,13 +138,17 @@ int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_
   if (T > 0 && (a->hidden_states_stride[0] < H || a->out_stride[0] < H ||
                 a->topk_weights_stride[0] < k || a->topk_ids_stride[0] < k))
     return OG_REASON("row strides smaller than the rows");
+  if (opgraft__moe_routed(a)) return check_routing(a, reason, reason_len);
   return opgraft__moe_is_fp8(a) ? check_fp8(a, reason, reason_len) : OPGRAFT_OK;
 }
 
 int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, size_t reason_len) {
   if (a->expert_map && ((uintptr_t)a->expert_map & 3u)) return OG_REASON("expert_map misaligned");
-  if (a->num_tokens > 0 && (!a->hidden_states || !a->w13 || !a->w2 || !a->topk_weights || !a->topk_ids || !a->out))
+  const int routed = opgraft__moe_routed(a); /* topk_weights, topk_ids: optional outputs */
+  if (a->num_tokens > 0 && (!a->hidden_states || !a->w13 || !a->w2 || !a->out ||
+                            (routed ? !a->router_logits : !a->topk_weights || !a->topk_ids)))
     return OG_REASON("a tensor pointer is NULL");
+  if (routed && ((uintptr_t)a->router_logits & 1u)) return OG_REASON("router_logits misaligned");
   if (!aligned16(a->hidden_states) || !aligned16(a->w13) || !aligned16(a->w2))
     return OG_REASON("hidden_states or weights not 16-byte aligned");
   if (((uintptr_t)a->out & 1u) || ((uintptr_t)a->topk_weights & 3u) ||
@@ -164,6 +189,12 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
   if (T > max_t) return OG_REASON("%lld tokens > moe.max_tokens %lld", (long long)T, (long long)max_t);
   if (a->expert_map && !opgraft__tune_value("moe.expert_map", arch, g, shape, (int32_t)T))
     return OG_REASON("expert_map is set and moe.expert_map is 0 (expert parallelism is handed back)");
+  if (opgraft__moe_routed(a)) {
+    const char *off = getenv("OPGRAFT_MOE_ROUTE");
+    if (off && strcmp(off, "0") == 0) return OG_REASON("OPGRAFT_MOE_ROUTE=0 (routing stays vLLM's)");
+    if (!opgraft__tune_value("moe.route", arch, g, shape, (int32_t)T))
+      return OG_REASON("moe.route is 0 on sm_%d at T=%lld (routing stays vLLM's)", arch, (long long)T);
+  }
   if (arch_out) *arch_out = arch;
   return OPGRAFT_OK;
 }

@@ -21,6 +21,12 @@
  *   faster). 2..4 tokens: routing by slot in both stages (v19: every preset faster; Mixtral-8x7B
  *   lost at 8 and 16 tokens, where T*k still fits 32 slots).
  *
+ * - moe.route (routing from the logits in the kernels) up to 4 tokens: every block computes the
+ *   call's routing, which costs little where gate_up's blocks fit one wave and a wave's worth each
+ *   more. Router gate + routing + experts as one span, Qwen3-30B-A3B (v27, tools.moe_route, against
+ *   vLLM's topk_softmax and our experts): 1.08 / 1.05 / 1.02x at 1 / 2 / 4 tokens, 0.96x at 8; end
+ *   to end at batch 8 the step lost 0.2 ms with it.
+ *
  * FP8 weights (shape keys "moe:fp8block:..." and "moe:fp8tensor:..."):
  * - moe.fp8 1 on sm_90 at one token, and at two with block scales: where ours (with vLLM's
  *   activation quantization) beat vLLM 0.26's own FP8 path (its modular kernel with TritonExperts)
@@ -85,6 +91,7 @@ int opgraft__moe_rule(const opgraft_tune_query *q, int64_t *value) {
     return *value = T == 1, 1;
   if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)
     return *value = T >= 2 && T <= 4, 1;
+  if (strcmp(key, "moe.route") == 0) return *value = T <= 4, 1;
   og_moe_shape s;
   if (!opgraft__moe_parse_shape(q->shape, &s)) return 0;
   if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s.H <= 2048 ? 4 : 8, 1;

@@ -73,6 +73,7 @@ int32_t opgraft_moe_plan_create(const opgraft_moe_args *a, opgraft_moe_plan **ou
   if (!p) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
   p->head = (og_plan_head){ctx, gen}, p->arch = arch, p->args = *a;
   p->args.hidden_states = p->args.w13 = p->args.w2 = p->args.topk_weights = p->args.topk_ids = NULL;
+  p->args.router_logits = NULL;
   p->args.expert_map = a->expert_map ? (const void *)1 : NULL; /* only whether there is one */
   p->args.out = NULL, p->args.gpu_name = NULL;
   opgraft__moe_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
@@ -112,6 +113,7 @@ int32_t opgraft_moe_plan_create(const opgraft_moe_args *a, opgraft_moe_plan **ou
   q->w2_estride = a->w2_stride[0], q->w2_rstride = a->w2_stride[1];
   q->topk_w_stride = a->topk_weights_stride[0], q->topk_ids_stride = a->topk_ids_stride[0];
   q->out_stride = a->out_stride[0];
+  q->logits_stride = a->router_logits_stride[0];
   q->T = (int)a->num_tokens;
   q->emap_len = a->expert_map ? (int)a->expert_map_len : 0;
   if (p->cfg.trace) q->trace_blocks = (int)opgraft__moe_trace_blocks(a);
@@ -169,12 +171,13 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_moe_plan *plan, og_mo
                            "launch moe_down");
 }
 
-/* The pointer checks and the launch of both run entry points; xs, w13s and w2s are the FP8 scales
- * (NULL for other plans). */
+/* The pointer checks and the launch of the run entry points; xs, w13s and w2s are the FP8 scales
+ * (NULL for other plans), logits the router's (NULL for plans without routing: topk_weights and
+ * topk_ids are then inputs, else optional outputs). */
 static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void *xs, const void *w13,
-                        const void *w13s, const void *w2, const void *w2s, const void *topk_weights,
-                        const void *topk_ids, const void *expert_map, void *out, void *workspace, void *stream,
-                        const char *what) {
+                        const void *w13s, const void *w2, const void *w2s, const void *logits,
+                        const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
+                        void *workspace, void *stream, const char *what) {
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "%s: no plan", what);
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
@@ -186,18 +189,26 @@ static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void 
   if (!fp8 != !xs)
     return opgraft__fail(OPGRAFT_EINVAL, "%s: a plan %s FP8 weights (use opgraft_moe_plan_run%s)", what,
                          fp8 ? "of" : "without", fp8 ? "_fp8" : "");
+  const int routed = opgraft__moe_routed(a);
+  if (!routed != !logits)
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: a plan %s routing from logits (use opgraft_moe_plan_run%s)", what,
+                         routed ? "of" : "without", routed ? "_routed" : "");
   if (a->num_tokens == 0) return OPGRAFT_OK;
   const int ids64 = a->topk_ids_dtype == OPGRAFT_DTYPE_INT64;
-  if (!x || !w13 || !w2 || !topk_weights || !topk_ids || !out || !workspace || !expert_map != !a->expert_map ||
-      (fp8 && (!w13s || !w2s)))
+  if (!x || !w13 || !w2 || (!routed && (!topk_weights || !topk_ids)) || !out || !workspace ||
+      !expert_map != !a->expert_map || (fp8 && (!w13s || !w2s)))
     return opgraft__fail(OPGRAFT_EINVAL, "%s: a NULL pointer (or expert_map unlike the plan's)", what);
   if ((((uintptr_t)x | (uintptr_t)w13 | (uintptr_t)w2 | (uintptr_t)workspace) & 15u) || ((uintptr_t)out & 1u) ||
       ((uintptr_t)topk_weights & 3u) || ((uintptr_t)topk_ids & (ids64 ? 7u : 3u)) || ((uintptr_t)expert_map & 3u) ||
-      (((uintptr_t)xs | (uintptr_t)w13s | (uintptr_t)w2s) & 3u))
+      (((uintptr_t)xs | (uintptr_t)w13s | (uintptr_t)w2s) & 3u) || ((uintptr_t)logits & 1u))
     return opgraft__fail(OPGRAFT_EINVAL, "%s: a pointer is misaligned", what);
   og_moe_fp8_params f = plan->proto;
   og_moe_params *p = &f.b;
-  p->x = x, p->w13 = w13, p->w2 = w2, p->topk_w = topk_weights, p->topk_ids = topk_ids, p->out = out;
+  p->x = x, p->w13 = w13, p->w2 = w2, p->out = out;
+  if (routed)
+    p->logits = logits, p->route_w = (float *)(uintptr_t)topk_weights, p->route_ids = (int *)(uintptr_t)topk_ids;
+  else
+    p->topk_w = topk_weights, p->topk_ids = topk_ids;
   p->emap = (const int *)expert_map;
   f.x_scale = xs, f.w13_scale = w13s, f.w2_scale = w2s;
   return launch(cu, plan, &f, workspace, (og_CUstream)stream, OPGRAFT_MOE_STAGE_ALL);
@@ -206,8 +217,16 @@ static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void 
 int32_t opgraft_moe_plan_run(const opgraft_moe_plan *plan, const void *x, const void *w13, const void *w2,
                              const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
                              void *workspace, void *stream) {
-  return plan_run(plan, x, NULL, w13, NULL, w2, NULL, topk_weights, topk_ids, expert_map, out, workspace, stream,
-                  "opgraft_moe_plan_run");
+  return plan_run(plan, x, NULL, w13, NULL, w2, NULL, NULL, topk_weights, topk_ids, expert_map, out, workspace,
+                  stream, "opgraft_moe_plan_run");
+}
+
+int32_t opgraft_moe_plan_run_routed(const opgraft_moe_plan *plan, const void *x, const void *w13, const void *w2,
+                                    const void *router_logits, void *topk_weights, void *topk_ids, void *out,
+                                    void *workspace, void *stream) {
+  if (!router_logits) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run_routed: no router_logits");
+  return plan_run(plan, x, NULL, w13, NULL, w2, NULL, router_logits, topk_weights, topk_ids, NULL, out, workspace,
+                  stream, "opgraft_moe_plan_run_routed");
 }
 
 int32_t opgraft_moe_plan_run_fp8(const opgraft_moe_plan *plan, const void *x, const void *x_scale, const void *w13,
@@ -215,7 +234,7 @@ int32_t opgraft_moe_plan_run_fp8(const opgraft_moe_plan *plan, const void *x, co
                                  const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
                                  void *workspace, void *stream) {
   if (!x_scale) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run_fp8: no hidden_scale");
-  return plan_run(plan, x, x_scale, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, out,
+  return plan_run(plan, x, x_scale, w13, w13_scale, w2, w2_scale, NULL, topk_weights, topk_ids, expert_map, out,
                   workspace, stream, "opgraft_moe_plan_run_fp8");
 }
 
@@ -231,7 +250,7 @@ static int same_plan(const opgraft_moe_args *p, const opgraft_moe_args *q) {
   if (fp8 && (p->scale_layout != q->scale_layout || p->block_n != q->block_n || p->block_k != q->block_k ||
               p->scale_dtype != q->scale_dtype))
     return 0;
-  return p->dtype == q->dtype && p->activation == q->activation &&
+  return p->dtype == q->dtype && p->activation == q->activation && p->routing == q->routing &&
          !p->apply_router_weight_on_input == !q->apply_router_weight_on_input && p->num_tokens == q->num_tokens &&
          p->hidden == q->hidden && p->inter == q->inter && p->num_experts == q->num_experts && p->top_k == q->top_k &&
          p->topk_ids_dtype == q->topk_ids_dtype && !p->expert_map == !q->expert_map &&
@@ -273,7 +292,13 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   og_moe_fp8_params f = plan->proto;
   og_moe_params *p = &f.b;
   p->x = a->hidden_states, p->w13 = a->w13, p->w2 = a->w2;
-  p->topk_w = a->topk_weights, p->topk_ids = a->topk_ids, p->out = a->out;
+  p->out = a->out;
+  if (opgraft__moe_routed(a)) {
+    p->logits = a->router_logits, p->logits_stride = a->router_logits_stride[0];
+    p->route_w = (float *)(uintptr_t)a->topk_weights, p->route_ids = (int *)(uintptr_t)a->topk_ids;
+  } else {
+    p->topk_w = a->topk_weights, p->topk_ids = a->topk_ids;
+  }
   p->x_stride = a->hidden_states_stride[0];
   p->w13_estride = a->w13_stride[0], p->w13_rstride = a->w13_stride[1];
   p->w2_estride = a->w2_stride[0], p->w2_rstride = a->w2_stride[1];

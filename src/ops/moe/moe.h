@@ -10,6 +10,7 @@
 #define OG_MOE_MAX_TOKENS 64
 #define OG_MOE_MAX_EXPERTS 4096
 #define OG_MOE_MAX_TOPK 16
+#define OG_MOE_ROUTE_MAX_EXPERTS 512 /* routing from logits: a warp holds a token's E keys, E/32 a lane */
 #define OG_MOE_MIN_ARCH 80 /* mma.sync bf16 and cvt.rn.bf16x2.f32 need sm_80 */
 #define OG_MOE_FP8_MIN_ARCH 89 /* mma.sync e4m3 and cvt e4m3x2 need sm_89 */
 
@@ -34,6 +35,8 @@ int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_
 /* The checks that need the device and the tunables; arch_out and gpu receive the device. */
 int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, char *gpu, size_t gpu_len,
                                   char *reason, size_t reason_len);
+/* Is the call routed by the kernels from the router's logits (routing != 0)? */
+int opgraft__moe_routed(const opgraft_moe_args *a);
 /* The pointer checks every run repeats (alignment, NULL), as a reason. */
 int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, size_t reason_len);
 /* The workspace's act region (FP8 weights: act in f16, its scales from

@@ -78,6 +78,31 @@ static int64_t load_id(const opgraft_moe_args *a, int64_t t, int64_t j) {
                                                   : ((const int32_t *)a->topk_ids)[idx];
 }
 
+/* Routing from logits (routing != 0): token t's k largest logits, ties to the lower id, in
+ * decreasing order, and their softmax weights (over all E, or over the k for _RENORM). */
+static void route_token(const opgraft_moe_args *a, int64_t t, int64_t *ids, double *w) {
+  const int64_t E = a->num_experts, K = a->top_k;
+  const uint16_t *row = (const uint16_t *)a->router_logits + t * a->router_logits_stride[0];
+  double mx = -INFINITY, all = 0, picked = 0;
+  for (int64_t j = 0; j < K; ++j) {
+    int64_t best = -1;
+    double bv = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      int used = 0;
+      for (int64_t i = 0; i < j; ++i) used |= ids[i] == e;
+      const double v = opgraft__half_to_double(a->dtype, row[e * a->router_logits_stride[1]]);
+      if (!used && (best < 0 || v > bv)) best = e, bv = v;
+    }
+    ids[j] = best, w[j] = bv;
+  }
+  mx = w[0];
+  for (int64_t e = 0; e < E; ++e)
+    all += opgraft__exp(opgraft__half_to_double(a->dtype, row[e * a->router_logits_stride[1]]) - mx);
+  for (int64_t j = 0; j < K; ++j) picked += (w[j] = opgraft__exp(w[j] - mx));
+  const double sum = a->routing == OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM ? picked : all;
+  for (int64_t j = 0; j < K; ++j) w[j] /= sum;
+}
+
 int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
   if (!a || a->struct_size < sizeof *a) return opgraft__fail(OPGRAFT_EINVAL, "bad arguments");
   if ((a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16) ||
@@ -91,7 +116,13 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
   const int64_t T = a->num_tokens, H = a->hidden, I = a->inter, E = a->num_experts, K = a->top_k;
   if (T < 0 || H < 1 || I < 1 || E < 1 || K < 1) return opgraft__fail(OPGRAFT_EINVAL, "bad sizes");
   if (T == 0) return OPGRAFT_OK;
-  if (!a->hidden_states || !a->w13 || !a->w2 || !a->topk_weights || !a->topk_ids || (!out_f64 && !a->out))
+  const int routed = opgraft__moe_routed(a);
+  if (routed && (a->routing != OPGRAFT_MOE_ROUTING_SOFTMAX && a->routing != OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "routing %d", a->routing);
+  if (routed && (K > OG_MOE_MAX_TOPK || K > E || a->expert_map || opgraft__moe_is_fp8(a)))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "routing from logits with these arguments");
+  if (!a->hidden_states || !a->w13 || !a->w2 || (routed ? !a->router_logits : !a->topk_weights || !a->topk_ids) ||
+      (!out_f64 && !a->out))
     return opgraft__fail(OPGRAFT_EINVAL, "NULL tensor");
   double *x = malloc(sizeof(double) * (size_t)H), *act = malloc(sizeof(double) * (size_t)I);
   double *acc = malloc(sizeof(double) * (size_t)H);
@@ -101,13 +132,16 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
   }
   const float *tw = a->topk_weights;
   for (int64_t t = 0; t < T; ++t) {
+    int64_t rid[OG_MOE_MAX_TOPK] = {0};
+    double rw[OG_MOE_MAX_TOPK] = {0};
+    if (routed) route_token(a, t, rid, rw);
     memset(acc, 0, sizeof(double) * (size_t)H);
     for (int64_t j = 0; j < K; ++j) {
-      int64_t e = load_id(a, t, j);
+      int64_t e = routed ? rid[j] : load_id(a, t, j);
       if (a->expert_map) /* global id -> this rank's expert, or -1 */
         e = (e >= 0 && e < a->expert_map_len) ? ((const int32_t *)a->expert_map)[e] : -1;
       if (e < 0 || e >= E) continue; /* not routed here */
-      const double w = tw[t * a->topk_weights_stride[0] + j * a->topk_weights_stride[1]];
+      const double w = routed ? rw[j] : tw[t * a->topk_weights_stride[0] + j * a->topk_weights_stride[1]];
       const double xs = a->apply_router_weight_on_input ? w : 1.0;
       for (int64_t h = 0; h < H; ++h) x[h] = xs * load_x(a, t, h);
       for (int64_t i = 0; i < I; ++i) {

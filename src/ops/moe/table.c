@@ -6,7 +6,7 @@
 
 /* Ranges are what the kernels accept; the fallback applies only where neither a row nor the rule
  * gives a value; the last field is what `opgraft tune` tries (the kernels clamp what would not
- * fit). moe.max_tokens (a hand-back threshold from end-to-end runs), moe.expert_map and moe.fp8
+ * fit). moe.max_tokens (a hand-back threshold from end-to-end runs), moe.expert_map, moe.route and moe.fp8
  * (switches) are not speed choices the tuner makes. */
 static const og_tunable tunables[] = {
     {"moe.max_tokens", 0, 64, 1, NULL},
@@ -25,6 +25,7 @@ static const og_tunable tunables[] = {
     {"moe.fused", 0, 1, 0, "0 1"},
     {"moe.l2_fetch", 0, 256, 0, "0 128 256"},
     {"moe.expert_map", 0, 1, 1, NULL},
+    {"moe.route", 0, 1, 1, NULL},
     {"moe.pdl", 0, 1, 0, "0 1"},
     {"moe.pdl_in", 0, 1, 0, "0 1"},
     {"moe.load", 1, 4, 4, "4 1"},
@@ -159,6 +160,9 @@ static void moe_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_moe_args, w13_scale_stride);
   OG_ABI_FIELD(b, opgraft_moe_args, w2_scale);
   OG_ABI_FIELD(b, opgraft_moe_args, w2_scale_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, routing);
+  OG_ABI_FIELD(b, opgraft_moe_args, router_logits);
+  OG_ABI_FIELD(b, opgraft_moe_args, router_logits_stride);
   opgraft__abi_end(b);
 }
 

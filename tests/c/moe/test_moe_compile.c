@@ -62,6 +62,8 @@ static int n_jobs, n_unique;
 static int have_nvrtc;
 static char nvrtc_error[256];
 static _Atomic int next_job;
+/* The routing of the jobs added (opgraft_moe_routing; routed jobs take no expert map). */
+static int32_t job_routing;
 
 /* Adds the configuration that the current tunables give (shape s, T tokens, dtype, weights, arch). */
 static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, const char *setting) {
@@ -75,7 +77,9 @@ static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, con
   a.topk_weights_dtype = OPGRAFT_DTYPE_FP32;
   a.topk_ids_dtype = OPGRAFT_DTYPE_INT32;
   a.arch = arch;
-  if (shapes[s].global_experts) /* the compile looks at whether there is a map, never at its data */
+  a.routing = job_routing;
+  if (job_routing) a.router_logits = (const void *)0x1000, a.router_logits_stride[0] = a.num_experts;
+  if (shapes[s].global_experts && !job_routing) /* the compile looks at whether there is a map, never at its data */
     a.expert_map = (const void *)0x1000, a.expert_map_len = shapes[s].global_experts;
   char wq[32] = "";
   if (qz.layout != OPGRAFT_MOE_SCALE_NONE) {
@@ -89,6 +93,9 @@ static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, con
   snprintf(j->what, sizeof j->what, "%s (E=%lld H=%lld I=%lld k=%lld) %s%s T=%d sm_%d%s%s", shapes[s].name,
            (long long)shapes[s].E, (long long)shapes[s].H, (long long)shapes[s].I, (long long)shapes[s].k,
            dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", wq, T, arch, setting ? " with " : "", setting ? setting : "");
+  if (job_routing)
+    snprintf(j->what + strlen(j->what), sizeof j->what - strlen(j->what), " routed %s",
+             job_routing == OPGRAFT_MOE_ROUTING_SOFTMAX ? "softmax" : "softmax-renorm");
   j->dtype = dtype, j->arch = arch, j->dup_of = -1, j->args = a;
   og_moe_cfg cfg;
   opgraft__moe_config(&a, arch, NULL, &cfg);
@@ -205,6 +212,22 @@ static int setup(void **state) {
    * its conversions) at one, two and five token tiles. */
   add_setting(NULL, all, N_SHAPES, token_counts, N_TOKENS, OPGRAFT_DTYPE_BF16);
   add_setting(NULL, all, N_SHAPES, t1_9_33, 3, OPGRAFT_DTYPE_FP16);
+  /* Routed from the logits (no expert map): every shape but the expert-parallel ones. */
+  {
+    static const int plain[] = {Q30, Q235, MIX, DSV3, KIMI, ODD};
+    static const int32_t tr[] = {1, 2, 8, 9, 33, 64};
+    job_routing = OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM;
+    add_setting(NULL, plain, 6, tr, 6, OPGRAFT_DTYPE_BF16);
+    add_setting(NULL, plain, 6, t1, 1, OPGRAFT_DTYPE_FP16);
+    add_setting((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1",
+                                 "OPGRAFT_TUNE_MOE_PDL_IN", "1", NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
+    add_setting((const char *[]){"OPGRAFT_TUNE_MOE_FUSED", "1", NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
+    add_setting((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_SLOT_ROUTING", "1", "OPGRAFT_TUNE_MOE_DOWN_WARP_ROUTING", "1",
+                                 NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
+    job_routing = OPGRAFT_MOE_ROUTING_SOFTMAX;
+    add_setting(NULL, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
+    job_routing = OPGRAFT_MOE_ROUTING_TOPK;
+  }
   /* Each tunable's other values where they change the code. */
   add_setting((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", NULL}, q30_ep2, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
   add_setting((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1", NULL}, q30_ep2, 2, t1_8,

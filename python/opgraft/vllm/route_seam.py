@@ -1,0 +1,157 @@
+"""MoE routing seam: vLLM's softmax top-k and the experts in our kernels, from the router's logits.
+
+What is patched: `MoERunner._apply_quant_method` in
+vllm/model_executor/layers/fused_moe/runner/moe_runner.py (vLLM 0.26.0, the pinned release, and
+0.33.0, the newest, which adds a `shared_experts_overlapping` keyword; both tested in CI). It
+receives the router's logits and runs `router.select_experts` (FusedTopKRouter: vLLM's
+topk_softmax kernel) and then the modular kernel, whose TritonExperts.apply the MoE experts seam
+wraps. A decode step of a MoE model spends a kernel a layer on that top-k (about 3.6 us a layer at
+batch 1 on an H200 for Qwen3-30B-A3B's 128 experts, bench/NOTES.md v27); here the experts kernels
+compute it themselves, from the logits, before their first weight load.
+What is taken: exactly the layers where routing and experts are plain: FusedTopKRouter with
+softmax scoring, no EPLB, no routing capture or replay; no shared experts; the quant method
+UnquantizedFusedMoEMethod (bf16/fp16 weights) with a modular kernel of TritonExperts behind the
+no-dispatch prepare/finalize (one rank's experts, no DP/EP all-to-all), no expert_map, no
+apply_router_weight_on_input, and what the experts seam itself would take (no bias, no LoRA,
+SwiGLU). The C guard then decides on the shape. Everything else, and every refusal, runs vLLM's
+own method (its routing, then the experts seam as before). OPGRAFT_MOE_ROUTE=0 installs nothing.
+Remove it: delete route_seam from seams() in opgraft/vllm/__init__.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+from .. import dispatch
+from . import moe_seam
+
+_PATCH_ATTR = "_opgraft_original_apply_quant_method"
+_PARAMS = ("hidden_states", "router_logits", "shared_experts_input", "input_ids")
+_OPTIONAL = {"shared_experts_overlapping"}  # vLLM 0.33
+
+
+def disabled() -> str:
+    """Why the seam must not be installed ("" if it may): OPGRAFT_MOE_ROUTE=0."""
+    v = os.environ.get("OPGRAFT_MOE_ROUTE", "").strip().lower()
+    return "MoE routing seam disabled by OPGRAFT_MOE_ROUTE=0" if v in ("0", "false", "no", "off") else ""
+
+
+def _target():
+    try:
+        from vllm.model_executor.layers.fused_moe.runner import moe_runner
+    except Exception as e:
+        return None, f"cannot import vllm's MoE runner ({type(e).__name__}: {e})"
+    cls = getattr(moe_runner, "MoERunner", None)
+    if cls is None or not callable(getattr(cls, "_apply_quant_method", None)):
+        return None, "vllm's MoERunner._apply_quant_method is not where opgraft expects it"
+    return cls, ""
+
+
+def _signature_matches(fn) -> bool:
+    try:
+        names = tuple(inspect.signature(fn).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return names[:4] == _PARAMS and set(names[4:]) <= _OPTIONAL
+
+
+def _classes():
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    return FusedTopKRouter, UnquantizedFusedMoEMethod, MoEPrepareAndFinalizeNoDPEPModular, TritonExperts
+
+
+def route_reason(runner, hidden_states, router_logits, overlapping=False) -> str:
+    """Why vLLM must route this layer's call itself ("" when our kernels may take it)."""
+    router_cls, method_cls, pf_cls, experts_cls = _classes()
+    router = getattr(runner, "router", None)
+    if type(router) is not router_cls:
+        return f"router {type(router).__name__}"
+    if getattr(router, "scoring_func", None) != "softmax":
+        return f"scoring function {getattr(router, 'scoring_func', None)}"
+    if getattr(router, "eplb_state", None) is not None:
+        return "EPLB"
+    if getattr(router, "capture_fn", None) is not None or getattr(router, "_routing_replay_out", None) is not None:
+        return "routed-experts capture"
+    if getattr(runner, "_shared_experts", None) is not None or overlapping:
+        return "shared experts"
+    layer = getattr(runner, "routed_experts", None)
+    qm = getattr(layer, "quant_method", None)
+    if type(qm) is not method_cls:
+        return f"quant method {type(qm).__name__}"
+    mk = getattr(qm, "moe_kernel", None)
+    if mk is None or mk.is_monolithic:
+        return "no modular experts kernel"
+    if type(mk.prepare_finalize) is not pf_cls:
+        return f"prepare/finalize {type(mk.prepare_finalize).__name__}"
+    experts = mk.fused_experts
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    reason, fp8 = moe_seam._seam_reason(experts, experts_cls, hidden_states, layer.activation, None,
+                                        layer.expert_map, w13, w2, layer.apply_router_weight_on_input)
+    if reason:
+        return reason
+    if fp8 is not None:
+        return "FP8 weights"
+    if layer.expert_map is not None:
+        return "expert_map"
+    if w13.shape[0] != layer.global_num_experts:
+        return "local experts differ from global experts"
+    if hidden_states.dim() != 2 or router_logits.dim() != 2 or router_logits.dtype != hidden_states.dtype:
+        return "router logits not [T, E] in the hidden states' dtype"
+    return ""
+
+
+def make_wrapper(original):
+    def _apply_quant_method(self, hidden_states, router_logits, shared_experts_input, input_ids=None, **kw):
+        def delegate():
+            return original(self, hidden_states, router_logits, shared_experts_input, input_ids, **kw)
+
+        if hidden_states.dim() != 2 or hidden_states.shape[0] > moe_seam._MAX_TOKENS:  # a prefill's
+            return delegate()
+        reason = route_reason(self, hidden_states, router_logits, kw.get("shared_experts_overlapping", False))
+        layer = self.routed_experts
+        call = dispatch.RoutedExpertsCall(
+            hidden_states=hidden_states, w13=layer.w13_weight if not reason else None,
+            w2=layer.w2_weight if not reason else None, router_logits=router_logits,
+            top_k=int(self.router.top_k) if not reason else 0,
+            renormalize=bool(getattr(self.router, "renormalize", True)), delegate=delegate, extra_reason=reason)
+        res = dispatch.dispatch_routed(call)
+        return res if isinstance(res, tuple) else (None, res)
+
+    _apply_quant_method.__doc__ = (original.__doc__ or "") + "\n\n(wrapped by opgraft: see opgraft/vllm/route_seam.py)"
+    setattr(_apply_quant_method, _PATCH_ATTR, original)
+    return _apply_quant_method
+
+
+def install() -> tuple[bool, str]:
+    """Patches MoERunner._apply_quant_method once; returns (installed, message)."""
+    cls, why = _target()
+    if cls is None:
+        return False, why
+    current = cls.__dict__.get("_apply_quant_method")
+    if current is not None and hasattr(current, _PATCH_ATTR):
+        return True, "MoE routing seam already installed"
+    if current is None or not _signature_matches(current):
+        return False, "vllm's MoERunner._apply_quant_method has an unexpected signature (another vLLM version?)"
+    try:
+        _classes()
+    except Exception as e:
+        return False, f"vllm's router or experts classes moved ({type(e).__name__}: {e})"
+    cls._apply_quant_method = make_wrapper(current)
+    return True, "MoE routing seam installed (MoERunner._apply_quant_method)"
+
+
+def uninstall() -> None:
+    cls, _ = _target()
+    current = cls.__dict__.get("_apply_quant_method") if cls is not None else None
+    if current is not None and hasattr(current, _PATCH_ATTR):
+        cls._apply_quant_method = getattr(current, _PATCH_ATTR)
+
+
+def installed() -> bool:
+    cls, _ = _target()
+    return cls is not None and hasattr(cls.__dict__.get("_apply_quant_method"), _PATCH_ATTR)

@@ -1,0 +1,106 @@
+"""A MoE layer from the router gate to the experts' output, as a decode step runs it (GPU only).
+
+    PYTHONPATH=python python3 -m tools.moe_route [--model Qwen3-30B-A3B] [--tokens 1,2,4,8]
+        [--json FILE]
+
+A call: the router gate (opgraft's linear op, [E, H]), then either vLLM's topk_softmax
+(fused_topk, what FusedTopKRouter runs; "vllm-topk", where vLLM imports) or torch's softmax and
+topk ("torch-topk") followed by opgraft's experts kernels with that routing, or opgraft's experts
+kernels routing from the logits themselves ("routed"; where the guard keeps vLLM's routing, e.g.
+moe.route 0 above 4 tokens, the row says so, and OPGRAFT_TUNE_MOE_ROUTE=1 times it anyway). Timed like every op here: 64 MiB of other
+reads before each call, the span from the end of those reads to the end of the call
+(bench.time_calls_span), over 16 random inputs; each output is checked against fp64 with the
+routing recomputed from the logits.
+"""
+import argparse
+import sys
+
+from opgraft._entry import check_outputs, require_gpu
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.moe_route")
+    ap.add_argument("--model", default="Qwen3-30B-A3B")
+    ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not check_outputs("tools.moe_route", {"--json": args.json}):
+        return 2
+    torch = require_gpu("tools.moe_route")
+    from opgraft import bench
+    from opgraft.bench import moe as moe_bench
+    from opgraft.ops import linear as linear_ops
+    from opgraft.ops import moe as ops
+    from opgraft.presets import PRESETS
+
+    shape = PRESETS[args.model]
+    E, H, k = shape.num_experts, shape.hidden, shape.top_k
+    moe_bench.measure_whole_token_range()
+    ceiling = bench.measure_read_ceiling("cuda")
+    between = bench.between_traffic(bench.BETWEEN_MIB, "cuda")
+    w13, w2 = moe_bench.make_weights(shape, "bf16", "cuda")
+    gate = (torch.randn((E, H), device="cuda") * H ** -0.5).to(torch.bfloat16)
+    try:
+        from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+    except Exception as e:
+        fused_topk = None
+        print(f"(vllm-topk: vLLM is not importable here: {type(e).__name__})")
+
+    def torch_topk(x, logits):
+        w, ids = torch.topk(torch.softmax(logits.float(), -1), k, -1)
+        return w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+
+    routers = {"torch-topk": torch_topk}
+    if fused_topk is not None:
+        routers["vllm-topk"] = lambda x, logits: fused_topk(x, logits, k, True)[:2]
+    names = list(routers) + ["routed"]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    n = 16
+    rows = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        xs = [moe_bench.make_x(T, H, "bf16", "cuda", gen) for _ in range(n)]
+        logits = [torch.empty((T, E), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
+        outs = [torch.empty((T, H), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
+        ws = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
+        linear_ops.linear_into(logits[0], xs[0], gate)
+        v = logits[0].double()
+        order = torch.sort(-v, dim=-1, stable=True).indices[:, :k]
+        p = torch.softmax(v, -1).gather(1, order)
+        ref = moe_bench.reference(xs[0], w13, w2, (p / p.sum(-1, keepdim=True)).float(), order.to(torch.int32))
+        for name in names:
+            if name == "routed":
+                plan = ops.plan_for_routed(xs[0], w13, w2, logits[0], k, True, outs[0])
+                if plan.handle is None:  # the guard keeps vLLM's routing here
+                    print(f"T={T:<3} routed      handed back: {plan.reason}", flush=True)
+                    continue
+
+            def call(i, _, name=name):
+                linear_ops.linear_into(logits[i], xs[i], gate)
+                if name == "routed":
+                    ops.moe_routed_into(outs[i], xs[i], w13, w2, logits[i], k, True, workspace=ws)
+                else:
+                    tw, ids = routers[name](xs[i], logits[i])
+                    ops.moe_experts_into(outs[i], xs[i], w13, w2, tw, ids, workspace=ws)
+
+            call(0, None)
+            torch.cuda.synchronize()
+            err = bench.rel_err(outs[0], ref)
+            us = bench.time_calls_span(call, [(i, None) for i in range(n)], between)
+            rows.append({"op": "moe+route", "model": args.model, "variant": name, "tokens": T,
+                         "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"), "ok": err <= bench.TOLERANCE["bf16"]})
+            print(f"T={T:<3} {name:<11} {us:8.2f} us  rel_err {err:.2e}", flush=True)
+    base = names[-2]
+    print(f"\n{'T':>3} " + " ".join(f"{n_:>16}" for n_ in names))
+    for T in sorted({r["tokens"] for r in rows}):
+        cells = {r["variant"]: r for r in rows if r["tokens"] == T}
+        print(f"{T:>3} " + " ".join(f"{cells[n_]['median_us']:9.2f} {cells[base]['median_us'] / cells[n_]['median_us']:4.2f}x"
+                                     + ("" if cells[n_]["ok"] else "!") if n_ in cells else f"{'handed back':>16}"
+                                     for n_ in names))
+    print(f"(x: {base}'s time over the variant's; ! an output outside tolerance; ceiling {ceiling:.2f} TB/s)")
+    if args.json:
+        bench.write_rows(args.json, ceiling, rows)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
