@@ -106,15 +106,7 @@ def main(argv=None) -> int:
                              "batch": B, "context": C, "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"),
                              "ok": err <= bench.TOLERANCE["bf16"]})
                 print(f"B={B:<3} C={C:<6} {name:<15} {us:8.2f} us  rel_err {err:.2e}", flush=True)
-    base = {(r["batch"], r["context"]): r["median_us"] for r in rows if r["variant"] == names[0]}
-    print(f"\n{'batch':>5} {'context':>7} " + " ".join(f"{n:>14}" for n in names))
-    for B in sorted({r["batch"] for r in rows}):
-        for C in sorted({r["context"] for r in rows}):
-            cells = {r["variant"]: r for r in rows if r["batch"] == B and r["context"] == C}
-            print(f"{B:>5} {C:>7} " + " ".join(
-                f"{cells[n]['median_us']:8.2f} {base[(B, C)] / cells[n]['median_us']:4.2f}x" + ("" if cells[n]["ok"] else "!")
-                for n in names))
-    print(f"(x: {names[0]}'s time over the variant's; ! an output outside tolerance; ceiling {ceiling:.2f} TB/s)")
+    bench.print_variants(rows, ("batch", "context"), names, names[0], ceiling)
     if args.json:
         bench.write_rows(args.json, ceiling, rows)
     return 0 if all(r["ok"] for r in rows) else 1

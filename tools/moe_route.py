@@ -89,14 +89,7 @@ def main(argv=None) -> int:
             rows.append({"op": "moe+route", "model": args.model, "variant": name, "tokens": T,
                          "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"), "ok": err <= bench.TOLERANCE["bf16"]})
             print(f"T={T:<3} {name:<11} {us:8.2f} us  rel_err {err:.2e}", flush=True)
-    base = names[-2]
-    print(f"\n{'T':>3} " + " ".join(f"{n_:>16}" for n_ in names))
-    for T in sorted({r["tokens"] for r in rows}):
-        cells = {r["variant"]: r for r in rows if r["tokens"] == T}
-        print(f"{T:>3} " + " ".join(f"{cells[n_]['median_us']:9.2f} {cells[base]['median_us'] / cells[n_]['median_us']:4.2f}x"
-                                     + ("" if cells[n_]["ok"] else "!") if n_ in cells else f"{'handed back':>16}"
-                                     for n_ in names))
-    print(f"(x: {base}'s time over the variant's; ! an output outside tolerance; ceiling {ceiling:.2f} TB/s)")
+    bench.print_variants(rows, ("tokens",), names, names[-2], ceiling)
     if args.json:
         bench.write_rows(args.json, ceiling, rows)
     return 0 if all(r["ok"] for r in rows) else 1

@@ -268,6 +268,20 @@ def speed(nbytes: float, us: float, ceiling_tbps: float | None) -> dict:
                 fraction_of_ceiling=round(tbps / ceiling_tbps, 3) if ceiling_tbps else None)
 
 
+def print_variants(rows: list[dict], keys: tuple, names: list[str], base: str, ceiling_tbps: float) -> None:
+    """A table of the rows' median_us a point (the values of keys) and variant, each with base's
+    time over it; "!" marks a row whose output was outside tolerance (row["ok"] false), a missing
+    row reads "handed back"."""
+    print("\n" + " ".join(f"{k:>7}" for k in keys) + " " + " ".join(f"{n:>16}" for n in names))
+    for point in sorted({tuple(r[k] for k in keys) for r in rows}):
+        cells = {r["variant"]: r for r in rows if tuple(r[k] for k in keys) == point}
+        line = [f"{cells[n]['median_us']:9.2f} {cells[base]['median_us'] / cells[n]['median_us']:4.2f}x"
+                + ("" if cells[n]["ok"] else "!") if n in cells and base in cells else f"{'handed back':>16}"
+                for n in names]
+        print(" ".join(f"{v:>7}" for v in point) + " " + " ".join(line))
+    print(f"(x: {base}'s time over the variant's; ! an output outside tolerance; ceiling {ceiling_tbps:.2f} TB/s)")
+
+
 def write_rows(path: str, ceiling_tbps: float, rows: list[dict], facts: dict | None = None) -> None:
     """One GPU run's JSON: the device, the read ceiling measured in the run, and its rows."""
     with open(path, "w") as f:

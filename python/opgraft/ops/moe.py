@@ -68,6 +68,37 @@ def _fp8_fields(a: _lib.MoeArgs, fp8: Fp8Scales, T: int, H: int, I: int, E: int)
     return True
 
 
+def _dims(hidden, w13, w2) -> tuple[int, int, int, int]:
+    """(T, H, E, I) of a call, -1 where a tensor is not of the rank fused_experts has."""
+    T = hidden.shape[0] if hidden.dim() == 2 else -1
+    H = hidden.shape[1] if hidden.dim() == 2 else -1
+    E = w13.shape[0] if w13.dim() == 3 else -1
+    I = w2.shape[2] if w2.dim() == 3 else -1
+    return T, H, E, I
+
+
+def _weights_consistent(hidden, w13, w2, out, dims) -> bool:
+    T, H, E, I = dims
+    return (w13.dim() == 3 and w2.dim() == 3 and tuple(w13.shape[1:]) == (2 * I, H) and tuple(w2.shape) == (E, H, I)
+            and (out is None or (tuple(out.shape) == (T, H) and out.device == hidden.device))
+            and w13.device == hidden.device and w2.device == hidden.device)
+
+
+def _fill_tensors(a: _lib.MoeArgs, hidden, w13, w2, out, k: int, dims, arch: int) -> None:
+    """The sizes, the hidden states', weights' and output's fields (out None: a contiguous output
+    the caller allocates later) and the arch."""
+    T, H, E, I = dims
+    a.num_tokens, a.hidden, a.inter, a.num_experts, a.top_k = T, H, I, E, k
+    a.hidden_states, a.hidden_states_stride = hidden.data_ptr(), strides(hidden, 2)
+    a.w13, a.w13_stride = w13.data_ptr(), strides(w13, 3)
+    a.w2, a.w2_stride = w2.data_ptr(), strides(w2, 3)
+    if out is not None:
+        a.out, a.out_stride = out.data_ptr(), strides(out, 2)
+    else:  # a contiguous output the op allocates
+        a.out, a.out_stride = 16, (ctypes.c_int64 * 2)(H, 1)
+    a.arch = arch
+
+
 def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, out: torch.Tensor | None = None, apply_router_weight_on_input: bool = False,
              expert_map: torch.Tensor | None = None, activation: str = "silu", arch: int = 0,
@@ -88,17 +119,12 @@ def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
             a.dtype = 0
     a.activation = {"silu": _lib.ACT_SILU, "gelu": _lib.ACT_GELU}.get(activation, 0)
     a.apply_router_weight_on_input = int(bool(apply_router_weight_on_input))
-    T = hidden.shape[0] if hidden.dim() == 2 else -1
-    H = hidden.shape[1] if hidden.dim() == 2 else -1
-    E = w13.shape[0] if w13.dim() == 3 else -1
-    I = w2.shape[2] if w2.dim() == 3 else -1
+    dims = T, H, E, I = _dims(hidden, w13, w2)
     k = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
     consistent = (
-        w13.dim() == 3 and w2.dim() == 3 and tuple(w13.shape[1:]) == (2 * I, H) and tuple(w2.shape) == (E, H, I)
+        _weights_consistent(hidden, w13, w2, out, dims)
         and tuple(topk_ids.shape) == (T, k) and tuple(topk_weights.shape) == (T, k)
-        and (out is None or tuple(out.shape) == (T, H))
-        and all(t.device == hidden.device for t in (w13, w2, topk_weights, topk_ids))
-        and (out is None or out.device == hidden.device)
+        and all(t.device == hidden.device for t in (topk_weights, topk_ids))
         and (expert_map is None or (expert_map.dtype == torch.int32 and expert_map.dim() == 1
                                     and expert_map.is_contiguous() and expert_map.device == hidden.device))
         and (fp8 is None or all(t.device == hidden.device for t in (fp8.hidden_scale, fp8.w13_scale, fp8.w2_scale)))
@@ -108,21 +134,13 @@ def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if not consistent:
         a.dtype = -1
         return a
-    a.num_tokens, a.hidden, a.inter, a.num_experts, a.top_k = T, H, I, E, k
-    a.hidden_states, a.hidden_states_stride = hidden.data_ptr(), strides(hidden, 2)
-    a.w13, a.w13_stride = w13.data_ptr(), strides(w13, 3)
-    a.w2, a.w2_stride = w2.data_ptr(), strides(w2, 3)
+    _fill_tensors(a, hidden, w13, w2, out, k, dims, arch)
     a.topk_weights, a.topk_weights_dtype = topk_weights.data_ptr(), dtype_code(topk_weights)
     a.topk_weights_stride = strides(topk_weights, 2)
     a.topk_ids, a.topk_ids_dtype = topk_ids.data_ptr(), dtype_code(topk_ids)
     a.topk_ids_stride = strides(topk_ids, 2)
     if expert_map is not None:  # vLLM's expert parallelism: global id -> local id or -1
         a.expert_map, a.expert_map_len = expert_map.data_ptr(), expert_map.numel()
-    if out is not None:
-        a.out, a.out_stride = out.data_ptr(), strides(out, 2)
-    else:  # a contiguous output the op allocates
-        a.out, a.out_stride = 16, (ctypes.c_int64 * 2)(H, 1)
-    a.arch = arch
     return a
 
 
@@ -148,6 +166,39 @@ def _layout_key(hidden, w13, w2, topk_weights, topk_ids, out, on_input, expert_m
             None if fp8 is None else fp8.layout_key(), out_dtype)
 
 
+def _create(a: _lib.MoeArgs, device) -> Plan:
+    """The library's plan for these arguments, or the guard's reason as a plan without a handle."""
+    handle = ctypes.c_void_p()
+    reason = ctypes.create_string_buffer(256)
+    with torch.cuda.device(device):
+        st = _lib.lib().opgraft_moe_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
+    if st == _lib.EUNSUPPORTED:
+        return Plan(None, reason.value.decode(errors="replace"))
+    _lib.check(st)
+    return Plan(handle.value, "", _lib.lib().opgraft_moe_plan_workspace_size(handle.value))
+
+
+def _run_plan(plan: Plan, workspace, device, launch, replan):
+    """launch(plan, workspace pointer) -> status, once more with replan() after forget_plans() when
+    the plan is stale (the tunables or the context changed). A workspace tensor is used where it is
+    contiguous, 16-byte aligned and large enough (no view is made of it); otherwise one comes from
+    torch's caching allocator."""
+    for _ in range(2):
+        if plan.handle is None:
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
+        need = plan.workspace_bytes
+        ws = workspace.data_ptr() if workspace is not None else 0
+        if (not ws or ws % 16 or workspace.numel() * workspace.element_size() < need
+                or not workspace.is_contiguous()):
+            ws = torch.empty(max(need, 16), dtype=torch.uint8, device=device).data_ptr()
+        st = launch(plan, ws)
+        if st != _lib.ESTALE:
+            break
+        forget_plans()
+        plan = replan()
+    _lib.check(st)
+
+
 def plan_for(hidden, w13, w2, topk_weights, topk_ids, out=None, apply_router_weight_on_input=False,
              expert_map=None, activation="silu", fp8: Fp8Scales | None = None, out_dtype=None) -> Plan:
     """The plan of this call's layout, made on first sight (the guard runs then, and only then)."""
@@ -165,16 +216,7 @@ def plan_for(hidden, w13, w2, topk_weights, topk_ids, out=None, apply_router_wei
             plan = Plan(None, "tensor shapes or devices are not those of fused_experts" if fp8 is None else
                         "tensor or FP8 scale shapes or devices are not those of vLLM's FP8 fused_experts")
         else:
-            handle = ctypes.c_void_p()
-            reason = ctypes.create_string_buffer(256)
-            with torch.cuda.device(hidden.device):
-                st = _lib.lib().opgraft_moe_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
-            if st == _lib.OK:
-                plan = Plan(handle.value, "", _lib.lib().opgraft_moe_plan_workspace_size(handle.value))
-            elif st == _lib.EUNSUPPORTED:
-                plan = Plan(None, reason.value.decode(errors="replace"))
-            else:
-                _lib.check(st)
+            plan = _create(a, hidden.device)
     return _plans.put(key, plan)
 
 
@@ -208,34 +250,23 @@ def moe_experts_into(out, hidden, w13, w2, topk_weights, topk_ids, apply_router_
 
 def run(plan: Plan, out, hidden, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=False,
         workspace=None, expert_map=None, fp8: Fp8Scales | None = None):
-    """Runs a plan made for these tensors' layout (plan_for) into out: one ctypes crossing. A
-    workspace tensor is used where it is contiguous, 16-byte aligned and large enough (no view is
-    made of it); otherwise one comes from torch's caching allocator."""
-    for _ in range(2):
-        if plan.handle is None:
-            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
-        need = plan.workspace_bytes
-        ws = workspace.data_ptr() if workspace is not None else 0
-        if (not ws or ws % 16 or workspace.numel() * workspace.element_size() < need
-                or not workspace.is_contiguous()):
-            ws = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device).data_ptr()
-        emap = None if expert_map is None else expert_map.data_ptr()
+    """Runs a plan made for these tensors' layout (plan_for) into out: one ctypes crossing (see
+    _run_plan for the workspace)."""
+    emap = None if expert_map is None else expert_map.data_ptr()
+
+    def launch(plan, ws):
         if fp8 is None:
-            st = _lib._lib.opgraft_moe_plan_run(
+            return _lib._lib.opgraft_moe_plan_run(
                 plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
                 topk_ids.data_ptr(), emap, out.data_ptr(), ws, current_stream(hidden.device))
-        else:
-            st = _lib._lib.opgraft_moe_plan_run_fp8(
-                plan.handle, hidden.data_ptr(), fp8.hidden_scale.data_ptr(), w13.data_ptr(),
-                fp8.w13_scale.data_ptr(), w2.data_ptr(), fp8.w2_scale.data_ptr(), topk_weights.data_ptr(),
-                topk_ids.data_ptr(), emap, out.data_ptr(), ws, current_stream(hidden.device))
-        if st != _lib.ESTALE:
-            _lib.check(st)
-            return out
-        forget_plans()  # the tunables changed (or the context): plan again, once
-        plan = plan_for(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
-                        fp8=fp8)
-    _lib.check(st)
+        return _lib._lib.opgraft_moe_plan_run_fp8(
+            plan.handle, hidden.data_ptr(), fp8.hidden_scale.data_ptr(), w13.data_ptr(),
+            fp8.w13_scale.data_ptr(), w2.data_ptr(), fp8.w2_scale.data_ptr(), topk_weights.data_ptr(),
+            topk_ids.data_ptr(), emap, out.data_ptr(), ws, current_stream(hidden.device))
+
+    _run_plan(plan, workspace, hidden.device, launch,
+              lambda: plan_for(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input,
+                               expert_map, fp8=fp8))
     return out
 
 
@@ -314,26 +345,18 @@ def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
     a.dtype = dtype_code(hidden) if dtype_code(hidden) == dtype_code(w13) == dtype_code(w2) == dtype_code(router_logits) else 0
     a.activation = _lib.ACT_SILU
     a.routing = _lib.ROUTING_SOFTMAX_RENORM if renormalize else _lib.ROUTING_SOFTMAX
-    T = hidden.shape[0] if hidden.dim() == 2 else -1
-    H = hidden.shape[1] if hidden.dim() == 2 else -1
-    E = w13.shape[0] if w13.dim() == 3 else -1
-    I = w2.shape[2] if w2.dim() == 3 else -1
+    dims = T, H, E, I = _dims(hidden, w13, w2)
     k = int(top_k)
     outs = [t for t in (topk_weights, topk_ids) if t is not None]
     consistent = (
-        w13.dim() == 3 and w2.dim() == 3 and tuple(w13.shape[1:]) == (2 * I, H) and tuple(w2.shape) == (E, H, I)
+        _weights_consistent(hidden, w13, w2, out, dims)
         and tuple(router_logits.shape) == (T, E) and all(tuple(t.shape) == (T, k) for t in outs)
-        and (out is None or tuple(out.shape) == (T, H))
-        and all(t.device == hidden.device for t in [w13, w2, router_logits] + outs)
-        and (out is None or out.device == hidden.device)
+        and all(t.device == hidden.device for t in [router_logits] + outs)
     )
     if not consistent:
         a.dtype = -1
         return a
-    a.num_tokens, a.hidden, a.inter, a.num_experts, a.top_k = T, H, I, E, k
-    a.hidden_states, a.hidden_states_stride = hidden.data_ptr(), strides(hidden, 2)
-    a.w13, a.w13_stride = w13.data_ptr(), strides(w13, 3)
-    a.w2, a.w2_stride = w2.data_ptr(), strides(w2, 3)
+    _fill_tensors(a, hidden, w13, w2, out, k, dims, arch)
     a.router_logits, a.router_logits_stride = router_logits.data_ptr(), strides(router_logits, 2)
     a.topk_weights_dtype = dtype_code(topk_weights) if topk_weights is not None else _lib.DTYPE_FP32
     a.topk_ids_dtype = dtype_code(topk_ids) if topk_ids is not None else _lib.DTYPE_INT32
@@ -341,11 +364,6 @@ def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
     a.topk_ids_stride = strides(topk_ids, 2) if topk_ids is not None else (ctypes.c_int64 * 2)(k, 1)
     a.topk_weights = topk_weights.data_ptr() if topk_weights is not None else None
     a.topk_ids = topk_ids.data_ptr() if topk_ids is not None else None
-    if out is not None:
-        a.out, a.out_stride = out.data_ptr(), strides(out, 2)
-    else:
-        a.out, a.out_stride = 16, (ctypes.c_int64 * 2)(H, 1)
-    a.arch = arch
     return a
 
 
@@ -372,16 +390,7 @@ def plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out=None
         if a.dtype == -1:
             plan = Plan(None, "tensor shapes or devices are not those of a routed MoE call")
         else:
-            handle = ctypes.c_void_p()
-            reason = ctypes.create_string_buffer(256)
-            with torch.cuda.device(hidden.device):
-                st = _lib.lib().opgraft_moe_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
-            if st == _lib.OK:
-                plan = Plan(handle.value, "", _lib.lib().opgraft_moe_plan_workspace_size(handle.value))
-            elif st == _lib.EUNSUPPORTED:
-                plan = Plan(None, reason.value.decode(errors="replace"))
-            else:
-                _lib.check(st)
+            plan = _create(a, hidden.device)
     return _plans.put(key, plan)
 
 
@@ -389,24 +398,14 @@ def run_routed(plan: Plan, out, hidden, w13, w2, router_logits, top_k, renormali
                topk_ids=None, workspace=None):
     """Runs a routed plan (plan_for_routed) into out: the kernels route from router_logits and,
     where topk_weights / topk_ids are given, write the routing there."""
-    for _ in range(2):
-        if plan.handle is None:
-            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
-        need = plan.workspace_bytes
-        ws = workspace.data_ptr() if workspace is not None else 0
-        if (not ws or ws % 16 or workspace.numel() * workspace.element_size() < need
-                or not workspace.is_contiguous()):
-            ws = torch.empty(max(need, 16), dtype=torch.uint8, device=hidden.device).data_ptr()
-        st = _lib._lib.opgraft_moe_plan_run_routed(
-            plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), router_logits.data_ptr(),
-            None if topk_weights is None else topk_weights.data_ptr(),
-            None if topk_ids is None else topk_ids.data_ptr(), out.data_ptr(), ws, current_stream(hidden.device))
-        if st != _lib.ESTALE:
-            _lib.check(st)
-            return out
-        forget_plans()
-        plan = plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids)
-    _lib.check(st)
+    tw = None if topk_weights is None else topk_weights.data_ptr()
+    ids = None if topk_ids is None else topk_ids.data_ptr()
+    _run_plan(plan, workspace, hidden.device,
+              lambda plan, ws: _lib._lib.opgraft_moe_plan_run_routed(
+                  plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), router_logits.data_ptr(), tw, ids,
+                  out.data_ptr(), ws, current_stream(hidden.device)),
+              lambda: plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights,
+                                      topk_ids))
     return out
 
 

@@ -20,6 +20,7 @@ Remove it: delete route_seam from seams() in opgraft/vllm/__init__.py.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -56,6 +57,7 @@ def _signature_matches(fn) -> bool:
     return names[:4] == _PARAMS and set(names[4:]) <= _OPTIONAL
 
 
+@functools.lru_cache(maxsize=1)  # route_reason asks at every call
 def _classes():
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import MoEPrepareAndFinalizeNoDPEPModular
@@ -113,12 +115,10 @@ def make_wrapper(original):
         if hidden_states.dim() != 2 or hidden_states.shape[0] > moe_seam._MAX_TOKENS:  # a prefill's
             return delegate()
         reason = route_reason(self, hidden_states, router_logits, kw.get("shared_experts_overlapping", False))
-        layer = self.routed_experts
-        call = dispatch.RoutedExpertsCall(
-            hidden_states=hidden_states, w13=layer.w13_weight if not reason else None,
-            w2=layer.w2_weight if not reason else None, router_logits=router_logits,
-            top_k=int(self.router.top_k) if not reason else 0,
-            renormalize=bool(getattr(self.router, "renormalize", True)), delegate=delegate, extra_reason=reason)
+        call = dispatch.RoutedExpertsCall(hidden_states, None, None, router_logits, 0, True, delegate, reason)
+        if not reason:  # the layer is one route_reason knows: its weights and its router's k
+            call.w13, call.w2 = self.routed_experts.w13_weight, self.routed_experts.w2_weight
+            call.top_k, call.renormalize = int(self.router.top_k), bool(self.router.renormalize)
         res = dispatch.dispatch_routed(call)
         return res if isinstance(res, tuple) else (None, res)
 

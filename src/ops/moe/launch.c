@@ -171,6 +171,16 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_moe_plan *plan, og_mo
                            "launch moe_down");
 }
 
+/* The routing pointers of a launch: the router's logits and the optional routing outputs of a
+ * routed plan, else the given topk_weights and topk_ids. */
+static void set_routing(og_moe_params *p, int routed, const void *logits, const void *topk_weights,
+                        const void *topk_ids) {
+  if (routed)
+    p->logits = logits, p->route_w = (float *)(uintptr_t)topk_weights, p->route_ids = (int *)(uintptr_t)topk_ids;
+  else
+    p->topk_w = topk_weights, p->topk_ids = topk_ids;
+}
+
 /* The pointer checks and the launch of the run entry points; xs, w13s and w2s are the FP8 scales
  * (NULL for other plans), logits the router's (NULL for plans without routing: topk_weights and
  * topk_ids are then inputs, else optional outputs). */
@@ -205,10 +215,7 @@ static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void 
   og_moe_fp8_params f = plan->proto;
   og_moe_params *p = &f.b;
   p->x = x, p->w13 = w13, p->w2 = w2, p->out = out;
-  if (routed)
-    p->logits = logits, p->route_w = (float *)(uintptr_t)topk_weights, p->route_ids = (int *)(uintptr_t)topk_ids;
-  else
-    p->topk_w = topk_weights, p->topk_ids = topk_ids;
+  set_routing(p, routed, logits, topk_weights, topk_ids);
   p->emap = (const int *)expert_map;
   f.x_scale = xs, f.w13_scale = w13s, f.w2_scale = w2s;
   return launch(cu, plan, &f, workspace, (og_CUstream)stream, OPGRAFT_MOE_STAGE_ALL);
@@ -293,12 +300,8 @@ int32_t opgraft_moe_run_stages(const opgraft_moe_args *a, void *workspace, size_
   og_moe_params *p = &f.b;
   p->x = a->hidden_states, p->w13 = a->w13, p->w2 = a->w2;
   p->out = a->out;
-  if (opgraft__moe_routed(a)) {
-    p->logits = a->router_logits, p->logits_stride = a->router_logits_stride[0];
-    p->route_w = (float *)(uintptr_t)a->topk_weights, p->route_ids = (int *)(uintptr_t)a->topk_ids;
-  } else {
-    p->topk_w = a->topk_weights, p->topk_ids = a->topk_ids;
-  }
+  set_routing(p, opgraft__moe_routed(a), a->router_logits, a->topk_weights, a->topk_ids);
+  p->logits_stride = a->router_logits_stride[0];
   p->x_stride = a->hidden_states_stride[0];
   p->w13_estride = a->w13_stride[0], p->w13_rstride = a->w13_stride[1];
   p->w2_estride = a->w2_stride[0], p->w2_rstride = a->w2_stride[1];

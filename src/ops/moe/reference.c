@@ -83,7 +83,7 @@ static int64_t load_id(const opgraft_moe_args *a, int64_t t, int64_t j) {
 static void route_token(const opgraft_moe_args *a, int64_t t, int64_t *ids, double *w) {
   const int64_t E = a->num_experts, K = a->top_k;
   const uint16_t *row = (const uint16_t *)a->router_logits + t * a->router_logits_stride[0];
-  double mx = -INFINITY, all = 0, picked = 0;
+  double all = 0, picked = 0;
   for (int64_t j = 0; j < K; ++j) {
     int64_t best = -1;
     double bv = 0;
@@ -95,7 +95,7 @@ static void route_token(const opgraft_moe_args *a, int64_t t, int64_t *ids, doub
     }
     ids[j] = best, w[j] = bv;
   }
-  mx = w[0];
+  const double mx = w[0];
   for (int64_t e = 0; e < E; ++e)
     all += opgraft__exp(opgraft__half_to_double(a->dtype, row[e * a->router_logits_stride[1]]) - mx);
   for (int64_t j = 0; j < K; ++j) picked += (w[j] = opgraft__exp(w[j] - mx));

@@ -38,6 +38,7 @@ NEEDS_TORCH = [
     ("tools.sweep", "--tokens", "1"),
     ("tools.read_sizes",),
     ("tools.attn_o",),
+    ("tools.moe_route",),
 ]
 
 
@@ -51,7 +52,8 @@ def test_a_tool_without_torch_says_so_in_one_line(cmd):
 
 
 @pytest.mark.parametrize("module", ["tools.probe", "tools.trace", "tools.gpucheck", "tools.e2e", "tools.sweep",
-                                    "tools.read_sizes", "tools.attn_o", "opgraft.cli"])
+                                    "tools.read_sizes", "tools.attn_o", "tools.moe_route",
+                                    "opgraft.cli"])
 def test_help_works_without_torch(module):
     r = run_hidden(module, "--help")
     assert r.returncode == 0 and "usage:" in r.stdout and not r.stderr, r.stderr
