@@ -11,21 +11,26 @@ torch's (cuBLAS). Timed like every op here: rotated weight copies, 64 MiB of oth
 each call, the span from the end of those reads to the end of the projection (bench.time_calls_span),
 so an overlap between the two kernels counts. Each variant sets tunables only (VARIANTS), so the
 kernels are the shipped ones; the projection's output is checked against fp64 in every variant.
+The write variants add the layer's KV-cache write of the new key and value (views of the same
+fused qkv row the query kernel writes): vLLM's reshape_and_cache_flash before attention
+(vllm-write, needs vLLM), or opgraft's attention storing them itself (kernel-write).
 """
 import argparse
 import sys
 
 from opgraft._entry import check_outputs, require_gpu
 
-# name: (attention and linear tunables set for the variant, projection on opgraft's op?)
+# name: (attention and linear tunables set for the variant, projection on opgraft's op?, KV write)
 VARIANTS = {
-    "cublas": ({"attention.trigger": 0}, False),
-    "pdl0": ({"attention.trigger": 0, "linear.pdl": 0}, True),
-    "pdl1": ({"attention.trigger": 0, "linear.pdl": 1}, True),
-    "trig-pdl1": ({"attention.trigger": 1, "linear.pdl": 1}, True),
-    "trig-pdl2": ({"attention.trigger": 1, "linear.pdl": 2}, True),
-    "apdl-trig-pdl2": ({"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 2}, True),
-    "shipped": ({}, True),  # the rows and rules as they ship
+    "cublas": ({"attention.trigger": 0}, False, None),
+    "pdl0": ({"attention.trigger": 0, "linear.pdl": 0}, True, None),
+    "pdl1": ({"attention.trigger": 0, "linear.pdl": 1}, True, None),
+    "trig-pdl1": ({"attention.trigger": 1, "linear.pdl": 1}, True, None),
+    "trig-pdl2": ({"attention.trigger": 1, "linear.pdl": 2}, True, None),
+    "apdl-trig-pdl2": ({"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 2}, True, None),
+    "shipped": ({}, True, None),  # the rows and rules as they ship
+    "vllm-write": ({}, True, "vllm"),  # vLLM's KV write, then the shipped attention and projection
+    "kernel-write": ({}, True, "kernel"),  # the KV write inside the shipped attention
 }
 
 
@@ -43,7 +48,7 @@ def main(argv=None) -> int:
     for spec in args.extra:
         name, _, kvs = spec.partition("=")
         try:
-            variants[name] = ({k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}, True)
+            variants[name] = ({k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}, True, None)
         except ValueError:
             print(f"tools.attn_o: error: --extra {spec!r}: want NAME=KEY:VALUE,...", file=sys.stderr)
             return 2
@@ -77,22 +82,48 @@ def main(argv=None) -> int:
         attn_ops.forget_plans()
         linear_ops.forget_plans()
 
+    try:
+        from vllm._custom_ops import reshape_and_cache_flash
+    except Exception as e:  # no vLLM here: its write's variant is left out
+        reshape_and_cache_flash = None
+        if any(variants[n][2] == "vllm" for n in names):
+            print(f"tools.attn_o: vLLM's reshape_and_cache_flash not importable ({type(e).__name__}): "
+                  "vllm-write left out", flush=True)
+            names = [n for n in names if variants[n][2] != "vllm"]
     rows = []
+    hq, hk, d = shape.heads_q, shape.heads_kv, shape.head_size
     for B in [int(b) for b in args.batch.split(",")]:
         for C in [int(c) for c in args.context.split(",")]:
-            p = attn_bench.make_problem([C] * B, shape.heads_q, shape.heads_kv, shape.head_size, "bf16", "cuda")
-            qsrc = p.query.clone()
-            out = torch.empty((B, shape.heads_q, shape.head_size), dtype=torch.bfloat16, device="cuda")
+            p = attn_bench.make_problem([C] * B, hq, hk, d, "bf16", "cuda")
+            # q, k and v of the step as one fused row (what the kernel before attention writes)
+            fused = torch.randn((B, (hq + 2 * hk) * d), device="cuda").to(torch.bfloat16)
+            fused[:, : hq * d] = p.query.reshape(B, -1)
+            p.query = fused[:, : hq * d].view(B, hq, d)
+            knew = fused[:, hq * d:(hq + hk) * d].view(B, hk, d)
+            vnew = fused[:, (hq + hk) * d:].view(B, hk, d)
+            bs = p.key_cache.shape[1]
+            slots = (p.block_table[:, (C - 1) // bs].long() * bs + (C - 1) % bs).contiguous()
+            scale1 = torch.ones((), dtype=torch.float32, device="cuda")
+            fsrc = fused.clone()
+            out = torch.empty((B, hq, d), dtype=torch.bfloat16, device="cuda")
             x = out.view(B, -1)
             ys = [torch.empty((B, oshape.out_features), dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
             last = [None]  # torch's output (it allocates its own, as vLLM's call does)
             for name in names:
-                cfg, ours = variants[name]
+                cfg, ours, write = variants[name]
                 with bench.tunables(cfg, forget):
 
                     def call(i, _):
-                        p.query.copy_(qsrc)
-                        attn_bench.run_ours(p, out, C)
+                        fused.copy_(fsrc)
+                        if write == "vllm":
+                            reshape_and_cache_flash(knew, vnew, p.key_cache, p.value_cache, slots, "auto", scale1,
+                                                    scale1)
+                        if write == "kernel":
+                            attn_ops.attention_decode_into(out, p.query, p.key_cache, p.value_cache, p.block_table,
+                                                           p.seq_lens, p.scale, max_seq_len=C, key=knew, value=vnew,
+                                                           slot_mapping=slots)
+                        else:
+                            attn_bench.run_ours(p, out, C)
                         if ours:
                             linear_ops.linear_into(ys[i], x, weights[i])
                         else:
@@ -102,7 +133,7 @@ def main(argv=None) -> int:
                     torch.cuda.synchronize()
                     err = bench.rel_err(ys[0] if ours else last[0], x.double() @ weights[0].double().T)
                     us = bench.time_calls_span(call, [(i, None) for i in range(copies)], between)
-                rows.append({"op": "attention+o", "model": args.model, "variant": name, "tunables": cfg,
+                rows.append({"op": "attention+o", "model": args.model, "variant": name, "tunables": cfg, "kv_write": write,
                              "batch": B, "context": C, "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"),
                              "ok": err <= bench.TOLERANCE["bf16"]})
                 print(f"B={B:<3} C={C:<6} {name:<15} {us:8.2f} us  rel_err {err:.2e}", flush=True)

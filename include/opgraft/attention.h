@@ -70,6 +70,20 @@ typedef struct opgraft_attention_args {
   /* The GPU the call runs on, as major*10 + minor, and its name; 0 / NULL = the current device. */
   int32_t arch;
   const char *gpu_name;
+  /* ---- ABI 6: the call's KV-cache write (vLLM's reshape_and_cache_flash) inside the kernel ----
+   * k_new NULL: the cache already holds every key. Otherwise the call first stores row b's new
+   * key and value (k_new, v_new: [batch, num_kv_heads, head_size] through their strides, dims
+   * contiguous) into cache slot slot_mapping[b] (block slot / block_size, row slot % block_size;
+   * rows b >= slot_count and slots < 0 store nothing), then attends as above. A row's key L-1 is
+   * read from k_new / v_new, not from the cache: a decode row's slot must be its last key's place
+   * in the block table, as in vLLM. Plans of such calls run through opgraft_attention_plan_run_update. */
+  const void *k_new;
+  int64_t k_new_stride[2]; /* [batch, num_kv_heads] */
+  const void *v_new;
+  int64_t v_new_stride[2];
+  const void *slot_mapping;
+  int32_t slot_mapping_dtype; /* OPGRAFT_DTYPE_INT64 */
+  int64_t slot_count;         /* rows of slot_mapping (a run's value, not the plan's) */
 } opgraft_attention_args;
 
 /* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
@@ -105,6 +119,17 @@ OPGRAFT_EXTERN int32_t opgraft_attention_plan_run(const opgraft_attention_plan *
                                                   const void *sinks, void *out, void *workspace,
                                                   int64_t batch, int64_t max_seq_len, void *stream);
 
+/* The same for a plan made with k_new set: the call's new keys and values are stored into the
+ * cache at slot_mapping's slots (slot_count rows) as well. opgraft_attention_plan_run refuses such
+ * a plan (OPGRAFT_EINVAL), and this function a plan made without k_new. */
+OPGRAFT_EXTERN int32_t opgraft_attention_plan_run_update(const opgraft_attention_plan *plan, const void *q,
+                                                         const void *k_new, const void *v_new,
+                                                         const void *slot_mapping, int64_t slot_count,
+                                                         const void *k_cache, const void *v_cache,
+                                                         const void *block_table, const void *seq_lens,
+                                                         const void *sinks, void *out, void *workspace,
+                                                         int64_t batch, int64_t max_seq_len, void *stream);
+
 /* Bytes of workspace opgraft_attention_run needs for these arguments on any GPU (an upper bound
  * of the plan's), zeroed once as above. */
 OPGRAFT_EXTERN int32_t opgraft_attention_workspace_size(const opgraft_attention_args *args, size_t *bytes);
@@ -113,7 +138,8 @@ OPGRAFT_EXTERN int32_t opgraft_attention_run(const opgraft_attention_args *args,
                                              size_t workspace_bytes, void *stream);
 
 /* CPU oracle: the same function in fp64 on host pointers. Writes out_f64 ([batch, num_heads,
- * head_size], contiguous) when it is not NULL; otherwise rounds to args->dtype into args->out. */
+ * head_size], contiguous) when it is not NULL; otherwise rounds to args->dtype into args->out.
+ * With k_new set it stores the new keys and values into the host cache first, as the kernel does. */
 OPGRAFT_EXTERN int32_t opgraft_attention_reference(const opgraft_attention_args *args, double *out_f64);
 
 /* Compiles the kernel this call would use for the given arch (needs NVRTC, no GPU) and reports

@@ -34,6 +34,12 @@
 //
 // Padded rows (seq_lens[b] <= 0, vLLM's CUDA-graph padding) get zeros: finite, and what
 // FlashAttention returns for a row with no keys.
+//
+// OG_UPDATE: the kernel also does vLLM's KV-cache write (reshape_and_cache_flash) for the call:
+// row b's new key and value (k_new, v_new) go to cache slot slot_mapping[b] (b < slot_count,
+// slot >= 0), written by the block of the last split, which takes key L-1 from k_new and v_new
+// rather than from the cache (a decode row's slot is its key L-1's place), as one more partial
+// merged after its warps'. No block reads the slot being written, so the write needs no ordering.
 #include "og_common.cuh"
 #include "attn_params.h"
 
@@ -79,6 +85,9 @@
 #ifndef OG_CLUSTER
 #define OG_CLUSTER 0
 #endif
+#ifndef OG_UPDATE
+#define OG_UPDATE 0
+#endif
 #define OG_FAN OG_ATTN_FAN
 
 #if OG_D != 64 && OG_D != 128 && OG_D != 256
@@ -97,6 +106,8 @@
 #define OG_QROW OG_ATTN_QROW(OG_D)
 #define OG_QITEMS (OG_NH * 8 * (OG_D / 8))             // 16-byte pieces of the block's query rows
 #define OG_QREGS ((OG_QITEMS + OG_NT - 1) / OG_NT)  // of them per thread
+#define OG_NEWITEMS (2 * (OG_D / 8))                  // 16-byte pieces of a new key and value
+#define OG_NEWREGS ((OG_NEWITEMS + OG_NT - 1) / OG_NT)
 
 __device__ __forceinline__ float og_ninf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float og_exp2(float x) {
@@ -135,6 +146,15 @@ __device__ __forceinline__ int og_ld_meta_s32(const int *p) {
   asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
 #else
   asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(p));
+#endif
+  return v;
+}
+__device__ __forceinline__ long long og_ld_meta_s64(const long long *p) {
+  long long v;
+#if OG_PDL
+  asm volatile("ld.global.s64 %0, [%1];" : "=l"(v) : "l"(p));
+#else
+  asm volatile("ld.global.nc.s64 %0, [%1];" : "=l"(v) : "l"(p));
 #endif
   return v;
 }
@@ -335,6 +355,27 @@ __device__ __forceinline__ void og_cluster_merge(const og_attn_params &p, int b,
 }
 #endif
 
+#if OG_UPDATE
+// Piece i (16 bytes) of row b's new key (i < D/8) or value, for kv head hk.
+__device__ __forceinline__ og_vec4 og_new_piece(const og_attn_params &p, int b, int hk, int i) {
+  const bool isk = i < OG_D / 8;
+  const int d = (isk ? i : i - OG_D / 8) * 8;
+  const og_u16 *src = isk ? (const og_u16 *)p.k_new + (long long)b * p.kn_st + (long long)hk * p.kn_sh
+                          : (const og_u16 *)p.v_new + (long long)b * p.vn_st + (long long)hk * p.vn_sh;
+  return og_load_activation<OG_PDL != 0>(src + d);
+}
+// Stores that piece into the cache slot (no store where the slot's block is outside the cache).
+__device__ __forceinline__ void og_store_piece(const og_attn_params &p, int hk, long long slot, int i, og_vec4 v) {
+  const long long blk = slot / p.block_size, row = slot - blk * p.block_size;
+  if (blk >= p.num_blocks) return;
+  const bool isk = i < OG_D / 8;
+  const int d = (isk ? i : i - OG_D / 8) * 8;
+  og_u16 *dst = isk ? (og_u16 *)p.k + blk * p.k_sb + row * p.k_st + (long long)hk * p.k_sh
+                    : (og_u16 *)p.v + blk * p.v_sb + row * p.v_st + (long long)hk * p.v_sh;
+  *(og_vec4 *)(dst + d) = v;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(attention_decode)(const og_attn_params p) {
   extern __shared__ __align__(16) unsigned char og_smem[];
   og_u16 *sq = (og_u16 *)og_smem;
@@ -366,16 +407,24 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   const int blk_guess = bi_guess < p.max_blocks ? og_ld_meta_s32(bt + bi_guess) : -1;
 #endif
   const int L = og_ld_meta_s32(p.seq_lens + b);
+#if OG_UPDATE  // the row's cache slot, in flight with the length
+  const long long slot = b < p.slot_count ? og_ld_meta_s64(p.slot_mapping + b) : -1;
+#endif
 #if OG_PDL
   og_pdl_wait();
   load_q();
 #endif
   if (L <= 0) {  // a padded row: zeros
-    if (s == 0)
+    if (s == 0) {
       for (int i = tid; i < OG_G * (OG_D / 8); i += OG_NT) {
         const int h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
         *(og_vec4 *)((og_u16 *)p.out + (long long)b * p.o_st + (long long)(hq0 + h) * p.o_sh + d) = og_zero4();
       }
+#if OG_UPDATE  // the cache write still happens where the row has a slot
+      if (slot >= 0)
+        for (int i = tid; i < OG_NEWITEMS; i += OG_NT) og_store_piece(p, hk, slot, i, og_new_piece(p, b, hk, i));
+#endif
+    }
     return;
   }
   int start = 0;
@@ -395,7 +444,23 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 #endif
     return;
   }
-  const int r0 = a0 + s * chunk, r1 = min(L, r0 + chunk);
+  const int r0 = a0 + s * chunk;
+#if OG_UPDATE
+  // The last split's block writes the new key and value and takes key L-1 from them.
+  const bool fresh = s == n - 1 && slot >= 0;
+  const int r1 = fresh ? L - 1 : min(L, r0 + chunk);
+  __shared__ __align__(16) og_u16 s_new[2 * OG_D];  // the new key, then the new value
+  __shared__ float s_xnew[OG_G];                    // the new key's logit per head (log2 units)
+  og_vec4 nreg[OG_NEWREGS];
+  if (fresh)
+#pragma unroll
+    for (int r = 0; r < OG_NEWREGS; ++r) {
+      const int i = tid + r * OG_NT;
+      if (i < OG_NEWITEMS) nreg[r] = og_new_piece(p, b, hk, i);
+    }
+#else
+  const int r1 = min(L, r0 + chunk);
+#endif
   const int ntiles = (r1 - r0 + 15) >> 4;
 
   // The block's query rows (heads hq0 .. hq0+G-1; rows up to the 8-head tile are zero), loaded
@@ -405,6 +470,17 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
     if (i < OG_QITEMS) *(og_vec4 *)(sq + h * OG_QROW + d) = qreg[r];
   }
+#if OG_UPDATE
+  if (fresh)
+#pragma unroll
+    for (int r = 0; r < OG_NEWREGS; ++r) {
+      const int i = tid + r * OG_NT;
+      if (i < OG_NEWITEMS) {
+        *(og_vec4 *)(s_new + 8 * i) = nreg[r];
+        og_store_piece(p, hk, slot, i, nreg[r]);
+      }
+    }
+#endif
   const og_u16 *kbase = (const og_u16 *)p.k + (long long)hk * p.k_sh + 8 * c;  // this lane's 8 dims of a 32
   const og_u16 *vbase = (const og_u16 *)p.v + (long long)hk * p.v_sh + 8 * g;  // this lane's 8 dims of a 64
   __syncthreads();
@@ -521,6 +597,22 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     blk = blk_next, row = row_next;
   }
 
+#if OG_UPDATE
+  // The new key's logits: warp w takes heads w, w+W, ..., a lane two dims of every 64.
+  if (fresh)
+    for (int h = warp; h < OG_G; h += OG_W) {
+      float dot = 0.f;
+#pragma unroll
+      for (int d = 2 * lane; d < OG_D; d += 64) {
+        const og_u32 qv = *(const og_u32 *)(sq + h * OG_QROW + d), kv = *(const og_u32 *)(s_new + d);
+        dot += og_lo(qv) * og_lo(kv);
+        dot += og_hi(qv) * og_hi(kv);
+      }
+#pragma unroll
+      for (int sh = 16; sh; sh >>= 1) dot += __shfl_xor_sync(OG_FULL, dot, sh);
+      if (lane == 0) s_xnew[h] = og_logit(p, dot);
+    }
+#endif
   // The warps' results into shared memory: maxima, sums (over the lanes' tokens) and outputs.
   float *so = region, *sml = region + OG_W * OG_G * OG_D;
 #pragma unroll
@@ -558,6 +650,10 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     float mx = og_ninf();
 #pragma unroll
     for (int w = 0; w < OG_W; ++w) mx = fmaxf(mx, sml[(w * OG_G + h) * 2]);
+#if OG_UPDATE
+    const float xn = fresh ? s_xnew[h] : og_ninf();
+    mx = fmaxf(mx, xn);
+#endif
     const float mu = mx == og_ninf() ? 0.f : mx;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float sum = 0.f;
@@ -568,6 +664,14 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
       sum += sml[(w * OG_G + h) * 2 + 1] * e;
       acc.x += v.x * e, acc.y += v.y * e, acc.z += v.z * e, acc.w += v.w * e;
     }
+#if OG_UPDATE
+    if (fresh) {  // the new key, after the warps' partials
+      const float e = og_exp2(xn - mu);
+      const uint2 vb = *(const uint2 *)(s_new + OG_D + d);
+      sum += e;
+      acc.x += og_lo(vb.x) * e, acc.y += og_hi(vb.x) * e, acc.z += og_lo(vb.y) * e, acc.w += og_hi(vb.y) * e;
+    }
+#endif
     if (n == 1) {
       og_write_out(p, b, hq0 + h, d, acc, sum, mu);
 #if OG_CLUSTER

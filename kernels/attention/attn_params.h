@@ -15,11 +15,15 @@ typedef struct og_attn_params {
   float *part;            /* split partials: [groups][slots_per_group][G][D] unnormalised outputs */
   float *part_ml;         /* [groups][slots_per_group][G][2]: each partial's max (log2 units) and sum */
   unsigned *counters;     /* [groups][counters_per_group] arrivals at the combine tree's nodes; 0 between calls */
+  const void *k_new;      /* OG_UPDATE: the call's new keys [batch, kv_heads, D] through kn_st, kn_sh */
+  const void *v_new;      /* OG_UPDATE: its new values, likewise */
+  const long long *slot_mapping; /* OG_UPDATE: [slot_count] cache slot (block * block_size + row) of row b's new key */
   long long q_st, q_sh;
   long long o_st, o_sh;
   long long k_sb, k_st, k_sh;
   long long v_sb, v_st, v_sh;
   long long bt_stride;
+  long long kn_st, kn_sh, vn_st, vn_sh;
   int block_size; /* tokens a cache block, a multiple of 16 (a run-time value: the kernel can be
                    * compiled before the cache exists) */
   int max_blocks; /* the block table's columns */
@@ -27,6 +31,7 @@ typedef struct og_attn_params {
   int window_left; /* OG_WINDOW: keys j >= seq_len - 1 - window_left only (-1: all) */
   int min_chunk;   /* tokens a split takes at least (a multiple of 16) */
   int slots_per_group, counters_per_group; /* og_attn_tree(gridDim.x) */
+  int slot_count;  /* OG_UPDATE: rows of slot_mapping; rows at or past it write nothing */
   float qk_scale;  /* scale * log2(e); with OG_SOFTCAP scale / softcap */
   float cap_log2;  /* OG_SOFTCAP: softcap * log2(e) */
 } og_attn_params;

@@ -139,6 +139,13 @@ class AttentionArgs(ctypes.Structure):
         ("max_seq_len", ctypes.c_int64),
         ("arch", ctypes.c_int32),
         ("gpu_name", ctypes.c_char_p),
+        ("k_new", ctypes.c_void_p),
+        ("k_new_stride", _I64_2),
+        ("v_new", ctypes.c_void_p),
+        ("v_new_stride", _I64_2),
+        ("slot_mapping", ctypes.c_void_p),
+        ("slot_mapping_dtype", ctypes.c_int32),
+        ("slot_count", ctypes.c_int64),
     ]
 
 
@@ -250,6 +257,9 @@ _SIGNATURES = {
     "opgraft_attention_plan_workspace_size": (ctypes.c_size_t, [_P]),
     "opgraft_attention_plan_run": (
         ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P]),
+    "opgraft_attention_plan_run_update": (
+        ctypes.c_int32,
+        [_P, _P, _P, _P, _P, ctypes.c_int64, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P]),
     "opgraft_attention_workspace_size": (
         ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.POINTER(ctypes.c_size_t)]),
     "opgraft_attention_run": (ctypes.c_int32, [ctypes.POINTER(AttentionArgs), _P, ctypes.c_size_t, _P]),

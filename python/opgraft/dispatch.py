@@ -293,7 +293,9 @@ def _linear_opgraft(call: LinearCall):
 class AttentionCall:
     """One decode-attention call in vLLM's FlashAttention terms: the KV cache as the K and V views
     FlashAttentionImpl.forward splits from it, the metadata's lengths and block table, and where
-    the output goes (rows 0 .. batch-1, batch = len(seq_lens))."""
+    the output goes (rows 0 .. batch-1, batch = len(seq_lens)). With key, value and slot_mapping
+    the call also owes the cache its new keys and values (vLLM's KV-cache write): our kernel stores
+    them, and the delegate does vLLM's write before its attention."""
 
     query: Any
     key_cache: Any
@@ -308,6 +310,9 @@ class AttentionCall:
     max_seq_len: int
     delegate: Callable[[], Any]  # runs vLLM's own implementation of this very call
     extra_reason: str = ""  # a reason the seam already knows it must hand back ("" if none)
+    key: Any = None
+    value: Any = None
+    slot_mapping: Any = None
 
 
 @register_variant("attention", "passthrough")
@@ -324,11 +329,13 @@ def _attention_opgraft(call: AttentionCall):
 
     try:
         plan = attention.plan_for(call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
-                                  call.output, call.scale, call.softcap, call.window_left, call.sinks)
+                                  call.output, call.scale, call.softcap, call.window_left, call.sinks,
+                                  key=call.key, value=call.value, slot_mapping=call.slot_mapping)
         if plan.handle is None:
             return handed_back("attention", plan.reason, call)
         attention.run(plan, call.output, call.query, call.key_cache, call.value_cache, call.block_table,
-                      call.seq_lens, call.scale, call.softcap, call.window_left, call.sinks, call.max_seq_len)
+                      call.seq_lens, call.scale, call.softcap, call.window_left, call.sinks, call.max_seq_len,
+                      call.key, call.value, call.slot_mapping)
     except Exception as e:
         return kernel_failed("attention", e, call)
     stats_of("attention").take()

@@ -5,7 +5,10 @@ context {1, 15, 16, 17, 1000, 8192, 32768}, query heads per kv head {1, 4, 8} an
 shuffled block tables over a cache whose unused blocks hold NaN, vLLM's NHD and HND layouts, a
 query that is a view of a fused qkv row, sliding window, soft cap, sinks, fp16, each tunable path,
 and CUDA-graph replays with new lengths. Outputs are poisoned (NaN) before each run, rows past the
-batch must stay NaN, padded rows must be zeros, and a rerun must give the same bits."""
+batch must stay NaN, padded rows must be zeros, and a rerun must give the same bits. Update cases
+hand the kernel each row's last key and value as new ones (views of a fused qkv row, their cache
+rows NaN, a padded row with a slot of its own): the cache afterwards must equal the intended one
+bit for bit, and the output the oracle's on it."""
 
 from __future__ import annotations
 
@@ -26,14 +29,14 @@ def prepare() -> None:
 
 
 def _case(name, lens, hq, hk, d, dtype="bf16", bs=16, layout="NHD", softcap=0.0, window=-1, sinks=None, q_pad=0,
-          tunables=None, graph=False, hint=0, seed=0, write_q=False, o_proj=0):
+          tunables=None, graph=False, hint=0, seed=0, write_q=False, o_proj=0, update=False):
     """graph: captured into a CUDA graph, replayed with new lengths; in it, write_q puts a kernel
     writing the query right before attention (a programmatic dependent must wait for it), o_proj
     N an output projection [N, heads x head size] on opgraft's linear op right after (which may
     start early under attention.trigger and must still read the finished output)."""
     return dict(name=name, lens=list(lens), hq=hq, hk=hk, d=d, dtype=dtype, bs=bs, layout=layout, softcap=softcap,
                 window=window, sinks=sinks, q_pad=q_pad, tunables=tunables or {}, graph=graph, hint=hint, seed=seed,
-                write_q=write_q, o_proj=o_proj)
+                write_q=write_q, o_proj=o_proj, update=update)
 
 
 RAGGED = [1, 15, 16, 17, 1000, 0, 8192, 33]
@@ -112,6 +115,27 @@ def cases() -> list[dict]:
         _case("CUDA graph: trigger, o projection pdl 2 (odd N, 10 heads of 64), fp16", [1000, 17, 0], 10, 2,
               64, dtype="fp16", graph=True, write_q=True, o_proj=129,
               tunables={"attention.trigger": 1, "attention.pdl": 1, "linear.pdl": 2, "linear.max_rows": 8}),
+        # the KV-cache write in the kernel (vLLM's reshape_and_cache_flash for the call)
+        _case("update: batch 1 context 1 (the new key alone)", [1], 32, 4, 128, update=True),
+        _case("update: batch 1 context 17", [17], 32, 4, 128, update=True),
+        _case("update: batch 1 context 1000", [1000], 32, 4, 128, update=True),
+        _case("update: batch 1 context 8192", [8192], 32, 4, 128, update=True),
+        _case("update: ragged with padded rows", RAGGED, 32, 4, 128, update=True),
+        _case("update: ragged, GQA 4 head 64, HND layout, fp16", RAGGED, 8, 2, 64, layout="HND", dtype="fp16",
+              update=True),
+        _case("update: GQA 1 head 256, block 32, window 1024, soft cap", RAGGED, 4, 4, 256, bs=32, window=1023,
+              softcap=50.0, update=True),
+        _case("update: GQA 5, fp32 sinks, block 48", [1000, 47, 48, 49], 10, 2, 64, bs=48, sinks="fp32",
+              update=True),
+        _case("update: batch 64 context 1000", [1000] * 64, 32, 4, 128, update=True),
+        _case("update: min_chunk 16 (many splits), context 8192", [8192, 17], 32, 4, 128, update=True,
+              tunables={"attention.min_chunk": 16, "attention.max_splits": 1024}),
+        _case("update: cluster 8, ragged", RAGGED, 32, 4, 128, update=True, tunables={"attention.cluster": 8}),
+        _case("update: CUDA graph, new lengths and new keys each replay", RAGGED, 32, 4, 128, graph=True,
+              update=True),
+        _case("update: CUDA graph, q and new keys written, PDL attention, trigger, o projection pdl 2", [300, 0, 17],
+              32, 4, 128, graph=True, write_q=True, o_proj=2048, update=True,
+              tunables={"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 2, "linear.max_rows": 8}),
     ]
     return c
 
@@ -132,6 +156,72 @@ def _check_out(p, out, lens, tol) -> dict:
             "ok": (err <= tol) and pad_zero and beyond_nan}
 
 
+class _NewRows:
+    """A call's new keys and values: row b's key L-1 moved out of the cache (its row set to NaN)
+    into views of a fused qkv output, with its slot; the first padded row writes a slot of its own
+    block (which no row reads). expected_k / expected_v: the cache as the write must leave it."""
+
+    def __init__(self, p, rows: int, device):
+        hq, hk, d = p.query.shape[1], p.key_cache.shape[2], p.key_cache.shape[3]
+        self.p = p
+        self.fused = torch.full((rows, (hq + 2 * hk) * d), float("nan"), dtype=p.query.dtype, device=device)
+        self.key = self.fused[:, hq * d:(hq + hk) * d].view(rows, hk, d)
+        self.value = self.fused[:, (hq + hk) * d:].view(rows, hk, d)
+        self.slots = torch.full((p.seq_lens.shape[0],), -1, dtype=torch.int64, device=device)
+
+    def set(self, lens, gen=None):
+        """Slots for these lengths; with gen, new random keys and values written there."""
+        p, bs = self.p, self.p.key_cache.shape[1]
+        slots = []
+        pad_done = False
+        for b, L in enumerate(lens):
+            if L > 0:
+                slots.append(int(p.block_table[b, (L - 1) // bs]) * bs + (L - 1) % bs)
+            elif not pad_done:
+                slots.append(int(p.block_table[b, 0]) * bs + 3)
+                pad_done = True
+            else:
+                slots.append(-1)
+        self.slots.copy_(torch.tensor(slots, dtype=torch.int64))
+        for b, slot in enumerate(slots):
+            if slot < 0:
+                continue
+            blk, row = divmod(slot, bs)
+            if gen is not None or lens[b] <= 0:
+                shape = self.key[b].shape
+                self.key[b] = torch.randn(shape, generator=gen, device=self.key.device).to(self.key.dtype)
+                self.value[b] = torch.randn(shape, generator=gen, device=self.key.device).to(self.key.dtype)
+            else:
+                self.key[b] = p.key_cache[blk, row]
+                self.value[b] = p.value_cache[blk, row]
+        self.expected_k, self.expected_v = p.key_cache.clone(), p.value_cache.clone()
+        for b, slot in enumerate(slots):
+            if slot >= 0:
+                blk, row = divmod(slot, bs)
+                self.expected_k[blk, row], self.expected_v[blk, row] = self.key[b], self.value[b]
+        self.poison()
+
+    def poison(self):
+        bs = self.p.key_cache.shape[1]
+        for slot in self.slots.tolist():
+            if slot >= 0:
+                blk, row = divmod(slot, bs)
+                self.p.key_cache[blk, row] = float("nan")
+                self.p.value_cache[blk, row] = float("nan")
+
+    def cache_as_expected(self) -> bool:
+        bits = lambda t: t.contiguous().view(torch.int16)  # NaN rows compare by their bits
+        return bool(torch.equal(bits(self.p.key_cache), bits(self.expected_k))
+                    and torch.equal(bits(self.p.value_cache), bits(self.expected_v)))
+
+
+def _run_ours(p, out, hint, new):
+    if new is None:
+        return attn_bench.run_ours(p, out, hint)
+    return ops.attention_decode_into(out, p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale,
+                                     p.softcap, p.window_left, p.sinks, hint, new.key, new.value, new.slots)
+
+
 def _run_case(c: dict, device) -> dict:
     lens = c["lens"]
     p = attn_bench.make_problem(lens, c["hq"], c["hk"], c["d"], c["dtype"], device, c["bs"], seed=100 + c["seed"],
@@ -141,8 +231,12 @@ def _run_case(c: dict, device) -> dict:
     res["lens"] = lens if len(lens) <= 16 else f"{len(lens)} x {lens[0]}"
     B = len(lens)
     extra = 2  # output rows past the batch: must stay poisoned
+    new = _NewRows(p, B + extra, device) if c["update"] else None
+    if new is not None:
+        new.set(lens)
     ok, reason = ops.supports(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale, p.softcap,
-                              p.window_left, p.sinks)
+                              p.window_left, p.sinks, key=None if new is None else new.key,
+                              value=None if new is None else new.value, slot_mapping=None if new is None else new.slots)
     res.update(supported=ok, reason=reason)
     if not ok:
         res.update(passed=False)
@@ -150,18 +244,26 @@ def _run_case(c: dict, device) -> dict:
     tol = bench.TOLERANCE[c["dtype"]]
     res["tolerance"] = tol
     if c["graph"]:
-        return _run_graph_case(c, p, res, tol, extra)
+        return _run_graph_case(c, p, res, tol, extra, new)
     out = torch.full((B + extra, c["hq"], c["d"]), float("nan"), dtype=p.query.dtype, device=device)
-    attn_bench.run_ours(p, out, c["hint"])
+    _run_ours(p, out, c["hint"], new)
     torch.cuda.synchronize()
+    written = new is None or new.cache_as_expected()
     chk = _check_out(p, out, lens, tol)
-    again = torch.full_like(out, float("nan"))
-    attn_bench.run_ours(p, again, c["hint"])
-    third = torch.full_like(out, float("nan"))
-    attn_bench.run_ours(p, third, c["hint"])
-    det = bool(torch.equal(out[:B], again[:B]) and torch.equal(out[:B], third[:B]))
+    outs = []
+    for _ in range(2):  # reruns from the same state (the new rows poisoned again)
+        if new is not None:
+            new.poison()
+        outs.append(torch.full_like(out, float("nan")))
+        _run_ours(p, outs[-1], c["hint"], new)
+        torch.cuda.synchronize()
+        written = written and (new is None or new.cache_as_expected())
+    det = all(torch.equal(out[:B], o[:B]) for o in outs)
     res.update(rel_err=chk["rel_err"], deterministic=det, padded_rows_zero=chk["padded_rows_zero"],
                rows_past_batch_untouched=chk["rows_past_batch_untouched"])
+    if new is not None:
+        res["cache_written_as_expected"] = written
+        chk["ok"] = chk["ok"] and written
     if sum(max(L, 0) for L in lens) * c["hk"] <= 64 * 1024 and c["layout"] == "NHD":
         cref = ops.reference_cpu(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale, p.softcap,
                                  p.window_left, p.sinks)
@@ -171,9 +273,10 @@ def _run_case(c: dict, device) -> dict:
     return res
 
 
-def _run_graph_case(c, p, res, tol, extra) -> dict:
+def _run_graph_case(c, p, res, tol, extra, new=None) -> dict:
     """Captured with all lengths at their case value, replayed with shorter, longer-padded and
-    permuted lengths (written into the same seq_lens tensor), three replays each."""
+    permuted lengths (written into the same seq_lens tensor), three replays each; with new rows,
+    new slots and new keys for each set of lengths (written inside the graph with write_q)."""
     lens = c["lens"]
     B = len(lens)
     out = torch.full((B + extra, c["hq"], c["d"]), float("nan"), dtype=p.query.dtype, device="cuda")
@@ -192,10 +295,14 @@ def _run_graph_case(c, p, res, tol, extra) -> dict:
             res.update(passed=False, reason=f"o projection handed back: {why}")
             return res
 
+    nsrc = new.fused.clone() if new is not None else None
+
     def step():
         if c["write_q"]:
             p.query.copy_(qsrc)
-        attn_bench.run_ours(p, out, c["hint"])
+            if new is not None:  # the new keys written by the kernel before attention, as in a step
+                new.fused.copy_(nsrc)
+        _run_ours(p, out, c["hint"], new)
         if c["o_proj"]:
             linear_ops.linear_into(y, out[:B].view(B, -1), w)
 
@@ -211,8 +318,14 @@ def _run_graph_case(c, p, res, tol, extra) -> dict:
         p.seq_lens.copy_(torch.tensor(v, dtype=torch.int32))
         if c["write_q"]:  # a new query each set of lengths, written inside the graph
             qsrc.copy_(torch.randn(qsrc.shape, generator=gen, device="cuda").to(qsrc.dtype))
+        if new is not None:  # new slots and new keys for these lengths
+            new.set(v, gen)
+            if c["write_q"]:
+                nsrc.copy_(new.fused)
         outs, ys = [], []
         for _ in range(3):
+            if new is not None:
+                new.poison()
             out.fill_(float("nan"))
             if y is not None:
                 y.fill_(float("nan"))
@@ -221,6 +334,10 @@ def _run_graph_case(c, p, res, tol, extra) -> dict:
             outs.append(out.clone())
             if y is not None:
                 ys.append(y.clone())
+        if new is not None:
+            written = new.cache_as_expected()
+            res.setdefault("cache_written_as_expected", []).append(written)
+            good &= written
         chk = _check_out(p, outs[0], v, tol)
         res.setdefault("attention_rel_err", []).append(chk["rel_err"])
         worst = max(worst, chk["rel_err"])

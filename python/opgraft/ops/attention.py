@@ -7,6 +7,9 @@ Tensors (vLLM's FlashAttention views, any strides the guard takes):
   block_table  int32 [>= batch, max_blocks]
   seq_lens     int32 [batch], contiguous: the batch is its length; 0 marks a padded row
   out          [tokens >= batch, heads, head_size]
+  key, value   optional: the call's new keys and values [tokens >= batch, kv_heads, head_size], with
+               slot_mapping int64 [rows]: the kernel stores row b's into cache slot slot_mapping[b]
+               (vLLM's reshape_and_cache_flash) and attends with them as the row's last key
 
 A plan (the guard's decision, the tunables, the compiled kernel) is made once per layout and kept;
 the batch, the lengths and the pointers are each call's, so a call is one ctypes crossing with no
@@ -30,7 +33,8 @@ from . import Plan as _Plan
 def attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, out: torch.Tensor | None, scale: float, softcap: float = 0.0,
                    window_left: int = -1, sinks: torch.Tensor | None = None, max_seq_len: int = 0, flags: int = 0,
-                   query_len: int = 1, arch: int = 0) -> _lib.AttentionArgs:
+                   query_len: int = 1, arch: int = 0, key: torch.Tensor | None = None,
+                   value: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> _lib.AttentionArgs:
     """The C argument struct for these tensors; dtype -1 when their shapes or devices do not
     describe a paged decode-attention call (the guard then refuses it)."""
     a = _lib.AttentionArgs()
@@ -50,6 +54,7 @@ def attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         and (out is None or out.device == dev)
         and (sinks is None or (sinks.dim() == 1 and sinks.shape[0] == query.shape[1] and sinks.is_contiguous()
                                and sinks.device == dev))
+        and _new_consistent(key, value, slot_mapping, key_cache, seq_lens.shape[0], dev)
     )
     if not consistent:
         a.dtype = -1
@@ -73,7 +78,24 @@ def attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         a.out, a.out_stride = 16, (ctypes.c_int64 * 3)(query.shape[1] * query.shape[2], query.shape[2], 1)
     a.max_seq_len = max(0, int(max_seq_len))
     a.arch = arch
+    if key is not None:
+        a.k_new, a.k_new_stride = key.data_ptr(), (ctypes.c_int64 * 2)(*key.stride()[:2])
+        a.v_new, a.v_new_stride = value.data_ptr(), (ctypes.c_int64 * 2)(*value.stride()[:2])
+        a.slot_mapping, a.slot_mapping_dtype = slot_mapping.data_ptr(), dtype_code(slot_mapping)
+        a.slot_count = slot_mapping.shape[0]
     return a
+
+
+def _new_consistent(key, value, slot_mapping, key_cache, batch, dev) -> bool:
+    """No new keys, or new keys and values shaped as the cache's rows with a 1-D slot mapping."""
+    if key is None and value is None and slot_mapping is None:
+        return True
+    return (key is not None and value is not None and slot_mapping is not None
+            and key.dim() == 3 and value.shape == key.shape and key.shape[1:] == key_cache.shape[2:]
+            and key.shape[0] >= batch and key.stride(2) == 1 and value.stride(2) == 1
+            and key.dtype == key_cache.dtype and value.dtype == key_cache.dtype
+            and slot_mapping.dim() == 1 and (slot_mapping.numel() <= 1 or slot_mapping.stride(0) == 1)
+            and all(t.device == dev for t in (key, value, slot_mapping)))
 
 
 class Plan(_Plan):
@@ -85,13 +107,15 @@ _plans = PlanCache(1024)
 
 
 def _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks, flags,
-                query_len):
+                query_len, key=None, value=None, slot_mapping=None):
     # The batch is part of a plan (its guard limit and tuned rows depend on it); the lengths are not.
     return (seq_lens.shape[0], query.shape[1:], query.stride(), query.dtype, query.device, key_cache.shape,
             key_cache.stride(), key_cache.dtype, value_cache.shape, value_cache.stride(), value_cache.dtype,
             block_table.shape[1:], block_table.stride(), block_table.dtype, seq_lens.dtype, None if out is None else (out.stride(), out.dtype),
             float(scale), float(softcap or 0.0), int(window_left),
-            None if sinks is None else (sinks.shape, sinks.dtype), flags, query_len)
+            None if sinks is None else (sinks.shape, sinks.dtype), flags, query_len,
+            None if key is None else (key.shape[1:], key.stride(), key.dtype, value.shape[1:], value.stride(),
+                                      value.dtype, slot_mapping.dtype, slot_mapping.dim()))
 
 
 def _capturing() -> bool:
@@ -112,25 +136,25 @@ MAX_BATCH = 65535
 
 def _static_key(a: _lib.AttentionArgs, device_index: int):
     return (device_index, a.batch, a.dtype, a.num_heads // max(1, a.num_kv_heads), a.head_size, a.softcap > 0,
-            a.window_left >= 0, a.sinks_dtype if a.sinks else None, _lib.lib().opgraft_tune_generation())
+            a.window_left >= 0, a.sinks_dtype if a.sinks else None, bool(a.k_new), _lib.lib().opgraft_tune_generation())
 
 
 def plan_for(query, key_cache, value_cache, block_table, seq_lens, out=None, scale=1.0, softcap=0.0, window_left=-1,
-             sinks=None, flags=0, query_len=1) -> Plan:
+             sinks=None, flags=0, query_len=1, key=None, value=None, slot_mapping=None) -> Plan:
     """The plan of this call's layout, made on first sight (the guard runs then, and only then).
     Under CUDA graph capture a plan is made only where prepare() already loaded its kernel
     (compiling and loading one then could break the capture); otherwise the call is refused for
     now and planned at the next call outside a capture."""
-    key = _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
-                      flags, query_len)
-    plan = _plans.get(key)
+    lkey = _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
+                       flags, query_len, key, value, slot_mapping)
+    plan = _plans.get(lkey)
     if plan is not None:
         return plan
     if not query.is_cuda:
         plan = Plan(None, "tensors are not on a CUDA device")
     else:
         a = attention_args(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left,
-                           sinks, 0, flags, query_len)
+                           sinks, 0, flags, query_len, key=key, value=value, slot_mapping=slot_mapping)
         if a.dtype == -1:
             plan = Plan(None, "tensor shapes or devices are not those of paged decode attention")
         else:
@@ -152,7 +176,7 @@ def plan_for(query, key_cache, value_cache, block_table, seq_lens, out=None, sca
                     plan = Plan(None, reason.value.decode(errors="replace"))
                 else:
                     _lib.check(st)
-    return _plans.put(key, plan)
+    return _plans.put(lkey, plan)
 
 
 def forget_plans() -> None:
@@ -201,15 +225,16 @@ def workspace(device, nbytes: int) -> torch.Tensor | None:
 
 def prepare(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, device, softcap: float = 0.0,
             window_left: int = -1, sinks_dtype: torch.dtype | None = None, block_size: int = 16,
-            batches=(1,)) -> tuple[bool, str]:
+            batches=(1,), update: bool = False) -> tuple[bool, str]:
     """Compiles and loads the kernel for a layer's static configuration at each of batches (the
     CUDA-graph capture sizes: a plan is per batch) and reserves the workspace, so that a call under
-    CUDA graph capture only makes its plan. (True, "") or (False, why the layer's calls will be
-    handed back), from batch 1; a larger batch the guard refuses is simply not prepared."""
+    CUDA graph capture only makes its plan. update: the variant that writes the call's new keys
+    and values. (True, "") or (False, why the layer's calls will be handed back), from batch 1; a
+    larger batch the guard refuses is simply not prepared."""
     ok, why = True, ""
     for b in sorted({1, *batches}):
         took, reason = _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, window_left,
-                                    sinks_dtype, block_size, b)
+                                    sinks_dtype, block_size, b, update=update)
         if b == 1:
             ok, why = took, reason
             if not ok:
@@ -218,7 +243,7 @@ def prepare(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtyp
 
 
 def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, window_left, sinks_dtype, block_size,
-                 batch) -> tuple[bool, str]:
+                 batch, update=False) -> tuple[bool, str]:
     code = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}.get(dtype)
     if code is None:
         return False, f"dtype {dtype} (the kernel takes bf16 and fp16)"
@@ -237,6 +262,10 @@ def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, win
     if sinks_dtype is not None:
         a.sinks, a.sinks_dtype = fake, {torch.float32: _lib.DTYPE_FP32, torch.bfloat16: _lib.DTYPE_BF16,
                                         torch.float16: _lib.DTYPE_FP16}.get(sinks_dtype, 0)
+    if update:
+        a.k_new = a.v_new = a.slot_mapping = fake
+        a.k_new_stride[:] = a.v_new_stride[:] = [num_kv_heads * head_size, head_size]
+        a.slot_mapping_dtype = _lib.DTYPE_INT64
     key = _static_key(a, _device_index(device))
     if key in _prepared:  # another layer of the same configuration did it (and reserved the workspace)
         return True, ""
@@ -256,39 +285,47 @@ def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, win
 
 
 def supports(query, key_cache, value_cache, block_table, seq_lens, out=None, scale=1.0, softcap=0.0, window_left=-1,
-             sinks=None, flags=0, query_len=1) -> tuple[bool, str]:
+             sinks=None, flags=0, query_len=1, key=None, value=None, slot_mapping=None) -> tuple[bool, str]:
     """(True, "") if the kernel can take the call, else (False, reason)."""
     plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
-                    flags, query_len)
+                    flags, query_len, key, value, slot_mapping)
     return plan.handle is not None, plan.reason
 
 
 def attention_decode_into(out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0,
-                          window_left=-1, sinks=None, max_seq_len=0):
+                          window_left=-1, sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None):
     """Runs the kernel into out (rows 0 .. batch-1). Raises OpgraftError if unsupported.
-    max_seq_len is an upper bound of seq_lens (0 = unknown): it caps the split count only."""
-    plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks)
+    max_seq_len is an upper bound of seq_lens (0 = unknown): it caps the split count only. With
+    key, value and slot_mapping the kernel also stores them into the cache (see the module's text)."""
+    plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
+                    key=key, value=value, slot_mapping=slot_mapping)
     return run(plan, out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left, sinks,
-               max_seq_len)
+               max_seq_len, key, value, slot_mapping)
 
 
 def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0, window_left=-1,
-        sinks=None, max_seq_len=0):
+        sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None):
     """Runs a plan made for these tensors' layout (plan_for) into out: one ctypes crossing."""
     for _ in range(2):
         if plan.handle is None:
             raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
         ws = workspace(query.device, plan.workspace_bytes)
-        st = _lib.lib().opgraft_attention_plan_run(
-            plan.handle, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
-            seq_lens.data_ptr(), None if sinks is None else sinks.data_ptr(), out.data_ptr(),
-            None if ws is None else ws.data_ptr(), seq_lens.shape[0], max(0, int(max_seq_len)),
-            current_stream(query.device))
+        tail = (block_table.data_ptr(), seq_lens.data_ptr(), None if sinks is None else sinks.data_ptr(),
+                out.data_ptr(), None if ws is None else ws.data_ptr(), seq_lens.shape[0], max(0, int(max_seq_len)),
+                current_stream(query.device))
+        if key is None:
+            st = _lib.lib().opgraft_attention_plan_run(plan.handle, query.data_ptr(), key_cache.data_ptr(),
+                                                       value_cache.data_ptr(), *tail)
+        else:
+            st = _lib.lib().opgraft_attention_plan_run_update(
+                plan.handle, query.data_ptr(), key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(),
+                slot_mapping.shape[0], key_cache.data_ptr(), value_cache.data_ptr(), *tail)
         if st != _lib.ESTALE:
             _lib.check(st)
             return out
         forget_plans()  # the tunables changed (or the context): plan again, once
-        plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks)
+        plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
+                        key=key, value=value, slot_mapping=slot_mapping)
     _lib.check(st)
     return out
 

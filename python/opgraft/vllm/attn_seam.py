@@ -13,7 +13,8 @@ What is patched (vLLM 0.26.0, the pinned release, and 0.33.0, the newest; both t
 Both must happen before the first model is built: vLLM caches the selector's choice
 (vllm/v1/attention/selector.py, _cached_get_attn_backend); the general-plugin hook runs first.
 OPGRAFT_ATTENTION=0 leaves the registry alone (FlashAttention as shipped);
-OPGRAFT_ATTENTION_VARIANT=passthrough keeps our class but hands every call back.
+OPGRAFT_ATTENTION_VARIANT=passthrough keeps our class but hands every call back;
+OPGRAFT_ATTENTION_CACHE_WRITE=0 keeps vLLM's separate KV-cache write (below).
 Remove it: delete this module's install() call in opgraft/vllm/__init__.py.
 
 Why a subclass: it keeps everything of vLLM's backend but one method. OpgraftFlashAttentionBackend
@@ -32,7 +33,15 @@ Facts this relies on, read in both versions' v1/attention/backends/flash_attn.py
   K and V views [num_blocks, block_size, kv_heads, head_size] head_size elements apart; we take
   the same views and pass their strides (never a layout).
 - The KV write is FlashAttentionImpl.do_kv_cache_update (reshape_and_cache_flash), which the
-  attention layer calls before forward (forward_includes_kv_cache_update = False): it stays vLLM's.
+  attention layer runs as an op of its own before forward (unified_kv_cache_update, with the
+  forward context's slot_mapping[layer_name]) unless the backend's forward_includes_kv_cache_update
+  is True, or the layer shares another layer's cache (kv_sharing_target_layer_name). Our backend
+  sets it True (OPGRAFT_ATTENTION_CACHE_WRITE=0: False, vLLM's write as shipped), so forward owes
+  the write: a decode batch our kernel takes has it stored by the kernel (one kernel fewer a
+  layer); every call handed back runs do_kv_cache_update with the same arguments first, then
+  FlashAttentionImpl.forward, which is stock vLLM's order. The model runner reads the flag only to
+  decide whether slot mappings are padded to the CUDA-graph batch (padding rows hold -1, which
+  both writes skip).
 - FlashAttentionMetadata: max_query_len (1 for a decode-only batch), seq_lens int32 [num_reqs]
   (CUDA-graph padding rows have seq_len 0 and block-table row 0), block_table int32 [num_reqs,
   max_blocks], max_seq_len (an int; max_model_len while capturing), causal; 0.26 also use_cascade
@@ -73,6 +82,11 @@ def requested_backend() -> str | None:
     if not sep or not ident(mod) or not cls.isidentifier():
         raise ValueError(f"OPGRAFT_ATTN_BACKEND={spec!r} must look like package.module:ClassName")
     return f"{mod}.{cls}"
+
+
+def cache_write_enabled() -> bool:
+    """OPGRAFT_ATTENTION_CACHE_WRITE=0 (or false/no/off) keeps vLLM's KV-cache write as an op of its own."""
+    return os.environ.get("OPGRAFT_ATTENTION_CACHE_WRITE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def kernel_enabled() -> bool:
@@ -155,7 +169,17 @@ def _build():
     """Defines the backend classes on top of the installed vLLM's (once)."""
     if _classes:
         return _classes
+    from vllm import forward_context as fc
     from vllm.v1.attention.backends import flash_attn as fa
+
+    writes = cache_write_enabled()
+
+    def slot_mapping_of(layer):
+        """The slot mapping vLLM's own KV write would use for this layer's call (None: no write)."""
+        if not fc.is_forward_context_available():
+            return None
+        slots = fc.get_forward_context().slot_mapping
+        return slots.get(layer.layer_name) if isinstance(slots, dict) else None
 
     class OpgraftFlashAttentionImpl(fa.FlashAttentionImpl):
         """FlashAttentionImpl with decode-only batches on opgraft's paged decode kernel."""
@@ -164,6 +188,8 @@ def _build():
             super().__init__(*args, **kwargs)
             self._og_reason = _static_reason(self)
             self._og_kv = None  # (kv_cache, key view, value view) of the last call
+            # forward writes the cache (vLLM's layer skips its write op), unless the layer shares one
+            self._og_writes = writes and self.kv_sharing_target_layer_name is None
 
         def process_weights_after_loading(self, act_dtype):
             super().process_weights_after_loading(act_dtype)
@@ -190,7 +216,7 @@ def _build():
                 sinks_dtype = self.sinks.dtype if self.sinks is not None else None
                 ok, why = attention.prepare(self.num_heads, self.num_kv_heads, self.head_size, act_dtype,
                                             torch.device("cuda", torch.cuda.current_device()), self.logits_soft_cap,
-                                            left, sinks_dtype, block_size, batches=sizes)
+                                            left, sinks_dtype, block_size, batches=sizes, update=self._og_writes)
                 if not ok:
                     self._og_reason = why
             except Exception as e:  # no NVRTC, a compile error: this layer stays FlashAttention's
@@ -200,8 +226,11 @@ def _build():
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                     output_block_scale=None):
             parent = super().forward
+            slots = slot_mapping_of(layer) if self._og_writes and key is not None and value is not None else None
 
-            def delegate():
+            def delegate():  # vLLM's write (when forward owes it), then vLLM's attention
+                if slots is not None:
+                    self.do_kv_cache_update(layer, key, value, kv_cache, slots)
                 return parent(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                               output_block_scale)
 
@@ -220,11 +249,14 @@ def _build():
                 self._og_kv = kv = (kv_cache, key_cache, value_cache)
             call = dispatch.AttentionCall(query, kv[1], kv[2], md.block_table, md.seq_lens, output, self.scale,
                                           float(self.logits_soft_cap or 0.0), _window_of(self, md)[0], self.sinks,
-                                          int(md.max_seq_len), delegate)
+                                          int(md.max_seq_len), delegate, key=None if slots is None else key,
+                                          value=None if slots is None else value, slot_mapping=slots)
             return dispatch.dispatch("attention", call)
 
     class OpgraftFlashAttentionBackend(fa.FlashAttentionBackend):
         """FlashAttentionBackend whose impl runs decode-only batches on opgraft's kernel."""
+
+        forward_includes_kv_cache_update = writes
 
         @staticmethod
         def get_impl_cls():

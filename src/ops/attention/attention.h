@@ -46,6 +46,7 @@ typedef struct og_attn_cfg {
   int cluster;     /* blocks a thread-block cluster merging splits on chip at most (sm_90+; 1 = none):
                     * 2, 4 or 8, a launch taking 4 or 8 (opgraft__attn_cluster_of) */
   int softcap, window, sinks; /* the options' code paths (OG_SOFTCAP, OG_WINDOW, OG_SINKS) */
+  int update;                 /* the call writes its new keys and values (OG_UPDATE) */
 } og_attn_cfg;
 void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const char *gpu, og_attn_cfg *c);
 int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg *c, og_opts *o);

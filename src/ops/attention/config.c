@@ -9,9 +9,9 @@
 
 /* Registers a thread needs without spills (NVRTC 13.0, sm_80 and sm_90, every option; the compile
  * test checks each variant): the launch-bounds minimum never squeezes a thread below this. */
-static int regs_needed(int64_t D, int64_t G) {
+static int regs_needed(int64_t D, int64_t G, int update_cluster) {
   if (D == 64) return G <= 8 ? 128 : 136;
-  if (D == 128) return G <= 8 ? 168 : 208;
+  if (D == 128) return G <= 8 ? (update_cluster ? 176 : 168) : 208; /* the cache write and the cluster merge */
   return 256;
 }
 
@@ -33,8 +33,11 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   if (c->warps < 1) c->warps = 1;
   /* Up to 64 KB of warp partials in shared memory (the dynamic limit set at launch is far above). */
   while (c->warps > 1 && (int64_t)c->warps * G * a->head_size * 4 > (64 << 10)) c->warps /= 2;
+  /* Portable cluster sizes, powers of two (the grid's split count is rounded to a multiple). */
+  const int64_t cl = arch >= 90 ? opgraft__tune_value("attention.cluster", arch, gpu, shape, B) : 1;
+  c->cluster = cl >= 8 ? 8 : cl >= 4 ? 4 : cl >= 2 ? 2 : 1;
   /* A block must fit the register file at the register need (else ptxas would spill). */
-  const int need = regs_needed(a->head_size, G);
+  const int need = regs_needed(a->head_size, G, a->k_new != NULL && c->cluster > 1);
   while (c->warps > 1 && regs_cap(c->warps, 1) < need) c->warps /= 2;
   /* 0: as many blocks an SM as the register need allows; a value is clamped down to that. */
   int fit = 16;
@@ -49,12 +52,10 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->load = opgraft__tune_value("attention.load", arch, gpu, shape, B) == 1 ? 1 : 4;
   c->pdl = arch >= 90 && opgraft__tune_value("attention.pdl", arch, gpu, shape, B) != 0;
   c->trigger = arch >= 90 && opgraft__tune_value("attention.trigger", arch, gpu, shape, B) != 0;
-  /* Portable cluster sizes, powers of two (the grid's split count is rounded to a multiple). */
-  const int64_t cl = arch >= 90 ? opgraft__tune_value("attention.cluster", arch, gpu, shape, B) : 1;
-  c->cluster = cl >= 8 ? 8 : cl >= 4 ? 4 : cl >= 2 ? 2 : 1;
   c->softcap = a->softcap > 0;
   c->window = a->window_left >= 0;
   c->sinks = !a->sinks ? 0 : a->sinks_dtype == OPGRAFT_DTYPE_FP32 ? 2 : 1;
+  c->update = a->k_new != NULL;
 }
 
 int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg *c, og_opts *o) {
@@ -72,6 +73,7 @@ int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg
   OG_OPT("-DOG_PDL=%d", c->pdl);
   OG_OPT("-DOG_TRIGGER=%d", c->trigger);
   OG_OPT("-DOG_CLUSTER=%d", c->cluster > 1);
+  OG_OPT("-DOG_UPDATE=%d", c->update);
 #undef OG_OPT
   return opgraft__opts_check(o, "attention");
 }

@@ -85,6 +85,14 @@ int32_t opgraft__attn_check_static(const opgraft_attention_args *a, char *reason
   for (int i = 0; i < 3; ++i)
     if (!mult8(a->k_stride[i]) || !mult8(a->v_stride[i]))
       return OG_REASON("KV cache strides are not multiples of 16 bytes");
+  if (a->k_new) {
+    if (a->slot_mapping_dtype != OPGRAFT_DTYPE_INT64)
+      return OG_REASON("slot mapping dtype %s (int64 expected)", opgraft__attn_dtype_name(a->slot_mapping_dtype));
+    if (a->slot_count < 0) return OG_REASON("negative slot count %lld", (long long)a->slot_count);
+    for (int i = 0; i < 2; ++i)
+      if (!mult8(a->k_new_stride[i]) || !mult8(a->v_new_stride[i]))
+        return OG_REASON("new key or value strides are not multiples of 16 bytes");
+  }
   return OPGRAFT_OK;
 }
 
@@ -95,6 +103,10 @@ int32_t opgraft__attn_check_pointers(const opgraft_attention_args *a, char *reas
     return OG_REASON("a tensor pointer is NULL");
   if (!aligned(a->q, 16) || !aligned(a->k_cache, 16) || !aligned(a->v_cache, 16) || !aligned(a->out, 16))
     return OG_REASON("query, output or KV cache not 16-byte aligned");
+  if (a->k_new && (!a->v_new || (a->slot_count > 0 && !a->slot_mapping)))
+    return OG_REASON("new keys without new values or a slot mapping");
+  if (!aligned(a->k_new, 16) || !aligned(a->v_new, 16) || !aligned(a->slot_mapping, 8))
+    return OG_REASON("new keys, values or slot mapping misaligned");
   if (!aligned(a->block_table, 4) || !aligned(a->seq_lens, 4) ||
       !aligned(a->sinks, a->sinks_dtype == OPGRAFT_DTYPE_FP32 ? 4u : 2u))
     return OG_REASON("block table, seq_lens or sinks misaligned");

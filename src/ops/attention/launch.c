@@ -41,6 +41,12 @@ static void layout_of(const opgraft_attention_args *a, opgraft_attention_args *k
   k->sinks_dtype = a->sinks ? a->sinks_dtype : 0;
   memcpy(k->out_stride, a->out_stride, sizeof k->out_stride);
   k->arch = a->arch;
+  k->k_new = a->k_new ? (const void *)1 : NULL; /* only whether the call writes the cache */
+  if (a->k_new) {
+    memcpy(k->k_new_stride, a->k_new_stride, sizeof k->k_new_stride);
+    memcpy(k->v_new_stride, a->v_new_stride, sizeof k->v_new_stride);
+    k->slot_mapping_dtype = a->slot_mapping_dtype;
+  }
 }
 
 #define OG_REASON_FAIL(st) opgraft__fail(st, "attention call not supported: %s", reason)
@@ -118,6 +124,8 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
   q->k_sb = a->k_stride[0], q->k_st = a->k_stride[1], q->k_sh = a->k_stride[2];
   q->v_sb = a->v_stride[0], q->v_st = a->v_stride[1], q->v_sh = a->v_stride[2];
   q->bt_stride = a->block_table_stride[0];
+  q->kn_st = a->k_new_stride[0], q->kn_sh = a->k_new_stride[1];
+  q->vn_st = a->v_new_stride[0], q->vn_sh = a->v_new_stride[1];
   q->block_size = (int)a->block_size;
   q->max_blocks = (int)a->max_blocks;
   q->num_blocks = (int)a->num_blocks;
@@ -206,16 +214,25 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_attention_plan *plan,
 
 static int misaligned(const void *p, unsigned n) { return ((uintptr_t)p & (n - 1u)) != 0; }
 
-int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const void *q, const void *k_cache,
-                                   const void *v_cache, const void *block_table, const void *seq_lens,
-                                   const void *sinks, void *out, void *workspace, int64_t batch, int64_t max_seq_len,
-                                   void *stream) {
-  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: no plan");
+/* Both run entry points: k_new NULL for a plan without the cache write. */
+static int32_t run(const char *what, const opgraft_attention_plan *plan, const void *q, const void *k_new,
+                   const void *v_new, const void *slot_mapping, int64_t slot_count, const void *k_cache,
+                   const void *v_cache, const void *block_table, const void *seq_lens, const void *sinks, void *out,
+                   void *workspace, int64_t batch, int64_t max_seq_len, void *stream) {
+  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "%s: no plan", what);
+  if (!k_new != !plan->args.k_new)
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: the plan was made %s new keys (run it with %s)", what,
+                         plan->args.k_new ? "with" : "without",
+                         plan->args.k_new ? "opgraft_attention_plan_run_update" : "opgraft_attention_plan_run");
+  if (k_new && (!v_new || slot_count < 0 || (slot_count > 0 && !slot_mapping) || misaligned(k_new, 16) ||
+                misaligned(v_new, 16) || misaligned(slot_mapping, 8)))
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: new values, slot mapping or slot count %lld bad", what,
+                         (long long)slot_count);
   if (batch < 0 || batch > OG_ATTN_MAX_BATCH || max_seq_len < 0)
-    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: batch %lld, max_seq_len %lld", (long long)batch,
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: batch %lld, max_seq_len %lld", what, (long long)batch,
                          (long long)max_seq_len);
   if (batch > plan->args.batch) /* the guard decided for the plan's batch, not a larger one */
-    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: batch %lld > the plan's %lld", (long long)batch,
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: batch %lld > the plan's %lld", what, (long long)batch,
                          (long long)plan->args.batch);
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
@@ -225,15 +242,35 @@ int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const voi
   if (batch == 0) return OPGRAFT_OK;
   if (!q || !k_cache || !v_cache || !block_table || !seq_lens || !out || !sinks != !plan->args.sinks ||
       (plan->workspace && !workspace))
-    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: a NULL pointer (or sinks unlike the plan's)");
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: a NULL pointer (or sinks unlike the plan's)", what);
   if (misaligned(q, 16) || misaligned(k_cache, 16) || misaligned(v_cache, 16) || misaligned(out, 16) ||
       misaligned(workspace, 16) || misaligned(block_table, 4) || misaligned(seq_lens, 4) ||
       misaligned(sinks, plan->args.sinks_dtype == OPGRAFT_DTYPE_FP32 ? 4u : 2u))
-    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run: a pointer is misaligned");
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: a pointer is misaligned", what);
   og_attn_params p = plan->proto;
   p.q = q, p.k = k_cache, p.v = v_cache, p.out = out;
   p.block_table = (const int *)block_table, p.seq_lens = (const int *)seq_lens, p.sinks = sinks;
+  p.k_new = k_new, p.v_new = v_new, p.slot_mapping = (const long long *)slot_mapping;
+  p.slot_count = slot_count > batch ? (int)batch : (int)slot_count;
   return launch(cu, plan, &p, batch, max_seq_len, workspace, (og_CUstream)stream);
+}
+
+int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const void *q, const void *k_cache,
+                                   const void *v_cache, const void *block_table, const void *seq_lens,
+                                   const void *sinks, void *out, void *workspace, int64_t batch, int64_t max_seq_len,
+                                   void *stream) {
+  return run("opgraft_attention_plan_run", plan, q, NULL, NULL, NULL, 0, k_cache, v_cache, block_table, seq_lens,
+             sinks, out, workspace, batch, max_seq_len, stream);
+}
+
+int32_t opgraft_attention_plan_run_update(const opgraft_attention_plan *plan, const void *q, const void *k_new,
+                                          const void *v_new, const void *slot_mapping, int64_t slot_count,
+                                          const void *k_cache, const void *v_cache, const void *block_table,
+                                          const void *seq_lens, const void *sinks, void *out, void *workspace,
+                                          int64_t batch, int64_t max_seq_len, void *stream) {
+  if (!k_new) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run_update: no new keys");
+  return run("opgraft_attention_plan_run_update", plan, q, k_new, v_new, slot_mapping, slot_count, k_cache, v_cache,
+             block_table, seq_lens, sinks, out, workspace, batch, max_seq_len, stream);
 }
 
 /* ---- the argument-struct entry point, through plans cached here ---- */
@@ -276,6 +313,7 @@ int32_t opgraft_attention_run(const opgraft_attention_args *a, void *workspace, 
   }
   if (plan->workspace > workspace_bytes)
     return opgraft__fail(OPGRAFT_EINVAL, "workspace of %zu bytes given, %zu needed", workspace_bytes, plan->workspace);
-  return opgraft_attention_plan_run(plan, a->q, a->k_cache, a->v_cache, a->block_table, a->seq_lens, a->sinks, a->out,
+  return run("opgraft_attention_run", plan, a->q, a->k_new, a->v_new, a->slot_mapping, a->slot_count, a->k_cache,
+             a->v_cache, a->block_table, a->seq_lens, a->sinks, a->out,
                                     workspace, a->batch, a->max_seq_len, stream);
 }

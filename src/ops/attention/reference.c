@@ -1,5 +1,6 @@
 /* CPU oracle for paged decode attention: fp64 on host pointers, one (sequence, head) at a time,
- * softmax with the maximum subtracted (the sink's logit included). Used by the tests. */
+ * softmax with the maximum subtracted (the sink's logit included); with new keys, the cache write
+ * first. Used by the tests. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,6 +73,22 @@ int32_t opgraft_attention_reference(const opgraft_attention_args *a, double *out
   if (B == 0) return OPGRAFT_OK;
   if (!a->q || !a->k_cache || !a->v_cache || !a->block_table || !a->seq_lens || (!out_f64 && !a->out))
     return opgraft__fail(OPGRAFT_EINVAL, "NULL tensor");
+  if (a->k_new) { /* the call's cache write first (the caller's cache is changed, as on the GPU) */
+    if (!a->v_new || (a->slot_count > 0 && !a->slot_mapping) || a->slot_mapping_dtype != OPGRAFT_DTYPE_INT64)
+      return opgraft__fail(OPGRAFT_EINVAL, "new keys without values or an int64 slot mapping");
+    const int64_t *slots = a->slot_mapping;
+    for (int64_t b = 0; b < B && b < a->slot_count; ++b) {
+      const int64_t slot = slots[b], blk = slot / bs, row = slot % bs;
+      if (slot < 0 || blk >= a->num_blocks) continue;
+      for (int64_t h = 0; h < a->num_kv_heads; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          ((uint16_t *)a->k_cache)[blk * a->k_stride[0] + row * a->k_stride[1] + h * a->k_stride[2] + d * a->k_stride[3]] =
+              ((const uint16_t *)a->k_new)[b * a->k_new_stride[0] + h * a->k_new_stride[1] + d];
+          ((uint16_t *)a->v_cache)[blk * a->v_stride[0] + row * a->v_stride[1] + h * a->v_stride[2] + d * a->v_stride[3]] =
+              ((const uint16_t *)a->v_new)[b * a->v_new_stride[0] + h * a->v_new_stride[1] + d];
+        }
+    }
+  }
   const int32_t *bt = a->block_table, *lens = a->seq_lens;
   int64_t maxlen = 0;
   for (int64_t b = 0; b < B; ++b) maxlen = lens[b] > maxlen ? lens[b] : maxlen;

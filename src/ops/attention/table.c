@@ -62,6 +62,13 @@ static void attention_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_attention_args, max_seq_len);
   OG_ABI_FIELD(b, opgraft_attention_args, arch);
   OG_ABI_FIELD(b, opgraft_attention_args, gpu_name);
+  OG_ABI_FIELD(b, opgraft_attention_args, k_new);
+  OG_ABI_FIELD(b, opgraft_attention_args, k_new_stride);
+  OG_ABI_FIELD(b, opgraft_attention_args, v_new);
+  OG_ABI_FIELD(b, opgraft_attention_args, v_new_stride);
+  OG_ABI_FIELD(b, opgraft_attention_args, slot_mapping);
+  OG_ABI_FIELD(b, opgraft_attention_args, slot_mapping_dtype);
+  OG_ABI_FIELD(b, opgraft_attention_args, slot_count);
   opgraft__abi_end(b);
 }
 

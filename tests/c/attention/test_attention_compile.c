@@ -1,6 +1,6 @@
 /* Every decode-attention kernel variant that a shipped or tunable configuration can select
  * compiles with NVRTC for sm_80 and sm_90 without register spills: each head size and group
- * size, both dtypes, every option's code path (soft cap, window, sinks) and each tunable's other
+ * size, both dtypes, every option's code path (soft cap, window, sinks, the cache write) and each tunable's other
  * values (the block size is a run-time value: it does not change the code). Configurations are resolved first, identical option sets compiled once,
  * on several threads through the kernel cache ($OPGRAFT_TEST_KERNEL_CACHE keeps cubins and their
  * resource reports across runs; without it, a fresh directory). $OPGRAFT_TEST_JOBS overrides the
@@ -26,7 +26,8 @@ static char nvrtc_error[256];
 static _Atomic int next_job;
 static const int32_t archs[] = {80, 90};
 
-/* Options of a call: 0 none, else a mask of SOFTCAP 1, WINDOW 2, SINKS32 4, SINKS16 8. */
+/* Options of a call: 0 none, else a mask of SOFTCAP 1, WINDOW 2, SINKS32 4, SINKS16 8, UPDATE 16
+ * (the call's new keys and values written by the kernel). */
 static void add_job(int32_t dtype, int64_t D, int64_t G, int64_t bs, int options, int32_t arch, const char *setting) {
   if (n_jobs >= MAX_JOBS) fail_msg("more than %d compile jobs", MAX_JOBS);
   opgraft_attention_args a;
@@ -42,6 +43,10 @@ static void add_job(int32_t dtype, int64_t D, int64_t G, int64_t bs, int options
   const int64_t st[4] = {bs * 2 * 2 * D, 2 * 2 * D, 2 * D, 1};
   memcpy(a.k_stride, st, sizeof st), memcpy(a.v_stride, st, sizeof st);
   a.block_table_stride[0] = 64, a.block_table_stride[1] = 1;
+  if (options & 16) {
+    a.k_new = a.v_new = a.slot_mapping = (const void *)0x1000, a.slot_mapping_dtype = OPGRAFT_DTYPE_INT64;
+    a.k_new_stride[0] = a.v_new_stride[0] = 2 * D * 3, a.k_new_stride[1] = a.v_new_stride[1] = D;
+  }
   a.arch = arch;
   job *j = &jobs[n_jobs];
   memset(j, 0, sizeof *j);
@@ -139,6 +144,15 @@ static int setup(void **state) {
       {FP, 128, 8, 16, 11}, {BF, 128, 1, 16, 8}, {BF, 256, 1, 16, 3}, {FP, 64, 4, 16, 2},
   };
   add_setting(NULL, shipped, (int)(sizeof shipped / sizeof *shipped));
+  /* The cache write in the kernel, over every shipped variant and with the settings it may run with. */
+  variant written[sizeof shipped / sizeof *shipped];
+  const int nwritten = (int)(sizeof shipped / sizeof *shipped);
+  for (int i = 0; i < nwritten; ++i) written[i] = shipped[i], written[i].options |= 16;
+  add_setting(NULL, written, nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, written, nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL}, written, nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "16", NULL}, written, nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "1", NULL}, written, nwritten);
   /* Each tunable's other values, where they change the code. */
   static const variant some[] = {{BF, 64, 8, 16, 0},   {BF, 128, 8, 16, 0}, {BF, 128, 16, 16, 7},
                                  {BF, 256, 8, 16, 0},  {BF, 128, 1, 16, 0}, {FP, 256, 4, 16, 3}};

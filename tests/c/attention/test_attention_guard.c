@@ -77,6 +77,13 @@ static void expect_refusal(const opgraft_attention_args *a, const char *needle, 
   if (!strstr(opgraft_last_error(), reason)) fail_msg("%s: last error \"%s\" lacks the reason", what, opgraft_last_error());
 }
 
+/* The call's cache write (Qwen3's qkv output as the new keys and values). */
+static void set_update(opgraft_attention_args *a) {
+  a->k_new = (const void *)0x600000, a->v_new = (const void *)0x600100, a->slot_mapping = (const void *)0x700000;
+  a->k_new_stride[0] = a->v_new_stride[0] = 3 * 4 * 128, a->k_new_stride[1] = a->v_new_stride[1] = 128;
+  a->slot_mapping_dtype = OPGRAFT_DTYPE_INT64, a->slot_count = 8;
+}
+
 static void test_max_batch(void **state) {
   /* sm_90 takes up to 32 sequences (measured: FA3 wins at 64 with long contexts), other archs any. */
   opgraft_attention_args a = valid_args();
@@ -104,6 +111,11 @@ static void test_valid(void **state) {
   expect_ok(&a, "window, soft cap, fp32 sinks");
   a.sinks_dtype = OPGRAFT_DTYPE_BF16;
   expect_ok(&a, "sinks in the query's dtype");
+  a = valid_args();
+  set_update(&a);
+  expect_ok(&a, "the cache write in the kernel");
+  a.slot_count = 0, a.slot_mapping = NULL;
+  expect_ok(&a, "the cache write with no slots this call");
   static const int64_t heads[][3] = {{32, 32, 64}, {32, 8, 128}, {64, 4, 128}, {16, 2, 256}, {8, 8, 256}, {7, 1, 64}};
   for (int i = 0; i < 6; ++i) {
     a = valid_args();
@@ -186,6 +198,13 @@ static void m_lens_misaligned(opgraft_attention_args *a) { a->seq_lens = (const 
 static void m_null_bt(opgraft_attention_args *a) { a->block_table = NULL; }
 static void m_max_seq_len(opgraft_attention_args *a) { a->max_seq_len = -1; }
 static void m_arch_75(opgraft_attention_args *a) { a->arch = 75; }
+static void m_slots_int32(opgraft_attention_args *a) { set_update(a), a->slot_mapping_dtype = OPGRAFT_DTYPE_INT32; }
+static void m_slot_count(opgraft_attention_args *a) { set_update(a), a->slot_count = -1; }
+static void m_new_stride(opgraft_attention_args *a) { set_update(a), a->v_new_stride[0] = 3 * 4 * 128 + 2; }
+static void m_no_new_values(opgraft_attention_args *a) { set_update(a), a->v_new = NULL; }
+static void m_no_slots(opgraft_attention_args *a) { set_update(a), a->slot_mapping = NULL; }
+static void m_new_misaligned(opgraft_attention_args *a) { set_update(a), a->k_new = (const void *)0x600008; }
+static void m_slots_misaligned(opgraft_attention_args *a) { set_update(a), a->slot_mapping = (const void *)0x700004; }
 
 static const refusal refusals[] = {
     {m_struct_size, "struct_size"},
@@ -229,6 +248,13 @@ static const refusal refusals[] = {
     {m_null_bt, "NULL"},
     {m_max_seq_len, "max_seq_len"},
     {m_arch_75, "sm_75 is older than sm_80"},
+    {m_slots_int32, "slot mapping dtype int32"},
+    {m_slot_count, "negative slot count"},
+    {m_new_stride, "new key or value strides"},
+    {m_no_new_values, "without new values"},
+    {m_no_slots, "without new values or a slot mapping"},
+    {m_new_misaligned, "slot mapping misaligned"},
+    {m_slots_misaligned, "slot mapping misaligned"},
 };
 
 static void test_refusals(void **state) {
@@ -302,6 +328,13 @@ static void test_config(void **state) {
   a.sinks_dtype = OPGRAFT_DTYPE_BF16;
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(c.sinks, 1);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_UPDATE=0"));
+  set_update(&a); /* the cache write is a code path of its own */
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.update, 1);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_UPDATE=1"));
   /* PDL only from sm_90; warps and the launch-bounds minimum clamped to what fits. */
   setenv("OPGRAFT_TUNE_ATTENTION_PDL", "1", 1);
   setenv("OPGRAFT_TUNE_ATTENTION_WARPS", "16", 1);

@@ -45,6 +45,7 @@ typedef struct problem {
   double softcap;
   int sinks; /* 0 none, 1 fp32, 2 the dtype */
   int bad_blocks; /* sequence 1's first block id -1, its last num_blocks */
+  int update;     /* every sequence's last key and value given as new ones, their cache rows NaN */
   /* built */
   int nblocks, maxb;
   double *ql, *kl, *vl; /* [B][H][D], [B][Lmax][Hk][D] rounded values */
@@ -52,6 +53,8 @@ typedef struct problem {
   uint16_t *q, *cache_k, *cache_v, *sinks16;
   float sinks32[32];
   int32_t *bt;
+  uint16_t *knew, *vnew; /* update: [B][Hk][D + 8] */
+  int64_t *slots;
   opgraft_attention_args a;
 } problem;
 
@@ -125,6 +128,23 @@ static void build(problem *p) {
           p->cache_v[blk * vs[0] + (j % bs) * vs[1] + kh * vs[2] + d] = ev;
         }
     }
+  p->knew = p->vnew = NULL, p->slots = NULL;
+  if (p->update) { /* the last key of each sequence moves out of the cache into the call */
+    const size_t nrow = (size_t)D + 8;
+    p->knew = malloc(2 * (size_t)B * Hk * nrow), p->vnew = malloc(2 * (size_t)B * Hk * nrow);
+    p->slots = malloc(sizeof(int64_t) * (size_t)B);
+    for (int b = 0; b < B; ++b) {
+      const int j = p->lens[b] - 1, blk = j >= 0 ? p->bt[b * p->maxb + j / bs] : -1;
+      p->slots[b] = blk >= 0 && blk < p->nblocks ? (int64_t)blk * bs + j % bs : -1;
+      for (int kh = 0; kh < Hk && p->slots[b] >= 0; ++kh)
+        for (int d = 0; d < D; ++d) {
+          uint16_t *ck = &p->cache_k[blk * ks[0] + (j % bs) * ks[1] + kh * ks[2] + d];
+          uint16_t *cv = &p->cache_v[blk * vs[0] + (j % bs) * vs[1] + kh * vs[2] + d];
+          p->knew[((size_t)b * Hk + kh) * nrow + d] = *ck, p->vnew[((size_t)b * Hk + kh) * nrow + d] = *cv;
+          *ck = *cv = p->dtype == OPGRAFT_DTYPE_BF16 ? 0x7fc0u : 0x7e00u;
+        }
+    }
+  }
   p->sinks16 = malloc(2 * (size_t)H);
   for (int h = 0; h < H; ++h) {
     const double s = 3 * urand();
@@ -149,10 +169,16 @@ static void build(problem *p) {
   if (p->sinks == 2) a->sinks = p->sinks16, a->sinks_dtype = p->dtype;
   a->out_stride[0] = (int64_t)H * D, a->out_stride[1] = D, a->out_stride[2] = 1;
   a->arch = 90;
+  if (p->update) {
+    a->k_new = p->knew, a->v_new = p->vnew, a->slot_mapping = p->slots;
+    a->k_new_stride[0] = a->v_new_stride[0] = (int64_t)Hk * (D + 8), a->k_new_stride[1] = a->v_new_stride[1] = D + 8;
+    a->slot_mapping_dtype = OPGRAFT_DTYPE_INT64, a->slot_count = B;
+  }
 }
 
 static void release(problem *p) {
   free(p->ql), free(p->kl), free(p->vl), free(p->q), free(p->bt), free(p->sinks16);
+  free(p->knew), free(p->vnew), free(p->slots);
   free(p->cache_k < p->cache_v ? p->cache_k : p->cache_v);
 }
 
@@ -188,6 +214,15 @@ static void check(problem *p, const char *what) {
   const size_t n = (size_t)p->B * p->H * p->D;
   double *ref = malloc(sizeof(double) * n);
   assert_int_equal(opgraft_attention_reference(&p->a, ref), OPGRAFT_OK);
+  for (int b = 0; p->update && b < p->B; ++b) /* the new rows are in the cache now */
+    for (int kh = 0; kh < p->Hk && p->slots[b] >= 0; ++kh)
+      for (int d = 0; d < p->D; ++d) {
+        const int64_t blk = p->slots[b] / p->bs, row = p->slots[b] % p->bs;
+        const size_t ni = ((size_t)b * p->Hk + kh) * (p->D + 8) + d;
+        if (p->cache_k[blk * p->a.k_stride[0] + row * p->a.k_stride[1] + kh * p->a.k_stride[2] + d] != p->knew[ni] ||
+            p->cache_v[blk * p->a.v_stride[0] + row * p->a.v_stride[1] + kh * p->a.v_stride[2] + d] != p->vnew[ni])
+          fail_msg("%s: sequence %d's new key or value not in the cache", what, b);
+      }
   double worst = 0;
   for (int b = 0; b < p->B; ++b)
     for (int h = 0; h < p->H; ++h)
@@ -247,6 +282,17 @@ static void test_head_256(void **state) {
   check(&p, "bf16 MQA 8, head 256, soft cap 50");
 }
 
+/* The call's cache write: the oracle stores each sequence's last key and value at its slot (their
+ * rows were NaN) before attending, so its output is the brute force's. */
+static void test_cache_write(void **state) {
+  problem p = {.dtype = OPGRAFT_DTYPE_BF16, .B = 5, .H = 32, .Hk = 4, .D = 128, .bs = 16, .layout = 0,
+               .lens = {1, 0, 17, 300, 16}, .window_left = -1, .update = 1};
+  check(&p, "bf16 32/4 heads with the cache write, a padded row");
+  problem q = {.dtype = OPGRAFT_DTYPE_FP16, .B = 3, .H = 8, .Hk = 8, .D = 64, .bs = 32, .layout = 1,
+               .lens = {33, 64, 2}, .window_left = 15, .update = 1};
+  check(&q, "fp16 MHA, separate K/V, window 16, with the cache write");
+}
+
 static void test_arguments(void **state) {
   problem p = {.dtype = OPGRAFT_DTYPE_BF16, .B = 1, .H = 4, .Hk = 4, .D = 64, .bs = 16, .lens = {3}, .window_left = -1};
   build(&p);
@@ -274,6 +320,7 @@ int main(void) {
       cmocka_unit_test(test_mha_window_softcap),
       cmocka_unit_test(test_sinks_and_missing_blocks),
       cmocka_unit_test(test_head_256),
+      cmocka_unit_test(test_cache_write),
       cmocka_unit_test(test_arguments),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -50,6 +50,43 @@ def test_args_follow_vllm_views():
     assert guard(a) == (_lib.OK, "")
 
 
+def new_rows(p, rows=None):
+    """New keys and values as vLLM's attention layer passes them: views of a fused qkv output."""
+    rows = rows or p.seq_lens.shape[0]
+    hq, hk, d = p.query.shape[1], p.key_cache.shape[2], p.key_cache.shape[3]
+    fused = torch.zeros((rows, (hq + 2 * hk) * d), dtype=p.query.dtype)
+    key = fused[:, hq * d:(hq + hk) * d].view(rows, hk, d)
+    value = fused[:, (hq + hk) * d:].view(rows, hk, d)
+    return key, value, torch.arange(rows, dtype=torch.int64)
+
+
+def test_args_of_a_call_that_writes_the_cache():
+    p = problem()
+    key, value, slots = new_rows(p, rows=4)  # a padded batch: more token rows than sequences
+    a = args_of(p, key=key, value=value, slot_mapping=slots)
+    assert a.k_new == key.data_ptr() and a.v_new == value.data_ptr() and a.slot_mapping == slots.data_ptr()
+    assert list(a.k_new_stride) == [(8 + 4) * 64, 64] == list(a.v_new_stride)
+    assert a.slot_mapping_dtype == _lib.DTYPE_INT64 and a.slot_count == 4
+    assert guard(a) == (_lib.OK, "")
+    assert guard(args_of(p, key=key, value=value, slot_mapping=slots.int())) == (
+        _lib.EUNSUPPORTED, "slot mapping dtype int32 (int64 expected)")
+    # shapes that are not a cache row's, a strided head dim, a missing part, too few rows
+    for kw in (dict(key=key[:, :1]), dict(value=value[:, :, :32]), dict(key=key.transpose(1, 2)),
+               dict(slot_mapping=None), dict(key=key.float()), dict(key=key[:2], value=value[:2]),
+               dict(slot_mapping=slots.view(2, 2))):
+        call = dict(key=key, value=value, slot_mapping=slots)
+        call.update(kw)
+        assert args_of(p, **call).dtype == -1, kw
+    # the plan's layout includes the new rows' strides, not their pointers
+    k1 = ops._layout_key(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale, 0.0, -1, None,
+                         0, 1, key, value, slots)
+    k2 = ops._layout_key(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale, 0.0, -1, None,
+                         0, 1, *new_rows(p, rows=4))
+    k0 = ops._layout_key(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale, 0.0, -1, None,
+                         0, 1)
+    assert k1 == k2 != k0
+
+
 def test_inconsistent_tensors_are_refused():
     p = problem()
     bad = [
@@ -222,7 +259,7 @@ def test_a_plan_is_per_batch():
 def test_prepare_loads_every_capture_size_and_needs_only_batch_one(monkeypatch):
     seen = []
 
-    def one(*args):
+    def one(*args, update=False):
         batch = args[-1]
         seen.append(batch)
         return (True, "") if batch <= 32 else (False, f"batch {batch} > attention.max_batch 32")
@@ -231,6 +268,6 @@ def test_prepare_loads_every_capture_size_and_needs_only_batch_one(monkeypatch):
     assert ops.prepare(32, 4, 128, torch.bfloat16, "cpu", batches=(64, 8, 2, 8)) == (True, "")
     assert seen == [1, 2, 8, 64]  # batch 1 first; a size the guard refuses does not fail the layer
     seen.clear()
-    monkeypatch.setattr(ops, "_prepare_one", lambda *a: seen.append(a[-1]) or (False, "no NVRTC"))
+    monkeypatch.setattr(ops, "_prepare_one", lambda *a, **k: seen.append(a[-1]) or (False, "no NVRTC"))
     assert ops.prepare(32, 4, 128, torch.bfloat16, "cpu", batches=(8,)) == (False, "no NVRTC")
     assert seen == [1]

@@ -39,13 +39,14 @@ def test_registration_points_flash_attn_at_our_subclass(clean):
     assert cls.get_name() == "FLASH_ATTN"
     assert cls.get_builder_cls() is fa.FlashAttentionMetadataBuilder  # and so its CUDA-graph support
     assert issubclass(cls.get_impl_cls(), fa.FlashAttentionImpl)
-    # Everything but the impl is FlashAttention's own (cache shape and layout, block sizes,
-    # dtypes, head sizes, capabilities); the impl overrides three methods.
-    assert {k for k in vars(cls) if not k.startswith("_")} == {"get_impl_cls"}
+    # Everything but the impl and who writes the cache is FlashAttention's own (cache shape and
+    # layout, block sizes, dtypes, head sizes, capabilities); the impl overrides two methods.
+    assert {k for k in vars(cls) if not k.startswith("_")} == {"get_impl_cls", "forward_includes_kv_cache_update"}
     assert {k for k in vars(cls.get_impl_cls()) if not k.startswith("_")} == {"forward", "process_weights_after_loading"}
     for h in (64, 96, 128, 256):
         assert cls.supports_head_size(h) == fa.FlashAttentionBackend.supports_head_size(h)
-    assert cls.forward_includes_kv_cache_update is False  # vLLM still writes the cache first
+    assert fa.FlashAttentionBackend.forward_includes_kv_cache_update is False
+    assert cls.forward_includes_kv_cache_update is True  # our forward writes the cache: vLLM's layer does not
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     module, qualname = cls.full_cls_name()
@@ -255,3 +256,102 @@ def test_a_layer_whose_kernel_cannot_be_prepared_stays_flash_attentions(recorder
     result, args = forward(i, metadata())
     assert_handed_back(recorder, result, args)
     assert list(reasons()) == [i._og_reason]
+
+
+# ---- the KV-cache write: forward owes it -------------------------------------------------------
+
+LAYER = "model.layers.0.self_attn.attn"
+
+
+class WriteRecorder:
+    """Stands in for FlashAttentionImpl.do_kv_cache_update and forward, recording their order."""
+
+    def __init__(self):
+        self.events = []
+
+    def update(self, impl_self, layer, key, value, kv_cache, slots):
+        self.events.append(("write", layer, key, value, kv_cache, slots))
+
+    def forward(self, impl_self, *args):
+        self.events.append(("attention",) + args)
+        return "vllm's output"
+
+
+@pytest.fixture
+def writes(clean, monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm import forward_context as fc
+
+    rec = WriteRecorder()
+    monkeypatch.setattr(fa.FlashAttentionImpl, "do_kv_cache_update", lambda self, *a: rec.update(self, *a))
+    monkeypatch.setattr(fa.FlashAttentionImpl, "forward", lambda self, *a, **k: rec.forward(self, *a))
+    rec.slots = torch.arange(B, dtype=torch.int64)
+    ctx = SimpleNamespace(slot_mapping={LAYER: rec.slots})
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: ctx)
+    return rec
+
+
+def layer_named(name=LAYER):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(layer_name=name)
+
+
+def test_a_handed_back_call_writes_the_cache_then_runs_flash_attention(writes):
+    i = impl()
+    for md in (None, metadata(max_query_len=4), metadata()):  # profile run, prefill, decode on CPU (refused)
+        writes.events.clear()
+        q, k, v, kv, out = tensors()
+        layer = layer_named()
+        assert i.forward(layer, q, k, v, kv, md, out) == "vllm's output"
+        (w, a) = writes.events
+        assert w[0] == "write" and w[1] is layer and w[2] is k and w[3] is v and w[4] is kv and w[5] is writes.slots
+        assert a[0] == "attention" and a[1] is layer and a[2] is q and a[5] is kv and a[6] is md and a[7] is out
+
+
+def test_no_write_without_a_slot_mapping_or_for_a_layer_sharing_a_cache(writes):
+    q, k, v, kv, out = tensors()
+    i = impl()
+    i.forward(layer_named("model.layers.9.self_attn.attn"), q, k, v, kv, None, out)  # not in the mapping
+    i.forward(layer_named(), q, None, None, kv, None, out)  # no new keys (vLLM's layer would not write)
+    shared = impl(kv_sharing_target_layer_name="model.layers.0.self_attn.attn")
+    shared.forward(layer_named(), q, k, v, kv, None, out)
+    assert [e[0] for e in writes.events] == ["attention"] * 3
+
+
+def test_the_call_our_kernel_gets_carries_the_write(writes, monkeypatch):
+    seen = []
+
+    @dispatch.register_variant("attention", "test-capture")
+    def capture(call):
+        seen.append(call)
+        return call.output
+
+    try:
+        monkeypatch.setenv("OPGRAFT_ATTENTION_VARIANT", "test-capture")
+        q, k, v, kv, out = tensors()
+        assert impl().forward(layer_named(), q, k, v, kv, metadata(), out) is out
+        (call,) = seen
+        assert call.key is k and call.value is v and call.slot_mapping is writes.slots
+        assert not writes.events  # the kernel writes; nothing of vLLM's ran
+        call.delegate()  # a hand-back from there: vLLM's write, then its attention
+        assert [e[0] for e in writes.events] == ["write", "attention"]
+        seen.clear()
+        impl(kv_sharing_target_layer_name="x").forward(layer_named(), q, k, v, kv, metadata(), out)
+        assert seen[0].key is None and seen[0].slot_mapping is None
+    finally:
+        dispatch._VARIANTS["attention"].pop("test-capture", None)
+
+
+def test_the_cache_write_kill_switch_keeps_vllms_write_op(writes, monkeypatch):
+    monkeypatch.setenv("OPGRAFT_ATTENTION_CACHE_WRITE", "0")
+    attn_seam._classes.clear()  # the flag is read when the classes are built
+    try:
+        assert attn_seam.OpgraftFlashAttentionBackend.forward_includes_kv_cache_update is False
+        q, k, v, kv, out = tensors()
+        impl().forward(layer_named(), q, k, v, kv, metadata(), out)
+        assert [e[0] for e in writes.events] == ["attention"]  # vLLM's layer wrote before forward
+    finally:
+        attn_seam._classes.clear()
