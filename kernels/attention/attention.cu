@@ -390,12 +390,24 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 #endif
   og_vec4 qreg[OG_QREGS];
   const og_u16 *qb = (const og_u16 *)p.q + (long long)b * p.q_st + (long long)hq0 * p.q_sh;
+#if OG_UPDATE
+  // The row's new key and value, loaded by every block with the query (whether the block is the
+  // one that uses them is known only with the length): no round trip after the length's.
+  og_vec4 nreg[OG_NEWREGS];
+#endif
   auto load_q = [&] {
 #pragma unroll
     for (int r = 0; r < OG_QREGS; ++r) {
       const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
       qreg[r] = i < OG_QITEMS && h < OG_G ? og_load_activation<OG_PDL != 0>(qb + (long long)h * p.q_sh + d) : og_zero4();
     }
+#if OG_UPDATE
+#pragma unroll
+    for (int r = 0; r < OG_NEWREGS; ++r) {
+      const int i = tid + r * OG_NT;
+      if (i < OG_NEWITEMS) nreg[r] = og_new_piece(p, b, hk, i);
+    }
+#endif
   };
 #if !OG_PDL  // the query in flight with the length; under PDL it is read after the wait
   load_q();
@@ -422,7 +434,11 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
       }
 #if OG_UPDATE  // the cache write still happens where the row has a slot
       if (slot >= 0)
-        for (int i = tid; i < OG_NEWITEMS; i += OG_NT) og_store_piece(p, hk, slot, i, og_new_piece(p, b, hk, i));
+#pragma unroll
+        for (int r = 0; r < OG_NEWREGS; ++r) {
+          const int i = tid + r * OG_NT;
+          if (i < OG_NEWITEMS) og_store_piece(p, hk, slot, i, nreg[r]);
+        }
 #endif
     }
     return;
@@ -451,20 +467,13 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   const int r1 = fresh ? L - 1 : min(L, r0 + chunk);
   __shared__ __align__(16) og_u16 s_new[2 * OG_D];  // the new key, then the new value
   __shared__ float s_xnew[OG_G];                    // the new key's logit per head (log2 units)
-  og_vec4 nreg[OG_NEWREGS];
-  if (fresh)
-#pragma unroll
-    for (int r = 0; r < OG_NEWREGS; ++r) {
-      const int i = tid + r * OG_NT;
-      if (i < OG_NEWITEMS) nreg[r] = og_new_piece(p, b, hk, i);
-    }
 #else
   const int r1 = min(L, r0 + chunk);
 #endif
   const int ntiles = (r1 - r0 + 15) >> 4;
 
   // The block's query rows (heads hq0 .. hq0+G-1; rows up to the 8-head tile are zero), loaded
-  // before the length so that both loads are in flight together.
+  // before the length so that both loads are in flight together (under PDL: after the wait).
 #pragma unroll
   for (int r = 0; r < OG_QREGS; ++r) {
     const int i = tid + r * OG_NT, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
