@@ -211,42 +211,46 @@ def test_passthrough_variant(recorder, monkeypatch):
     assert reasons() == {"passthrough variant": 1}
 
 
-def test_the_call_our_kernel_gets(recorder, monkeypatch):
-    seen = []
+@pytest.fixture
+def seen(monkeypatch):
+    """The calls the seam hands our kernel, kept by a variant that records them instead."""
+    calls = []
 
     @dispatch.register_variant("attention", "test-capture")
     def capture(call):
-        seen.append(call)
+        calls.append(call)
         return call.output
 
-    try:
-        monkeypatch.setenv("OPGRAFT_ATTENTION_VARIANT", "test-capture")
-        sinks = torch.randn(HQ)
-        i = impl(sliding_window=4096, logits_soft_cap=30.0)
-        i.sinks = sinks  # vLLM asserts FA3 support of sinks at construction; the impl keeps them as given
-        md = metadata(max_seq_len=40)
-        q, k, v, kv, out = tensors()
-        assert i.forward(object(), q, k, v, kv, md, out) is out
-        (call,) = seen
-        kc, vc = kv.transpose(1, 2).split(D, dim=-1)  # FlashAttentionImpl.forward's views
-        assert call.key_cache.data_ptr() == kc.data_ptr() and call.key_cache.stride() == kc.stride()
-        assert call.value_cache.data_ptr() == vc.data_ptr() and call.value_cache.shape == vc.shape
-        assert call.query is q and call.output is out
-        assert call.block_table is md.block_table and call.seq_lens is md.seq_lens
-        assert call.scale == i.scale and call.softcap == 30.0 and call.sinks is sinks
-        expected_left = i.sliding_window[0]
-        if getattr(md, "sliding_window", None) is not None:  # 0.26: the group's window wins
-            expected_left = md.sliding_window[0]
-        assert call.window_left == expected_left and call.max_seq_len == 40
-        assert not recorder.calls
-        # the views are reused for the same cache tensor
-        i.forward(object(), q, k, v, kv, md, out)
-        assert seen[1].key_cache is call.key_cache
-        if "sliding_window" in fa.FlashAttentionMetadata.__dataclass_fields__:
-            i.forward(object(), q, k, v, kv, metadata(sliding_window=(127, 0)), out)
-            assert seen[2].window_left == 127
-    finally:
-        dispatch._VARIANTS["attention"].pop("test-capture", None)
+    monkeypatch.setenv("OPGRAFT_ATTENTION_VARIANT", "test-capture")
+    yield calls
+    dispatch._VARIANTS["attention"].pop("test-capture", None)
+
+
+def test_the_call_our_kernel_gets(recorder, seen):
+    sinks = torch.randn(HQ)
+    i = impl(sliding_window=4096, logits_soft_cap=30.0)
+    i.sinks = sinks  # vLLM asserts FA3 support of sinks at construction; the impl keeps them as given
+    md = metadata(max_seq_len=40)
+    q, k, v, kv, out = tensors()
+    assert i.forward(object(), q, k, v, kv, md, out) is out
+    (call,) = seen
+    kc, vc = kv.transpose(1, 2).split(D, dim=-1)  # FlashAttentionImpl.forward's views
+    assert call.key_cache.data_ptr() == kc.data_ptr() and call.key_cache.stride() == kc.stride()
+    assert call.value_cache.data_ptr() == vc.data_ptr() and call.value_cache.shape == vc.shape
+    assert call.query is q and call.output is out
+    assert call.block_table is md.block_table and call.seq_lens is md.seq_lens
+    assert call.scale == i.scale and call.softcap == 30.0 and call.sinks is sinks
+    expected_left = i.sliding_window[0]
+    if getattr(md, "sliding_window", None) is not None:  # 0.26: the group's window wins
+        expected_left = md.sliding_window[0]
+    assert call.window_left == expected_left and call.max_seq_len == 40
+    assert not recorder.calls
+    # the views are reused for the same cache tensor
+    i.forward(object(), q, k, v, kv, md, out)
+    assert seen[1].key_cache is call.key_cache
+    if "sliding_window" in fa.FlashAttentionMetadata.__dataclass_fields__:
+        i.forward(object(), q, k, v, kv, metadata(sliding_window=(127, 0)), out)
+        assert seen[2].window_left == 127
 
 
 def test_a_layer_whose_kernel_cannot_be_prepared_stays_flash_attentions(recorder):
@@ -321,28 +325,17 @@ def test_no_write_without_a_slot_mapping_or_for_a_layer_sharing_a_cache(writes):
     assert [e[0] for e in writes.events] == ["attention"] * 3
 
 
-def test_the_call_our_kernel_gets_carries_the_write(writes, monkeypatch):
-    seen = []
-
-    @dispatch.register_variant("attention", "test-capture")
-    def capture(call):
-        seen.append(call)
-        return call.output
-
-    try:
-        monkeypatch.setenv("OPGRAFT_ATTENTION_VARIANT", "test-capture")
-        q, k, v, kv, out = tensors()
-        assert impl().forward(layer_named(), q, k, v, kv, metadata(), out) is out
-        (call,) = seen
-        assert call.key is k and call.value is v and call.slot_mapping is writes.slots
-        assert not writes.events  # the kernel writes; nothing of vLLM's ran
-        call.delegate()  # a hand-back from there: vLLM's write, then its attention
-        assert [e[0] for e in writes.events] == ["write", "attention"]
-        seen.clear()
-        impl(kv_sharing_target_layer_name="x").forward(layer_named(), q, k, v, kv, metadata(), out)
-        assert seen[0].key is None and seen[0].slot_mapping is None
-    finally:
-        dispatch._VARIANTS["attention"].pop("test-capture", None)
+def test_the_call_our_kernel_gets_carries_the_write(writes, seen):
+    q, k, v, kv, out = tensors()
+    assert impl().forward(layer_named(), q, k, v, kv, metadata(), out) is out
+    (call,) = seen
+    assert call.key is k and call.value is v and call.slot_mapping is writes.slots
+    assert not writes.events  # the kernel writes; nothing of vLLM's ran
+    call.delegate()  # a hand-back from there: vLLM's write, then its attention
+    assert [e[0] for e in writes.events] == ["write", "attention"]
+    seen.clear()
+    impl(kv_sharing_target_layer_name="x").forward(layer_named(), q, k, v, kv, metadata(), out)
+    assert seen[0].key is None and seen[0].slot_mapping is None
 
 
 def test_the_cache_write_kill_switch_keeps_vllms_write_op(writes, monkeypatch):
