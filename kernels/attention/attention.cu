@@ -364,15 +364,21 @@ __device__ __forceinline__ og_vec4 og_new_piece(const og_attn_params &p, int b, 
                           : (const og_u16 *)p.v_new + (long long)b * p.vn_st + (long long)hk * p.vn_sh;
   return og_load_activation<OG_PDL != 0>(src + d);
 }
-// Stores that piece into the cache slot (no store where the slot's block is outside the cache).
-__device__ __forceinline__ void og_store_piece(const og_attn_params &p, int hk, long long slot, int i, og_vec4 v) {
-  const long long blk = slot / p.block_size, row = slot - blk * p.block_size;
-  if (blk >= p.num_blocks) return;
+// Where kv head hk's new key goes in the cache: the slot's K row (its V row is at *vrow), or NULL
+// where there is no slot or its block is outside the cache. A 32-bit division where the slot
+// allows (a 64-bit one is a subroutine of ~70 dependent instructions).
+__device__ __forceinline__ og_u16 *og_slot_rows(const og_attn_params &p, int hk, long long slot, og_u16 **vrow) {
+  const long long blk = slot >= 0 && slot <= 0xffffffffll ? (long long)((unsigned)slot / (unsigned)p.block_size)
+                                                          : slot / p.block_size;
+  const long long row = slot - blk * p.block_size;
+  if (slot < 0 || blk >= p.num_blocks) return *vrow = nullptr;
+  *vrow = (og_u16 *)p.v + blk * p.v_sb + row * p.v_st + (long long)hk * p.v_sh;
+  return (og_u16 *)p.k + blk * p.k_sb + row * p.k_st + (long long)hk * p.k_sh;
+}
+// Stores piece i of the new key (i < D/8) or value into those rows.
+__device__ __forceinline__ void og_store_piece(og_u16 *krow, og_u16 *vrow, int i, og_vec4 v) {
   const bool isk = i < OG_D / 8;
-  const int d = (isk ? i : i - OG_D / 8) * 8;
-  og_u16 *dst = isk ? (og_u16 *)p.k + blk * p.k_sb + row * p.k_st + (long long)hk * p.k_sh
-                    : (og_u16 *)p.v + blk * p.v_sb + row * p.v_st + (long long)hk * p.v_sh;
-  *(og_vec4 *)(dst + d) = v;
+  *(og_vec4 *)((isk ? krow : vrow) + (isk ? i : i - OG_D / 8) * 8) = v;
 }
 #endif
 
@@ -433,11 +439,12 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
         *(og_vec4 *)((og_u16 *)p.out + (long long)b * p.o_st + (long long)(hq0 + h) * p.o_sh + d) = og_zero4();
       }
 #if OG_UPDATE  // the cache write still happens where the row has a slot
-      if (slot >= 0)
+      og_u16 *vrow, *krow = og_slot_rows(p, hk, slot, &vrow);
+      if (krow)
 #pragma unroll
         for (int r = 0; r < OG_NEWREGS; ++r) {
           const int i = tid + r * OG_NT;
-          if (i < OG_NEWITEMS) og_store_piece(p, hk, slot, i, nreg[r]);
+          if (i < OG_NEWITEMS) og_store_piece(krow, vrow, i, nreg[r]);
         }
 #endif
     }
@@ -480,15 +487,17 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     if (i < OG_QITEMS) *(og_vec4 *)(sq + h * OG_QROW + d) = qreg[r];
   }
 #if OG_UPDATE
-  if (fresh)
+  if (fresh) {
+    og_u16 *vrow, *krow = og_slot_rows(p, hk, slot, &vrow);
 #pragma unroll
     for (int r = 0; r < OG_NEWREGS; ++r) {
       const int i = tid + r * OG_NT;
       if (i < OG_NEWITEMS) {
         *(og_vec4 *)(s_new + 8 * i) = nreg[r];
-        og_store_piece(p, hk, slot, i, nreg[r]);
+        if (krow) og_store_piece(krow, vrow, i, nreg[r]);
       }
     }
+  }
 #endif
   const og_u16 *kbase = (const og_u16 *)p.k + (long long)hk * p.k_sh + 8 * c;  // this lane's 8 dims of a 32
   const og_u16 *vbase = (const og_u16 *)p.v + (long long)hk * p.v_sh + 8 * g;  // this lane's 8 dims of a 64
@@ -607,20 +616,24 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   }
 
 #if OG_UPDATE
-  // The new key's logits: warp w takes heads w, w+W, ..., a lane two dims of every 64.
-  if (fresh)
-    for (int h = warp; h < OG_G; h += OG_W) {
-      float dot = 0.f;
+  // The new key's logits: warp w takes heads w, w+W, ..., a lane two dims of every 64. Every
+  // block computes them (only the last split's block has the key and uses them): in code that
+  // may diverge, the shuffles would need the warp re-converged around each one.
 #pragma unroll
-      for (int d = 2 * lane; d < OG_D; d += 64) {
-        const og_u32 qv = *(const og_u32 *)(sq + h * OG_QROW + d), kv = *(const og_u32 *)(s_new + d);
-        dot += og_lo(qv) * og_lo(kv);
-        dot += og_hi(qv) * og_hi(kv);
-      }
+  for (int r = 0; r < (OG_G + OG_W - 1) / OG_W; ++r) {
+    const int h = min(warp + r * OG_W, OG_G - 1);
+    float dot = 0.f;
 #pragma unroll
-      for (int sh = 16; sh; sh >>= 1) dot += __shfl_xor_sync(OG_FULL, dot, sh);
-      if (lane == 0) s_xnew[h] = og_logit(p, dot);
+    for (int j = 0; j < OG_D / 64; ++j) {
+      const int d = 64 * j + 2 * lane;
+      const og_u32 qv = *(const og_u32 *)(sq + h * OG_QROW + d), kv = *(const og_u32 *)(s_new + d);
+      dot += og_lo(qv) * og_lo(kv);
+      dot += og_hi(qv) * og_hi(kv);
     }
+#pragma unroll
+    for (int sh = 16; sh; sh >>= 1) dot += __shfl_xor_sync(OG_FULL, dot, sh);
+    if (lane == 0 && warp + r * OG_W < OG_G) s_xnew[h] = og_logit(p, dot);
+  }
 #endif
   // The warps' results into shared memory: maxima, sums (over the lanes' tokens) and outputs.
   float *so = region, *sml = region + OG_W * OG_G * OG_D;
