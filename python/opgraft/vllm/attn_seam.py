@@ -41,7 +41,9 @@ Facts this relies on, read in both versions' v1/attention/backends/flash_attn.py
   layer); every call handed back runs do_kv_cache_update with the same arguments first, then
   FlashAttentionImpl.forward, which is stock vLLM's order. The model runner reads the flag only to
   decide whether slot mappings are padded to the CUDA-graph batch (padding rows hold -1, which
-  both writes skip).
+  both writes skip). vLLM's RoPE + KV-cache fusion passes (pass_config.fuse_rope_kvcache and
+  fuse_qk_norm_rope_kvcache, off by default) rewrite the separate write op, so under our backend
+  they find nothing to fuse; OPGRAFT_ATTENTION_CACHE_WRITE=0 keeps the op for them.
 - FlashAttentionMetadata: max_query_len (1 for a decode-only batch), seq_lens int32 [num_reqs]
   (CUDA-graph padding rows have seq_len 0 and block-table row 0), block_table int32 [num_reqs,
   max_blocks], max_seq_len (an int; max_model_len while capturing), causal; 0.26 also use_cascade
