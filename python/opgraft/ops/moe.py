@@ -204,19 +204,24 @@ def plan_for(hidden, w13, w2, topk_weights, topk_ids, out=None, apply_router_wei
     """The plan of this call's layout, made on first sight (the guard runs then, and only then)."""
     key = _layout_key(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
                       activation, fp8, out_dtype)
+    return _plan_once(key, hidden, lambda: moe_args(hidden, w13, w2, topk_weights, topk_ids, out,
+                                                    apply_router_weight_on_input, expert_map, activation, fp8=fp8,
+                                                    out_dtype=out_dtype),
+                      "tensor shapes or devices are not those of fused_experts" if fp8 is None else
+                      "tensor or FP8 scale shapes or devices are not those of vLLM's FP8 fused_experts")
+
+
+def _plan_once(key, hidden, make_args, refusal: str) -> Plan:
+    """The cached plan of key, else one made now from make_args() (refusal: the reason when those
+    arguments do not describe a call) and kept."""
     plan = _plans.get(key)
     if plan is not None:
         return plan
     if not hidden.is_cuda:
         plan = Plan(None, "tensors are not on a CUDA device")
     else:
-        a = moe_args(hidden, w13, w2, topk_weights, topk_ids, out, apply_router_weight_on_input, expert_map,
-                     activation, fp8=fp8, out_dtype=out_dtype)
-        if a.dtype == -1:
-            plan = Plan(None, "tensor shapes or devices are not those of fused_experts" if fp8 is None else
-                        "tensor or FP8 scale shapes or devices are not those of vLLM's FP8 fused_experts")
-        else:
-            plan = _create(a, hidden.device)
+        a = make_args()
+        plan = Plan(None, refusal) if a.dtype == -1 else _create(a, hidden.device)
     return _plans.put(key, plan)
 
 
@@ -380,18 +385,9 @@ def plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out=None
                     topk_ids=None) -> Plan:
     """The plan of a routed call's layout, made on first sight (the guard runs then)."""
     key = _routed_key(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
-    if not hidden.is_cuda:
-        plan = Plan(None, "tensors are not on a CUDA device")
-    else:
-        a = moe_routed_args(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids)
-        if a.dtype == -1:
-            plan = Plan(None, "tensor shapes or devices are not those of a routed MoE call")
-        else:
-            plan = _create(a, hidden.device)
-    return _plans.put(key, plan)
+    return _plan_once(key, hidden, lambda: moe_routed_args(hidden, w13, w2, router_logits, top_k, renormalize, out,
+                                                           topk_weights, topk_ids),
+                      "tensor shapes or devices are not those of a routed MoE call")
 
 
 def run_routed(plan: Plan, out, hidden, w13, w2, router_logits, top_k, renormalize, topk_weights=None,
