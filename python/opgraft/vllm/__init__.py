@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 
-from .compat import TESTED_VLLM, vllm_version, vllm_version_is
+from .compat import OFF, TESTED_VLLM, vllm_version, vllm_version_is
 
 _lock = threading.Lock()
 _done = False
@@ -35,7 +35,7 @@ def _logger():
 
 
 def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return os.environ.get(name, "").strip().lower() not in ("", *OFF)
 
 
 def platform_gate() -> tuple[bool, str]:

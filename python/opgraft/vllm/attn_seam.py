@@ -63,6 +63,7 @@ import logging
 import os
 
 from .. import dispatch
+from .compat import switched_off
 
 logger = logging.getLogger("opgraft")
 
@@ -88,12 +89,12 @@ def requested_backend() -> str | None:
 
 def cache_write_enabled() -> bool:
     """OPGRAFT_ATTENTION_CACHE_WRITE=0 (or false/no/off) keeps vLLM's KV-cache write as an op of its own."""
-    return os.environ.get("OPGRAFT_ATTENTION_CACHE_WRITE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return not switched_off("OPGRAFT_ATTENTION_CACHE_WRITE")
 
 
 def kernel_enabled() -> bool:
     """OPGRAFT_ATTENTION=0 (or false/no/off) keeps vLLM's FlashAttention backend as shipped."""
-    return os.environ.get("OPGRAFT_ATTENTION", "1").strip().lower() not in ("0", "false", "no", "off")
+    return not switched_off("OPGRAFT_ATTENTION")
 
 
 # ---- the backend -----------------------------------------------------------------------------

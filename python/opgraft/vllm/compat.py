@@ -3,6 +3,16 @@ for the symbols they patch, so a moved API leaves opgraft a no-op with one warni
 
 from __future__ import annotations
 
+import os
+
+# How a switch is turned off: OPGRAFT_X=0 (or false, no, off; any case, spaces ignored).
+OFF = ("0", "false", "no", "off")
+
+
+def switched_off(name: str) -> bool:
+    """Is the environment switch `name` set to one of OFF? (Unset or anything else: on.)"""
+    return os.environ.get(name, "").strip().lower() in OFF
+
 # The vLLM release opgraft is tested against: the newest that pins torch 2.11.0 (its wheel's
 # METADATA: Requires-Dist torch==2.11.0; built for CUDA 13.0).
 TESTED_VLLM = "0.26.0"

@@ -47,10 +47,10 @@ Remove it: delete the ("linear", linear_seam) entry of the seam list in opgraft/
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from .. import dispatch
+from .compat import switched_off
 
 logger = logging.getLogger("opgraft")
 
@@ -68,8 +68,7 @@ DEVICE_TYPES = ("cuda",)
 
 def disabled() -> str:
     """Why the seam must not be installed ("" if it may): OPGRAFT_LINEAR=0."""
-    v = os.environ.get("OPGRAFT_LINEAR", "").strip().lower()
-    return "linear seam disabled by OPGRAFT_LINEAR=0" if v in ("0", "false", "no", "off") else ""
+    return "linear seam disabled by OPGRAFT_LINEAR=0" if switched_off("OPGRAFT_LINEAR") else ""
 
 
 def _targets():

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 from .. import dispatch
 from . import moe_seam
+from .compat import switched_off
 
 _PATCH_ATTR = "_opgraft_original_apply_quant_method"
 _PARAMS = ("hidden_states", "router_logits", "shared_experts_input", "input_ids")
@@ -34,8 +34,7 @@ _OPTIONAL = {"shared_experts_overlapping"}  # vLLM 0.33
 
 def disabled() -> str:
     """Why the seam must not be installed ("" if it may): OPGRAFT_MOE_ROUTE=0."""
-    v = os.environ.get("OPGRAFT_MOE_ROUTE", "").strip().lower()
-    return "MoE routing seam disabled by OPGRAFT_MOE_ROUTE=0" if v in ("0", "false", "no", "off") else ""
+    return "MoE routing seam disabled by OPGRAFT_MOE_ROUTE=0" if switched_off("OPGRAFT_MOE_ROUTE") else ""
 
 
 def _target():
