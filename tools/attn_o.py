@@ -119,9 +119,7 @@ def main(argv=None) -> int:
                             reshape_and_cache_flash(knew, vnew, p.key_cache, p.value_cache, slots, "auto", scale1,
                                                     scale1)
                         if write == "kernel":
-                            attn_ops.attention_decode_into(out, p.query, p.key_cache, p.value_cache, p.block_table,
-                                                           p.seq_lens, p.scale, max_seq_len=C, key=knew, value=vnew,
-                                                           slot_mapping=slots)
+                            attn_bench.run_ours(p, out, C, knew, vnew, slots)
                         else:
                             attn_bench.run_ours(p, out, C)
                         if ours:

@@ -216,10 +216,7 @@ class _NewRows:
 
 
 def _run_ours(p, out, hint, new):
-    if new is None:
-        return attn_bench.run_ours(p, out, hint)
-    return ops.attention_decode_into(out, p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale,
-                                     p.softcap, p.window_left, p.sinks, hint, new.key, new.value, new.slots)
+    return attn_bench.run_ours(p, out, hint, *(() if new is None else (new.key, new.value, new.slots)))
 
 
 def _run_case(c: dict, device) -> dict:

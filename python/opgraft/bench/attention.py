@@ -133,9 +133,11 @@ def reference(p: Problem, rows: int | None = None) -> torch.Tensor:
     return out
 
 
-def run_ours(p: Problem, out: torch.Tensor, max_seq_len: int = 0) -> torch.Tensor:
+def run_ours(p: Problem, out: torch.Tensor, max_seq_len: int = 0, key=None, value=None,
+             slot_mapping=None) -> torch.Tensor:
+    """Our kernel on the problem; with key, value and slot_mapping it also stores them in the cache."""
     return ops.attention_decode_into(out, p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale,
-                                     p.softcap, p.window_left, p.sinks, max_seq_len)
+                                     p.softcap, p.window_left, p.sinks, max_seq_len, key, value, slot_mapping)
 
 
 def _kwargs_for(fn, kwargs: dict) -> dict:
