@@ -371,12 +371,24 @@ def _worker_profile(worker=None, action: str = "start", host: bool = False) -> d
         prof.stop()
         from opgraft.bench import profiler_host_ops, profiler_kernels
 
-        out["kernels"] = {k[:160]: [n, us] for k, (n, us) in profiler_kernels(prof).items()}
+        out["kernels"] = short_names(profiler_kernels(prof))
         if ProfilerActivity.CPU in prof.activities:
-            out["host"] = {k[:160]: [n, us, tot] for k, (n, us, tot) in profiler_host_ops(prof).items()}
+            out["host"] = short_names(profiler_host_ops(prof))
     except Exception as e:  # a profiler that cannot run must not end the study
         this._PROFILER = None
         out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def short_names(table: dict, width: int = 160) -> dict:
+    """{name cut to `width` characters: [counts and times summed]}: names that share their first
+    `width` characters (FA3's prefill and decode kernels, which differ only in late template
+    arguments) are added up, not one kept, so profile_rows' prefill subtraction stays right."""
+    out: dict = {}
+    for name, vals in table.items():
+        key = name[:width]
+        prev = out.get(key)
+        out[key] = list(vals) if prev is None else [a + b for a, b in zip(prev, vals)]
     return out
 
 

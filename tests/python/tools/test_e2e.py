@@ -225,6 +225,19 @@ def test_profile_rows_subtract_the_prefill_and_rank_by_time():
     assert e2e.profile_rows({"error": "x"}, full, 10) == {"error": "x"}
 
 
+def test_kernels_sharing_a_cut_name_are_summed_so_the_prefill_subtraction_holds():
+    # FA3's prefill and decode kernels differ only past the cut: kept apart by the profiler, one
+    # key here. Keeping one of them (a dict comprehension's last) lost the decode kernel's time.
+    stem = "void cutlass::device_kernel<flash::FlashAttnFwdSm90<" + "x" * 200
+    pre = e2e.short_names({stem + "<prefill>": (48, 42000.0)})
+    full = e2e.short_names({stem + "<prefill>": (48, 42100.0), stem + "<decode>": (768, 13600.0),
+                            "attn": (5, 1.0)})
+    assert full == {stem[:160]: [816, 55700.0], "attn": [5, 1.0]}
+    row = e2e.profile_rows({"kernels": pre}, {"kernels": full}, steps=16)["kernels"][0]
+    assert row == {"kernel": stem[:160], "launches_per_step": 48.0, "us_per_step": 856.25}
+    assert e2e.short_names({"op": (2, 1.0, 3.0), "op ": (1, 1.0, 1.0)}, width=2) == {"op": [3, 2.0, 4.0]}
+
+
 def test_worker_profile_stop_without_start_is_an_error_not_an_exception():
     assert e2e._worker_profile(None, "stop")["error"] == "profiler not started"
 
