@@ -1,7 +1,7 @@
 """A MoE layer from the router gate to the experts' output, as a decode step runs it (GPU only).
 
     PYTHONPATH=python python3 -m tools.moe_route [--model Qwen3-30B-A3B] [--tokens 1,2,4,8]
-        [--json FILE]
+        [--dtype bf16|fp8-block] [--json FILE]
 
 A call: the router gate (opgraft's linear op, [E, H]), then either vLLM's topk_softmax
 (fused_topk, what FusedTopKRouter runs; "vllm-topk", where vLLM imports) or torch's softmax and
@@ -10,7 +10,10 @@ kernels routing from the logits themselves ("routed"; where the guard keeps vLLM
 moe.route 0 above 4 tokens, the row says so, and OPGRAFT_TUNE_MOE_ROUTE=1 times it anyway). Timed like every op here: 64 MiB of other
 reads before each call, the span from the end of those reads to the end of the call
 (bench.time_calls_span), over 16 random inputs; each output is checked against fp64 with the
-routing recomputed from the logits.
+routing recomputed from the logits. "given": the experts with the routing computed before the
+span (the gate still in it): what the routing costs the other variants. --dtype fp8-block: block-FP8
+weights, the activations quantized before the span (vLLM's prepare step runs in every variant),
+the gate on the bf16 hidden states.
 """
 import argparse
 import sys
@@ -22,6 +25,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.moe_route")
     ap.add_argument("--model", default="Qwen3-30B-A3B")
     ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8-block"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not check_outputs("tools.moe_route", {"--json": args.json}):
@@ -38,7 +42,11 @@ def main(argv=None) -> int:
     moe_bench.measure_whole_token_range()
     ceiling = bench.measure_read_ceiling("cuda")
     between = bench.between_traffic(bench.BETWEEN_MIB, "cuda")
-    w13, w2 = moe_bench.make_weights(shape, "bf16", "cuda")
+    fp8 = args.dtype == "fp8-block"
+    if fp8:
+        w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", "cuda")
+    else:
+        w13, w2 = moe_bench.make_weights(shape, "bf16", "cuda")
     gate = (torch.randn((E, H), device="cuda") * H ** -0.5).to(torch.bfloat16)
     try:
         from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
@@ -53,23 +61,31 @@ def main(argv=None) -> int:
     routers = {"torch-topk": torch_topk}
     if fused_topk is not None:
         routers["vllm-topk"] = lambda x, logits: fused_topk(x, logits, k, True)[:2]
-    names = list(routers) + ["routed"]
+    names = ["given"] + list(routers) + ["routed"]
     gen = torch.Generator(device="cuda").manual_seed(7)
     n = 16
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
         xs = [moe_bench.make_x(T, H, "bf16", "cuda", gen) for _ in range(n)]
+        # the experts' input: the hidden states, or their block-FP8 quantization with its scales
+        xq = [moe_bench.quantize_activations_fp8(x, "fp8-block", moe_bench.FP8_BLOCK[1]) if fp8 else (x, None)
+              for x in xs]
+        sc = [moe_bench.fp8_scales("fp8-block", q[1], s13, s2) if fp8 else None for q in xq]
         logits = [torch.empty((T, E), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
         outs = [torch.empty((T, H), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
         ws = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
-        linear_ops.linear_into(logits[0], xs[0], gate)
+        for i in range(n):
+            linear_ops.linear_into(logits[i], xs[i], gate)
+        given = [torch_topk(xs[i], logits[i]) for i in range(n)]
         v = logits[0].double()
         order = torch.sort(-v, dim=-1, stable=True).indices[:, :k]
         p = torch.softmax(v, -1).gather(1, order)
-        ref = moe_bench.reference(xs[0], w13, w2, (p / p.sum(-1, keepdim=True)).float(), order.to(torch.int32))
+        pw, pid = (p / p.sum(-1, keepdim=True)).float(), order.to(torch.int32)
+        ref = (moe_bench.reference_fp8(xq[0][0], sc[0], w13, w2, pw, pid) if fp8
+               else moe_bench.reference(xs[0], w13, w2, pw, pid))
         for name in names:
             if name == "routed":
-                plan = ops.plan_for_routed(xs[0], w13, w2, logits[0], k, True, outs[0])
+                plan = ops.plan_for_routed(xq[0][0], w13, w2, logits[0], k, True, outs[0], fp8=sc[0])
                 if plan.handle is None:  # the guard keeps vLLM's routing here
                     print(f"T={T:<3} routed      handed back: {plan.reason}", flush=True)
                     continue
@@ -77,17 +93,18 @@ def main(argv=None) -> int:
             def call(i, _, name=name):
                 linear_ops.linear_into(logits[i], xs[i], gate)
                 if name == "routed":
-                    ops.moe_routed_into(outs[i], xs[i], w13, w2, logits[i], k, True, workspace=ws)
+                    ops.moe_routed_into(outs[i], xq[i][0], w13, w2, logits[i], k, True, workspace=ws, fp8=sc[i])
                 else:
-                    tw, ids = routers[name](xs[i], logits[i])
-                    ops.moe_experts_into(outs[i], xs[i], w13, w2, tw, ids, workspace=ws)
+                    tw, ids = given[i] if name == "given" else routers[name](xs[i], logits[i])
+                    ops.moe_experts_into(outs[i], xq[i][0], w13, w2, tw, ids, workspace=ws, fp8=sc[i])
 
             call(0, None)
             torch.cuda.synchronize()
             err = bench.rel_err(outs[0], ref)
             us = bench.time_calls_span(call, [(i, None) for i in range(n)], between)
-            rows.append({"op": "moe+route", "model": args.model, "variant": name, "tokens": T,
-                         "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"), "ok": err <= bench.TOLERANCE["bf16"]})
+            tol = 1e-2 if fp8 else bench.TOLERANCE["bf16"]  # FP8: tools.checks.moe's FP8 tolerance
+            rows.append({"op": "moe+route", "model": args.model, "dtype": args.dtype, "variant": name, "tokens": T,
+                         "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"), "ok": err <= tol})
             print(f"T={T:<3} {name:<11} {us:8.2f} us  rel_err {err:.2e}", flush=True)
     bench.print_variants(rows, ("tokens",), names, names[-2], ceiling)
     if args.json:

@@ -89,9 +89,10 @@ typedef struct opgraft_moe_args {
   int64_t w2_scale_stride[3]; /* [E, ceil(H/block_n), ceil(I/block_k)], or [E] */
   /* ---- ABI 5: routing inside the kernels (routing 0: topk_weights and topk_ids are inputs) ---- */
   int32_t routing; /* opgraft_moe_routing */
-  /* routing != 0: the router's logits [T, num_experts] in dtype (bf16/fp16 weights only, no
-   * expert_map, no apply_router_weight_on_input). topk_weights (fp32) and topk_ids (int32), both
-   * [T, k] contiguous, then receive the routing the kernels computed, or are NULL (not written). */
+  /* routing != 0: the router's logits [T, num_experts] in dtype (no expert_map, no
+   * apply_router_weight_on_input; ABI 7: FP8 weights too, dtype then being the output's).
+   * topk_weights (fp32) and topk_ids (int32), both [T, k] contiguous, then receive the routing the
+   * kernels computed, or are NULL (not written). */
   const void *router_logits;
   int64_t router_logits_stride[2];
 } opgraft_moe_args;
@@ -153,6 +154,12 @@ OPGRAFT_EXTERN int32_t opgraft_moe_plan_run_fp8(const opgraft_moe_plan *plan, co
                                                 const void *w2, const void *w2_scale, const void *topk_weights,
                                                 const void *topk_ids, const void *expert_map, void *out,
                                                 void *workspace, void *stream);
+/* ABI 7: a plan of FP8 weights with routing != 0 (both of the above); the others refuse it. */
+OPGRAFT_EXTERN int32_t opgraft_moe_plan_run_routed_fp8(const opgraft_moe_plan *plan, const void *hidden_states,
+                                                       const void *hidden_scale, const void *w13,
+                                                       const void *w13_scale, const void *w2, const void *w2_scale,
+                                                       const void *router_logits, void *topk_weights,
+                                                       void *topk_ids, void *out, void *workspace, void *stream);
 
 /* Runs the experts computation on stream (a CUstream / cudaStream_t; NULL = legacy default)
  * through a plan cached inside the library (a convenience for C callers; the Python layer keeps

@@ -31,7 +31,8 @@
 //
 // No atomics and fixed summation orders: the same inputs give the same bits every run. Paths:
 // routing by slot (OG_GU_SLOTS, OG_DOWN_WARP) or the general routing, OG_PDL / OG_DOWN_EARLY /
-// OG_PDL_IN as in moe.cu; no cooperative kernel and no separate one-token paths.
+// OG_PDL_IN and the routing from the logits (OG_ROUTE) as in moe.cu; no cooperative kernel and no
+// separate one-token paths.
 #include "moe_fp8_down.cuh"
 #include "moe_fp8_gate_up.cuh"
 
@@ -48,6 +49,7 @@ extern "C" __global__ void __launch_bounds__(OG_W1 * 32, OG_GU_MIN)
 #if OG_PDL
   og_pdl_launch_dependents();  // moe_down may take the SMs of blocks that finish
 #endif
+  OG_ROUTE_CALL(p, true);
   const int tiles = OG_I / OG_GU_ROWS;
 #if OG_GU_SLOTS
   __shared__ int s_e;
@@ -80,8 +82,9 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
 #endif
   __shared__ float s_red[OG_W2][OG_NT][4][32];
   OG_TS(1, 0);
-  // The routing was written before gate_up started (or, with OG_PDL_IN, before gate_up let this
-  // kernel launch): safe to read here.
+  // The routing (or the logits of OG_ROUTE) was written before gate_up started (or, with
+  // OG_PDL_IN, before gate_up let this kernel launch): safe to read here.
+  OG_ROUTE_CALL(p, false);
 #if OG_DOWN_WARP
   og_routing &r = rw[threadIdx.x >> 5];
   og_routing_warp(p, r, p.T * OG_K);

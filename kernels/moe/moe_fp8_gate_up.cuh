@@ -21,7 +21,7 @@ __device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q,
     const int i = s_pairs[n], t = i / OG_K;
     if (n > 0 && s_pairs[n - 1] / OG_K == t) continue;  // a later slot of the same token
     float rw = 0.f;
-    for (int m = n; m < npairs && s_pairs[m] / OG_K == t; ++m) rw += p.topk_w[t * p.topk_w_stride + (s_pairs[m] - t * OG_K)];
+    for (int m = n; m < npairs && s_pairs[m] / OG_K == t; ++m) rw += og_topk_weight(p, t, s_pairs[m] - t * OG_K);
     // D fragment of (row rr of the half, column nn % 8): lane (rr % 8) * 4 + column / 2, element
     // (rr / 8) * 2 + column % 2.
     const int nn = n - p0, nt = nn >> 3, cn = nn & 7;

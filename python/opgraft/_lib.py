@@ -221,6 +221,7 @@ _SIGNATURES = {
     "opgraft_moe_plan_run": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "opgraft_moe_plan_run_fp8": (ctypes.c_int32, [_P] * 13),
     "opgraft_moe_plan_run_routed": (ctypes.c_int32, [_P] * 10),
+    "opgraft_moe_plan_run_routed_fp8": (ctypes.c_int32, [_P] * 13),
     "opgraft_moe_describe": (ctypes.c_int32, [ctypes.POINTER(MoeArgs), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]),
     "opgraft_moe_run": (
         ctypes.c_int32,

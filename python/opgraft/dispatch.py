@@ -197,6 +197,27 @@ class RoutedExpertsCall:
     renormalize: bool
     delegate: Callable[[], Any]
     extra_reason: str = ""
+    # FP8 weights: (w13_scale, w2_scale, block_shape), and the layer's own activation quantization
+    # (() -> (e4m3 hidden states, their scales)), run only once the plan takes the call
+    fp8_weights: Any = None
+    quantize: Callable[[], Any] | None = None
+
+
+_fp8_like_cache: dict = {}
+
+
+def _fp8_like(hidden, block):
+    """Tensors laid out as block-FP8 activations of hidden and their scales ([T, H] e4m3, [T,
+    ceil(H / block_k)] fp32), kept per layout: a plan looks at layouts only."""
+    T, H = hidden.shape
+    key = (T, H, block[1], hidden.device)
+    like = _fp8_like_cache.get(key)
+    if like is None:
+        import torch
+
+        like = _fp8_like_cache[key] = (torch.empty((T, H), dtype=torch.float8_e4m3fn, device=hidden.device),
+                                       torch.empty((T, -(-H // block[1])), dtype=torch.float32, device=hidden.device))
+    return like
 
 
 def _moe_routed(call: RoutedExpertsCall):
@@ -205,16 +226,27 @@ def _moe_routed(call: RoutedExpertsCall):
     from .ops import moe
 
     out = call.hidden_states.new_empty(call.hidden_states.shape)
+    x, fp8 = call.hidden_states, None
     try:
-        plan = moe.plan_for_routed(call.hidden_states, call.w13, call.w2, call.router_logits, call.top_k,
-                                   call.renormalize, out)
+        if call.quantize is not None:
+            s13, s2, block = call.fp8_weights
+            x, xs = _fp8_like(call.hidden_states, block)
+            fp8 = moe.Fp8Scales(xs, s13, s2, block)
+        plan = moe.plan_for_routed(x, call.w13, call.w2, call.router_logits, call.top_k, call.renormalize, out,
+                                   fp8=fp8)
         if plan.handle is None:
             return handed_back("moe_route", plan.reason, call)
-        moe.run_routed(plan, out, call.hidden_states, call.w13, call.w2, call.router_logits, call.top_k,
-                       call.renormalize)
+        if call.quantize is not None:  # the call is ours: now the activations
+            x, xs = call.quantize()
+            fp8 = moe.Fp8Scales(xs, s13, s2, block)
+            plan = moe.plan_for_routed(x, call.w13, call.w2, call.router_logits, call.top_k, call.renormalize, out,
+                                       fp8=fp8)
+            if plan.handle is None:
+                return handed_back("moe_route", plan.reason, call)
+        moe.run_routed(plan, out, x, call.w13, call.w2, call.router_logits, call.top_k, call.renormalize, fp8=fp8)
     except Exception as e:
         return kernel_failed("moe_route", e, call)
-    stats_of("moe").take("routed")
+    stats_of("moe").take("routed" if fp8 is None else "routed+fp8-block")
     return out
 
 

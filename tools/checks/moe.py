@@ -132,12 +132,14 @@ def cases() -> list[dict]:
     return cases + routed_cases() + fp8_cases()
 
 
-def _routed_case(name, shape, T, renorm=True, dtype="bf16", ties=False, tunables=None):
+def _routed_case(name, shape, T, renorm=True, dtype="bf16", ties=False, tunables=None, fp8=False):
     """Routing from the router's logits in the kernels (cases named "routed ..."). ties: equal
     logits at the top and across the k-th place, and a -0 next to a +0. Every token count is
-    checked: moe.route is forced on above the shipped 4 tokens."""
-    return dict(name=f"routed {name}", shape=shape, T=T, renorm=renorm, dtype=dtype, ties=ties,
-                tunables={"moe.route": 1, **(tunables or {})}, routed=True, seed=0)
+    checked: moe.route is forced on above the shipped 4 tokens (and moe.fp8 with fp8: block-FP8
+    weights and activations, the logits and output in dtype)."""
+    fp8_on = {"moe.fp8": 1} if fp8 else {}
+    return dict(name=f"routed {'fp8 block ' if fp8 else ''}{name}", shape=shape, T=T, renorm=renorm, dtype=dtype,
+                ties=ties, tunables={"moe.route": 1, **fp8_on, **(tunables or {})}, routed=True, seed=0, fp8=fp8)
 
 
 def routed_cases() -> list[dict]:
@@ -160,6 +162,14 @@ def routed_cases() -> list[dict]:
         _routed_case("odd dims E=7 k=3 T=10", MoeShape("odd", 7, 96, 160, 3), 10),
         _routed_case("Mixtral-8x7B T=4", PRESETS["Mixtral-8x7B"], 4),
         _routed_case("Kimi-K2 dims E=384 T=1", PRESETS["Kimi-K2"], 1),
+        _routed_case("Qwen3-30B-A3B T=1", q30, 1, fp8=True),
+        _routed_case("Qwen3-30B-A3B T=2, pdl in, down early", q30, 2, fp8=True,
+                     tunables={"moe.pdl": 1, "moe.down.early": 1, "moe.pdl_in": 1}),
+        _routed_case("Qwen3-30B-A3B T=8, general routing", q30, 8, fp8=True,
+                     tunables={"moe.gate_up.slot_routing": 0, "moe.down.warp_routing": 0}),
+        _routed_case("small T=5, ties, fp16 out", small, 5, dtype="fp16", ties=True, fp8=True),
+        _routed_case("DeepSeek-V3/tp8 dims T=1, softmax without renormalize",
+                     MoeShape("DeepSeek-V3/tp8", 256, 7168, 256, 8), 1, renorm=False, fp8=True),
     ]
 
 
@@ -190,42 +200,54 @@ def _run_routed_case(c: dict, device) -> dict:
     shape: MoeShape = c["shape"]
     T, dtype, k, E = c["T"], c["dtype"], shape.top_k, shape.num_experts
     gen = torch.Generator(device=device).manual_seed(300 + c["seed"])
-    w13, w2 = moe_bench.make_weights(shape, dtype, device, seed=c["seed"])
-    x = moe_bench.make_x(T, shape.hidden, dtype, device, gen)
-    logits = (torch.randn((T, E), generator=gen, device=device) * 2).to(x.dtype)
+    fp8 = None
+    if c.get("fp8"):  # e4m3 weights and activations, as vLLM's prepare step hands them
+        w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", device, seed=c["seed"])
+        xb = moe_bench.make_x(T, shape.hidden, dtype, device, gen)
+        x, xs = moe_bench.quantize_activations_fp8(xb, "fp8-block", moe_bench.FP8_BLOCK[1])
+        fp8 = moe_bench.fp8_scales("fp8-block", xs, s13, s2)
+        odt = xb.dtype
+    else:
+        w13, w2 = moe_bench.make_weights(shape, dtype, device, seed=c["seed"])
+        x = moe_bench.make_x(T, shape.hidden, dtype, device, gen)
+        odt = x.dtype
+    logits = (torch.randn((T, E), generator=gen, device=device) * 2).to(odt)
     if c["ties"]:
         logits[:, 1] = logits[:, 0] = logits.max(-1).values + 1  # a tie at the top
         kth = torch.sort(logits.float(), -1, descending=True).values[:, k - 1]
         logits[:, E - 1] = kth.to(logits.dtype)  # a tie at the k-th place: the lower id wins it
         logits[:, 2], logits[:, 3] = 0.0, -0.0
-    out = torch.full((T, shape.hidden), float("nan"), dtype=x.dtype, device=device)
+    out = torch.full((T, shape.hidden), float("nan"), dtype=odt, device=device)
     tw = torch.full((T, k), float("nan"), device=device)
     ids = torch.full((T, k), -7, dtype=torch.int32, device=device)
-    plan = ops.plan_for_routed(x, w13, w2, logits, k, c["renorm"], out, tw, ids)
+    plan = ops.plan_for_routed(x, w13, w2, logits, k, c["renorm"], out, tw, ids, fp8=fp8)
     res = {k_: v for k_, v in c.items() if k_ != "shape"}
     res.update(shape=shape.as_dict(), supported=plan.handle is not None, reason=plan.reason)
     if plan.handle is None:
         res.update(passed=False)
         return res
-    ops.run_routed(plan, out, x, w13, w2, logits, k, c["renorm"], tw, ids)
+    ops.run_routed(plan, out, x, w13, w2, logits, k, c["renorm"], tw, ids, fp8=fp8)
     ew, eids = _expected_routing(logits, k, c["renorm"])
     ids_ok = bool(torch.equal(ids, eids))
     w_err = float(((tw.double() - ew).abs() / ew.abs().clamp_min(1e-30)).max())
-    ref = moe_bench.reference(x, w13, w2, ew.float(), eids)
+    if fp8 is None:
+        ref = moe_bench.reference(x, w13, w2, ew.float(), eids)
+    else:
+        ref = moe_bench.reference_fp8(x, fp8, w13, w2, ew.float(), eids)
     err = bench.rel_err(out, ref)
     # the same call with the routing given (vLLM's form): the same bits
     given = torch.full_like(out, float("nan"))
-    ops.moe_experts_into(given, x, w13, w2, tw.clone(), ids.clone())
+    ops.moe_experts_into(given, x, w13, w2, tw.clone(), ids.clone(), fp8=fp8)
     same_as_given = bool(torch.equal(out, given))
     again = torch.full_like(out, float("nan"))
-    ops.run_routed(plan, again, x, w13, w2, logits, k, c["renorm"])  # no routing outputs this time
+    ops.run_routed(plan, again, x, w13, w2, logits, k, c["renorm"], fp8=fp8)  # no routing outputs this time
     det = bool(torch.equal(out, again))
-    tol = bench.TOLERANCE[dtype]
+    tol = bench.TOLERANCE[dtype] if fp8 is None else FP8_TOL
     res.update(rel_err=err, tolerance=tol, ids_exact=ids_ok, weights_rel_err=w_err, same_as_given_routing=same_as_given,
                deterministic=det)
     passed = err <= tol and ids_ok and w_err <= 1e-5 and same_as_given and det
     if shape.hidden * shape.inter * E <= 16 * 256 * 256:
-        cref = ops.moe_routed_reference_cpu(x, w13, w2, logits, k, c["renorm"])
+        cref = ops.moe_routed_reference_cpu(x, w13, w2, logits, k, c["renorm"], fp8=fp8)
         res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm().clamp_min(1e-300))
         passed = passed and res["c_oracle_vs_torch_fp64"] < 1e-6
     v, why = _vllm_topk(logits, k, c["renorm"])

@@ -340,14 +340,21 @@ def moe_reference_cpu(hidden, w13, w2, topk_weights, topk_ids, apply_router_weig
 def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
                     top_k: int, renormalize: bool, out: torch.Tensor | None = None,
                     topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
-                    arch: int = 0) -> _lib.MoeArgs:
+                    arch: int = 0, fp8: Fp8Scales | None = None) -> _lib.MoeArgs:
     """The C argument struct of a call routed from router_logits ([T, E], the hidden dtype) by
     softmax top-k (renormalized over the k picked where renormalize); topk_weights (fp32) and
-    topk_ids (int32) [T, k], where given, receive the routing. dtype -1 when shapes or devices
-    are not those of such a call."""
+    topk_ids (int32) [T, k], where given, receive the routing. With fp8 the hidden states and
+    weights are e4m3 and the logits' dtype is the output's. dtype -1 when shapes or devices are not
+    those of such a call."""
     a = _lib.MoeArgs()
     a.struct_size = ctypes.sizeof(_lib.MoeArgs)
-    a.dtype = dtype_code(hidden) if dtype_code(hidden) == dtype_code(w13) == dtype_code(w2) == dtype_code(router_logits) else 0
+    if fp8 is None:
+        a.dtype = (dtype_code(hidden) if dtype_code(hidden) == dtype_code(w13) == dtype_code(w2) == dtype_code(router_logits)
+                   else 0)
+    else:
+        fp8_in = dtype_code(hidden) == dtype_code(w13) == dtype_code(w2) == _lib.DTYPE_FP8_E4M3
+        ldt = router_logits.dtype
+        a.dtype = DTYPES[ldt] if fp8_in and ldt in OUT_DTYPES and (out is None or out.dtype == ldt) else 0
     a.activation = _lib.ACT_SILU
     a.routing = _lib.ROUTING_SOFTMAX_RENORM if renormalize else _lib.ROUTING_SOFTMAX
     dims = T, H, E, I = _dims(hidden, w13, w2)
@@ -357,7 +364,10 @@ def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
         _weights_consistent(hidden, w13, w2, out, dims)
         and tuple(router_logits.shape) == (T, E) and all(tuple(t.shape) == (T, k) for t in outs)
         and all(t.device == hidden.device for t in [router_logits] + outs)
+        and (fp8 is None or all(t.device == hidden.device for t in (fp8.hidden_scale, fp8.w13_scale, fp8.w2_scale)))
     )
+    if consistent and fp8 is not None:
+        consistent = _fp8_fields(a, fp8, T, H, I, E)
     if not consistent:
         a.dtype = -1
         return a
@@ -372,51 +382,64 @@ def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
     return a
 
 
-def _routed_key(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids):
+def _routed_key(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids, fp8=None):
     def lay(t):
         return None if t is None else (t.shape, t.stride(), t.dtype)
 
     return ("routed", hidden.shape, hidden.stride(), hidden.dtype, hidden.device, w13.shape, w13.stride(), w13.dtype,
             w2.shape, w2.stride(), w2.dtype, lay(router_logits), int(top_k), bool(renormalize),
-            None if out is None else (out.stride(), out.dtype), lay(topk_weights), lay(topk_ids))
+            None if out is None else (out.stride(), out.dtype), lay(topk_weights), lay(topk_ids),
+            None if fp8 is None else fp8.layout_key())
 
 
 def plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out=None, topk_weights=None,
-                    topk_ids=None) -> Plan:
+                    topk_ids=None, fp8: Fp8Scales | None = None) -> Plan:
     """The plan of a routed call's layout, made on first sight (the guard runs then)."""
-    key = _routed_key(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids)
+    key = _routed_key(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids, fp8)
     return _plan_once(key, hidden, lambda: moe_routed_args(hidden, w13, w2, router_logits, top_k, renormalize, out,
-                                                           topk_weights, topk_ids),
+                                                           topk_weights, topk_ids, fp8=fp8),
                       "tensor shapes or devices are not those of a routed MoE call")
 
 
 def run_routed(plan: Plan, out, hidden, w13, w2, router_logits, top_k, renormalize, topk_weights=None,
-               topk_ids=None, workspace=None):
+               topk_ids=None, workspace=None, fp8: Fp8Scales | None = None):
     """Runs a routed plan (plan_for_routed) into out: the kernels route from router_logits and,
     where topk_weights / topk_ids are given, write the routing there."""
     tw = None if topk_weights is None else topk_weights.data_ptr()
     ids = None if topk_ids is None else topk_ids.data_ptr()
-    _run_plan(plan, workspace, hidden.device,
-              lambda plan, ws: _lib._lib.opgraft_moe_plan_run_routed(
-                  plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), router_logits.data_ptr(), tw, ids,
-                  out.data_ptr(), ws, current_stream(hidden.device)),
+
+    def launch(plan, ws):
+        if fp8 is None:
+            return _lib._lib.opgraft_moe_plan_run_routed(
+                plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), router_logits.data_ptr(), tw, ids,
+                out.data_ptr(), ws, current_stream(hidden.device))
+        return _lib._lib.opgraft_moe_plan_run_routed_fp8(
+            plan.handle, hidden.data_ptr(), fp8.hidden_scale.data_ptr(), w13.data_ptr(), fp8.w13_scale.data_ptr(),
+            w2.data_ptr(), fp8.w2_scale.data_ptr(), router_logits.data_ptr(), tw, ids, out.data_ptr(), ws,
+            current_stream(hidden.device))
+
+    _run_plan(plan, workspace, hidden.device, launch,
               lambda: plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights,
-                                      topk_ids))
+                                      topk_ids, fp8))
     return out
 
 
 def moe_routed_into(out, hidden, w13, w2, router_logits, top_k: int, renormalize: bool = True,
-                    topk_weights=None, topk_ids=None, workspace=None):
-    """The experts with vLLM's softmax top-k routing done by the kernels, into out ([T, H])."""
-    plan = plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids)
+                    topk_weights=None, topk_ids=None, workspace=None, fp8: Fp8Scales | None = None):
+    """The experts with vLLM's softmax top-k routing done by the kernels, into out ([T, H]; with
+    fp8, e4m3 hidden states and weights, out in the logits' dtype)."""
+    plan = plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids, fp8)
     return run_routed(plan, out, hidden, w13, w2, router_logits, top_k, renormalize, topk_weights, topk_ids,
-                      workspace)
+                      workspace, fp8)
 
 
-def moe_routed_reference_cpu(hidden, w13, w2, router_logits, top_k: int, renormalize: bool = True) -> torch.Tensor:
+def moe_routed_reference_cpu(hidden, w13, w2, router_logits, top_k: int, renormalize: bool = True,
+                             fp8: Fp8Scales | None = None) -> torch.Tensor:
     """The C fp64 oracle of a routed call on CPU tensors; float64 [T, H]."""
     t = [x.cpu() for x in (hidden, w13, w2, router_logits)]
-    a = moe_routed_args(*t, top_k, renormalize)
+    if fp8 is not None:
+        fp8 = Fp8Scales(fp8.hidden_scale.cpu(), fp8.w13_scale.cpu(), fp8.w2_scale.cpu(), fp8.block_shape)
+    a = moe_routed_args(*t, top_k, renormalize, fp8=fp8)
     out = torch.empty((t[0].shape[0], t[0].shape[1]), dtype=torch.float64)
     _lib.check(_lib.lib().opgraft_moe_reference(ctypes.byref(a), ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))))
     return out

@@ -10,11 +10,14 @@ batch 1 on an H200 for Qwen3-30B-A3B's 128 experts, bench/NOTES.md v27); here th
 compute it themselves, from the logits, before their first weight load.
 What is taken: exactly the layers where routing and experts are plain: FusedTopKRouter with
 softmax scoring, no EPLB, no routing capture or replay; no shared experts; the quant method
-UnquantizedFusedMoEMethod (bf16/fp16 weights) with a modular kernel of TritonExperts behind the
-no-dispatch prepare/finalize (one rank's experts, no DP/EP all-to-all), no expert_map, no
+UnquantizedFusedMoEMethod (bf16/fp16 weights) or Fp8MoEMethod with block scales (its activations
+quantized here by the layer's own prepare step, as vLLM's modular kernel does before
+TritonExperts.apply), with a modular kernel of TritonExperts behind the no-dispatch
+prepare/finalize (one rank's experts, no DP/EP all-to-all), no expert_map, no
 apply_router_weight_on_input, and what the experts seam itself would take (no bias, no LoRA,
-SwiGLU). The C guard then decides on the shape. Everything else, and every refusal, runs vLLM's
-own method (its routing, then the experts seam as before). OPGRAFT_MOE_ROUTE=0 installs nothing.
+SwiGLU). The C guard then decides on the shape, before any quantization. Everything else, and every
+refusal, runs vLLM's own method (its routing, then the experts seam as before).
+OPGRAFT_MOE_ROUTE=0 installs nothing.
 Remove it: delete route_seam from seams() in opgraft/vllm/__init__.py.
 """
 
@@ -66,6 +69,40 @@ def _classes():
     return FusedTopKRouter, UnquantizedFusedMoEMethod, MoEPrepareAndFinalizeNoDPEPModular, TritonExperts
 
 
+@functools.lru_cache(maxsize=1)
+def _fp8_method_class():
+    try:
+        from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+    except Exception:  # no FP8 method where opgraft expects it: FP8 layers keep vLLM's routing
+        return None
+    return Fp8MoEMethod
+
+
+def _fp8_block(runner):
+    """The weight blocks of an Fp8MoEMethod layer's quant config, or None."""
+    qc = getattr(runner.routed_experts.quant_method.moe_kernel.fused_experts, "quant_config", None)
+    b = getattr(qc, "block_shape", None)
+    return None if b is None else (int(b[0]), int(b[1]))
+
+
+def _fp8_reason(runner, hidden_states, experts, experts_cls, layer) -> str:
+    """The experts seam's checks on the e4m3 activations and scales that the layer's prepare step
+    would make of hidden_states (their layout only: meta tensors, nothing computed)."""
+    import torch
+
+    if getattr(experts, "expects_unquantized_inputs", False):
+        return "experts that quantize their own inputs"
+    block = _fp8_block(runner)
+    if block is None:
+        return "per-tensor FP8 scales (routing stays vLLM's)"
+    T, H = hidden_states.shape
+    xq = torch.empty((T, H), dtype=torch.float8_e4m3fn, device="meta")
+    xs = torch.empty((T, -(-H // block[1])), dtype=torch.float32, device="meta")
+    reason, fp8 = moe_seam._seam_reason(experts, experts_cls, xq, layer.activation, xs, layer.expert_map,
+                                        layer.w13_weight, layer.w2_weight, layer.apply_router_weight_on_input)
+    return reason or ("" if fp8 is not None else "FP8 layer without FP8 scales")
+
+
 def route_reason(runner, hidden_states, router_logits, overlapping=False) -> str:
     """Why vLLM must route this layer's call itself ("" when our kernels may take it)."""
     router_cls, method_cls, pf_cls, experts_cls = _classes()
@@ -82,7 +119,8 @@ def route_reason(runner, hidden_states, router_logits, overlapping=False) -> str
         return "shared experts"
     layer = getattr(runner, "routed_experts", None)
     qm = getattr(layer, "quant_method", None)
-    if type(qm) is not method_cls:
+    fp8_layer = _fp8_method_class() is not None and type(qm) is _fp8_method_class()
+    if type(qm) is not method_cls and not fp8_layer:
         return f"quant method {type(qm).__name__}"
     mk = getattr(qm, "moe_kernel", None)
     if mk is None or mk.is_monolithic:
@@ -91,12 +129,16 @@ def route_reason(runner, hidden_states, router_logits, overlapping=False) -> str
         return f"prepare/finalize {type(mk.prepare_finalize).__name__}"
     experts = mk.fused_experts
     w13, w2 = layer.w13_weight, layer.w2_weight
-    reason, fp8 = moe_seam._seam_reason(experts, experts_cls, hidden_states, layer.activation, None,
-                                        layer.expert_map, w13, w2, layer.apply_router_weight_on_input)
+    if hidden_states.dim() != 2:
+        return "hidden states not [T, H]"
+    if fp8_layer:
+        reason = _fp8_reason(runner, hidden_states, experts, experts_cls, layer)
+    else:
+        reason, fp8 = moe_seam._seam_reason(experts, experts_cls, hidden_states, layer.activation, None,
+                                            layer.expert_map, w13, w2, layer.apply_router_weight_on_input)
+        reason = reason or ("FP8 weights" if fp8 is not None else "")
     if reason:
         return reason
-    if fp8 is not None:
-        return "FP8 weights"
     if layer.expert_map is not None:
         return "expert_map"
     if w13.shape[0] != layer.global_num_experts:
@@ -116,8 +158,16 @@ def make_wrapper(original):
         reason = route_reason(self, hidden_states, router_logits, kw.get("shared_experts_overlapping", False))
         call = dispatch.RoutedExpertsCall(hidden_states, None, None, router_logits, 0, True, delegate, reason)
         if not reason:  # the layer is one route_reason knows: its weights and its router's k
-            call.w13, call.w2 = self.routed_experts.w13_weight, self.routed_experts.w2_weight
+            layer = self.routed_experts
+            call.w13, call.w2 = layer.w13_weight, layer.w2_weight
             call.top_k, call.renormalize = int(self.router.top_k), bool(self.router.renormalize)
+            if type(layer.quant_method) is not _classes()[1]:  # Fp8MoEMethod: vLLM's prepare quantizes
+                mk = layer.quant_method.moe_kernel
+                qc = mk.fused_experts.quant_config
+                call.fp8_weights = (qc.w1_scale, qc.w2_scale, _fp8_block(self))
+                call.quantize = lambda: mk.prepare_finalize.prepare(
+                    hidden_states, None, None, layer.global_num_experts, None, False, qc,
+                    defer_input_quant=False)[:2]
         res = dispatch.dispatch_routed(call)
         return res if isinstance(res, tuple) else (None, res)
 

@@ -80,7 +80,6 @@ static int32_t check_fp8(const opgraft_moe_args *a, char *reason, size_t reason_
 static int32_t check_routing(const opgraft_moe_args *a, char *reason, size_t reason_len) {
   if (a->routing != OPGRAFT_MOE_ROUTING_SOFTMAX && a->routing != OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM)
     return OG_REASON("routing %d (softmax top-k, renormalized or not, supported)", a->routing);
-  if (opgraft__moe_is_fp8(a)) return OG_REASON("routing from logits with FP8 weights");
   if (a->expert_map) return OG_REASON("routing from logits with an expert_map");
   if (a->apply_router_weight_on_input) return OG_REASON("routing from logits with apply_router_weight_on_input");
   if (a->num_experts > OG_MOE_ROUTE_MAX_EXPERTS)

@@ -195,14 +195,14 @@ static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void 
   if (st) return st;
   if ((st = opgraft__plan_check(ctx, &plan->head, "MoE plan"))) return st;
   const opgraft_moe_args *a = &plan->args;
-  const int fp8 = opgraft__moe_is_fp8(a);
+  const int fp8 = opgraft__moe_is_fp8(a), routed = opgraft__moe_routed(a);
+  const char *entry = routed && fp8 ? "_routed_fp8" : routed ? "_routed" : fp8 ? "_fp8" : "";
   if (!fp8 != !xs)
     return opgraft__fail(OPGRAFT_EINVAL, "%s: a plan %s FP8 weights (use opgraft_moe_plan_run%s)", what,
-                         fp8 ? "of" : "without", fp8 ? "_fp8" : "");
-  const int routed = opgraft__moe_routed(a);
+                         fp8 ? "of" : "without", entry);
   if (!routed != !logits)
     return opgraft__fail(OPGRAFT_EINVAL, "%s: a plan %s routing from logits (use opgraft_moe_plan_run%s)", what,
-                         routed ? "of" : "without", routed ? "_routed" : "");
+                         routed ? "of" : "without", entry);
   if (a->num_tokens == 0) return OPGRAFT_OK;
   const int ids64 = a->topk_ids_dtype == OPGRAFT_DTYPE_INT64;
   if (!x || !w13 || !w2 || (!routed && (!topk_weights || !topk_ids)) || !out || !workspace ||
@@ -243,6 +243,16 @@ int32_t opgraft_moe_plan_run_fp8(const opgraft_moe_plan *plan, const void *x, co
   if (!x_scale) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run_fp8: no hidden_scale");
   return plan_run(plan, x, x_scale, w13, w13_scale, w2, w2_scale, NULL, topk_weights, topk_ids, expert_map, out,
                   workspace, stream, "opgraft_moe_plan_run_fp8");
+}
+
+int32_t opgraft_moe_plan_run_routed_fp8(const opgraft_moe_plan *plan, const void *x, const void *x_scale,
+                                        const void *w13, const void *w13_scale, const void *w2, const void *w2_scale,
+                                        const void *router_logits, void *topk_weights, void *topk_ids, void *out,
+                                        void *workspace, void *stream) {
+  if (!x_scale || !router_logits)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run_routed_fp8: no hidden_scale or router_logits");
+  return plan_run(plan, x, x_scale, w13, w13_scale, w2, w2_scale, router_logits, topk_weights, topk_ids, NULL, out,
+                  workspace, stream, "opgraft_moe_plan_run_routed_fp8");
 }
 
 /* ---- the argument-struct entry points, through plans cached here ---- */

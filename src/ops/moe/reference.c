@@ -119,7 +119,7 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
   const int routed = opgraft__moe_routed(a);
   if (routed && (a->routing != OPGRAFT_MOE_ROUTING_SOFTMAX && a->routing != OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM))
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "routing %d", a->routing);
-  if (routed && (K > OG_MOE_MAX_TOPK || K > E || a->expert_map || opgraft__moe_is_fp8(a)))
+  if (routed && (K > OG_MOE_MAX_TOPK || K > E || a->expert_map))
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "routing from logits with these arguments");
   if (!a->hidden_states || !a->w13 || !a->w2 || (routed ? !a->router_logits : !a->topk_weights || !a->topk_ids) ||
       (!out_f64 && !a->out))

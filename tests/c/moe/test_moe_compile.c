@@ -269,6 +269,16 @@ static int setup(void **state) {
   add_setting_q(NULL, (const int[]){Q30_TP4, DSV3_TP8}, 2, t1_9_33, 3, OPGRAFT_DTYPE_BF16, Q_B64);
   add_setting_q(NULL, (const int[]){ODD, Q30_TP8}, 2, t1_9_33, 3, OPGRAFT_DTYPE_BF16, Q_B32);
   add_setting_q(NULL, fp8_odd, 5, token_counts, N_TOKENS, OPGRAFT_DTYPE_BF16, Q_TENSOR);
+  /* FP8 routed from the logits: the block shapes the routing seam takes, and PDL */
+  job_routing = OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM;
+  add_setting_q(NULL, (const int[]){Q30, DSV3_TP8, KIMI_TP8}, 3, (const int32_t[]){1, 2, 4, 8}, 4,
+                OPGRAFT_DTYPE_BF16, Q_B128);
+  add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1",
+                                 "OPGRAFT_TUNE_MOE_PDL_IN", "1", NULL},
+                (const int[]){Q30, DSV3_TP8}, 2, (const int32_t[]){1, 2}, 2, OPGRAFT_DTYPE_BF16, Q_B128);
+  job_routing = OPGRAFT_MOE_ROUTING_SOFTMAX;
+  add_setting_q(NULL, (const int[]){Q30}, 1, (const int32_t[]){1}, 1, OPGRAFT_DTYPE_FP16, Q_TENSOR);
+  job_routing = OPGRAFT_MOE_ROUTING_TOPK;
   add_setting_q(NULL, (const int[]){Q30, ODD}, 2, t1_9_33, 3, OPGRAFT_DTYPE_FP16, Q_B128);
   add_setting_q(NULL, (const int[]){Q30, ODD}, 2, t1_9_33, 3, OPGRAFT_DTYPE_FP16, Q_TENSOR);
   static const quant both[] = {{OPGRAFT_MOE_SCALE_BLOCK, 128}, {OPGRAFT_MOE_SCALE_TENSOR, 0}};

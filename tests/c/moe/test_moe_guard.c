@@ -493,6 +493,9 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
       {"moe.gate_up.slot_routing", "moe:fp8block:E128:H2048:I768:k8", 90, 5, 0},
       {"moe.down.warp_routing", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 16, 1},
       {"moe.max_tokens", "moe:fp8block:E128:H2048:I768:k8", 90, 9, 8},
+      {"moe.route", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 1},
+      {"moe.route", "moe:fp8block:E128:H2048:I768:k8", 90, 3, 0},
+      {"moe.route", "moe:bf16:E128:H2048:I768:k8", 90, 4, 1},
   };
   for (size_t i = 0; i < sizeof rules / sizeof *rules; ++i) {
     const opgraft_tune_query q = {rules[i].key, rules[i].arch, NULL, rules[i].shape, rules[i].tokens};

@@ -34,3 +34,26 @@ def test_routed_oracle_is_the_oracle_of_vllms_routing(renorm, dtype):
     want = moe.moe_reference_cpu(x, w13, w2, w.float(), ids)
     # the weights passed as fp32 above: the two differ by that rounding only
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8_e4m3fn")
+@pytest.mark.parametrize("renorm", [True, False])
+def test_routed_fp8_oracle_is_the_fp8_oracle_of_vllms_routing(renorm):
+    """With block-FP8 weights and activations the logits are in the output dtype (bf16)."""
+    from opgraft.bench import moe as moe_bench
+    from opgraft.presets import MoeShape
+
+    g = torch.Generator().manual_seed(5)
+    T, k, block = 4, 4, (128, 128)
+    shape = MoeShape("t", 16, 256, 128, k)
+    w13, w2 = moe_bench.make_weights(shape, "bf16", "cpu", seed=2)
+    q13, s13, q2, s2 = moe_bench.quantize_weights_fp8(w13, w2, "fp8-block", block)
+    xq, xs = moe_bench.quantize_activations_fp8(torch.randn(T, 256, generator=g).bfloat16(), "fp8-block", 128)
+    fp8 = moe_bench.fp8_scales("fp8-block", xs, s13, s2, block)
+    logits = torch.randn(T, 16, generator=g).bfloat16()
+    logits[0, 9] = logits[0, 4] = logits[0].max() + 1  # a tie at the top: 4 before 9
+    got = moe.moe_routed_reference_cpu(xq, q13, q2, logits, k, renorm, fp8=fp8)
+    w, ids = _routing(logits, k, renorm)
+    assert ids[0, :2].tolist() == [4, 9]
+    want = moe.moe_reference_cpu(xq, q13, q2, w.float(), ids, fp8=fp8)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
