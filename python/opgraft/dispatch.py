@@ -203,21 +203,7 @@ class RoutedExpertsCall:
     quantize: Callable[[], Any] | None = None
 
 
-_fp8_like_cache: dict = {}
-
-
-def _fp8_like(hidden, block):
-    """Tensors laid out as block-FP8 activations of hidden and their scales ([T, H] e4m3, [T,
-    ceil(H / block_k)] fp32), kept per layout: a plan looks at layouts only."""
-    T, H = hidden.shape
-    key = (T, H, block[1], hidden.device)
-    like = _fp8_like_cache.get(key)
-    if like is None:
-        import torch
-
-        like = _fp8_like_cache[key] = (torch.empty((T, H), dtype=torch.float8_e4m3fn, device=hidden.device),
-                                       torch.empty((T, -(-H // block[1])), dtype=torch.float32, device=hidden.device))
-    return like
+_fp8_like_cache: dict = {}  # (T, H, block_k, device) -> moe.fp8_activations_like's tensors
 
 
 def _moe_routed(call: RoutedExpertsCall):
@@ -230,7 +216,11 @@ def _moe_routed(call: RoutedExpertsCall):
     try:
         if call.quantize is not None:
             s13, s2, block = call.fp8_weights
-            x, xs = _fp8_like(call.hidden_states, block)
+            h = call.hidden_states
+            key = (*h.shape, block[1], h.device)
+            if key not in _fp8_like_cache:
+                _fp8_like_cache[key] = moe.fp8_activations_like(h, block[1])
+            x, xs = _fp8_like_cache[key]
             fp8 = moe.Fp8Scales(xs, s13, s2, block)
         plan = moe.plan_for_routed(x, call.w13, call.w2, call.router_logits, call.top_k, call.renormalize, out,
                                    fp8=fp8)

@@ -382,6 +382,15 @@ def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
     return a
 
 
+def fp8_activations_like(hidden: torch.Tensor, block_k: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty tensors laid out as vLLM's block-FP8 quantization of hidden [T, H] lays out its
+    result: e4m3 [T, H] and fp32 scales [T, ceil(H / block_k)] (a plan looks at layouts only)."""
+    T, H = hidden.shape
+    device = hidden.device if device is None else device
+    return (torch.empty((T, H), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((T, _cdiv(H, block_k)), dtype=torch.float32, device=device))
+
+
 def _routed_key(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids, fp8=None):
     def lay(t):
         return None if t is None else (t.shape, t.stride(), t.dtype)

@@ -78,26 +78,23 @@ def _fp8_method_class():
     return Fp8MoEMethod
 
 
-def _fp8_block(runner):
-    """The weight blocks of an Fp8MoEMethod layer's quant config, or None."""
-    qc = getattr(runner.routed_experts.quant_method.moe_kernel.fused_experts, "quant_config", None)
-    b = getattr(qc, "block_shape", None)
+def _fp8_block(experts):
+    """The weight blocks of the experts' FP8 quant config, or None."""
+    b = getattr(getattr(experts, "quant_config", None), "block_shape", None)
     return None if b is None else (int(b[0]), int(b[1]))
 
 
-def _fp8_reason(runner, hidden_states, experts, experts_cls, layer) -> str:
+def _fp8_reason(hidden_states, experts, experts_cls, layer) -> str:
     """The experts seam's checks on the e4m3 activations and scales that the layer's prepare step
     would make of hidden_states (their layout only: meta tensors, nothing computed)."""
-    import torch
+    from ..ops import moe
 
     if getattr(experts, "expects_unquantized_inputs", False):
         return "experts that quantize their own inputs"
-    block = _fp8_block(runner)
+    block = _fp8_block(experts)
     if block is None:
         return "per-tensor FP8 scales (routing stays vLLM's)"
-    T, H = hidden_states.shape
-    xq = torch.empty((T, H), dtype=torch.float8_e4m3fn, device="meta")
-    xs = torch.empty((T, -(-H // block[1])), dtype=torch.float32, device="meta")
+    xq, xs = moe.fp8_activations_like(hidden_states, block[1], device="meta")
     reason, fp8 = moe_seam._seam_reason(experts, experts_cls, xq, layer.activation, xs, layer.expert_map,
                                         layer.w13_weight, layer.w2_weight, layer.apply_router_weight_on_input)
     return reason or ("" if fp8 is not None else "FP8 layer without FP8 scales")
@@ -132,7 +129,7 @@ def route_reason(runner, hidden_states, router_logits, overlapping=False) -> str
     if hidden_states.dim() != 2:
         return "hidden states not [T, H]"
     if fp8_layer:
-        reason = _fp8_reason(runner, hidden_states, experts, experts_cls, layer)
+        reason = _fp8_reason(hidden_states, experts, experts_cls, layer)
     else:
         reason, fp8 = moe_seam._seam_reason(experts, experts_cls, hidden_states, layer.activation, None,
                                             layer.expert_map, w13, w2, layer.apply_router_weight_on_input)
@@ -164,7 +161,7 @@ def make_wrapper(original):
             if type(layer.quant_method) is not _classes()[1]:  # Fp8MoEMethod: vLLM's prepare quantizes
                 mk = layer.quant_method.moe_kernel
                 qc = mk.fused_experts.quant_config
-                call.fp8_weights = (qc.w1_scale, qc.w2_scale, _fp8_block(self))
+                call.fp8_weights = (qc.w1_scale, qc.w2_scale, _fp8_block(mk.fused_experts))
                 call.quantize = lambda: mk.prepare_finalize.prepare(
                     hidden_states, None, None, layer.global_num_experts, None, False, qc,
                     defer_input_quant=False)[:2]
