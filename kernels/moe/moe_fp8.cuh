@@ -4,6 +4,7 @@
 // OG_SCALE 1: block scales, OG_BN x OG_BK weight blocks (vLLM's weight_block_size) and 1 x OG_BK
 // activation groups; OG_SCALE 2: one scale per expert matrix and one activation scale.
 #pragma once
+#include "og_fp8.cuh"
 #include "moe_fp8_params.h"
 #include "moe_routing.cuh"
 
@@ -45,16 +46,6 @@
 #define OG_GU_HALVES (OG_GU_ROWS / 16)
 // The intermediate activation's groups: one fp32 scale per routing slot and 16 rows of I.
 #define OG_AS (OG_I / 16)
-
-struct __align__(8) og_vec2 {
-  og_u32 x, y;
-};
-
-__device__ __forceinline__ og_vec2 og_zero2() {
-  og_vec2 v;
-  v.x = v.y = 0u;
-  return v;
-}
 
 // og_load_stream's forms (og_common.cuh) for 8 bytes: a lane reads 8 consecutive e4m3 weights, so
 // the 4 lanes of a row read 32 contiguous bytes (one sector) a k-step.
@@ -101,61 +92,6 @@ __device__ __forceinline__ void og_mma_e4m3(float (&d)[4], const og_vec2 &r, con
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(r.x), "r"(r8.x), "r"(r.y), "r"(r8.y), "r"(b.x), "r"(b.y), "f"(0.f));
-}
-
-// Two e4m3 bytes (the low one first) as f16x2, exactly: e4m3 converts to f16 without rounding.
-__device__ __forceinline__ og_u32 og_e4m3x2_f16x2(og_u32 v16) {
-  og_u32 r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)v16));
-  return r;
-}
-
-// d += A B for one m16n8k16 f16 tile (A's fragment a0..a3, B's b0, b1), fp32 accumulators.
-__device__ __forceinline__ void og_mma_f16(float (&d)[4], og_u32 a0, og_u32 a1, og_u32 a2, og_u32 a3, og_u32 b0,
-                                           og_u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// One 32-k step of 16 e4m3 weight rows times 8 f16 columns, fp32 result from zero (ACC false)
-// or added to d: r and r8 are rows g and g+8 as the 8 bytes a lane c loads at physical k =
-// 8c..8c+7, b column g's 8 values at the same k (a 16-byte load). Two m16n8k16 f16 MMAs: the
-// first takes physical 8c..8c+3 as its logical k 2c, 2c+1 (a0/a1/b0) and 8+2c, 9+2c (a2/a3/b1),
-// the second 8c+4..8c+7 the same way; a dot product does not depend on the order of k. sm_90 has
-// no e4m3 mma.sync of its own (ptxas turns one into these conversions and two f16 MMAs), so
-// converting the weights here costs nothing. d as og_mma_e4m3's.
-template <bool ACC = false>
-__device__ __forceinline__ void og_mma_e4m3_f16(float (&d)[4], const og_vec2 &r, const og_vec2 &r8, const og_vec4 &b) {
-  if (!ACC) d[0] = d[1] = d[2] = d[3] = 0.f;
-  og_mma_f16(d, og_e4m3x2_f16x2(r.x), og_e4m3x2_f16x2(r8.x), og_e4m3x2_f16x2(r.x >> 16), og_e4m3x2_f16x2(r8.x >> 16),
-             b.x, b.y);
-  og_mma_f16(d, og_e4m3x2_f16x2(r.y), og_e4m3x2_f16x2(r8.y), og_e4m3x2_f16x2(r.y >> 16), og_e4m3x2_f16x2(r8.y >> 16),
-             b.z, b.w);
-}
-
-// 8 e4m3 bytes (x then y, low byte first) as 8 f16.
-__device__ __forceinline__ og_vec4 og_e4m3x8_f16(og_u32 x, og_u32 y) {
-  og_vec4 v;
-  v.x = og_e4m3x2_f16x2(x), v.y = og_e4m3x2_f16x2(x >> 16), v.z = og_e4m3x2_f16x2(y), v.w = og_e4m3x2_f16x2(y >> 16);
-  return v;
-}
-
-// A k-step of 64 (OG_GU_KS / OG_DOWN_KS 64): a lane loads 16 bytes of each weight row, physical k
-// 16c..16c+15, and the B values of the same k; the step is two of og_mma_e4m3_f16's 8-byte halves
-// (16c..16c+7, then 16c+8..16c+15), together every k of the 64 once. Half the load instructions
-// of 32-k steps for the same bytes: on the H200 the FP8 stages took as long as the bf16 ones
-// for half the bytes, the same count of (half as wide) loads in flight (bench/NOTES.md, v23).
-struct og_vec8 {
-  og_vec4 lo, hi;  // 16 f16: physical k 16c..16c+7, 16c+8..16c+15
-};
-__device__ __forceinline__ void og_mma_k64_f16(float (&d)[4], const og_vec4 &r, const og_vec4 &r8, const og_vec8 &b) {
-  og_vec2 r0, r80, r1, r81;
-  r0.x = r.x, r0.y = r.y, r80.x = r8.x, r80.y = r8.y;
-  r1.x = r.z, r1.y = r.w, r81.x = r8.z, r81.y = r8.w;
-  og_mma_e4m3_f16<false>(d, r0, r80, b.lo);
-  og_mma_e4m3_f16<true>(d, r1, r81, b.hi);
 }
 
 // The k-step product of the two stages' operand forms: 32 k of e4m3 x e4m3 (og_mma_e4m3), or 64

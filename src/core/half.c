@@ -1,4 +1,4 @@
-/* bf16 and fp16 to and from double on the host, for the ops' CPU oracles. Rounding goes straight
+/* bf16 and fp16 to and from double, and e4m3 to double, on the host, for the ops' CPU oracles. Rounding goes straight
  * from fp64 to the nearest even 16-bit value (through float it would round twice). */
 #include <math.h>
 #include <string.h>
@@ -57,4 +57,14 @@ double opgraft__half_to_double(int32_t dtype, uint16_t h) {
 
 uint16_t opgraft__double_to_half(int32_t dtype, double d) {
   return dtype == OPGRAFT_DTYPE_BF16 ? double_to_bf16(d) : double_to_fp16(d);
+}
+
+/* float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN. */
+double opgraft__e4m3_to_double(uint8_t b) {
+  const int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
+  double v;
+  if (exp == 15 && man == 7) v = NAN;
+  else if (exp == 0) v = ldexp(man, -9);
+  else v = ldexp(8 + man, exp - 10);
+  return sign ? -v : v;
 }

@@ -43,6 +43,7 @@ uint64_t opgraft__fnv1a64(const void *data, size_t len);
 
 /* ---- half.c: bf16 / fp16 (dtype OPGRAFT_DTYPE_BF16 or _FP16) on the host, for the CPU oracles ---- */
 double opgraft__half_to_double(int32_t dtype, uint16_t h);
+double opgraft__e4m3_to_double(uint8_t b);
 /* Rounds to the nearest even value of the dtype (infinity past its largest finite value). */
 uint16_t opgraft__double_to_half(int32_t dtype, double d);
 

@@ -8,16 +8,6 @@
 
 #include "moe.h"
 
-/* float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN. */
-static double e4m3_to_double(uint8_t b) {
-  const int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
-  double v;
-  if (exp == 15 && man == 7) v = NAN;
-  else if (exp == 0) v = ldexp(man, -9);
-  else v = ldexp(8 + man, exp - 10);
-  return sign ? -v : v;
-}
-
 static double load_act(const opgraft_moe_args *a, const void *base, int64_t idx) {
   return opgraft__half_to_double(a->dtype, ((const uint16_t *)base)[idx]);
 }
@@ -32,7 +22,7 @@ static double load_f32(const void *base, int64_t idx) { return ((const float *)b
 static double load_x(const opgraft_moe_args *a, int64_t t, int64_t h) {
   const int64_t idx = t * a->hidden_states_stride[0] + h * a->hidden_states_stride[1];
   if (!opgraft__moe_is_fp8(a)) return load_act(a, a->hidden_states, idx);
-  const double q = e4m3_to_double(((const uint8_t *)a->hidden_states)[idx]);
+  const double q = opgraft__e4m3_to_double(((const uint8_t *)a->hidden_states)[idx]);
   if (a->scale_layout == OPGRAFT_MOE_SCALE_TENSOR) return q * load_f32(a->hidden_scale, 0);
   return q * load_f32(a->hidden_scale, t * a->hidden_scale_stride[0] + (h / a->block_k) * a->hidden_scale_stride[1]);
 }
@@ -41,7 +31,7 @@ static double load_x(const opgraft_moe_args *a, int64_t t, int64_t h) {
 static double load_w13(const opgraft_moe_args *a, int64_t e, int64_t r, int64_t h) {
   const int64_t idx = e * a->w13_stride[0] + r * a->w13_stride[1] + h * a->w13_stride[2];
   if (!opgraft__moe_is_fp8(a)) return load_act(a, a->w13, idx);
-  const double q = e4m3_to_double(((const uint8_t *)a->w13)[idx]);
+  const double q = opgraft__e4m3_to_double(((const uint8_t *)a->w13)[idx]);
   const int64_t *s = a->w13_scale_stride, I = a->inter, up = r >= I;
   if (a->scale_layout == OPGRAFT_MOE_SCALE_TENSOR) return q * load_f32(a->w13_scale, e * s[0] + up * s[1]);
   /* each half has ceil(I / block_n) row blocks, the gate's first */
@@ -53,7 +43,7 @@ static double load_w13(const opgraft_moe_args *a, int64_t e, int64_t r, int64_t 
 static double load_w2(const opgraft_moe_args *a, int64_t e, int64_t h, int64_t i) {
   const int64_t idx = e * a->w2_stride[0] + h * a->w2_stride[1] + i * a->w2_stride[2];
   if (!opgraft__moe_is_fp8(a)) return load_act(a, a->w2, idx);
-  const double q = e4m3_to_double(((const uint8_t *)a->w2)[idx]);
+  const double q = opgraft__e4m3_to_double(((const uint8_t *)a->w2)[idx]);
   const int64_t *s = a->w2_scale_stride;
   if (a->scale_layout == OPGRAFT_MOE_SCALE_TENSOR) return q * load_f32(a->w2_scale, e * s[0]);
   return q * load_f32(a->w2_scale, e * s[0] + (h / a->block_n) * s[1] + (i / a->block_k) * s[2]);
