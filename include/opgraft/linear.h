@@ -13,11 +13,20 @@ extern "C" {
  *   out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]),  m < rows <= 8
  * with fp32 accumulation, rounded once to the output dtype. Each weight byte is read once per
  * call; the summation order is fixed, so the same inputs give the same bits every run.
+ *
+ * Block-FP8 weights (weight_dtype OPGRAFT_DTYPE_FP8_E4M3; vLLM's Fp8LinearMethod with a
+ * weight_block_size, DeepSeek-V3 / Qwen3 FP8 checkpoints: 128x128): W e4m3 [N, K] with fp32
+ * scales weight_scale [ceil(N/block_n), K/block_k] (vLLM's weight_scale_inv, any strides), and x
+ * quantized as vLLM's W8A8 block path does before its GEMM, per row m and group g of block_k
+ * columns: amax = max(max_k |x[m,k]|, 1e-10), sx = amax / 448, q = e4m3(x * (448 / amax))
+ * (nearest even, saturating; fp32 IEEE arithmetic). Then
+ *   out[m, n] = sum_g weight_scale[n / block_n][g] * sx[m][g] * sum_{k in g} q[m, k] * W[n, k]
+ * (+ bias[n]); block_n a multiple of 16, block_k a multiple of 64 dividing K; sm_89 or newer.
  * ------------------------------------------------------------------------------------------- */
 typedef struct opgraft_linear_args {
   uint32_t struct_size; /* sizeof(opgraft_linear_args), checked */
   int32_t dtype;        /* x: OPGRAFT_DTYPE_BF16 or _FP16 */
-  int32_t weight_dtype; /* must equal dtype */
+  int32_t weight_dtype; /* dtype, or OPGRAFT_DTYPE_FP8_E4M3 (block scales below) */
   int32_t bias_dtype;   /* must equal dtype when bias is set */
   int32_t out_dtype;    /* must equal dtype */
   int64_t rows;         /* M: rows of x and out (the tokens of a decode step) */
@@ -26,13 +35,18 @@ typedef struct opgraft_linear_args {
   const void *x;
   int64_t x_stride[2]; /* [M, K]: a 16-byte aligned base, rows 16-byte aligned, columns contiguous */
   const void *weight;
-  int64_t weight_stride[2]; /* [N, K]: likewise */
+  int64_t weight_stride[2]; /* [N, K]: likewise (16-byte aligned rows) */
   const void *bias;         /* NULL, or [N] contiguous */
   void *out;
   int64_t out_stride[2]; /* [M, N]: columns contiguous */
   /* The GPU the call runs on, as major*10 + minor, and its name; 0 / NULL = the current device. */
   int32_t arch;
   const char *gpu_name;
+  /* FP8 weights only (ABI 8); zero / NULL for 16-bit weights. */
+  int32_t block_n, block_k; /* the weight blocks (vLLM's weight_block_size) */
+  int32_t scale_dtype;      /* OPGRAFT_DTYPE_FP32 */
+  const void *weight_scale;
+  int64_t weight_scale_stride[2]; /* [ceil(N/block_n), K/block_k], non-negative */
 } opgraft_linear_args;
 
 /* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
@@ -55,6 +69,11 @@ OPGRAFT_EXTERN void opgraft_linear_plan_destroy(opgraft_linear_plan *plan);
  * no allocation (CUDA-graph capturable). */
 OPGRAFT_EXTERN int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight,
                                                const void *bias, void *out, void *stream);
+/* The same for a plan of FP8 weights (weight_scale 4-byte aligned); opgraft_linear_plan_run on
+ * such a plan, or this one on a 16-bit plan, gives OPGRAFT_EINVAL. */
+OPGRAFT_EXTERN int32_t opgraft_linear_plan_run_fp8(const opgraft_linear_plan *plan, const void *x, const void *weight,
+                                                   const void *weight_scale, const void *bias, void *out,
+                                                   void *stream);
 
 /* The argument-struct form through plans cached inside the library (a convenience for C callers;
  * the Python layer keeps its own plans). The first call for a layout compiles the kernel (NVRTC)

@@ -1,6 +1,6 @@
-/* Kernel parameters of the linear kernel, shared by the host launcher (C11) and the kernel (NVRTC
- * C++): plain types only, passed by value as the kernel's single parameter. Strides are in
- * elements. */
+/* Kernel parameters of the linear kernels (linear.cu, linear_fp8.cu), shared by the host launcher
+ * (C11) and the kernels (NVRTC C++): plain types only, passed by value as the kernel's single
+ * parameter. Strides are in elements. */
 #ifndef OPGRAFT_LINEAR_PARAMS_H
 #define OPGRAFT_LINEAR_PARAMS_H
 
@@ -11,6 +11,9 @@ typedef struct og_linear_params {
   void *y;          /* [M, N] */
   long long x_stride, w_stride, y_stride;
   int M, N;
+  /* FP8 weights: fp32 block scales [ceil(N / OG_BN), K / OG_BK] */
+  const float *ws;
+  long long ws_stride0, ws_stride1;
 } og_linear_params;
 
 #endif

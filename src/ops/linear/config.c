@@ -5,9 +5,10 @@
 
 #include "linear.h"
 
-/* The clamps keep one k-step group's 16-byte operands (x and each tile's W) at 16 or fewer, 64
- * registers, and the launch-bounds minimum at 16 warps an SM or fewer (128 registers a thread):
- * the compile test checks that every such variant is spill-free on sm_80 and sm_90. */
+/* The clamps keep one batch of loads (a k-step group's 16-byte operands: x and each tile's W) at
+ * 64 registers or fewer, and the launch-bounds minimum at 16 warps an SM or fewer (128 registers
+ * a thread): the compile test checks that every such variant is spill-free on sm_80 and sm_90
+ * (FP8: sm_89 and sm_90). */
 void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const char *gpu, og_linear_cfg *c) {
   char shape[96];
   opgraft__linear_shape_key(a, shape, sizeof shape);
@@ -23,10 +24,23 @@ void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const ch
   /* 0 off; 1 the first loads before the wait; 2 also the rest of the weights asked of L2 there. */
   const int64_t pdl = arch >= 90 ? opgraft__tune_value("linear.pdl", arch, gpu, shape, M) : 0;
   c->pdl = pdl >= 2 ? 2 : pdl != 0;
-  const int64_t steps = (a->in_features / 8 + 3) / 4;
-  const int64_t per_warp = (steps + c->warps - 1) / c->warps;
-  while (c->unroll > 1 && c->unroll * (c->tiles + 1) > 16) c->unroll--;
-  if (c->unroll > per_warp) c->unroll = per_warp > 0 ? (int)per_warp : 1; /* no loads a warp never issues */
+  if (opgraft__linear_is_fp8(a)) {
+    /* A group's operands a lane: (block_k / 64) steps of 16 bytes of 2 rows a tile, and 32 bytes
+     * of x (shared by the tiles): at most 64 registers for a batch of groups, 48 for one group
+     * (three 16-row tiles spilled at 128 registers); PDL without its L2 prefetch form. */
+    const int64_t spg = a->block_k / 64 > 0 ? a->block_k / 64 : 1;
+    while (c->tiles > 1 && 4 * spg * (2 * c->tiles + 2) > 48) c->tiles--;
+    const int64_t groups = a->block_k > 0 ? a->in_features / a->block_k : 1;
+    const int64_t per_warp = (groups + c->warps - 1) / c->warps;
+    while (c->unroll > 1 && 4 * spg * (2 * c->tiles + 2) * c->unroll > 64) c->unroll--;
+    if (c->unroll > per_warp) c->unroll = per_warp > 0 ? (int)per_warp : 1;
+    if (c->pdl > 1) c->pdl = 1;
+  } else {
+    const int64_t steps = (a->in_features / 8 + 3) / 4;
+    const int64_t per_warp = (steps + c->warps - 1) / c->warps;
+    while (c->unroll > 1 && c->unroll * (c->tiles + 1) > 16) c->unroll--;
+    if (c->unroll > per_warp) c->unroll = per_warp > 0 ? (int)per_warp : 1; /* no loads a warp never issues */
+  }
   while (c->min_blocks > 1 && c->min_blocks * c->warps > 16) c->min_blocks--;
 }
 
@@ -35,6 +49,10 @@ int32_t opgraft__linear_options(const opgraft_linear_args *a, const og_linear_cf
 #define OG_OPT(...) opgraft__opt(o, __VA_ARGS__)
   OG_OPT("-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
   OG_OPT("-DOG_K=%lld", (long long)a->in_features);
+  if (opgraft__linear_is_fp8(a)) {
+    OG_OPT("-DOG_BN=%d", a->block_n);
+    OG_OPT("-DOG_BK=%d", a->block_k);
+  }
   OG_OPT("-DOG_WARPS=%d", c->warps);
   OG_OPT("-DOG_TILES=%d", c->tiles);
   OG_OPT("-DOG_U=%d", c->unroll);
@@ -47,12 +65,17 @@ int32_t opgraft__linear_options(const opgraft_linear_args *a, const og_linear_cf
 }
 
 unsigned opgraft__linear_grid(const opgraft_linear_args *a, const og_linear_cfg *c) {
-  const int64_t rows = 8 * (int64_t)c->tiles;
+  const int64_t rows = (opgraft__linear_is_fp8(a) ? 16 : 8) * (int64_t)c->tiles;
   return (unsigned)((a->out_features + rows - 1) / rows);
 }
 
-void opgraft__linear_fn_name(int32_t dtype, char name[64]) {
-  snprintf(name, 64, "linear_gemv_%s", dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
+void opgraft__linear_fn_name(const opgraft_linear_args *a, char name[64]) {
+  snprintf(name, 64, "linear_gemv%s_%s", opgraft__linear_is_fp8(a) ? "_fp8" : "",
+           a->dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
+}
+
+const char *opgraft__linear_source(const opgraft_linear_args *a) {
+  return opgraft__linear_is_fp8(a) ? "linear/linear_fp8.cu" : "linear/linear.cu";
 }
 
 /* The checks a compile-only call needs (no device, no pointers). */
@@ -94,9 +117,9 @@ int32_t opgraft_linear_compile_report(const opgraft_linear_args *a, int32_t arch
   if ((st = opgraft__linear_options(a, &cfg, &o))) return st;
   /* Through the cache: the compiler log is kept with the cubin, so a report needs no recompile. */
   og_cubin cub;
-  if ((st = opgraft__cubin_cached(OG_LINEAR_SOURCE, o.ptr, o.n, arch, &cub))) return st;
+  if ((st = opgraft__cubin_cached(opgraft__linear_source(a), o.ptr, o.n, arch, &cub))) return st;
   char name[64];
-  opgraft__linear_fn_name(a->dtype, name);
+  opgraft__linear_fn_name(a, name);
   *count = 1;
   if (cap > 0) st = opgraft__parse_resources(cub.log, name, &out[0]);
   opgraft__cubin_free(&cub);

@@ -17,9 +17,12 @@ const char *opgraft__linear_dtype_name(int32_t d) {
   return "unknown";
 }
 
+int opgraft__linear_is_fp8(const opgraft_linear_args *a) { return a->weight_dtype == OPGRAFT_DTYPE_FP8_E4M3; }
+
+/* The dtype field is x's, or "fp8" for FP8 weights (of either x dtype). */
 void opgraft__linear_shape_key(const opgraft_linear_args *a, char *buf, size_t len) {
-  snprintf(buf, len, "linear:%s:N%lld:K%lld", opgraft__linear_dtype_name(a->dtype), (long long)a->out_features,
-           (long long)a->in_features);
+  snprintf(buf, len, "linear:%s:N%lld:K%lld", opgraft__linear_is_fp8(a) ? "fp8" : opgraft__linear_dtype_name(a->dtype),
+           (long long)a->out_features, (long long)a->in_features);
 }
 
 #define OG_REASON(...) (snprintf(reason, reason_len, __VA_ARGS__), OPGRAFT_EUNSUPPORTED)
@@ -31,7 +34,8 @@ int32_t opgraft__linear_check_static(const opgraft_linear_args *a, char *reason,
                      sizeof(opgraft_linear_args));
   if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
     return OG_REASON("dtype %s (the kernel takes bf16 and fp16)", opgraft__linear_dtype_name(a->dtype));
-  if (a->weight_dtype != a->dtype || a->out_dtype != a->dtype || (a->bias && a->bias_dtype != a->dtype))
+  const int fp8 = opgraft__linear_is_fp8(a);
+  if ((a->weight_dtype != a->dtype && !fp8) || a->out_dtype != a->dtype || (a->bias && a->bias_dtype != a->dtype))
     return OG_REASON("dtype mismatch: x %s, weight %s, bias %s, out %s", opgraft__linear_dtype_name(a->dtype),
                      opgraft__linear_dtype_name(a->weight_dtype),
                      a->bias ? opgraft__linear_dtype_name(a->bias_dtype) : "none",
@@ -46,8 +50,18 @@ int32_t opgraft__linear_check_static(const opgraft_linear_args *a, char *reason,
     return OG_REASON("a tensor's last dimension is not contiguous");
   if (a->weight_stride[0] < K)
     return OG_REASON("weight row stride %lld < in_features %lld", (long long)a->weight_stride[0], (long long)K);
-  if (a->weight_stride[0] % 8)
-    return OG_REASON("weight row stride %lld is not a multiple of 8 elements (16 bytes)", (long long)a->weight_stride[0]);
+  if (a->weight_stride[0] % (fp8 ? 16 : 8))
+    return OG_REASON("weight row stride %lld is not a multiple of 16 bytes", (long long)a->weight_stride[0]);
+  if (fp8) {
+    if (a->scale_dtype != OPGRAFT_DTYPE_FP32)
+      return OG_REASON("FP8 weight scales of dtype %s (fp32 expected)", opgraft__linear_dtype_name(a->scale_dtype));
+    if (a->block_n < 16 || a->block_n % 16 || a->block_k < 64 || a->block_k % 64 || K % a->block_k)
+      return OG_REASON("FP8 weight blocks %dx%d with in_features %lld (block_n a multiple of 16, block_k a multiple "
+                       "of 64 dividing in_features)", a->block_n, a->block_k, (long long)K);
+    if (a->weight_scale_stride[0] < 0 || a->weight_scale_stride[1] < 0) return OG_REASON("negative FP8 scale strides");
+  } else if (a->weight_scale || a->block_n || a->block_k) {
+    return OG_REASON("weight scales or blocks given with %s weights", opgraft__linear_dtype_name(a->weight_dtype));
+  }
   /* One row needs no row stride (a [1, K] view may carry any). */
   if (M > 1 && a->x_stride[0] < K)
     return OG_REASON("x row stride %lld < in_features %lld", (long long)a->x_stride[0], (long long)K);
@@ -62,6 +76,8 @@ int32_t opgraft__linear_check_pointers(const opgraft_linear_args *a, char *reaso
   if (a->rows > 0 && (!a->x || !a->weight || !a->out)) return OG_REASON("a tensor pointer is NULL");
   if ((((uintptr_t)a->x | (uintptr_t)a->weight) & 15u)) return OG_REASON("x or weight not 16-byte aligned");
   if ((((uintptr_t)a->out | (uintptr_t)a->bias) & 1u)) return OG_REASON("out or bias misaligned");
+  if (opgraft__linear_is_fp8(a) && a->rows > 0 && (!a->weight_scale || ((uintptr_t)a->weight_scale & 3u)))
+    return OG_REASON("FP8 weight scales NULL or misaligned");
   return OPGRAFT_OK;
 }
 
@@ -74,6 +90,8 @@ int32_t opgraft__linear_check_device(const opgraft_linear_args *a, int32_t *arch
     if (st) return OG_REASON("no GPU: %s", opgraft_last_error());
   }
   if (arch < OG_LINEAR_MIN_ARCH) return OG_REASON("sm_%d is older than sm_%d", arch, OG_LINEAR_MIN_ARCH);
+  if (opgraft__linear_is_fp8(a) && arch < OG_LINEAR_FP8_MIN_ARCH)
+    return OG_REASON("FP8 weights on sm_%d: the kernel needs sm_%d (cvt e4m3x2)", arch, OG_LINEAR_FP8_MIN_ARCH);
   char shape[96];
   opgraft__linear_shape_key(a, shape, sizeof shape);
   const char *g = gpu && *gpu ? gpu : NULL;

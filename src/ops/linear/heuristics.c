@@ -21,7 +21,13 @@
  * - linear.min_blocks: 16 warps an SM (MoE v13: without a minimum ptxas trades the loads issued
  *   together for fewer registers).
  * - linear.l2_fetch 128 (the MoE kernels' largest single gain, NOTES v2), linear.load 4 (the form
- *   that kept its speed after other kernels had filled L2, NOTES v9), linear.pdl 0 (unmeasured). */
+ *   that kept its speed after other kernels had filled L2, NOTES v9), linear.pdl 0 (unmeasured).
+ * - FP8 weights ("linear:fp8:..."): linear.max_rows 8 on sm_90, 0 elsewhere (nothing measured);
+ *   warps as above over 128-column groups (one group a warp at least); one 16-row tile a block
+ *   where every block of 8 warps is then resident (two blocks an SM), else two (Qwen3-30B-A3B's
+ *   qkv [5120, 2048]: 320 blocks in 1.2 waves 7.77 µs, 160 in one 6.77); one group a warp in
+ *   flight (o [2048, 4096] 6.40 -> 5.79 µs against two; qkv and router the same or better).
+ *   H200 sweep, bench/NOTES.md v32. */
 #include <stdio.h>
 #include <string.h>
 
@@ -32,21 +38,24 @@ int opgraft__linear_parse_shape(const char *shape, og_linear_shape *s) {
   long long N, K;
   if (!shape || sscanf(shape, "linear:%7[a-z0-9]:N%lld:K%lld", dt, &N, &K) != 3) return 0;
   if (N < 1 || K < 8) return 0;
-  s->N = N, s->K = K;
+  s->N = N, s->K = K, s->fp8 = strcmp(dt, "fp8") == 0;
   return 1;
 }
 
 /* SMs of the usual GPU of an arch (the rule cannot see the device): H100/H200 SXM 132, A100 108. */
 static int64_t sms_of(int32_t arch) { return arch == 90 ? 132 : arch >= 100 ? 148 : 108; }
 
+/* FP8: the units a warp splits are 128-column groups (vLLM's blocks; the rule cannot see
+ * block_k), a tile is 16 rows. */
 static int64_t rule_warps(const og_linear_shape *s, int32_t arch) {
-  const int64_t steps = (s->K / 8 + 3) / 4, tiles8 = (s->N + 7) / 8;
-  int64_t w = tiles8 < sms_of(arch) ? 16 : 8;
-  while (w > 1 && steps < 4 * w) w /= 2;
+  const int64_t units = s->fp8 ? s->K / 128 : (s->K / 8 + 3) / 4, tiles = (s->N + (s->fp8 ? 15 : 7)) / (s->fp8 ? 16 : 8);
+  int64_t w = tiles < sms_of(arch) ? 16 : 8;
+  while (w > 1 && units < (s->fp8 ? 1 : 4) * w) w /= 2;
   return w;
 }
 
 static int64_t rule_tiles(const og_linear_shape *s, int32_t arch) {
+  if (s->fp8) return (s->N + 15) / 16 > 2 * sms_of(arch) ? 2 : 1;
   const int64_t tiles8 = (s->N + 7) / 8;
   const int64_t resident = sms_of(arch) * (16 / rule_warps(s, arch));
   const int64_t t = (tiles8 + resident - 1) / resident;
@@ -55,15 +64,17 @@ static int64_t rule_tiles(const og_linear_shape *s, int32_t arch) {
 
 int opgraft__linear_rule(const opgraft_tune_query *q, int64_t *value) {
   const char *key = q->key;
-  if (strcmp(key, "linear.max_rows") == 0) return *value = q->arch == 90 ? 8 : 1, 1;
+  og_linear_shape s;
+  const int parsed = opgraft__linear_parse_shape(q->shape, &s);
+  if (strcmp(key, "linear.max_rows") == 0) return *value = q->arch == 90 ? 8 : parsed && s.fp8 ? 0 : 1, 1;
   if (strcmp(key, "linear.load") == 0) return *value = 4, 1;
   if (strcmp(key, "linear.l2_fetch") == 0) return *value = 128, 1;
   if (strcmp(key, "linear.pdl") == 0) return *value = 0, 1;
-  og_linear_shape s;
-  if (!opgraft__linear_parse_shape(q->shape, &s)) return 0;
+  if (!parsed) return 0;
   if (strcmp(key, "linear.warps") == 0) return *value = rule_warps(&s, q->arch), 1;
   if (strcmp(key, "linear.tiles") == 0) return *value = rule_tiles(&s, q->arch), 1;
   if (strcmp(key, "linear.min_blocks") == 0) return *value = 16 / rule_warps(&s, q->arch), 1;
+  if (strcmp(key, "linear.unroll") == 0 && s.fp8) return *value = 1, 1;
   if (strcmp(key, "linear.unroll") == 0) {
     const int64_t steps = (s.K / 8 + 3) / 4, w = rule_warps(&s, q->arch);
     const int64_t per_warp = (steps + w - 1) / w;

@@ -45,14 +45,14 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
   p->head = (og_plan_head){ctx, gen}, p->arch = arch, p->args = *a;
   p->args.x = p->args.weight = NULL;
   p->args.bias = a->bias ? (const void *)1 : NULL; /* only whether there is one */
-  p->args.out = NULL, p->args.gpu_name = NULL;
+  p->args.out = NULL, p->args.gpu_name = NULL, p->args.weight_scale = NULL;
   opgraft__linear_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
   og_opts o;
   char name[64];
-  opgraft__linear_fn_name(a->dtype, name);
+  opgraft__linear_fn_name(a, name);
   const char *np[1] = {name};
   if (!(st = opgraft__linear_options(a, &p->cfg, &o)))
-    st = opgraft__get_functions(OG_LINEAR_SOURCE, o.ptr, o.n, arch, np, 1, &p->fn);
+    st = opgraft__get_functions(opgraft__linear_source(a), o.ptr, o.n, arch, np, 1, &p->fn);
   if (st) {
     free(p);
     return st;
@@ -62,6 +62,7 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
   og_linear_params *q = &p->proto;
   q->x_stride = a->x_stride[0], q->w_stride = a->weight_stride[0], q->y_stride = a->out_stride[0];
   q->M = (int)a->rows, q->N = (int)a->out_features;
+  q->ws_stride0 = a->weight_scale_stride[0], q->ws_stride1 = a->weight_scale_stride[1];
   *out = p;
   return OPGRAFT_OK;
 }
@@ -83,9 +84,8 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_linear_plan *plan, og
                            "launch linear_gemv (programmatic dependent launch)");
 }
 
-int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight, const void *bias,
-                                void *out, void *stream) {
-  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: no plan");
+static int32_t plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight, const void *weight_scale,
+                        const void *bias, void *out, void *stream) {
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
   int32_t st = opgraft__current_ctx(&cu, &ctx);
@@ -96,9 +96,27 @@ int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, 
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a NULL pointer (or bias unlike the plan's)");
   if ((((uintptr_t)x | (uintptr_t)weight) & 15u) || (((uintptr_t)out | (uintptr_t)bias) & 1u))
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a pointer is misaligned");
+  if (opgraft__linear_is_fp8(&plan->args) && (!weight_scale || ((uintptr_t)weight_scale & 3u)))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_fp8: weight_scale NULL or misaligned");
   og_linear_params p = plan->proto;
-  p.x = x, p.w = weight, p.bias = bias, p.y = out;
+  p.x = x, p.w = weight, p.bias = bias, p.y = out, p.ws = weight_scale;
   return launch(cu, plan, &p, (og_CUstream)stream);
+}
+
+int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight, const void *bias,
+                                void *out, void *stream) {
+  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: no plan");
+  if (opgraft__linear_is_fp8(&plan->args))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: an FP8 plan (opgraft_linear_plan_run_fp8 runs it)");
+  return plan_run(plan, x, weight, NULL, bias, out, stream);
+}
+
+int32_t opgraft_linear_plan_run_fp8(const opgraft_linear_plan *plan, const void *x, const void *weight,
+                                    const void *weight_scale, const void *bias, void *out, void *stream) {
+  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_fp8: no plan");
+  if (!opgraft__linear_is_fp8(&plan->args))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_fp8: a plan of 16-bit weights (opgraft_linear_plan_run runs it)");
+  return plan_run(plan, x, weight, weight_scale, bias, out, stream);
 }
 
 /* ---- the argument-struct entry point, through plans cached here ---- */
@@ -109,6 +127,7 @@ OG_PLAN_CACHE(plans, 128);
  * from each call's arguments. */
 static int same_plan(const opgraft_linear_args *p, const opgraft_linear_args *q) {
   return p->dtype == q->dtype && p->weight_dtype == q->weight_dtype && p->out_dtype == q->out_dtype &&
+         p->block_n == q->block_n && p->block_k == q->block_k &&
          !p->bias == !q->bias && (!p->bias || p->bias_dtype == q->bias_dtype) && p->rows == q->rows &&
          p->out_features == q->out_features && p->in_features == q->in_features && p->arch == q->arch;
 }
@@ -136,7 +155,8 @@ int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
     opgraft__plan_cache_put(&plans, made);
   }
   og_linear_params p = plan->proto;
-  p.x = a->x, p.w = a->weight, p.bias = a->bias, p.y = a->out;
+  p.x = a->x, p.w = a->weight, p.bias = a->bias, p.y = a->out, p.ws = a->weight_scale;
   p.x_stride = a->x_stride[0], p.w_stride = a->weight_stride[0], p.y_stride = a->out_stride[0];
+  p.ws_stride0 = a->weight_scale_stride[0], p.ws_stride1 = a->weight_scale_stride[1];
   return launch(cu, plan, &p, (og_CUstream)stream);
 }

@@ -1,4 +1,7 @@
-/* CPU oracle for the linear op: fp64 accumulation on host pointers, for the tests. */
+/* CPU oracle for the linear op: fp64 accumulation on host pointers, for the tests. FP8 weights:
+ * the activations are quantized in fp32 exactly as the kernel does (linear_fp8.cu), then every
+ * product and sum is taken in fp64. */
+#include <math.h>
 #include <stdlib.h>
 
 #include "linear.h"
@@ -7,15 +10,74 @@ static double load(int32_t dtype, const void *base, int64_t idx) {
   return opgraft__half_to_double(dtype, ((const uint16_t *)base)[idx]);
 }
 
+/* v rounded to the nearest e4m3 value (ties to even), finite values past 448 saturated. */
+static double e4m3_round(float v) {
+  if (isnan(v)) return NAN;
+  const double a = fabs((double)v);
+  double q;
+  if (a >= 448.0) q = 448.0;
+  else if (a < ldexp(1, -6)) q = nearbyint(a * 512.0) / 512.0; /* subnormals: multiples of 2^-9 */
+  else {
+    int e;
+    frexp(a, &e); /* a in [2^(e-1), 2^e) */
+    const double step = ldexp(1, e - 4); /* 3 mantissa bits */
+    q = nearbyint(a / step) * step;
+  }
+  return v < 0 ? -q : q;
+}
+
+static int32_t reference_fp8(const opgraft_linear_args *a, double *out_f64) {
+  const int64_t M = a->rows, N = a->out_features, K = a->in_features, bk = a->block_k, bn = a->block_n;
+  if (bk < 1 || bn < 1 || K % bk || a->scale_dtype != OPGRAFT_DTYPE_FP32 || !a->weight_scale)
+    return opgraft__fail(OPGRAFT_EINVAL, "FP8 reference: bad blocks or scales");
+  const int64_t G = K / bk;
+  double *q = malloc(sizeof(double) * (size_t)(K + G));
+  if (!q) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
+  double *sx = q + K;
+  const float *ws = a->weight_scale;
+  const uint8_t *w = a->weight;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      float amax = 0.f;
+      for (int64_t k = g * bk; k < (g + 1) * bk; ++k)
+        amax = fmaxf(amax, fabsf((float)load(a->dtype, a->x, m * a->x_stride[0] + k * a->x_stride[1])));
+      amax = fmaxf(amax, 1e-10f);
+      const float r = 448.f / amax;
+      sx[g] = (double)(amax / 448.f);
+      for (int64_t k = g * bk; k < (g + 1) * bk; ++k) {
+        const float xf = (float)load(a->dtype, a->x, m * a->x_stride[0] + k * a->x_stride[1]);
+        q[k] = e4m3_round(xf * r);
+      }
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = 0;
+      for (int64_t g = 0; g < G; ++g) {
+        double part = 0;
+        for (int64_t k = g * bk; k < (g + 1) * bk; ++k)
+          part += q[k] * opgraft__e4m3_to_double(w[n * a->weight_stride[0] + k * a->weight_stride[1]]);
+        acc += part * ws[(n / bn) * a->weight_scale_stride[0] + g * a->weight_scale_stride[1]] * sx[g];
+      }
+      if (a->bias) acc += load(a->dtype, a->bias, n);
+      if (out_f64) out_f64[m * N + n] = acc;
+      else ((uint16_t *)a->out)[m * a->out_stride[0] + n * a->out_stride[1]] = opgraft__double_to_half(a->dtype, acc);
+    }
+  }
+  free(q);
+  return OPGRAFT_OK;
+}
+
 int32_t opgraft_linear_reference(const opgraft_linear_args *a, double *out_f64) {
   if (!a || a->struct_size < sizeof *a) return opgraft__fail(OPGRAFT_EINVAL, "bad arguments");
-  const int ok = (a->dtype == OPGRAFT_DTYPE_BF16 || a->dtype == OPGRAFT_DTYPE_FP16) && a->weight_dtype == a->dtype &&
-                 (!a->bias || a->bias_dtype == a->dtype) && (out_f64 || a->out_dtype == a->dtype);
-  if (!ok) return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the reference covers bf16/fp16 of one dtype");
+  const int fp8 = opgraft__linear_is_fp8(a);
+  const int ok = (a->dtype == OPGRAFT_DTYPE_BF16 || a->dtype == OPGRAFT_DTYPE_FP16) &&
+                 (a->weight_dtype == a->dtype || fp8) && (!a->bias || a->bias_dtype == a->dtype) &&
+                 (out_f64 || a->out_dtype == a->dtype);
+  if (!ok) return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the reference covers bf16/fp16 x with weights of its dtype or FP8");
   const int64_t M = a->rows, N = a->out_features, K = a->in_features;
   if (M < 0 || N < 1 || K < 1) return opgraft__fail(OPGRAFT_EINVAL, "bad sizes");
   if (M == 0) return OPGRAFT_OK;
   if (!a->x || !a->weight || (!out_f64 && !a->out)) return opgraft__fail(OPGRAFT_EINVAL, "NULL tensor");
+  if (fp8) return reference_fp8(a, out_f64);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) {
       double acc = 0;

@@ -64,6 +64,11 @@ static void linear_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_linear_args, out_stride);
   OG_ABI_FIELD(b, opgraft_linear_args, arch);
   OG_ABI_FIELD(b, opgraft_linear_args, gpu_name);
+  OG_ABI_FIELD(b, opgraft_linear_args, block_n);
+  OG_ABI_FIELD(b, opgraft_linear_args, block_k);
+  OG_ABI_FIELD(b, opgraft_linear_args, scale_dtype);
+  OG_ABI_FIELD(b, opgraft_linear_args, weight_scale);
+  OG_ABI_FIELD(b, opgraft_linear_args, weight_scale_stride);
   opgraft__abi_end(b);
 }
 

@@ -1,5 +1,5 @@
 /* Every linear kernel variant that a shipped or tunable configuration can select compiles with
- * NVRTC, for sm_80 and sm_90, without register spills. The configurations are resolved first (the
+ * NVRTC, for sm_80 and sm_90 (FP8 weights: sm_89 and sm_90), without register spills. The configurations are resolved first (the
  * rule at the projection shapes of the presets and dense models, then the tuner's candidates over
  * the keys that change registers or code), identical option sets are compiled once, and the
  * compiles run on several threads through the kernel cache ($OPGRAFT_TEST_KERNEL_CACHE keeps the
@@ -28,10 +28,22 @@ static const shape shapes[] = {
     {"odd N=129 K=2056", 129, 2056},       {"odd N=5 K=14336", 5, 14336},
 };
 #define N_SHAPES ((int)(sizeof shapes / sizeof *shapes))
-static const int32_t archs[] = {80, 90};
+static const int32_t archs[] = {80, 90}, fp8_archs[] = {89, 90};
+
+/* The block-FP8 projections (128x128 blocks) of Qwen3-30B-A3B-FP8, Qwen3-235B-A22B-FP8 and
+ * DeepSeek-V3 (its dense q_a, kv_a, q_b and o projections), from each model's config.json. */
+static const shape fp8_shapes[] = {
+    {"Qwen3-30B-A3B-FP8 qkv", 5120, 2048},  {"Qwen3-30B-A3B-FP8 o", 2048, 4096},
+    {"Qwen3-30B-A3B-FP8 gate", 128, 2048},  {"Qwen3-235B-A22B-FP8 qkv", 9216, 4096},
+    {"DeepSeek-V3 q_a", 1536, 7168},        {"DeepSeek-V3 kv_a", 576, 7168},
+    {"DeepSeek-V3 q_b", 24576, 1536},       {"DeepSeek-V3 o", 7168, 16384},
+    {"odd N=129 K=256", 129, 256},
+};
+#define N_FP8_SHAPES ((int)(sizeof fp8_shapes / sizeof *fp8_shapes))
 
 typedef struct job {
   char what[200];
+  opgraft_linear_args args;
   int32_t dtype, arch;
   og_opts opts;
   int32_t status;
@@ -47,28 +59,33 @@ static int have_nvrtc;
 static char nvrtc_error[256];
 static _Atomic int next_job;
 
-static void add_job(const shape *s, int64_t M, int32_t dtype, int32_t arch, const char *setting) {
+static void add_job(const shape *s, int64_t M, int32_t dtype, int fp8, int32_t arch, const char *setting) {
   if (n_jobs >= MAX_JOBS) fail_msg("more than %d compile jobs", MAX_JOBS);
   opgraft_linear_args a;
   memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;
   a.dtype = a.weight_dtype = a.bias_dtype = a.out_dtype = dtype;
+  if (fp8) {
+    a.weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a.scale_dtype = OPGRAFT_DTYPE_FP32, a.block_n = a.block_k = 128;
+    a.weight_scale_stride[0] = (s->K + 127) / 128, a.weight_scale_stride[1] = 1;
+  }
   a.rows = M, a.out_features = s->N, a.in_features = s->K;
   a.x_stride[0] = s->K, a.x_stride[1] = 1, a.weight_stride[0] = s->K, a.weight_stride[1] = 1;
   a.out_stride[0] = s->N, a.out_stride[1] = 1;
   a.arch = arch;
   job *j = &jobs[n_jobs];
   memset(j, 0, sizeof *j);
-  snprintf(j->what, sizeof j->what, "%s [%lld, %lld] %s M=%lld sm_%d%s%s", s->name, (long long)s->N, (long long)s->K,
-           dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", (long long)M, arch, setting ? " with " : "",
-           setting ? setting : "");
-  j->dtype = dtype, j->arch = arch, j->dup_of = -1;
+  snprintf(j->what, sizeof j->what, "%s [%lld, %lld] %s%s M=%lld sm_%d%s%s", s->name, (long long)s->N,
+           (long long)s->K, fp8 ? "fp8 x " : "", dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", (long long)M, arch,
+           setting ? " with " : "", setting ? setting : "");
+  j->args = a, j->dtype = dtype, j->arch = arch, j->dup_of = -1;
   og_linear_cfg cfg;
   opgraft__linear_config(&a, arch, NULL, &cfg);
   if (opgraft__linear_options(&a, &cfg, &j->opts) != OPGRAFT_OK) fail_msg("%s: %s", j->what, opgraft_last_error());
   for (int i = 0; i < n_jobs && j->dup_of < 0; ++i) {
     const job *o = &jobs[i];
-    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n) continue;
+    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n || opgraft__linear_is_fp8(&o->args) != fp8)
+      continue;
     int same = 1;
     for (int k = 0; k < o->opts.n && same; ++k) same = strcmp(o->opts.ptr[k], j->opts.ptr[k]) == 0;
     if (same) j->dup_of = i;
@@ -77,8 +94,9 @@ static void add_job(const shape *s, int64_t M, int32_t dtype, int32_t arch, cons
   ++n_jobs;
 }
 
-/* The jobs of one setting (NULL: the shipped rule) over the given shapes, both archs. */
-static void add_setting(const char *const *env, const int *ids, int nids, int64_t M, int32_t dtype) {
+/* The jobs of one setting (NULL: the shipped rule) over the given shapes (of fp8_shapes with FP8
+ * weights), both archs. */
+static void add_setting_w(const char *const *env, const int *ids, int nids, int64_t M, int32_t dtype, int fp8) {
   char setting[200] = "";
   for (int e = 0; env && env[e]; e += 2) {
     setenv(env[e], env[e + 1], 1);
@@ -86,20 +104,26 @@ static void add_setting(const char *const *env, const int *ids, int nids, int64_
   }
   opgraft_tune_reload();
   for (int s = 0; s < nids; ++s)
-    for (int a = 0; a < 2; ++a) add_job(&shapes[ids ? ids[s] : s], M, dtype, archs[a], env ? setting : NULL);
+    for (int a = 0; a < 2; ++a)
+      add_job(fp8 ? &fp8_shapes[ids ? ids[s] : s] : &shapes[ids ? ids[s] : s], M, dtype, fp8,
+              fp8 ? fp8_archs[a] : archs[a], env ? setting : NULL);
   for (int e = 0; env && env[e]; e += 2) unsetenv(env[e]);
   opgraft_tune_reload();
 }
 
+static void add_setting(const char *const *env, const int *ids, int nids, int64_t M, int32_t dtype) {
+  add_setting_w(env, ids, nids, M, dtype, 0);
+}
+
 static void run_job(job *j) {
   og_cubin c;
-  j->status = opgraft__cubin_cached(OG_LINEAR_SOURCE, j->opts.ptr, j->opts.n, j->arch, &c);
+  j->status = opgraft__cubin_cached(opgraft__linear_source(&j->args), j->opts.ptr, j->opts.n, j->arch, &c);
   if (j->status) {
     opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
     return;
   }
   char name[64];
-  opgraft__linear_fn_name(j->dtype, name);
+  opgraft__linear_fn_name(&j->args, name);
   j->status = opgraft__parse_resources(c.log, name, &j->info);
   if (j->status) opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
   opgraft__cubin_free(&c);
@@ -166,6 +190,22 @@ static int setup(void **state) {
     add_setting(others[i], qkv_o, 2, 1, OPGRAFT_DTYPE_BF16);
     add_setting(others[i], qkv_o, 2, 1, OPGRAFT_DTYPE_FP16);
   }
+  /* FP8 weights: every shape as shipped at one and eight rows (bf16 x; fp16 at one row), then the
+   * tuner's candidates at 16 warps an SM for qkv and the odd shape, and the other keys on qkv. */
+  add_setting_w(NULL, NULL, N_FP8_SHAPES, 1, OPGRAFT_DTYPE_BF16, 1);
+  add_setting_w(NULL, NULL, N_FP8_SHAPES, 8, OPGRAFT_DTYPE_BF16, 1);
+  add_setting_w(NULL, NULL, N_FP8_SHAPES, 1, OPGRAFT_DTYPE_FP16, 1);
+  static const int fp8_two[] = {0, 8};
+  for (int t = 0; t < 4; ++t)
+    for (int u = 0; u < 3; ++u)
+      for (int w = 0; w < 4; ++w) {
+        char mb[8];
+        snprintf(mb, sizeof mb, "%d", 16 / atoi(warps[w]));
+        add_setting_w((const char *[]){"OPGRAFT_TUNE_LINEAR_TILES", tiles[t], "OPGRAFT_TUNE_LINEAR_UNROLL", unrolls[u],
+                                       "OPGRAFT_TUNE_LINEAR_WARPS", warps[w], "OPGRAFT_TUNE_LINEAR_MIN_BLOCKS", mb, NULL},
+                      fp8_two, 2, 8, OPGRAFT_DTYPE_BF16, 1);
+      }
+  for (size_t i = 0; i < sizeof others / sizeof *others; ++i) add_setting_w(others[i], fp8_two, 1, 1, OPGRAFT_DTYPE_BF16, 1);
   long threads = sysconf(_SC_NPROCESSORS_ONLN);
   const char *env = getenv("OPGRAFT_TEST_JOBS");
   if (env && atoi(env) > 0) threads = atoi(env);
@@ -203,7 +243,7 @@ static void test_every_variant_compiles(void **state) {
   for (int i = 0; i < n_jobs; ++i) {
     const job *r = result_of(&jobs[i]);
     char name[64];
-    opgraft__linear_fn_name(jobs[i].dtype, name);
+    opgraft__linear_fn_name(&jobs[i].args, name);
     if (r->status != OPGRAFT_OK) {
       print_error("%s: %s: %.400s\n", jobs[i].what, opgraft_status_name(r->status), r->error);
       ++bad;

@@ -50,6 +50,15 @@ static opgraft_linear_args valid_args(void) {
   return a;
 }
 
+/* The same projection with block-FP8 weights (vLLM's Fp8LinearMethod, 128x128 blocks). */
+static opgraft_linear_args fp8_args(void) {
+  opgraft_linear_args a = valid_args();
+  a.weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a.scale_dtype = OPGRAFT_DTYPE_FP32, a.block_n = a.block_k = 128;
+  a.weight_scale = (const void *)0x400000;
+  a.weight_scale_stride[0] = 16, a.weight_scale_stride[1] = 1;
+  return a;
+}
+
 static void expect_ok(const opgraft_linear_args *a, const char *what) {
   char reason[256] = "unset";
   const int32_t st = opgraft_linear_supports(a, reason, sizeof reason);
@@ -140,6 +149,20 @@ static void m_bias_odd(opgraft_linear_args *a) { a->bias = (const void *)0x20000
 static void m_null_x(opgraft_linear_args *a) { a->x = NULL; }
 static void m_null_out(opgraft_linear_args *a) { a->out = NULL; }
 static void m_arch_75(opgraft_linear_args *a) { a->arch = 75; }
+static void m_scale_on_bf16(opgraft_linear_args *a) { a->weight_scale = (const void *)0x400000; }
+/* FP8 weights (from fp8_args) */
+static void f_arch_80(opgraft_linear_args *a) { a->arch = 80; }
+static void f_scale_bf16(opgraft_linear_args *a) { a->scale_dtype = OPGRAFT_DTYPE_BF16; }
+static void f_block_n_8(opgraft_linear_args *a) { a->block_n = 8; }
+static void f_block_k_32(opgraft_linear_args *a) { a->block_k = 32; }
+static void f_k_not_blocks(opgraft_linear_args *a) {
+  set_shape(a, 1, 5120, 2112); /* 16.5 blocks of 128 */
+}
+static void f_w_row_stride(opgraft_linear_args *a) { a->weight_stride[0] = 2056; }
+static void f_scale_stride_neg(opgraft_linear_args *a) { a->weight_scale_stride[1] = -1; }
+static void f_scale_null(opgraft_linear_args *a) { a->weight_scale = NULL; }
+static void f_scale_misaligned(opgraft_linear_args *a) { a->weight_scale = (const void *)0x400002; }
+static void f_out_fp8(opgraft_linear_args *a) { a->out_dtype = OPGRAFT_DTYPE_FP8_E4M3; }
 
 static const refusal r_struct_size = {m_struct_size, "struct_size"};
 static const refusal r_dtype_fp32 = {m_dtype_fp32, "dtype fp32 (the kernel takes bf16 and fp16)"};
@@ -156,7 +179,7 @@ static const refusal r_x_col_stride = {m_x_col_stride, "not contiguous"};
 static const refusal r_w_col_stride = {m_w_col_stride, "not contiguous"};
 static const refusal r_out_col_stride = {m_out_col_stride, "not contiguous"};
 static const refusal r_w_rows_short = {m_w_rows_short, "weight row stride 2040 < in_features 2048"};
-static const refusal r_w_row_stride = {m_w_row_stride, "weight row stride 2052 is not a multiple of 8 elements"};
+static const refusal r_w_row_stride = {m_w_row_stride, "weight row stride 2052 is not a multiple of 16 bytes"};
 static const refusal r_x_rows_short = {m_x_rows_short, "x row stride 2040 < in_features"};
 static const refusal r_x_row_stride = {m_x_row_stride, "x row stride 2052 is not a multiple of 8 elements"};
 static const refusal r_out_rows_short = {m_out_rows_short, "out row stride 5119 < out_features 5120"};
@@ -167,6 +190,72 @@ static const refusal r_bias_odd = {m_bias_odd, "misaligned"};
 static const refusal r_null_x = {m_null_x, "NULL"};
 static const refusal r_null_out = {m_null_out, "NULL"};
 static const refusal r_arch_75 = {m_arch_75, "sm_75 is older than sm_80"};
+
+static const refusal r_scale_on_bf16 = {m_scale_on_bf16, "weight scales or blocks given with bf16 weights"};
+static const refusal f_arch_80_r = {f_arch_80, "FP8 weights on sm_80: the kernel needs sm_89"};
+static const refusal f_scale_bf16_r = {f_scale_bf16, "FP8 weight scales of dtype bf16 (fp32 expected)"};
+static const refusal f_block_n_8_r = {f_block_n_8, "FP8 weight blocks 8x128"};
+static const refusal f_block_k_32_r = {f_block_k_32, "FP8 weight blocks 128x32"};
+static const refusal f_k_not_blocks_r = {f_k_not_blocks, "with in_features 2112"};
+static const refusal f_w_row_stride_r = {f_w_row_stride, "weight row stride 2056 is not a multiple of 16 bytes"};
+static const refusal f_scale_stride_neg_r = {f_scale_stride_neg, "negative FP8 scale strides"};
+static const refusal f_scale_null_r = {f_scale_null, "FP8 weight scales NULL or misaligned"};
+static const refusal f_scale_misaligned_r = {f_scale_misaligned, "FP8 weight scales NULL or misaligned"};
+static const refusal f_out_fp8_r = {f_out_fp8, "out fp8_e4m3"};
+
+static void test_fp8_refusal(void **state) {
+  const refusal *r = *state;
+  opgraft_linear_args a = fp8_args();
+  expect_ok(&a, "FP8 base case");
+  r->mutate(&a);
+  expect_refusal(&a, r->needle, r->needle);
+}
+
+static void test_fp8_valid(void **state) {
+  opgraft_linear_args a = fp8_args();
+  expect_ok(&a, "Qwen3-30B-A3B-FP8 qkv M=1");
+  set_shape(&a, 8, 5120, 2048);
+  expect_ok(&a, "M=8");
+  a.arch = 89;
+  set_shape(&a, 1, 5120, 2048);
+  expect_refusal(&a, "rows 1 > linear.max_rows 0", "FP8 on sm_89: handed back (nothing measured there)");
+  a = fp8_args();
+  a.dtype = a.bias_dtype = a.out_dtype = OPGRAFT_DTYPE_FP16;
+  expect_ok(&a, "fp16 x with FP8 weights");
+  a = fp8_args();
+  a.weight_scale_stride[0] = 1, a.weight_scale_stride[1] = 40; /* DeepGEMM-style transposed scales */
+  a.block_n = 16, a.block_k = 64;
+  expect_ok(&a, "transposed scales, 16x64 blocks");
+  char key[96];
+  opgraft__linear_shape_key(&a, key, sizeof key);
+  assert_string_equal(key, "linear:fp8:N5120:K2048");
+  og_linear_shape sh;
+  assert_true(opgraft__linear_parse_shape(key, &sh));
+  assert_true(sh.fp8);
+  char buf[512];
+  a = fp8_args();
+  assert_int_equal(opgraft_linear_describe(&a, 90, buf, sizeof buf), OPGRAFT_OK);
+  assert_string_equal(buf, "-DOG_DTYPE=1 -DOG_K=2048 -DOG_BN=128 -DOG_BK=128 -DOG_WARPS=8 -DOG_TILES=2 -DOG_U=1 "
+                           "-DOG_MINB=2 -DOG_LOAD=4 -DOG_L2_FETCH=128 -DOG_PDL=0 grid=160 threads=256");
+  /* The router gate [128, 2048]: 8 tiles of 16 rows < 132 SMs, 16 warps of one group each. */
+  set_shape(&a, 1, 128, 2048);
+  assert_int_equal(opgraft_linear_describe(&a, 90, buf, sizeof buf), OPGRAFT_OK);
+  assert_non_null(strstr(buf, "-DOG_WARPS=16 -DOG_TILES=1 -DOG_U=1 -DOG_MINB=1 "));
+  assert_non_null(strstr(buf, "grid=8 "));
+  /* Clamps: three 16-row tiles spill, PDL has no L2 prefetch form here. */
+  setenv("OPGRAFT_TUNE_LINEAR_TILES", "4", 1);
+  setenv("OPGRAFT_TUNE_LINEAR_UNROLL", "8", 1);
+  setenv("OPGRAFT_TUNE_LINEAR_PDL", "2", 1);
+  opgraft_tune_reload();
+  og_linear_cfg c;
+  a = fp8_args();
+  opgraft__linear_config(&a, 90, NULL, &c);
+  assert_int_equal(c.tiles, 2);
+  assert_int_equal(c.unroll, 1);
+  assert_int_equal(c.pdl, 1);
+  /* An FP8 plan runs only through its own entry point (and the reverse); checked before any GPU use. */
+  assert_int_equal(opgraft_linear_plan_run_fp8(NULL, NULL, NULL, NULL, NULL, NULL, NULL), OPGRAFT_EINVAL);
+}
 
 static void test_refusal(void **state) {
   const refusal *r = *state;
@@ -357,6 +446,7 @@ static void test_shape_key(void **state) {
 }
 
 #define REFUSAL(r) {"refuse_" #r, test_refusal, NULL, reset_tunables, (void *)&r_##r}
+#define FP8_REFUSAL(r) {"refuse_fp8_" #r, test_fp8_refusal, NULL, reset_tunables, (void *)&f_##r##_r}
 
 int main(void) {
   const struct CMUnitTest tests[] = {
@@ -388,6 +478,18 @@ int main(void) {
       REFUSAL(null_x),
       REFUSAL(null_out),
       REFUSAL(arch_75),
+      REFUSAL(scale_on_bf16),
+      cmocka_unit_test_teardown(test_fp8_valid, reset_tunables),
+      FP8_REFUSAL(arch_80),
+      FP8_REFUSAL(scale_bf16),
+      FP8_REFUSAL(block_n_8),
+      FP8_REFUSAL(block_k_32),
+      FP8_REFUSAL(k_not_blocks),
+      FP8_REFUSAL(w_row_stride),
+      FP8_REFUSAL(scale_stride_neg),
+      FP8_REFUSAL(scale_null),
+      FP8_REFUSAL(scale_misaligned),
+      FP8_REFUSAL(out_fp8),
       cmocka_unit_test(test_null_args),
       cmocka_unit_test_teardown(test_max_rows_rule_and_tunable, reset_tunables),
       cmocka_unit_test(test_no_gpu_without_arch),

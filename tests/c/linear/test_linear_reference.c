@@ -1,5 +1,6 @@
 /* The CPU oracle opgraft_linear_reference against a brute-force fp64 loop written here (its own
- * 16-bit decoding and rounding), with strides, bias, odd sizes and both dtypes. */
+ * 16-bit decoding and rounding), with strides, bias, odd sizes and both dtypes; with FP8 weights,
+ * against a brute force with its own e4m3 decoding and rounding of the quantized activations. */
 #include <math.h>
 
 #include "og_test.h"
@@ -196,6 +197,105 @@ static void test_zero_rows_and_bad_arguments(void **state) {
   release(&p);
 }
 
+/* ---- FP8 weights ---- */
+
+static double dec_e4m3(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const double v = e == 0 ? m / 512.0 : (1.0 + m / 8.0) * ldexp(1, e - 7);
+  return (b & 0x80) ? -v : v;
+}
+
+/* The e4m3 value nearest to v, ties to the even encoding, finite values past 448 saturated: a
+ * search over the finite encodings of v's sign. */
+static double nearest_e4m3(float v) {
+  const uint8_t sign = signbit(v) ? 0x80 : 0;
+  double best = 0, best_err = INFINITY;
+  int best_b = 0;
+  for (int b = 0; b < 0x7f; ++b) { /* 0x7f is NaN */
+    const double q = dec_e4m3((uint8_t)(sign | b)), err = fabs(q - (double)v);
+    if (err < best_err || (err == best_err && (b & 1) == 0 && (best_b & 1))) best = q, best_err = err, best_b = b;
+  }
+  return best;
+}
+
+static void check_fp8(int32_t dtype, int64_t M, int64_t N, int64_t K, int64_t bn, int64_t bk, int transposed,
+                      int bias, const char *what) {
+  problem p = make(dtype, M, N, K, 0, 0, 0, bias);
+  uint8_t *w = malloc((size_t)(N * K));
+  const int64_t nb = (N + bn - 1) / bn, kb = K / bk;
+  float *ws = malloc(sizeof(float) * (size_t)(nb * kb));
+  assert_non_null(w);
+  assert_non_null(ws);
+  for (int64_t i = 0; i < N * K; ++i) {
+    uint8_t b = (uint8_t)(rnd() & 0xff);
+    w[i] = (b & 0x7f) == 0x7f ? 0x3e : b;
+  }
+  for (int64_t i = 0; i < nb * kb; ++i) ws[i] = ldexpf(1.0f + (float)(rnd() % 1000) / 1000.0f, -8 - (int)(rnd() % 4));
+  /* One row of zeros (amax clamps at 1e-10) and one with a large value (others round to 0). */
+  if (M > 1)
+    for (int64_t k = 0; k < K; ++k) p.x[p.xs + k] = 0;
+  if (M > 2) p.x[2 * p.xs + 3] = dtype == OPGRAFT_DTYPE_BF16 ? 0x4780 : 0x7800; /* 65536 / 32768 */
+  opgraft_linear_args a = args_of(&p);
+  a.weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a.weight = w, a.weight_stride[0] = K, a.weight_stride[1] = 1;
+  a.scale_dtype = OPGRAFT_DTYPE_FP32, a.block_n = (int32_t)bn, a.block_k = (int32_t)bk, a.weight_scale = ws;
+  a.weight_scale_stride[0] = transposed ? 1 : kb, a.weight_scale_stride[1] = transposed ? nb : 1;
+  double *y = malloc(sizeof(double) * (size_t)(M * N));
+  assert_non_null(y);
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_OK);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      long double want = 0, mag = 0;
+      for (int64_t g = 0; g < kb; ++g) {
+        float amax = 0;
+        for (int64_t k = g * bk; k < (g + 1) * bk; ++k) amax = fmaxf(amax, fabsf((float)dec(dtype, p.x[m * p.xs + k])));
+        amax = fmaxf(amax, 1e-10f);
+        const float r = 448.0f / amax, sx = amax / 448.0f;
+        const float sw = ws[transposed ? (n / bn) + g * nb : (n / bn) * kb + g];
+        for (int64_t k = g * bk; k < (g + 1) * bk; ++k) {
+          const long double t = (long double)nearest_e4m3((float)dec(dtype, p.x[m * p.xs + k]) * r) * dec_e4m3(w[n * K + k]) *
+                                sw * sx;
+          want += t, mag += fabsl(t);
+        }
+      }
+      if (bias) want += dec(dtype, p.b[n]), mag += fabsl((long double)dec(dtype, p.b[n]));
+      const double got = y[m * N + n];
+      if (fabsl((long double)got - want) > 1e-12L * mag + 1e-300L)
+        fail_msg("%s: y[%lld][%lld] = %.17g, brute force %.17Lg", what, (long long)m, (long long)n, got, want);
+    }
+  }
+  if (M > 1) /* the zero row: zero outputs but the bias */
+    for (int64_t n = 0; n < N; ++n) assert_true(y[N + n] == (bias ? dec(dtype, p.b[n]) : 0.0));
+  free(y), free(ws), free(w);
+  release(&p);
+}
+
+static void test_fp8_helpers(void **state) {
+  assert_true(nearest_e4m3(448.0f) == 448.0 && nearest_e4m3(1e6f) == 448.0 && nearest_e4m3(-500.0f) == -448.0);
+  assert_true(nearest_e4m3(1.0625f) == 1.0);  /* a tie between 1 and 1.125: to the even encoding */
+  assert_true(nearest_e4m3(1.1875f) == 1.25); /* a tie between 1.125 and 1.25 */
+  assert_true(nearest_e4m3(ldexpf(1, -10)) == 0.0 && nearest_e4m3(ldexpf(3, -10)) == ldexp(2, -9));
+  assert_true(dec_e4m3(0x7e) == 448.0 && dec_e4m3(0x01) == ldexp(1, -9));
+}
+
+static void test_fp8_shapes(void **state) {
+  check_fp8(OPGRAFT_DTYPE_BF16, 1, 16, 128, 16, 128, 0, 0, "fp8 M=1 N=16 K=128");
+  check_fp8(OPGRAFT_DTYPE_BF16, 3, 40, 256, 16, 64, 1, 1, "fp8 M=3 N=40 K=256 16x64 blocks, transposed scales, bias");
+  check_fp8(OPGRAFT_DTYPE_FP16, 8, 33, 384, 128, 128, 0, 1, "fp8 fp16 M=8 N=33 K=384 bias");
+  /* Refusals the oracle shares with the guard's arguments. */
+  problem p = make(OPGRAFT_DTYPE_BF16, 1, 16, 128, 0, 0, 0, 0);
+  opgraft_linear_args a = args_of(&p);
+  uint8_t w[16 * 128] = {0};
+  a.weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a.weight = w, a.scale_dtype = OPGRAFT_DTYPE_FP32;
+  a.block_n = 16, a.block_k = 96; /* does not divide K */
+  float one = 1.0f;
+  a.weight_scale = &one;
+  double y[16];
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EINVAL);
+  a.block_k = 128, a.weight_scale = NULL;
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EINVAL);
+  release(&p);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_own_helpers),
@@ -203,6 +303,8 @@ int main(void) {
       cmocka_unit_test(test_shapes_fp16),
       cmocka_unit_test(test_rounding_at_ties),
       cmocka_unit_test(test_zero_rows_and_bad_arguments),
+      cmocka_unit_test(test_fp8_helpers),
+      cmocka_unit_test(test_fp8_shapes),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
