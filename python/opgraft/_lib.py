@@ -97,6 +97,11 @@ class LinearArgs(ctypes.Structure):
         ("out_stride", _I64_2),
         ("arch", ctypes.c_int32),
         ("gpu_name", ctypes.c_char_p),
+        ("block_n", ctypes.c_int32),
+        ("block_k", ctypes.c_int32),
+        ("scale_dtype", ctypes.c_int32),
+        ("weight_scale", ctypes.c_void_p),
+        ("weight_scale_stride", _I64_2),
     ]
 
 
@@ -242,6 +247,7 @@ _SIGNATURES = {
         ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.POINTER(_P), ctypes.c_char_p, ctypes.c_size_t]),
     "opgraft_linear_plan_destroy": (None, [_P]),
     "opgraft_linear_plan_run": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P]),
+    "opgraft_linear_plan_run_fp8": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P]),
     "opgraft_linear_run": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.c_void_p]),
     "opgraft_linear_reference": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.POINTER(ctypes.c_double)]),
     "opgraft_linear_compile_report": (

@@ -1,7 +1,9 @@
 """The linear op's GPU correctness cases (tools.gpucheck runs them): M = 1..8, odd N, K from 8 to
 14336 (a partial last k-step included), bias on and off, strided x and out, fp16, each tunable
 path, through the custom op (and its hand-back to torch, bit for bit), under CUDA-graph capture,
-against the fp64 oracle, with poisoned outputs and a bit-identical rerun; then the bench rows."""
+against the fp64 oracle, with poisoned outputs and a bit-identical rerun; the block-FP8 form
+(cases named "fp8") against the C fp64 oracle, which quantizes x as the kernel does; then the
+bench rows."""
 
 from __future__ import annotations
 
@@ -27,6 +29,43 @@ def _case(name, N, K, M, dtype="bf16", bias=False, x_pad=0, out_pad=0, tunables=
     into a CUDA graph, replayed with new x). tunables: {key: value} set for this case only."""
     return dict(name=name, N=N, K=K, M=M, dtype=dtype, bias=bias, x_pad=x_pad, out_pad=out_pad,
                 tunables=tunables or {}, seed=seed, path=path, expect=expect, misaligned=misaligned)
+
+
+def _fp8(name, N, K, M, block=(128, 128), transposed=False, **kw):
+    return _case(name, N, K, M, **kw) | {"fp8": True, "block": block, "transposed": transposed}
+
+
+def fp8_cases() -> list[dict]:
+    q = [_fp8(f"fp8 M={M} [5120, 2048] (Qwen3-30B-A3B-FP8 qkv)", 5120, 2048, M, seed=M) for M in (1, 2, 4, 8)]
+    return q + [
+        _fp8("fp8 M=1 [2048, 4096] (o)", 2048, 4096, 1),
+        _fp8("fp8 M=8 [2048, 4096] (o) bias", 2048, 4096, 8, bias=True),
+        _fp8("fp8 M=1 [128, 2048] (router gate)", 128, 2048, 1),
+        _fp8("fp8 M=3 [128, 2048] (router gate)", 128, 2048, 3),
+        _fp8("fp8 M=5 [129, 256] bias", 129, 256, 5, bias=True),
+        _fp8("fp8 M=7 [24576, 1536] (DeepSeek-V3 q_b)", 24576, 1536, 7),
+        _fp8("fp8 M=2 [576, 7168] (DeepSeek-V3 kv_a)", 576, 7168, 2),
+        _fp8("fp8 M=3 [40, 256] 16x64 blocks, transposed scales", 40, 256, 3, block=(16, 64), transposed=True),
+        _fp8("fp8 fp16 x M=4 [5120, 2048] bias", 5120, 2048, 4, dtype="fp16", bias=True),
+        _fp8("fp8 strided x and out M=6 [5120, 2048]", 5120, 2048, 6, x_pad=64, out_pad=3),
+        _fp8("fp8 outliers and a zero row M=4 [2048, 4096]", 2048, 4096, 4, seed=77),
+        _fp8("fp8 tiles 1, unroll 2 M=3 [5120, 2048] bias", 5120, 2048, 3, bias=True,
+             tunables={"linear.tiles": 1, "linear.unroll": 2}),
+        _fp8("fp8 tiles 2, N=129 M=8 [129, 256]", 129, 256, 8, tunables={"linear.tiles": 2}),
+        _fp8("fp8 unroll 1, warps 4 M=2 [2048, 4096]", 2048, 4096, 2, tunables={"linear.unroll": 1, "linear.warps": 4}),
+        _fp8("fp8 warps 1 M=8 [129, 1024]", 129, 1024, 8, tunables={"linear.warps": 1}),
+        _fp8("fp8 warps 16 (warps without groups) M=1 [129, 512]", 129, 512, 1, tunables={"linear.warps": 16}),
+        _fp8("fp8 load 1, L2 fetch 0 M=1 [5120, 2048]", 5120, 2048, 1, tunables={"linear.load": 1, "linear.l2_fetch": 0}),
+        _fp8("fp8 pdl M=2 [5120, 2048] bias", 5120, 2048, 2, bias=True, tunables={"linear.pdl": 1}),
+        _fp8("fp8 pdl, 16 warps without groups M=8 [129, 512]", 129, 512, 8,
+             tunables={"linear.pdl": 1, "linear.warps": 16}),
+        _fp8("fp8 op: M=3 ours", 5120, 2048, 3, path="op"),
+        _fp8("fp8 op: M=9 to the registered path", 5120, 2048, 9, path="op", expect="fallback"),
+        _fp8("fp8 op: x misaligned to the registered path", 129, 2048, 2, path="op", expect="fallback",
+             misaligned=True),
+        _fp8("fp8 graph: M=4 [5120, 2048] bias", 5120, 2048, 4, bias=True, path="graph"),
+        _fp8("fp8 graph, pdl: M=1 [2048, 4096]", 2048, 4096, 1, path="graph", tunables={"linear.pdl": 1}),
+    ]
 
 
 def cases() -> list[dict]:
@@ -97,7 +136,7 @@ def cases() -> list[dict]:
         _case("graph: N=5120 K=2048 M=4 bias", 5120, 2048, 4, bias=True, path="graph"),
         _case("graph, pdl: N=2048 K=4096 M=1", 2048, 4096, 1, path="graph", tunables={"linear.pdl": 1}),
     ]
-    return out
+    return out + fp8_cases()
 
 
 def configure(cfg: dict) -> None:
@@ -120,7 +159,111 @@ def _reference(x, w, b):
     return y + b.double() if b is not None else y
 
 
+def fp8_tensors(N, K, block, gen, device, transposed=False):
+    """Random e4m3 weights (normal, up to the format's range) and positive fp32 block scales, as
+    vLLM's block-FP8 layers hold them (scales [ceil(N/bn), K/bk], or a transposed view)."""
+    bn, bk = block
+    w = (torch.randn((N, K), generator=gen, device=device) * 96).clamp_(-448, 448).to(torch.float8_e4m3fn)
+    shape = (-(-N // bn), K // bk)
+    sc = (torch.rand(shape if not transposed else shape[::-1], generator=gen, device=device) + 0.5) * 1e-3 / K ** 0.5
+    return w, (sc.t() if transposed else sc)
+
+
+def _run_fp8(c: dict, device) -> dict:
+    N, K, M, dtype = c["N"], c["K"], c["M"], c["dtype"]
+    dt = linear_bench.TORCH_DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(200 + c["seed"])
+    w, sc = fp8_tensors(N, K, c["block"], gen, device, c["transposed"])
+    b = torch.randn(N, generator=gen, device=device).to(dt) if c["bias"] else None
+    if c["misaligned"]:
+        x = torch.randn(M * K + 8, generator=gen, device=device).to(dt)[4:4 + M * K].view(M, K)
+    else:
+        x = torch.randn((M, K + c["x_pad"]), generator=gen, device=device).to(dt)[:, :K]
+    if "outliers" in c["name"]:  # saturation: one large value a group in row 0; row 1 all zeros
+        x[0, ::128] = 300.0
+        x[1].zero_()
+    block = c["block"]
+    ref = ops.linear_fp8_reference_cpu(x, w, sc, block, b).to(device)
+    tol = bench.TOLERANCE[dtype]
+    res = {k: v for k, v in c.items()}
+    res["tolerance"] = tol
+    if c["path"] == "op":
+        return _run_fp8_op(res, x, w, sc, b, block, ref, tol)
+    if c["path"] == "graph":
+        return _run_fp8_graph(res, x, w, sc, b, block, tol, gen)
+    ok, reason = ops.linear_fp8_supports(x, w, sc, block, b)
+    res.update(supported=ok, reason=reason)
+    if not ok:
+        res.update(passed=False)
+        return res
+    ofull = torch.full((M, N + c["out_pad"]), float("nan"), dtype=dt, device=device)
+    out = ofull[:, :N]
+    ops.linear_fp8_into(out, x, w, sc, block, b)
+    err = bench.rel_err(out, ref)
+    pad_ok = bool(torch.isnan(ofull[:, N:]).all()) if c["out_pad"] else True
+    again = torch.full_like(out, float("nan"))
+    ops.linear_fp8_into(again, x, w, sc, block, b)
+    det = bool(torch.equal(out, again))
+    res.update(rel_err=err, deterministic=det, padding_untouched=pad_ok)
+    res["passed"] = bool(err <= tol and det and pad_ok)
+    return res
+
+
+def _run_fp8_op(res, x, w, sc, b, block, ref, tol) -> dict:
+    name = "opgraft-check.fp8"
+    fallback_calls = []
+
+    def fallback(xx, bb):
+        fallback_calls.append(1)
+        return ref.to(xx.dtype)
+
+    ops.register_fp8_fallback(name, fallback)
+    try:
+        stats = dispatch.stats_of("linear")
+        before = stats.snapshot()["taken"]
+        y = torch.ops.opgraft.linear_fp8(x, w, sc, b, block[0], block[1], name)
+        again = torch.ops.opgraft.linear_fp8(x, w, sc, b, block[0], block[1], name)
+        taken = stats.snapshot()["taken"] - before
+    finally:
+        ops.unregister_fp8_fallback(name)
+    err = bench.rel_err(y, ref)
+    det = bool(torch.equal(y, again))
+    res.update(rel_err=err, deterministic=det, taken=taken, fallback_calls=len(fallback_calls))
+    if res["expect"] == "fallback":
+        res["passed"] = bool(len(fallback_calls) == 2 and taken == 0 and torch.equal(y, ref.to(x.dtype)))
+    else:
+        res["passed"] = bool(err <= tol and det and taken == 2 and not fallback_calls)
+    return res
+
+
+def _run_fp8_graph(res, x, w, sc, b, block, tol, gen) -> dict:
+    xbuf = x.clone()
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    ops.linear_fp8_into(out, xbuf, w, sc, block, b)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.linear_fp8_into(out, xbuf, w, sc, block, b)
+    errs, det = [], True
+    for _ in range(2):
+        xbuf.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(x.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        first = out.clone()
+        errs.append(bench.rel_err(first, ops.linear_fp8_reference_cpu(xbuf, w, sc, block, b).to(x.device)))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        det &= bool(torch.equal(first, out))
+    res.update(rel_err=max(errs), deterministic=det)
+    res["passed"] = bool(max(errs) <= tol and det)
+    return res
+
+
 def _run_case(c: dict, device) -> dict:
+    if c.get("fp8"):
+        return _run_fp8(c, device)
     N, K, M, dtype = c["N"], c["K"], c["M"], c["dtype"]
     dt = linear_bench.TORCH_DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(100 + c["seed"])
@@ -230,9 +373,14 @@ def _run_graph(res, x, w, b, tol, gen) -> dict:
 
 def bench_rows(ceiling: float, models: str = ",".join(LINEAR_PRESETS), rows: str = "1,2,4,8", dtype: str = "bf16",
                progress=print) -> list[dict]:
-    """The linear bench at the presets' projections, against torch.nn.functional.linear."""
-    return linear_bench.bench_models(models.split(","), [int(r) for r in rows.split(",")], dtype, ceiling_tbps=ceiling,
-                                     progress=lambda m: progress("  bench " + m))
+    """The linear bench at the presets' projections, against torch.nn.functional.linear; then the
+    block-FP8 projections (ours and the read ceiling)."""
+    r = [int(v) for v in rows.split(",")]
+    out = linear_bench.bench_models(models.split(","), r, dtype, ceiling_tbps=ceiling,
+                                    progress=lambda m: progress("  bench " + m))
+    for shape in linear_bench.FP8_SHAPES:
+        out += linear_bench.bench_fp8_shape(shape, r, ceiling_tbps=ceiling, progress=lambda m: progress("  bench " + m))
+    return out
 
 
 def format_rows(rows: list[dict]) -> str:

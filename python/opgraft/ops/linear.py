@@ -1,5 +1,7 @@
 """The linear op: torch.nn.functional.linear for decode-sized inputs (1..8 rows) on libopgraft's
-kernel, and the custom op `opgraft::linear` that vLLM's traced model calls.
+kernel, and the custom op `opgraft::linear` that vLLM's traced model calls; and its block-FP8
+form (e4m3 weights with fp32 block scales, the activations quantized per row and block of
+columns inside the kernel, as vLLM's W8A8 block path quantizes them), behind `opgraft::linear_fp8`.
 
 A plan (the guard's decision, the tunables and the compiled kernel) is made once per layout
 (rows, sizes, strides, dtypes, bias or not, device) and kept; a call is one ctypes crossing.
@@ -14,6 +16,7 @@ there; the op is opaque to Dynamo and its fake implementation gives the output's
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
@@ -28,11 +31,20 @@ _TOO_MANY = f"rows N > {MAX_ROWS} (kernel limit)"
 
 
 def linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
-                arch: int = 0) -> _lib.LinearArgs:
-    """The C argument struct for these tensors; dtype -1 when their shapes or devices do not
-    describe one linear call (the guard then refuses it)."""
+                arch: int = 0, weight_scale: torch.Tensor | None = None, block: tuple[int, int] = (0, 0)
+                ) -> _lib.LinearArgs:
+    """The C argument struct for these tensors (FP8 weights: with their block scales and the block
+    shape); dtype -1 when their shapes or devices do not describe one linear call (the guard then
+    refuses it)."""
     a = _lib.LinearArgs()
     a.struct_size = ctypes.sizeof(_lib.LinearArgs)
+    if weight_scale is not None:
+        if weight_scale.dim() != 2 or weight_scale.device != x.device:
+            a.dtype = -1
+            return a
+        a.block_n, a.block_k = block
+        a.scale_dtype = dtype_code(weight_scale)
+        a.weight_scale, a.weight_scale_stride = weight_scale.data_ptr(), strides(weight_scale, 2)
     consistent = (
         x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and weight.device == x.device
         and (bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0] and bias.is_contiguous()
@@ -64,24 +76,25 @@ class Plan(_Plan):
 _plans = PlanCache(4096)
 
 
-def _layout_key(x, weight, bias, out):
+def _layout_key(x, weight, bias, out, weight_scale=None, block=(0, 0)):
     return (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
             None if bias is None else (bias.shape, bias.stride(), bias.dtype),
-            None if out is None else (out.shape, out.stride(), out.dtype))
+            None if out is None else (out.shape, out.stride(), out.dtype),
+            None if weight_scale is None else (weight_scale.shape, weight_scale.stride(), weight_scale.dtype, block))
 
 
-def plan_for(x, weight, bias=None, out=None) -> Plan:
+def plan_for(x, weight, bias=None, out=None, weight_scale=None, block=(0, 0)) -> Plan:
     """The plan of this call's layout, made on first sight (the guard runs then, and only then).
     A kernel that cannot be built (no NVRTC, a compile error) gives a plan without a handle whose
-    reason says so, and warns once: the calls then go to torch."""
-    key = _layout_key(x, weight, bias, out)
+    reason says so, and warns once: the calls then go to torch (FP8: to the caller's own path)."""
+    key = _layout_key(x, weight, bias, out, weight_scale, block)
     plan = _plans.get(key)
     if plan is not None:
         return plan
     if not x.is_cuda:
         plan = Plan(None, "tensors are not on a CUDA device")
     else:
-        a = linear_args(x, weight, bias, out)
+        a = linear_args(x, weight, bias, out, weight_scale=weight_scale, block=block)
         if a.dtype == -1:
             plan = Plan(None, "tensor shapes or devices are not those of one linear call")
         else:
@@ -190,6 +203,116 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return linear_or_torch(x, weight, bias)
 
 
+# ---- block-FP8 weights ------------------------------------------------------------------------
+
+def linear_fp8_supports(x, weight, weight_scale, block, bias=None) -> tuple[bool, str]:
+    """(True, "") if the FP8 kernel takes the call, else (False, reason)."""
+    if x.dim() == 2 and x.shape[0] > MAX_ROWS:
+        return False, f"rows {x.shape[0]} > {MAX_ROWS} (kernel limit)"
+    plan = plan_for(x, weight, bias, weight_scale=weight_scale, block=tuple(block))
+    if plan.handle is not None and not _aligned_fp8(x, weight, weight_scale, bias):
+        return False, _MISALIGNED_FP8
+    return plan.handle is not None, plan.reason
+
+
+_MISALIGNED_FP8 = "x or weight not 16-byte aligned, weight_scale or bias misaligned"
+
+
+def _aligned_fp8(x, weight, weight_scale, bias, out=None) -> bool:
+    return _aligned(x, weight, bias, out) and not weight_scale.data_ptr() & 3
+
+
+def _run_fp8(plan: Plan, x, weight, weight_scale, bias, out) -> int:
+    return _lib.lib().opgraft_linear_plan_run_fp8(plan.handle, x.data_ptr(), weight.data_ptr(), weight_scale.data_ptr(),
+                                                  None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                                  current_stream(x.device))
+
+
+def linear_fp8_into(out, x, weight, weight_scale, block, bias=None):
+    """Runs the FP8 kernel into out ([M, N], x's dtype). Raises OpgraftError if it cannot take the
+    call (linear_fp8_supports says why)."""
+    block = tuple(block)
+    for _ in range(2):
+        plan = plan_for(x, weight, bias, out, weight_scale, block)
+        if plan.handle is None:
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
+        if not _aligned_fp8(x, weight, weight_scale, bias, out):
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, _MISALIGNED_FP8)
+        st = _run_fp8(plan, x, weight, weight_scale, bias, out)
+        if st != _lib.ESTALE:
+            _lib.check(st)
+            return out
+        forget_plans()
+    _lib.check(st)
+    return out
+
+
+def linear_fp8_or_none(x, weight, weight_scale, block, bias=None):
+    """The FP8 kernel's output where it takes the call, else None (the caller runs its own path).
+    Counts each decision in dispatch.stats_of("linear")."""
+    stats = dispatch.stats_of("linear")
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[0] > MAX_ROWS:
+        stats.delegate(_TOO_MANY if x.dim() == 2 and x.shape[0] > MAX_ROWS else "no rows" if x.dim() == 2
+                       else f"x has {x.dim()} dimensions")
+        return None
+    block = tuple(block)
+    for _ in range(2):
+        plan = plan_for(x, weight, bias, weight_scale=weight_scale, block=block)
+        if plan.handle is None:
+            stats.delegate(plan.reason)
+            return None
+        if not _aligned_fp8(x, weight, weight_scale, bias):
+            stats.delegate(_MISALIGNED_FP8)
+            return None
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        st = _run_fp8(plan, x, weight, weight_scale, bias, out)
+        if st == _lib.OK:
+            stats.take()
+            return out
+        if st != _lib.ESTALE:
+            break
+        forget_plans()
+    name = _lib.lib().opgraft_status_name(st).decode()
+    stats.delegate(f"kernel error: {name}")
+    dispatch._warn_once(f"opgraft FP8 linear kernel failed, handing calls back: {name}: "
+                        f"{_lib.lib().opgraft_last_error().decode(errors='replace')}")
+    return None
+
+
+# The paths calls go to when the FP8 kernel hands them back, by the name the traced graph carries
+# (vLLM's layer prefix, stable across processes, so a graph from vLLM's compile cache finds its
+# layer): name -> fn(x, bias) -> the caller's own output.
+_fp8_fallbacks: dict = {}
+_fp8_lock = threading.Lock()
+
+
+def register_fp8_fallback(name: str, fn) -> None:
+    with _fp8_lock:
+        _fp8_fallbacks[name] = fn
+
+
+def unregister_fp8_fallback(name: str) -> None:
+    with _fp8_lock:
+        _fp8_fallbacks.pop(name, None)
+
+
+def fp8_fallback(name: str):
+    return _fp8_fallbacks.get(name)
+
+
+def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               block_n: int, block_k: int, name: str) -> torch.Tensor:
+    """Our FP8 kernel where it takes the call, else the path registered under name."""
+    out = linear_fp8_or_none(x, weight, weight_scale, (block_n, block_k), bias)
+    if out is not None:
+        return out
+    fn = _fp8_fallbacks.get(name)
+    if fn is None:
+        raise RuntimeError(f"opgraft::linear_fp8: no path registered for layer {name!r} to hand the call back to "
+                           "(the layer was not loaded in this process with opgraft's linear seam installed)")
+    return fn(x, bias)
+
+
 # Registered on the backend keys directly (as vLLM's own direct_register_custom_op does), not with
 # torch.library.custom_op: every call of the traced model that has more rows than the kernel takes
 # (prefills, mixed batches) pays the op's dispatch, and custom_op's Python autograd and dispatch
@@ -199,6 +322,17 @@ _LIB = torch.library.Library("opgraft", "FRAGMENT")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
 for _key in ("CUDA", "CPU"):
     _LIB.impl("linear", linear, _key)
+
+
+_LIB.define("linear_fp8(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k, "
+            "str name) -> Tensor")
+_LIB.impl("linear_fp8", linear_fp8, "CUDA")
+_LIB.impl("linear_fp8", linear_fp8, "CPU")
+
+
+@torch.library.register_fake("opgraft::linear_fp8")
+def _(x, weight, weight_scale, bias, block_n, block_k, name):
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.register_fake("opgraft::linear")
@@ -213,6 +347,19 @@ def linear_reference_cpu(x, weight, bias=None) -> torch.Tensor:
     xc, wc = x.detach().cpu(), weight.detach().cpu()
     bc = bias.detach().cpu().contiguous() if bias is not None else None
     a = linear_args(xc, wc, bc)
+    if a.dtype == -1:
+        raise ValueError("tensor shapes are not those of one linear call")
+    out = torch.empty((xc.shape[0], wc.shape[0]), dtype=torch.float64)
+    ptr = ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))
+    _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a), ptr))
+    return out
+
+
+def linear_fp8_reference_cpu(x, weight, weight_scale, block, bias=None) -> torch.Tensor:
+    """The C fp64 oracle of the FP8 form on CPU copies; returns float64 [M, N]."""
+    xc, wc, sc = x.detach().cpu(), weight.detach().cpu(), weight_scale.detach().cpu()
+    bc = bias.detach().cpu().contiguous() if bias is not None else None
+    a = linear_args(xc, wc, bc, weight_scale=sc, block=tuple(block))
     if a.dtype == -1:
         raise ValueError("tensor shapes are not those of one linear call")
     out = torch.empty((xc.shape[0], wc.shape[0]), dtype=torch.float64)

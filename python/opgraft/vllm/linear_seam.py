@@ -39,8 +39,25 @@ eagerly, and once per trace under Dynamo, with " (at trace)" after the reason; t
 how many calls Dynamo routed into the op. A graph loaded from vLLM's compile cache is not traced,
 and then only the op's eager decisions are counted.
 
-Kill switches: OPGRAFT_LINEAR=0 installs nothing; OPGRAFT_LINEAR_VARIANT=passthrough keeps the
-seam but hands every call back (OPGRAFT_DISABLE=1 turns all of opgraft off).
+Block-FP8 layers: `apply` and `process_weights_after_loading` of `Fp8LinearMethod`
+(vllm/model_executor/layers/quantization/fp8.py, same signatures in 0.26 and 0.33). With a
+weight_block_size vLLM quantizes x per row and block of columns (dynamic e4m3 scales) and runs a
+block-scaled GEMM (0.26 on Hopper: FlashInfer's swapAB kernel below 32 rows, which quantizes
+inside, DeepGEMM above; DeepGEMM or CUTLASS or Triton elsewhere: `init_fp8_linear_kernel`). Our
+kernel (`torch.ops.opgraft.linear_fp8`) does that quantization itself and the same block-scaled
+sums. What vLLM's kernel does with rows our kernel does not take cannot be called from a traced
+graph by its layer object, so each layer is registered when vLLM has processed its weights, under
+its prefix (vLLM's module name, the same in every process, so a graph from vLLM's compile cache
+finds it): the op hands such calls to that layer's own `apply`. The layer's eligibility is decided
+there too, once, in plain Python (block scales in fp32 of the expected shape, square blocks,
+vLLM's kernel one of its block-scaled W8A8 kernels, no Marlin, no DeepGEMM E8M0 scales, no static
+activation scale, an output dtype equal to x's, a prefix no other layer has), and kept on the
+layer as the reason the seam hands it back ("" if none). Layers of other FP8 methods (per-tensor,
+per-channel, compressed-tensors, ModelOpt) keep their own methods.
+
+Kill switches: OPGRAFT_LINEAR=0 installs nothing; OPGRAFT_LINEAR_FP8=0 leaves Fp8LinearMethod
+alone; OPGRAFT_LINEAR_VARIANT=passthrough keeps the seam but hands every call back
+(OPGRAFT_DISABLE=1 turns all of opgraft off).
 Remove it: delete the ("linear", linear_seam) entry of the seam list in opgraft/vllm/__init__.py.
 """
 
@@ -48,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 from .. import dispatch
 from .compat import switched_off
@@ -55,6 +73,8 @@ from .compat import switched_off
 logger = logging.getLogger("opgraft")
 
 _PATCH_ATTR = "_opgraft_original_apply"
+# The attribute process_weights_after_loading leaves on an FP8 layer: why the seam hands it back.
+_FP8_REASON_ATTR = "_opgraft_fp8_reason"
 # The key install() adds to the environment factors of vLLM's compile cache.
 COMPILE_FACTOR = "OPGRAFT_LINEAR_SEAM"
 _APPLY_PARAMS = ("layer", "x", "bias")
@@ -238,7 +258,8 @@ def make_wrapper(cls, original):
 def _compile_factor() -> str:
     from .. import __version__
 
-    return f"opgraft {__version__}, linear variant {dispatch.selected_variant('linear')}"
+    return (f"opgraft {__version__}, linear variant {dispatch.selected_variant('linear')}, "
+            f"fp8 {'off' if fp8_disabled() else 'on'}")
 
 
 def _add_compile_factor() -> None:
@@ -261,8 +282,210 @@ def _remove_compile_factor() -> None:
         del table[COMPILE_FACTOR]
 
 
+# ---- block-FP8 layers -----------------------------------------------------------------------
+
+def fp8_disabled() -> bool:
+    return switched_off("OPGRAFT_LINEAR_FP8")
+
+
+def _fp8_target():
+    """(Fp8LinearMethod, vLLM's block-scaled kernel base class, is_deep_gemm_e8m0_used), or
+    (None, None, None, why)."""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+            Fp8BlockScaledMMLinearKernel,
+        )
+        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+    except Exception as e:
+        return None, None, None, f"cannot import vllm's FP8 linear method ({type(e).__name__}: {e})"
+    for name in ("apply", "process_weights_after_loading"):
+        if not callable(Fp8LinearMethod.__dict__.get(name)):
+            return None, None, None, f"vllm's Fp8LinearMethod.{name} is not where opgraft expects it"
+    return Fp8LinearMethod, Fp8BlockScaledMMLinearKernel, is_deep_gemm_e8m0_used, ""
+
+
+def fp8_scale_of(layer):
+    """The layer's block scales (vLLM names them weight_scale_inv for block-FP8 checkpoints)."""
+    s = getattr(layer, "weight_scale_inv", None)
+    return s if s is not None else getattr(layer, "weight_scale", None)
+
+
+# prefix -> weakref of the layer registered under it
+_fp8_layers: dict = {}
+
+
+def _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_used) -> str:
+    """Why the seam must hand this layer back whatever the call ("" if it may take it)."""
+    import torch
+
+    if not getattr(method, "block_quant", False):
+        return "FP8 linear without block scales"
+    if getattr(method, "use_marlin", False):
+        return "FP8 linear on vLLM's Marlin kernel"
+    if getattr(method, "act_q_static", False):
+        return "FP8 linear with a static activation scale"
+    if not isinstance(getattr(method, "fp8_linear", None), block_kernel_cls):
+        return f"vLLM's FP8 kernel {type(getattr(method, 'fp8_linear', None)).__name__} is not a block-scaled one"
+    if e8m0_used():
+        return "DeepGEMM E8M0 scales"
+    block = list(getattr(method, "weight_block_size", None) or [])
+    if len(block) != 2 or block[0] != block[1]:
+        return f"FP8 weight blocks {block} (vLLM groups the activations by block[0], the kernel by block[1])"
+    w, sc = getattr(layer, "weight", None), fp8_scale_of(layer)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != getattr(torch, "float8_e4m3fn", None):
+        return "the layer's weight is not a two-dimensional float8_e4m3fn tensor"
+    N, K = w.shape
+    want = (-(-N // block[0]), -(-K // block[1]))
+    if not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32 or tuple(sc.shape) != want:
+        return f"the layer's FP8 scales are not fp32 {list(want)}"
+    prefix = getattr(layer, "prefix", "")
+    if not prefix:
+        return "the layer has no prefix (the name its calls are handed back by)"
+    return ""
+
+
+def _register_fp8_layer(method, layer, original_apply, block_kernel_cls, e8m0_used) -> None:
+    from ..ops import linear as linear_op
+
+    reason = _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_used)
+    prefix = getattr(layer, "prefix", "")
+    with _lock:
+        other = _fp8_layers.get(prefix)
+        other = other() if other is not None else None
+        if prefix and other is not None and other is not layer:
+            reason = f"layer name {prefix!r} is not unique in this process"
+            setattr(other, _FP8_REASON_ATTR, reason)
+        elif prefix and not reason:
+            _fp8_layers[prefix] = weakref.ref(layer)
+            ref = weakref.ref(layer)
+
+            def hand_back(x, bias):
+                lay = ref()
+                if lay is None:
+                    raise RuntimeError(f"opgraft::linear_fp8: layer {prefix!r} no longer exists")
+                return original_apply(lay.quant_method, lay, x, bias)
+
+            linear_op.register_fp8_fallback(prefix, hand_back)
+    setattr(layer, _FP8_REASON_ATTR, reason)
+
+
+def _make_fp8_wrappers(cls, block_kernel_cls, e8m0_used, original_apply, original_pwal):
+    import torch
+    import vllm.envs as envs
+
+    from ..ops import linear as linear_op
+
+    const = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+    if const is None:  # pragma: no cover
+        const = lambda fn: fn  # noqa: E731
+    variant_traced, fused_traced = const(_variant), const(_gemm_comms_fused)
+    hand_back_traced = const(lambda reason: _note_hand_back(reason + " (at trace)"))
+    route_traced = const(_note_traced_route)
+    half = (torch.bfloat16, torch.float16)
+    max_rows, too_many = linear_op.MAX_ROWS, linear_op._TOO_MANY
+
+    def process_weights_after_loading(self, layer):
+        original_pwal(self, layer)
+        if type(self) is cls:
+            _register_fp8_layer(self, layer, original_apply, block_kernel_cls, e8m0_used)
+
+    def static_reason(self, layer, x, bias, tracing) -> str:
+        if type(self) is not cls:
+            return f"linear method {type(self).__name__}"
+        if envs.VLLM_BATCH_INVARIANT:
+            return "VLLM_BATCH_INVARIANT"
+        layer_reason = getattr(layer, _FP8_REASON_ATTR, None)
+        if layer_reason is None:
+            return "FP8 layer not registered (its weights were processed before the seam was installed)"
+        if layer_reason:
+            return layer_reason
+        if tracing and fused_traced():
+            return "fuse_gemm_comms (vLLM's GEMM + collective fusion) is on"
+        if x.dim() != 2:
+            return "x is not two-dimensional"
+        if x.device.type not in DEVICE_TYPES:
+            return "tensors are not on a CUDA device"
+        if x.dtype not in half or getattr(self, "out_dtype", None) != x.dtype:
+            return "x is not bf16 or fp16 of the layer's output dtype"
+        if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.shape[0] != layer.weight.shape[0]):
+            return "bias is not [out_features] of x's dtype"
+        return ""
+
+    def apply(self, layer, x, bias=None):
+        def delegate():
+            return original_apply(self, layer, x, bias)
+
+        tracing = torch.compiler.is_compiling()
+        if not tracing and x.dim() == 2 and x.shape[0] > max_rows:
+            dispatch.stats_of("linear").delegate(too_many)
+            return original_apply(self, layer, x, bias)
+        name = variant_traced() if tracing else _variant()
+        reason = "passthrough variant" if name == "passthrough" else static_reason(self, layer, x, bias, tracing)
+        if reason:
+            if tracing:
+                hand_back_traced(reason)
+            else:
+                _note_hand_back(reason)
+        elif tracing:
+            route_traced()
+
+        def ours():
+            bn, bk = self.weight_block_size
+            if tracing:
+                return torch.ops.opgraft.linear_fp8(x, layer.weight, fp8_scale_of(layer), bias, bn, bk, layer.prefix)
+            out = linear_op.linear_fp8_or_none(x, layer.weight, fp8_scale_of(layer), (bn, bk), bias)
+            return out if out is not None else original_apply(self, layer, x, bias)
+
+        call = dispatch.LinearCall(x=x, weight=getattr(layer, "weight", None), bias=bias, delegate=delegate, ours=ours,
+                                   extra_reason=reason)
+        return dispatch.variant_fn("linear", name)(call)
+
+    apply.__doc__ = (original_apply.__doc__ or "") + "\n\n(wrapped by opgraft: see opgraft/vllm/linear_seam.py)"
+    setattr(apply, _PATCH_ATTR, original_apply)
+    setattr(process_weights_after_loading, _PATCH_ATTR, original_pwal)
+    return apply, process_weights_after_loading
+
+
+def _install_fp8() -> str:
+    """Patches Fp8LinearMethod once; returns what it did (for the install message)."""
+    if fp8_disabled():
+        return "FP8 linear layers left to vLLM by OPGRAFT_LINEAR_FP8=0"
+    cls, block_cls, e8m0, why = _fp8_target()
+    if cls is None:
+        return f"FP8 linear layers left to vLLM: {why}"
+    cur_apply, cur_pwal = cls.__dict__["apply"], cls.__dict__["process_weights_after_loading"]
+    if hasattr(cur_apply, _PATCH_ATTR):
+        return "Fp8LinearMethod.apply"
+    if not _signature_matches(cur_apply):
+        return "FP8 linear layers left to vLLM: Fp8LinearMethod.apply has an unexpected signature"
+    cls.apply, cls.process_weights_after_loading = _make_fp8_wrappers(cls, block_cls, e8m0, cur_apply, cur_pwal)
+    return "Fp8LinearMethod.apply"
+
+
+def _uninstall_fp8() -> None:
+    cls, _, _, _ = _fp8_target()
+    if cls is None:
+        return
+    for name in ("apply", "process_weights_after_loading"):
+        current = cls.__dict__.get(name)
+        if current is not None and hasattr(current, _PATCH_ATTR):
+            setattr(cls, name, getattr(current, _PATCH_ATTR))
+    from ..ops import linear as linear_op
+
+    with _lock:
+        for prefix in list(_fp8_layers):
+            linear_op.unregister_fp8_fallback(prefix)
+        _fp8_layers.clear()
+
+
+def fp8_installed() -> bool:
+    cls, _, _, _ = _fp8_target()
+    return cls is not None and hasattr(cls.__dict__.get("apply"), _PATCH_ATTR)
+
+
 def install() -> tuple[bool, str]:
-    """Patches both methods once; returns (installed, message)."""
+    """Patches the methods once; returns (installed, message)."""
     targets, default, why = _targets()
     if not targets:
         return False, why
@@ -280,8 +503,9 @@ def install() -> tuple[bool, str]:
         current = cls.__dict__["apply"]
         if not hasattr(current, _PATCH_ATTR):
             cls.apply = _make_wrapper(cls, mod, default, current)
+    fp8 = _install_fp8()
     _add_compile_factor()
-    return True, "linear seam installed (UnquantizedLinearMethod.apply, UnquantizedEmbeddingMethod.apply)"
+    return True, f"linear seam installed (UnquantizedLinearMethod.apply, UnquantizedEmbeddingMethod.apply; {fp8})"
 
 
 def uninstall() -> None:
@@ -290,6 +514,7 @@ def uninstall() -> None:
         current = cls.__dict__.get("apply")
         if current is not None and hasattr(current, _PATCH_ATTR):
             cls.apply = getattr(current, _PATCH_ATTR)
+    _uninstall_fp8()
     _remove_compile_factor()
 
 
