@@ -50,7 +50,7 @@ graph by its layer object, so each layer is registered when vLLM has processed i
 its prefix (vLLM's module name, the same in every process, so a graph from vLLM's compile cache
 finds it): the op hands such calls to that layer's own `apply`. The layer's eligibility is decided
 there too, once, in plain Python (block scales in fp32 of the expected shape, square blocks,
-vLLM's kernel one of its block-scaled W8A8 kernels, no Marlin, no DeepGEMM E8M0 scales, no static
+vLLM's kernel one of its block-scaled W8A8 kernels, no Marlin, no power-of-two activation scales, no static
 activation scale, an output dtype equal to x's, a prefix no other layer has), and kept on the
 layer as the reason the seam hands it back ("" if none). Layers of other FP8 methods (per-tensor,
 per-channel, compressed-tensors, ModelOpt) keep their own methods.
@@ -289,8 +289,12 @@ def fp8_disabled() -> bool:
 
 
 def _fp8_target():
-    """(Fp8LinearMethod, vLLM's block-scaled kernel base class, is_deep_gemm_e8m0_used), or
-    (None, None, None, why)."""
+    """(Fp8LinearMethod, vLLM's block-scaled kernel base class, e8m0_acts), or (None, None, None,
+    why). e8m0_acts(kernel) says whether vLLM's kernel rounds the activation scales of the rows
+    our kernel takes (< 32) to powers of two: DeepGEMM's where its E8M0 is in use; not FlashInfer's
+    block kernels, whose rows below 32 are quantized by FlashInfer with fp32 scales
+    (scale_1x128_kernel<bf16, e4m3, float>, the name in the H200 profile, bench/NOTES.md v32),
+    also where DeepGEMM's E8M0 has rounded the weight scales, which our kernel reads as they are."""
     try:
         from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
             Fp8BlockScaledMMLinearKernel,
@@ -302,7 +306,19 @@ def _fp8_target():
     for name in ("apply", "process_weights_after_loading"):
         if not callable(Fp8LinearMethod.__dict__.get(name)):
             return None, None, None, f"vllm's Fp8LinearMethod.{name} is not where opgraft expects it"
-    return Fp8LinearMethod, Fp8BlockScaledMMLinearKernel, is_deep_gemm_e8m0_used, ""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm import flashinfer as fi
+
+        fp32_small = tuple(getattr(fi, n) for n in ("FlashInferFp8BlockScaledMMKernel",
+                                                     "FlashInferFp8DeepGEMMDynamicBlockScaledKernel")
+                           if isinstance(getattr(fi, n, None), type))
+    except Exception:
+        fp32_small = ()
+
+    def e8m0_acts(kernel) -> bool:
+        return not (fp32_small and isinstance(kernel, fp32_small)) and bool(is_deep_gemm_e8m0_used())
+
+    return Fp8LinearMethod, Fp8BlockScaledMMLinearKernel, e8m0_acts, ""
 
 
 def fp8_scale_of(layer):
@@ -315,7 +331,7 @@ def fp8_scale_of(layer):
 _fp8_layers: dict = {}
 
 
-def _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_used) -> str:
+def _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_acts) -> str:
     """Why the seam must hand this layer back whatever the call ("" if it may take it)."""
     import torch
 
@@ -325,10 +341,11 @@ def _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_used) -> str:
         return "FP8 linear on vLLM's Marlin kernel"
     if getattr(method, "act_q_static", False):
         return "FP8 linear with a static activation scale"
-    if not isinstance(getattr(method, "fp8_linear", None), block_kernel_cls):
-        return f"vLLM's FP8 kernel {type(getattr(method, 'fp8_linear', None)).__name__} is not a block-scaled one"
-    if e8m0_used():
-        return "DeepGEMM E8M0 scales"
+    kernel = getattr(method, "fp8_linear", None)
+    if not isinstance(kernel, block_kernel_cls):
+        return f"vLLM's FP8 kernel {type(kernel).__name__} is not a block-scaled one"
+    if e8m0_acts(kernel):
+        return f"DeepGEMM E8M0 activation scales ({type(kernel).__name__})"
     block = list(getattr(method, "weight_block_size", None) or [])
     if len(block) != 2 or block[0] != block[1]:
         return f"FP8 weight blocks {block} (vLLM groups the activations by block[0], the kernel by block[1])"
@@ -345,10 +362,10 @@ def _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_used) -> str:
     return ""
 
 
-def _register_fp8_layer(method, layer, original_apply, block_kernel_cls, e8m0_used) -> None:
+def _register_fp8_layer(method, layer, original_apply, block_kernel_cls, e8m0_acts) -> None:
     from ..ops import linear as linear_op
 
-    reason = _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_used)
+    reason = _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_acts)
     prefix = getattr(layer, "prefix", "")
     with _lock:
         other = _fp8_layers.get(prefix)
@@ -370,7 +387,7 @@ def _register_fp8_layer(method, layer, original_apply, block_kernel_cls, e8m0_us
     setattr(layer, _FP8_REASON_ATTR, reason)
 
 
-def _make_fp8_wrappers(cls, block_kernel_cls, e8m0_used, original_apply, original_pwal):
+def _make_fp8_wrappers(cls, block_kernel_cls, e8m0_acts, original_apply, original_pwal):
     import torch
     import vllm.envs as envs
 
@@ -388,7 +405,7 @@ def _make_fp8_wrappers(cls, block_kernel_cls, e8m0_used, original_apply, origina
     def process_weights_after_loading(self, layer):
         original_pwal(self, layer)
         if type(self) is cls:
-            _register_fp8_layer(self, layer, original_apply, block_kernel_cls, e8m0_used)
+            _register_fp8_layer(self, layer, original_apply, block_kernel_cls, e8m0_acts)
 
     def static_reason(self, layer, x, bias, tracing) -> str:
         if type(self) is not cls:

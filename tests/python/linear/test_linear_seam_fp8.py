@@ -123,11 +123,33 @@ def test_layer_reasons(fp8, change, reason):
     # the seam's registration as its process_weights_after_loading runs it (vLLM's own step needs
     # per-tensor scales for a layer without block_quant)
     original = getattr(Fp8LinearMethod.__dict__["apply"], linear_seam._PATCH_ATTR)
-    linear_seam._register_fp8_layer(m, layer, original, Fp8BlockScaledMMLinearKernel, lambda: False)
+    linear_seam._register_fp8_layer(m, layer, original, Fp8BlockScaledMMLinearKernel, lambda k: False)
     assert reason in getattr(layer, linear_seam._FP8_REASON_ATTR)
     x = torch.randn(2, 256).to(torch.bfloat16)
     m.apply(layer, x)
     assert sum(reasons().values()) == 1 and dispatch.stats_of("linear").snapshot()["taken"] == 0
+
+
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_power_of_two_activation_scales(fp8, monkeypatch, e8m0):
+    # DeepGEMM's E8M0 rounds the activation scales of DeepGEMM's own kernel to powers of two (ours
+    # would differ: handed back); FlashInfer's block kernels quantize rows below 32 with fp32
+    # scales whatever E8M0 did to the weight scales (taken).
+    fi = pytest.importorskip("vllm.model_executor.kernels.linear.scaled_mm.flashinfer")
+    import vllm.utils.deep_gemm as dg
+
+    monkeypatch.setattr(dg, "is_deep_gemm_e8m0_used", lambda: e8m0)
+    _, block_cls, e8m0_acts, why = linear_seam._fp8_target()
+    assert not why
+    fi_kernel = type("FakeFlashInferKernel", (fi.FlashInferFp8DeepGEMMDynamicBlockScaledKernel,),
+                     {"__init__": lambda self: None, "__abstractmethods__": frozenset()})()
+    original = getattr(Fp8LinearMethod.__dict__["apply"], linear_seam._PATCH_ATTR)
+    for kernel, refused in ((FakeBlockKernel(), e8m0), (fi_kernel, False)):
+        m, layer = method_and_layer(kernel=kernel, prefix=f"model.{type(kernel).__name__}")
+        linear_seam._register_fp8_layer(m, layer, original, block_cls, e8m0_acts)
+        reason = getattr(layer, linear_seam._FP8_REASON_ATTR)
+        assert ("E8M0 activation scales" in reason if refused else reason == ""), reason
+        assert (linear_op.fp8_fallback(layer.prefix) is None) == refused
 
 
 def test_duplicate_prefix_hands_both_back(fp8):
