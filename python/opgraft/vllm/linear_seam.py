@@ -169,20 +169,62 @@ def _reset_trace_counts() -> None:
         _traced_routes = 0
 
 
+def _traced(fn):
+    """fn as a constant of the traced graph: Dynamo runs it once, at trace."""
+    import torch
+
+    const = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+    return const(fn) if const is not None else fn  # every torch vLLM supports has it
+
+
+def _seam_apply(original, static_reason, ours_for):
+    """The apply wrapper of both methods: an eager call of more rows than the kernel takes goes to
+    vLLM at once; a static reason (static_reason(self, layer, x, bias, tracing)) hands the call
+    back, noted once at trace where traced; else the variant picks between vLLM's original and
+    ours_for(self, layer, x, bias, tracing)."""
+    import torch
+
+    from ..ops import linear as linear_op
+
+    variant_traced, route_traced = _traced(_variant), _traced(_note_traced_route)
+    hand_back_traced = _traced(lambda reason: _note_hand_back(reason + " (at trace)"))
+    max_rows, too_many = linear_op.MAX_ROWS, linear_op._TOO_MANY
+
+    def apply(self, layer, x, bias=None):
+        def delegate():
+            return original(self, layer, x, bias)
+
+        tracing = torch.compiler.is_compiling()
+        if not tracing and x.dim() == 2 and x.shape[0] > max_rows:  # an eager prefill's call, at once
+            dispatch.stats_of("linear").delegate(too_many)
+            return original(self, layer, x, bias)
+        name = variant_traced() if tracing else _variant()
+        reason = "passthrough variant" if name == "passthrough" else static_reason(self, layer, x, bias, tracing)
+        if reason:
+            if tracing:
+                hand_back_traced(reason)
+            else:
+                _note_hand_back(reason)
+        elif tracing:
+            route_traced()
+
+        call = dispatch.LinearCall(x=x, weight=getattr(layer, "weight", None), bias=bias, delegate=delegate,
+                                   ours=lambda: ours_for(self, layer, x, bias, tracing), extra_reason=reason)
+        return dispatch.variant_fn("linear", name)(call)
+
+    apply.__doc__ = (original.__doc__ or "") + "\n\n(wrapped by opgraft: see opgraft/vllm/linear_seam.py)"
+    setattr(apply, _PATCH_ATTR, original)
+    return apply
+
+
 def _make_wrapper(cls, module, default_gemm, original):
     import torch
     import vllm.envs as envs
 
     from ..ops import linear as linear_op
 
-    const = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
-    if const is None:  # pragma: no cover - every torch vLLM supports has it
-        const = lambda fn: fn  # noqa: E731
-    variant_traced, fused_traced = const(_variant), const(_gemm_comms_fused)
-    hand_back_traced = const(lambda reason: _note_hand_back(reason + " (at trace)"))
-    route_traced = const(_note_traced_route)
+    fused_traced = _traced(_gemm_comms_fused)
     half = (torch.bfloat16, torch.float16)
-    max_rows, too_many = linear_op.MAX_ROWS, linear_op._TOO_MANY
 
     def static_reason(self, layer, x, bias, tracing) -> str:
         """Why vLLM keeps this call whatever its row count ("" if the op may take it)."""
@@ -212,38 +254,14 @@ def _make_wrapper(cls, module, default_gemm, original):
             return "bias is not [out_features]"
         return ""
 
-    def apply(self, layer, x, bias=None):
-        def delegate():
-            return original(self, layer, x, bias)
+    def ours(self, layer, x, bias, tracing):
+        # Traced: the opaque op, which decides per call at run time. Eager: the same function
+        # without the dispatcher's cost (the lm_head runs eagerly every step).
+        if tracing:
+            return torch.ops.opgraft.linear(x, layer.weight, bias)
+        return linear_op.linear_or_torch(x, layer.weight, bias)
 
-        tracing = torch.compiler.is_compiling()
-        if not tracing and x.dim() == 2 and x.shape[0] > max_rows:  # an eager prefill's call, at once
-            dispatch.stats_of("linear").delegate(too_many)
-            return original(self, layer, x, bias)
-        name = variant_traced() if tracing else _variant()
-        reason = "passthrough variant" if name == "passthrough" else static_reason(self, layer, x, bias, tracing)
-        if reason:
-            if tracing:
-                hand_back_traced(reason)
-            else:
-                _note_hand_back(reason)
-        elif tracing:
-            route_traced()
-
-        def ours():
-            # Traced: the opaque op, which decides per call at run time. Eager: the same function
-            # without the dispatcher's cost (the lm_head runs eagerly every step).
-            if tracing:
-                return torch.ops.opgraft.linear(x, layer.weight, bias)
-            return linear_op.linear_or_torch(x, layer.weight, bias)
-
-        call = dispatch.LinearCall(x=x, weight=getattr(layer, "weight", None), bias=bias, delegate=delegate, ours=ours,
-                                   extra_reason=reason)
-        return dispatch.variant_fn("linear", name)(call)
-
-    apply.__doc__ = (original.__doc__ or "") + "\n\n(wrapped by opgraft: see opgraft/vllm/linear_seam.py)"
-    setattr(apply, _PATCH_ATTR, original)
-    return apply
+    return _seam_apply(original, static_reason, ours)
 
 
 def make_wrapper(cls, original):
@@ -393,14 +411,8 @@ def _make_fp8_wrappers(cls, block_kernel_cls, e8m0_acts, original_apply, origina
 
     from ..ops import linear as linear_op
 
-    const = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
-    if const is None:  # pragma: no cover
-        const = lambda fn: fn  # noqa: E731
-    variant_traced, fused_traced = const(_variant), const(_gemm_comms_fused)
-    hand_back_traced = const(lambda reason: _note_hand_back(reason + " (at trace)"))
-    route_traced = const(_note_traced_route)
+    fused_traced = _traced(_gemm_comms_fused)
     half = (torch.bfloat16, torch.float16)
-    max_rows, too_many = linear_op.MAX_ROWS, linear_op._TOO_MANY
 
     def process_weights_after_loading(self, layer):
         original_pwal(self, layer)
@@ -429,37 +441,14 @@ def _make_fp8_wrappers(cls, block_kernel_cls, e8m0_acts, original_apply, origina
             return "bias is not [out_features] of x's dtype"
         return ""
 
-    def apply(self, layer, x, bias=None):
-        def delegate():
-            return original_apply(self, layer, x, bias)
+    def ours(self, layer, x, bias, tracing):
+        bn, bk = self.weight_block_size
+        if tracing:
+            return torch.ops.opgraft.linear_fp8(x, layer.weight, fp8_scale_of(layer), bias, bn, bk, layer.prefix)
+        out = linear_op.linear_fp8_or_none(x, layer.weight, fp8_scale_of(layer), (bn, bk), bias)
+        return out if out is not None else original_apply(self, layer, x, bias)
 
-        tracing = torch.compiler.is_compiling()
-        if not tracing and x.dim() == 2 and x.shape[0] > max_rows:
-            dispatch.stats_of("linear").delegate(too_many)
-            return original_apply(self, layer, x, bias)
-        name = variant_traced() if tracing else _variant()
-        reason = "passthrough variant" if name == "passthrough" else static_reason(self, layer, x, bias, tracing)
-        if reason:
-            if tracing:
-                hand_back_traced(reason)
-            else:
-                _note_hand_back(reason)
-        elif tracing:
-            route_traced()
-
-        def ours():
-            bn, bk = self.weight_block_size
-            if tracing:
-                return torch.ops.opgraft.linear_fp8(x, layer.weight, fp8_scale_of(layer), bias, bn, bk, layer.prefix)
-            out = linear_op.linear_fp8_or_none(x, layer.weight, fp8_scale_of(layer), (bn, bk), bias)
-            return out if out is not None else original_apply(self, layer, x, bias)
-
-        call = dispatch.LinearCall(x=x, weight=getattr(layer, "weight", None), bias=bias, delegate=delegate, ours=ours,
-                                   extra_reason=reason)
-        return dispatch.variant_fn("linear", name)(call)
-
-    apply.__doc__ = (original_apply.__doc__ or "") + "\n\n(wrapped by opgraft: see opgraft/vllm/linear_seam.py)"
-    setattr(apply, _PATCH_ATTR, original_apply)
+    apply = _seam_apply(original_apply, static_reason, ours)
     setattr(process_weights_after_loading, _PATCH_ATTR, original_pwal)
     return apply, process_weights_after_loading
 
