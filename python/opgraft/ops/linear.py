@@ -163,25 +163,24 @@ def linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: 
     return out
 
 
-def linear_or_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Our kernel where it takes the call, else torch.nn.functional.linear (vLLM's call, bit for
-    bit). Counts each decision in dispatch.stats_of("linear")."""
+def _ours_or_none(x, weight, bias, what, plan, aligned, misaligned, run):
+    """The kernel's output where its plan (plan()) takes the call, else None; each decision
+    counted in dispatch.stats_of("linear"). Plans again once where the tunables changed."""
     stats = dispatch.stats_of("linear")
     if x.dim() != 2 or x.shape[0] < 1 or x.shape[0] > MAX_ROWS:
-        why = (_TOO_MANY if x.dim() == 2 and x.shape[0] > MAX_ROWS  # every prefill's projection: no formatting
-               else "no rows" if x.dim() == 2 else f"x has {x.dim()} dimensions")
-        stats.delegate(why)
-        return torch.nn.functional.linear(x, weight, bias)
+        stats.delegate(_TOO_MANY if x.dim() == 2 and x.shape[0] > MAX_ROWS  # every prefill's: no formatting
+                       else "no rows" if x.dim() == 2 else f"x has {x.dim()} dimensions")
+        return None
     for _ in range(2):
-        plan = plan_for(x, weight, bias)
-        if plan.handle is None:
-            stats.delegate(plan.reason)
-            return torch.nn.functional.linear(x, weight, bias)
-        if not _aligned(x, weight, bias):
-            stats.delegate(_MISALIGNED)
-            return torch.nn.functional.linear(x, weight, bias)
+        p = plan()
+        if p.handle is None:
+            stats.delegate(p.reason)
+            return None
+        if not aligned():
+            stats.delegate(misaligned)
+            return None
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        st = _run(plan, x, weight, bias, out)
+        st = run(p, out)
         if st == _lib.OK:
             stats.take()
             return out
@@ -190,9 +189,17 @@ def linear_or_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         forget_plans()
     name = _lib.lib().opgraft_status_name(st).decode()
     stats.delegate(f"kernel error: {name}")
-    dispatch._warn_once(f"opgraft linear kernel failed, handing calls back to torch: {name}: "
+    dispatch._warn_once(f"opgraft {what} kernel failed, handing calls back: {name}: "
                         f"{_lib.lib().opgraft_last_error().decode(errors='replace')}")
-    return torch.nn.functional.linear(x, weight, bias)
+    return None
+
+
+def linear_or_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Our kernel where it takes the call, else torch.nn.functional.linear (vLLM's call, bit for
+    bit). Counts each decision in dispatch.stats_of("linear")."""
+    out = _ours_or_none(x, weight, bias, "linear", lambda: plan_for(x, weight, bias),
+                        lambda: _aligned(x, weight, bias), _MISALIGNED, lambda p, o: _run(p, x, weight, bias, o))
+    return out if out is not None else torch.nn.functional.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,33 +257,11 @@ def linear_fp8_into(out, x, weight, weight_scale, block, bias=None):
 def linear_fp8_or_none(x, weight, weight_scale, block, bias=None):
     """The FP8 kernel's output where it takes the call, else None (the caller runs its own path).
     Counts each decision in dispatch.stats_of("linear")."""
-    stats = dispatch.stats_of("linear")
-    if x.dim() != 2 or x.shape[0] < 1 or x.shape[0] > MAX_ROWS:
-        stats.delegate(_TOO_MANY if x.dim() == 2 and x.shape[0] > MAX_ROWS else "no rows" if x.dim() == 2
-                       else f"x has {x.dim()} dimensions")
-        return None
     block = tuple(block)
-    for _ in range(2):
-        plan = plan_for(x, weight, bias, weight_scale=weight_scale, block=block)
-        if plan.handle is None:
-            stats.delegate(plan.reason)
-            return None
-        if not _aligned_fp8(x, weight, weight_scale, bias):
-            stats.delegate(_MISALIGNED_FP8)
-            return None
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        st = _run_fp8(plan, x, weight, weight_scale, bias, out)
-        if st == _lib.OK:
-            stats.take()
-            return out
-        if st != _lib.ESTALE:
-            break
-        forget_plans()
-    name = _lib.lib().opgraft_status_name(st).decode()
-    stats.delegate(f"kernel error: {name}")
-    dispatch._warn_once(f"opgraft FP8 linear kernel failed, handing calls back: {name}: "
-                        f"{_lib.lib().opgraft_last_error().decode(errors='replace')}")
-    return None
+    return _ours_or_none(x, weight, bias, "FP8 linear",
+                         lambda: plan_for(x, weight, bias, weight_scale=weight_scale, block=block),
+                         lambda: _aligned_fp8(x, weight, weight_scale, bias), _MISALIGNED_FP8,
+                         lambda p, o: _run_fp8(p, x, weight, weight_scale, bias, o))
 
 
 # The paths calls go to when the FP8 kernel hands them back, by the name the traced graph carries
