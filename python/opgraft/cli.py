@@ -341,23 +341,35 @@ def linear_args_struct(N: int, K: int, M: int, dtype: str, arch: int) -> _lib.Li
     the compiler."""
     a = _lib.LinearArgs()
     a.struct_size = ctypes.sizeof(_lib.LinearArgs)
-    a.dtype = a.weight_dtype = a.bias_dtype = a.out_dtype = _lib.DTYPE_BF16 if dtype == "bf16" else _lib.DTYPE_FP16
+    a.dtype = a.weight_dtype = a.bias_dtype = a.out_dtype = _lib.DTYPE_FP16 if dtype == "fp16" else _lib.DTYPE_BF16
     a.rows, a.out_features, a.in_features = M, N, K
     a.x = a.weight = a.out = 1 << 20  # never dereferenced: the guard and the compiler look at shapes only
     a.x_stride[:] = [K, 1]
     a.weight_stride[:] = [K, 1]
     a.out_stride[:] = [N, 1]
+    if dtype == "fp8-block":  # e4m3 weights with fp32 scales per 128x128 block, x and y bf16
+        a.weight_dtype, a.scale_dtype, a.block_n, a.block_k = _lib.DTYPE_FP8_E4M3, _lib.DTYPE_FP32, 128, 128
+        a.weight_scale = 1 << 20
+        a.weight_scale_stride[:] = [-(-K // 128), 1]
     a.arch = arch
     return a
 
 
-def _linear_models(text: str) -> list[str]:
-    from .presets import LINEAR_PRESETS
+def _linear_presets(dtype: str) -> dict:
+    from .presets import LINEAR_FP8_PRESETS, LINEAR_PRESETS
 
+    return LINEAR_FP8_PRESETS if dtype == "fp8-block" else LINEAR_PRESETS
+
+
+def _linear_models(text: str | None, dtype: str) -> list[str]:
+    """The --models names for this dtype (all of its presets without the option); ValueError
+    naming the choices where one is not among them."""
+    presets = _linear_presets(dtype)
+    if text is None:
+        return list(presets)
     names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in names if m not in LINEAR_PRESETS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"--models takes names from {', '.join(LINEAR_PRESETS)}; got {text!r}")
+    if not names or any(m not in presets for m in names):
+        raise ValueError(f"--models with --dtype {dtype} takes names from {', '.join(presets)}; got {text!r}")
     return names
 
 
@@ -373,14 +385,14 @@ def _compile_sm90(report, a) -> dict:
 
 def _cpu_bench_linear(models: list[str], rows_m: list[int], dtype: str, why: str, json_to: str | None = None) -> int:
     """What runs without a GPU; json_to as _cpu_bench's."""
-    from .presets import LINEAR_PRESETS
+    presets = _linear_presets(dtype)
 
     print(f"no GPU here ({why}): the guard's decision and the NVRTC compile of each shape's kernel for sm_90 "
           f"with its resource report.", file=sys.stderr)
     info = _lib.runtime_info()
     rows = []
     for m in models:
-        for s in LINEAR_PRESETS[m]:
+        for s in presets[m]:
             row = {"op": "linear", "model": s.model, "proj": s.proj, "N": s.out_features, "K": s.in_features,
                    "dtype": dtype, "arch": "sm_90", "guard": {}}
             for M in rows_m:
@@ -400,12 +412,12 @@ def _cpu_bench_linear(models: list[str], rows_m: list[int], dtype: str, why: str
     if json_to == "-":
         print(json.dumps(doc, indent=1))
         return 0
-    print(f"{'model':<16} {'proj':<8} {'N':>7} {'K':>6}  {'guard (sm_90)':<34} configuration; registers / spill bytes")
+    print(f"{'model':<18} {'proj':<8} {'N':>7} {'K':>6}  {'guard (sm_90)':<34} configuration; registers / spill bytes")
     for r in rows:
         guard = " ".join(f"M={M}:" + ("take" if g == "take" else "no") for M, g in r["guard"].items())
         k = r.get("kernel")
         res = f"{k['registers']}r/{k['spill_bytes']}s" if k else r.get("compile_error", "-")[:60]
-        print(f"{r['model']:<16} {r['proj']:<8} {r['N']:>7} {r['K']:>6}  {guard:<34} {r['config']}; {res}")
+        print(f"{r['model']:<18} {r['proj']:<8} {r['N']:>7} {r['K']:>6}  {guard:<34} {r['config']}; {res}")
     return _write_json(json_to, doc) if json_to else 0
 
 
@@ -416,17 +428,22 @@ def cmd_bench_linear(args) -> int:
     if any(m > 8 for m in args.rows):
         print("error: --rows values must be in 1..8 (the kernel's limit)", file=sys.stderr)
         return 2
+    try:
+        models = _linear_models(args.models, args.dtype)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not _check_outputs({"--json": args.json}):
         return 2
     ok, why = _gpu_status()
     if not ok:
-        return _cpu_bench_linear(args.models, args.rows, args.dtype, why, args.json)
+        return _cpu_bench_linear(models, args.rows, args.dtype, why, args.json)
     from .bench import linear as linear_bench
 
     t0 = time.time()
 
     def run(ceiling, rows):
-        for m in args.models:
+        for m in models:
             rows += linear_bench.bench_models(
                 [m], args.rows, args.dtype, ceiling_tbps=ceiling, between_mib=args.between_mib, timing=args.timing,
                 progress=lambda msg: print(f"[{time.time() - t0:6.1f} s] {msg} ...", file=sys.stderr, flush=True))
@@ -975,13 +992,16 @@ def main(argv=None) -> int:
     b.add_argument("--plot", default=None, metavar="FILE",
                    help="write a PNG: time against tokens with the roofline (needs matplotlib; default: no plot)")
     b.set_defaults(fn=cmd_bench)
-    from .presets import LINEAR_PRESETS
+    from .presets import LINEAR_FP8_PRESETS, LINEAR_PRESETS
 
     bl = bench_ops.add_parser("linear", help="decode projections (1..8 rows) against torch.nn.functional.linear")
-    bl.add_argument("--models", type=_linear_models, default=list(LINEAR_PRESETS),
-                    help=f"comma-separated, from {', '.join(LINEAR_PRESETS)} (default: all)")
+    bl.add_argument("--models", default=None,
+                    help=f"comma-separated, from {', '.join(LINEAR_PRESETS)}; with --dtype fp8-block from "
+                         f"{', '.join(LINEAR_FP8_PRESETS)} (default: all)")
     bl.add_argument("--rows", type=_parse_tokens, default=[1, 2, 4, 8], help="row counts M (1..8)")
-    bl.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    bl.add_argument("--dtype", choices=["bf16", "fp16", "fp8-block"], default="bf16",
+                    help="fp8-block: e4m3 weights with 128x128 fp32 block scales, bf16 x (ours alone: vLLM's FP8 "
+                         "kernel is timed in the engine)")
     bl.add_argument("--between-mib", type=int, default=64,
                     help="read this many MiB of other data before each timed call (0: back to back)")
     bl.add_argument("--timing", choices=["subtract", "span"], default="subtract",

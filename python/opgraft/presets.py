@@ -203,6 +203,18 @@ LINEAR_PRESETS = {
 }
 
 
+# Block-FP8 projections (128x128 blocks): Qwen3-30B-A3B-FP8's qkv, o and router gate (config.json:
+# hidden 2048, 32 q / 4 kv heads of 128, 128 experts) and DeepSeek-V3's dense q_a, kv_a, q_b and o
+# projections (hidden 7168, q_lora_rank 1536, kv_lora_rank 512 + qk_rope_head_dim 64, 128 heads of
+# qk 192 / v 128).
+LINEAR_FP8_PRESETS = {
+    "Qwen3-30B-A3B-FP8": [s for s in projections("Qwen3-30B-A3B-FP8", 2048, 32, 4, 128, 151936, experts=128)
+                          if s.proj != "lm_head"],
+    "DeepSeek-V3": [LinearShape("DeepSeek-V3", "q_a", 1536, 7168), LinearShape("DeepSeek-V3", "kv_a", 576, 7168),
+                    LinearShape("DeepSeek-V3", "q_b", 128 * 192, 1536), LinearShape("DeepSeek-V3", "o", 7168, 128 * 128)],
+}
+
+
 @dataclass(frozen=True)
 class AttnShape:
     name: str

@@ -142,6 +142,20 @@ def test_linear_and_attention_benches_write_the_cpu_rows_to_a_json_file(tmp_path
 
 
 @no_gpu_only
+def test_linear_bench_fp8_block_cpu_rows(tmp_path, capsys):
+    out = tmp_path / "fp8.json"
+    rc, table, err = in_process(capsys, "bench", "linear", "--dtype", "fp8-block", "--models", "Qwen3-30B-A3B-FP8",
+                                "--rows", "1,8", "--json", str(out))
+    assert rc == 0 and "Qwen3-30B-A3B-FP8" in table, err
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["proj"], r["N"], r["K"]) for r in rows] == [("qkv", 5120, 2048), ("o", 2048, 4096), ("router", 128, 2048)]
+    assert all(r["dtype"] == "fp8-block" and r["guard"] == {"1": "take", "8": "take"} for r in rows)
+    assert "bn=128 bk=128" in rows[0]["config"]
+    rc, _, err = in_process(capsys, "bench", "linear", "--dtype", "fp8-block", "--models", "Qwen3-30B-A3B")
+    assert rc == 2 and "takes names from Qwen3-30B-A3B-FP8, DeepSeek-V3" in err, err
+
+
+@no_gpu_only
 def test_bench_plot_without_gpu_says_it_is_not_written(tmp_path):
     r = run("bench", "moe", "--tokens", "1", "--plot", str(tmp_path / "p.png"))
     assert r.returncode == 0 and "p.png: not written: nothing is timed without a GPU" in r.stderr, r.stderr

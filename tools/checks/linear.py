@@ -12,7 +12,7 @@ import torch
 from opgraft import _lib, bench, dispatch
 from opgraft.bench import linear as linear_bench
 from opgraft.ops import linear as ops
-from opgraft.presets import LINEAR_PRESETS, LinearShape
+from opgraft.presets import LINEAR_FP8_PRESETS, LINEAR_PRESETS, LinearShape
 
 NAME = "linear"
 
@@ -378,9 +378,8 @@ def bench_rows(ceiling: float, models: str = ",".join(LINEAR_PRESETS), rows: str
     r = [int(v) for v in rows.split(",")]
     out = linear_bench.bench_models(models.split(","), r, dtype, ceiling_tbps=ceiling,
                                     progress=lambda m: progress("  bench " + m))
-    for shape in linear_bench.FP8_SHAPES:
-        out += linear_bench.bench_fp8_shape(shape, r, ceiling_tbps=ceiling, progress=lambda m: progress("  bench " + m))
-    return out
+    return out + linear_bench.bench_models(list(LINEAR_FP8_PRESETS), r, "fp8-block", ceiling_tbps=ceiling, timing="span",
+                                           progress=lambda m: progress("  bench " + m))
 
 
 def format_rows(rows: list[dict]) -> str:

@@ -15,7 +15,7 @@ import torch
 
 from .. import _lib
 from ..ops import linear as ops
-from ..presets import LINEAR_PRESETS, LinearShape
+from ..presets import LINEAR_FP8_PRESETS, LINEAR_PRESETS, LinearShape
 from . import BETWEEN_MIB, TOLERANCE, between_traffic, rel_err, run_facts, speed, timed_calls
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -124,17 +124,6 @@ def bench_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device="cuda
     return out_rows
 
 
-# Block-FP8 projections (128x128 blocks) measured end to end: Qwen3-30B-A3B-FP8's qkv, o and router
-# gate (config.json: hidden 2048, 32 q / 4 kv heads of 128, 128 experts) and DeepSeek-V3's dense
-# q_a, kv_a, q_b and o projections (hidden 7168, q_lora 1536, kv_lora 512 + rope 64, 128 heads).
-FP8_SHAPES = (
-    LinearShape("Qwen3-30B-A3B-FP8", "qkv", 5120, 2048), LinearShape("Qwen3-30B-A3B-FP8", "o", 2048, 4096),
-    LinearShape("Qwen3-30B-A3B-FP8", "router", 128, 2048), LinearShape("DeepSeek-V3", "q_a", 1536, 7168),
-    LinearShape("DeepSeek-V3", "kv_a", 576, 7168), LinearShape("DeepSeek-V3", "q_b", 24576, 1536),
-    LinearShape("DeepSeek-V3", "o", 7168, 16384),
-)
-
-
 def fp8_weights(shape: LinearShape, device, seed: int = 0, block=(128, 128)):
     """Random e4m3 weights and positive fp32 block scales [ceil(N/bn), K/bk]."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -228,8 +217,15 @@ class TuneFixture:
 
 def bench_models(models=tuple(LINEAR_PRESETS), rows=ROWS, dtype: str = "bf16", ceiling_tbps: float | None = None,
                  between_mib: int = BETWEEN_MIB, timing: str = "subtract", progress=None) -> list[dict]:
+    """Each model's projections: 16-bit ones (LINEAR_PRESETS) against torch.nn.functional.linear,
+    or with dtype "fp8-block" the block-FP8 ones (LINEAR_FP8_PRESETS), ours alone."""
     out = []
     for m in models:
+        if dtype == "fp8-block":
+            for shape in LINEAR_FP8_PRESETS[m]:
+                out += bench_fp8_shape(shape, rows, ceiling_tbps=ceiling_tbps, between_mib=between_mib, timing=timing,
+                                       progress=progress)
+            continue
         for shape in LINEAR_PRESETS[m]:
             out += bench_shape(shape, rows, dtype, ceiling_tbps=ceiling_tbps, between_mib=between_mib, timing=timing,
                                progress=progress)
@@ -237,16 +233,16 @@ def bench_models(models=tuple(LINEAR_PRESETS), rows=ROWS, dtype: str = "bf16", c
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'model':<16} {'proj':<8} {'N':>7} {'K':>6} {'M':>2} {'impl':<13} {'us':>8} {'MB':>7} {'TB/s':>5} "
+    head = (f"{'model':<18} {'proj':<8} {'N':>7} {'K':>6} {'M':>2} {'impl':<13} {'us':>8} {'MB':>7} {'TB/s':>5} "
             f"{'ceil%':>6} {'xtorch':>6} {'relerr':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("median_us") is None:
-            lines.append(f"{r['model']:<16} {r['proj']:<8} {r['N']:>7} {r['K']:>6} {r['M']:>2} {r['impl']:<13} "
+            lines.append(f"{r['model']:<18} {r['proj']:<8} {r['N']:>7} {r['K']:>6} {r['M']:>2} {r['impl']:<13} "
                          f"{r.get('guard', '')}")
             continue
         frac = r.get("fraction_of_ceiling") or 0
-        lines.append(f"{r['model']:<16} {r['proj']:<8} {r['N']:>7} {r['K']:>6} {r['M']:>2} {r['impl']:<13} "
+        lines.append(f"{r['model']:<18} {r['proj']:<8} {r['N']:>7} {r['K']:>6} {r['M']:>2} {r['impl']:<13} "
                      f"{r['median_us']:>8.2f} {r['bytes'] / 1e6:>7.1f} {r['tbps']:>5.2f} {frac * 100:>5.1f}% "
                      f"{'' if r.get('speedup') is None else format(r['speedup'], '.2f'):>6} {r['rel_err']:>8.1e}")
     return "\n".join(lines)
