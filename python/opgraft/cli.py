@@ -921,6 +921,10 @@ def cmd_doctor(args) -> int:
         targets, _, lwhy = linear_seam._targets()
         say("linear seam", off or (f"ready, variant {dispatch.selected_variant('linear')}" if targets
                                    else f"unavailable: {lwhy}"))
+        fp8_cls, _, _, fwhy = linear_seam._fp8_target()
+        say("block-FP8 linear", off or ("off (OPGRAFT_LINEAR_FP8=0): vLLM's FP8 kernels" if linear_seam.fp8_disabled()
+                                        else "ready: Fp8LinearMethod layers with block scales, up to linear.max_rows"
+                                        if fp8_cls else f"unavailable: {fwhy}"))
     print("\n".join(out))
     if args.model:
         try:

@@ -374,3 +374,15 @@ def test_bench_attention_without_gpu_reports_guard_and_compile():
     assert json.loads(r.stdout)["rows"][0]["guard"].startswith("delegate: head size 96")
     r = run("bench", "attention", "--model", "nonsense")
     assert r.returncode == 2 and "neither a preset" in r.stderr
+
+
+def test_doctor_says_what_happens_to_block_fp8_layers(capsys, monkeypatch):
+    pytest.importorskip("vllm")
+    for k in ("OPGRAFT_DISABLE", "OPGRAFT_LINEAR", "OPGRAFT_LINEAR_FP8"):
+        monkeypatch.delenv(k, raising=False)
+    for env, want in ((None, "ready: Fp8LinearMethod layers"), ("0", "off (OPGRAFT_LINEAR_FP8=0)")):
+        if env is not None:
+            monkeypatch.setenv("OPGRAFT_LINEAR_FP8", env)
+        rc, out, err = in_process(capsys, "doctor")
+        lines = {line[:22].strip(): line[22:].strip() for line in out.splitlines() if len(line) > 22}
+        assert rc == 0 and lines["block-FP8 linear"].startswith(want), (out, err)
