@@ -22,7 +22,10 @@
  *   together for fewer registers).
  * - linear.l2_fetch 128 (the MoE kernels' largest single gain, NOTES v2), linear.load 4 (the form
  *   that kept its speed after other kernels had filled L2, NOTES v9), linear.pdl 0 (unmeasured).
- * - FP8 weights ("linear:fp8:..."): linear.max_rows 8 on sm_90, 0 elsewhere (nothing measured);
+ * - FP8 weights ("linear:fp8:..."): linear.max_rows 8 on sm_90 for weights of at most 16 MiB, 0
+ *   elsewhere: measured against vLLM's FP8 kernel (its engine profile) only up to 10.5 MB
+ *   (Qwen3-30B-A3B-FP8: ours 1.06-1.76x), and its DeepGEMM kernels may stream large matrices
+ *   better than this GEMV's 40-60% of the ceiling there (DeepSeek-V3 q_b, o; NOTES v32);
  *   warps as above over 128-column groups (one group a warp at least); one 16-row tile a block
  *   where every block of 8 warps is then resident (two blocks an SM), else two (Qwen3-30B-A3B's
  *   qkv [5120, 2048]: 320 blocks in 1.2 waves 7.77 µs, 160 in one 6.77); one group a warp in
@@ -32,6 +35,8 @@
 #include <string.h>
 
 #include "linear.h"
+
+#define OG_LINEAR_FP8_MAX_BYTES (16LL << 20)
 
 int opgraft__linear_parse_shape(const char *shape, og_linear_shape *s) {
   char dt[8];
@@ -66,7 +71,9 @@ int opgraft__linear_rule(const opgraft_tune_query *q, int64_t *value) {
   const char *key = q->key;
   og_linear_shape s;
   const int parsed = opgraft__linear_parse_shape(q->shape, &s);
-  if (strcmp(key, "linear.max_rows") == 0) return *value = q->arch == 90 ? 8 : parsed && s.fp8 ? 0 : 1, 1;
+  if (strcmp(key, "linear.max_rows") == 0 && parsed && s.fp8)
+    return *value = q->arch == 90 && s.N * s.K <= OG_LINEAR_FP8_MAX_BYTES ? 8 : 0, 1;
+  if (strcmp(key, "linear.max_rows") == 0) return *value = q->arch == 90 ? 8 : 1, 1;
   if (strcmp(key, "linear.load") == 0) return *value = 4, 1;
   if (strcmp(key, "linear.l2_fetch") == 0) return *value = 128, 1;
   if (strcmp(key, "linear.pdl") == 0) return *value = 0, 1;

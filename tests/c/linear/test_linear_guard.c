@@ -219,6 +219,11 @@ static void test_fp8_valid(void **state) {
   a.arch = 89;
   set_shape(&a, 1, 5120, 2048);
   expect_refusal(&a, "rows 1 > linear.max_rows 0", "FP8 on sm_89: handed back (nothing measured there)");
+  a.arch = 90;
+  set_shape(&a, 1, 24576, 1536);
+  expect_refusal(&a, "rows 1 > linear.max_rows 0", "DeepSeek-V3 q_b (37.7 MB): over 16 MiB, handed back");
+  set_shape(&a, 8, 7168, 2048);
+  expect_ok(&a, "DeepSeek-V3/tp8 o (14.7 MB) M=8");
   a = fp8_args();
   a.dtype = a.bias_dtype = a.out_dtype = OPGRAFT_DTYPE_FP16;
   expect_ok(&a, "fp16 x with FP8 weights");
