@@ -191,7 +191,8 @@ def _run_fp8(c: dict, device) -> dict:
     if c["path"] == "op":
         return _run_fp8_op(res, x, w, sc, b, block, ref, tol)
     if c["path"] == "graph":
-        return _run_fp8_graph(res, x, w, sc, b, block, tol, gen)
+        return _run_graph(res, x, w, tol, gen, lambda o, xb: ops.linear_fp8_into(o, xb, w, sc, block, b),
+                          lambda xb: ops.linear_fp8_reference_cpu(xb, w, sc, block, b).to(x.device))
     ok, reason = ops.linear_fp8_supports(x, w, sc, block, b)
     res.update(supported=ok, reason=reason)
     if not ok:
@@ -237,31 +238,6 @@ def _run_fp8_op(res, x, w, sc, b, block, ref, tol) -> dict:
     return res
 
 
-def _run_fp8_graph(res, x, w, sc, b, block, tol, gen) -> dict:
-    xbuf = x.clone()
-    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
-    ops.linear_fp8_into(out, xbuf, w, sc, block, b)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.linear_fp8_into(out, xbuf, w, sc, block, b)
-    errs, det = [], True
-    for _ in range(2):
-        xbuf.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(x.dtype))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        first = out.clone()
-        errs.append(bench.rel_err(first, ops.linear_fp8_reference_cpu(xbuf, w, sc, block, b).to(x.device)))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        det &= bool(torch.equal(first, out))
-    res.update(rel_err=max(errs), deterministic=det)
-    res["passed"] = bool(max(errs) <= tol and det)
-    return res
-
-
 def _run_case(c: dict, device) -> dict:
     if c.get("fp8"):
         return _run_fp8(c, device)
@@ -281,7 +257,8 @@ def _run_case(c: dict, device) -> dict:
     if c["path"] == "op":
         return _run_op(res, x, w, b, ref, tol)
     if c["path"] == "graph":
-        return _run_graph(res, x, w, b, tol, gen)
+        return _run_graph(res, x, w, tol, gen, lambda o, xb: ops.linear_into(o, xb, w, b),
+                          lambda xb: _reference(xb, w, b))
     if c["path"] == "inductor":
         return _run_inductor(res, x, w, b, ref, tol)
     ok, reason = ops.linear_supports(x, w, b)
@@ -343,18 +320,20 @@ def _run_inductor(res, x, w, b, ref, tol) -> dict:
     return res
 
 
-def _run_graph(res, x, w, b, tol, gen) -> dict:
+def _run_graph(res, x, w, tol, gen, call, reference) -> dict:
+    """call(out, x) captured into a CUDA graph, replayed twice with new x each time: the error
+    against reference(x) (float64 [M, N]) and whether the two replays agree bit for bit."""
     xbuf = x.clone()
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ops.linear_into(out, xbuf, w, b)  # plans and compiles outside the capture
+        call(out, xbuf)  # plans and compiles outside the capture
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.linear_into(out, xbuf, w, b)
+        call(out, xbuf)
     errs, det = [], True
     for _ in range(2):
         xbuf.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(x.dtype))
@@ -362,7 +341,7 @@ def _run_graph(res, x, w, b, tol, gen) -> dict:
         graph.replay()
         torch.cuda.synchronize()
         first = out.clone()
-        errs.append(bench.rel_err(first, _reference(xbuf, w, b)))
+        errs.append(bench.rel_err(first, reference(xbuf)))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

@@ -145,22 +145,28 @@ def _run(plan: Plan, x, weight, bias, out) -> int:
                                               current_stream(x.device))
 
 
-def linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """Runs the kernel into out ([M, N], x's dtype). Raises OpgraftError if the kernel cannot take
-    the call (linear_supports says why)."""
+def _into(out, plan, aligned, misaligned, run):
+    """Runs the kernel of plan() into out, or raises OpgraftError saying why it cannot."""
     for _ in range(2):
-        plan = plan_for(x, weight, bias, out)
-        if plan.handle is None:
-            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
-        if not _aligned(x, weight, bias, out):
-            raise _lib.OpgraftError(_lib.EUNSUPPORTED, _MISALIGNED)
-        st = _run(plan, x, weight, bias, out)
+        p = plan()
+        if p.handle is None:
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, p.reason)
+        if not aligned():
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, misaligned)
+        st = run(p, out)
         if st != _lib.ESTALE:
             _lib.check(st)
             return out
         forget_plans()  # the tunables changed (or the context): plan again, once
     _lib.check(st)
     return out
+
+
+def linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """Runs the kernel into out ([M, N], x's dtype). Raises OpgraftError if the kernel cannot take
+    the call (linear_supports says why)."""
+    return _into(out, lambda: plan_for(x, weight, bias, out), lambda: _aligned(x, weight, bias, out), _MISALIGNED,
+                 lambda p, o: _run(p, x, weight, bias, o))
 
 
 def _ours_or_none(x, weight, bias, what, plan, aligned, misaligned, run):
@@ -239,19 +245,9 @@ def linear_fp8_into(out, x, weight, weight_scale, block, bias=None):
     """Runs the FP8 kernel into out ([M, N], x's dtype). Raises OpgraftError if it cannot take the
     call (linear_fp8_supports says why)."""
     block = tuple(block)
-    for _ in range(2):
-        plan = plan_for(x, weight, bias, out, weight_scale, block)
-        if plan.handle is None:
-            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
-        if not _aligned_fp8(x, weight, weight_scale, bias, out):
-            raise _lib.OpgraftError(_lib.EUNSUPPORTED, _MISALIGNED_FP8)
-        st = _run_fp8(plan, x, weight, weight_scale, bias, out)
-        if st != _lib.ESTALE:
-            _lib.check(st)
-            return out
-        forget_plans()
-    _lib.check(st)
-    return out
+    return _into(out, lambda: plan_for(x, weight, bias, out, weight_scale, block),
+                 lambda: _aligned_fp8(x, weight, weight_scale, bias, out), _MISALIGNED_FP8,
+                 lambda p, o: _run_fp8(p, x, weight, weight_scale, bias, o))
 
 
 def linear_fp8_or_none(x, weight, weight_scale, block, bias=None):
@@ -291,7 +287,7 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     out = linear_fp8_or_none(x, weight, weight_scale, (block_n, block_k), bias)
     if out is not None:
         return out
-    fn = _fp8_fallbacks.get(name)
+    fn = fp8_fallback(name)
     if fn is None:
         raise RuntimeError(f"opgraft::linear_fp8: no path registered for layer {name!r} to hand the call back to "
                            "(the layer was not loaded in this process with opgraft's linear seam installed)")
@@ -305,14 +301,11 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 # no_grad, on a CPU, for a call that torch's own linear makes in 3).
 _LIB = torch.library.Library("opgraft", "FRAGMENT")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
-for _key in ("CUDA", "CPU"):
-    _LIB.impl("linear", linear, _key)
-
-
 _LIB.define("linear_fp8(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k, "
             "str name) -> Tensor")
-_LIB.impl("linear_fp8", linear_fp8, "CUDA")
-_LIB.impl("linear_fp8", linear_fp8, "CPU")
+for _key in ("CUDA", "CPU"):
+    _LIB.impl("linear", linear, _key)
+    _LIB.impl("linear_fp8", linear_fp8, _key)
 
 
 @torch.library.register_fake("opgraft::linear_fp8")
@@ -327,11 +320,13 @@ def _(x, weight, bias=None):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def linear_reference_cpu(x, weight, bias=None) -> torch.Tensor:
-    """The C fp64 oracle on CPU copies of the tensors; returns float64 [M, N]."""
+def linear_reference_cpu(x, weight, bias=None, weight_scale=None, block=(0, 0)) -> torch.Tensor:
+    """The C fp64 oracle on CPU copies of the tensors (FP8 weights: with their block scales);
+    returns float64 [M, N]."""
     xc, wc = x.detach().cpu(), weight.detach().cpu()
     bc = bias.detach().cpu().contiguous() if bias is not None else None
-    a = linear_args(xc, wc, bc)
+    sc = weight_scale.detach().cpu() if weight_scale is not None else None
+    a = linear_args(xc, wc, bc, weight_scale=sc, block=tuple(block))
     if a.dtype == -1:
         raise ValueError("tensor shapes are not those of one linear call")
     out = torch.empty((xc.shape[0], wc.shape[0]), dtype=torch.float64)
@@ -341,13 +336,5 @@ def linear_reference_cpu(x, weight, bias=None) -> torch.Tensor:
 
 
 def linear_fp8_reference_cpu(x, weight, weight_scale, block, bias=None) -> torch.Tensor:
-    """The C fp64 oracle of the FP8 form on CPU copies; returns float64 [M, N]."""
-    xc, wc, sc = x.detach().cpu(), weight.detach().cpu(), weight_scale.detach().cpu()
-    bc = bias.detach().cpu().contiguous() if bias is not None else None
-    a = linear_args(xc, wc, bc, weight_scale=sc, block=tuple(block))
-    if a.dtype == -1:
-        raise ValueError("tensor shapes are not those of one linear call")
-    out = torch.empty((xc.shape[0], wc.shape[0]), dtype=torch.float64)
-    ptr = ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))
-    _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a), ptr))
-    return out
+    """The C fp64 oracle of the FP8 form (the activations quantized as the kernel does)."""
+    return linear_reference_cpu(x, weight, bias, weight_scale, block)
