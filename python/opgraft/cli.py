@@ -998,7 +998,7 @@ def main(argv=None) -> int:
     b.set_defaults(fn=cmd_bench)
     from .presets import LINEAR_FP8_PRESETS, LINEAR_PRESETS
 
-    bl = bench_ops.add_parser("linear", help="decode projections (1..8 rows) against torch.nn.functional.linear")
+    bl = bench_ops.add_parser("linear", help="decode projections (1..8 rows) against torch.nn.functional.linear (fp8-block: vLLM's FP8 kernel)")
     bl.add_argument("--models", default=None,
                     help=f"comma-separated, from {', '.join(LINEAR_PRESETS)}; with --dtype fp8-block from "
                          f"{', '.join(LINEAR_FP8_PRESETS)} (default: all)")

@@ -133,13 +133,47 @@ def fp8_weights(shape: LinearShape, device, seed: int = 0, block=(128, 128)):
     return w, sc
 
 
+def vllm_fp8_linear():
+    """vLLM's own block-FP8 linear path as Fp8LinearMethod runs it on an H200 for rows below 32:
+    FlashInferFp8DeepGEMMDynamicBlockScaledKernel's small-row branch, FlashInfer's
+    fp8_blockscale_gemm_sm90 on bf16 x (it quantizes x per 1x128 group itself), on weights
+    post-processed as that kernel's process_weights_after_loading does (DeepGEMM's: UE8M0
+    requantization where vLLM uses E8M0 scales, its scale layout).
+    Returns (prepare(w, s) -> (w, s), fn(x, w, s) -> y, "") or (None, None, why not)."""
+    try:
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import deepgemm_post_process_fp8_weight_block
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used, is_deep_gemm_supported
+        from vllm.utils.flashinfer import flashinfer_fp8_blockscale_gemm, is_flashinfer_fp8_blockscale_gemm_supported
+    except Exception as e:
+        return None, None, f"vLLM is not importable here ({type(e).__name__}: {str(e)[:80]})"
+    if not is_flashinfer_fp8_blockscale_gemm_supported():
+        return None, None, "vLLM finds no FlashInfer block-FP8 GEMM here (not sm_90, or not installed)"
+    use_e8m0 = is_deep_gemm_e8m0_used()
+
+    def prepare(w, s):
+        if not is_deep_gemm_supported():
+            return w, s
+        return deepgemm_post_process_fp8_weight_block(wq=w, ws=s, quant_block_shape=(128, 128), use_e8m0=use_e8m0)
+
+    def fn(x, w, s):
+        return flashinfer_fp8_blockscale_gemm(input=x, weight=w, weight_scale=s, out_dtype=torch.bfloat16)
+
+    return prepare, fn, ""
+
+
 def bench_fp8_shape(shape: LinearShape, rows=ROWS, device="cuda", ceiling_tbps: float | None = None, reps: int = 30,
-                    between_mib: int = BETWEEN_MIB, timing: str = "span", progress=None) -> list[dict]:
-    """Our FP8 kernel at one projection and each row count, checked against the C fp64 oracle,
-    timed as bench_shape times the 16-bit kernel (vLLM's own FP8 kernel is timed in the engine)."""
+                    between_mib: int = BETWEEN_MIB, timing: str = "span", baseline: bool = True,
+                    progress=None) -> list[dict]:
+    """Our FP8 kernel at one projection and each row count against vLLM's own block-FP8 kernel
+    (vllm_fp8_linear, where vLLM runs here; both on the weights as vLLM post-processes them),
+    each checked against the C fp64 oracle (x quantized as our kernel does), timed as bench_shape
+    times the 16-bit kernel."""
     measure_whole_row_range()
     L = copies_for(shape, 1)
     weights = [fp8_weights(shape, device, seed=i) for i in range(L)]
+    prepare, vfn, vwhy = vllm_fp8_linear() if baseline else (None, None, "not asked for")
+    if prepare is not None:
+        weights = [prepare(w, s) for w, s in weights]
     gen = torch.Generator(device=device).manual_seed(4321)
     between = between_traffic(between_mib, device)
     base = {**run_facts(), "op": "linear", "model": shape.model, "proj": shape.proj, "N": shape.out_features,
@@ -151,23 +185,40 @@ def bench_fp8_shape(shape: LinearShape, rows=ROWS, device="cuda", ceiling_tbps: 
         xs = [torch.randn((M, shape.in_features), generator=gen, device=device).to(torch.bfloat16) for _ in range(L)]
         w0, s0 = weights[0]
         nbytes = shape.out_features * shape.in_features + s0.numel() * 4 + 2 * M * (shape.in_features + shape.out_features)
+        schedule = [(i, None) for i in range(L)]
         ok, reason = ops.linear_fp8_supports(xs[0], w0, s0, (128, 128))
+        ref = ops.linear_fp8_reference_cpu(xs[0], w0, s0, (128, 128)).to(device) if ok or vfn else None
+        vllm_row = None
+        if vfn is not None:
+            vout = vfn(xs[0], w0, s0)
+
+            def vcall(i, _):
+                vfn(xs[i], weights[i][0], weights[i][1])
+
+            us, how = timed_calls(vcall, schedule, between, reps, timing)
+            vllm_row = dict(base, impl="vllm-fp8", M=M, **speed(nbytes, us, ceiling_tbps),
+                            kernel="flashinfer fp8_blockscale_gemm_sm90", rel_err=float(f"{rel_err(vout, ref):.3g}"),
+                            **how)
         if not ok:
             out_rows.append(dict(base, impl="opgraft-fp8", M=M, median_us=None, bytes=nbytes, guard=f"delegate: {reason}"))
-            continue
-        ref = ops.linear_fp8_reference_cpu(xs[0], w0, s0, (128, 128)).to(device)
-        out = ops.linear_fp8_into(torch.empty((M, shape.out_features), dtype=torch.bfloat16, device=device), xs[0],
-                                  w0, s0, (128, 128))
-        again = ops.linear_fp8_into(torch.empty_like(out), xs[0], w0, s0, (128, 128))
-        outs = [torch.empty_like(out) for _ in range(L)]
+        else:
+            out = ops.linear_fp8_into(torch.empty((M, shape.out_features), dtype=torch.bfloat16, device=device),
+                                      xs[0], w0, s0, (128, 128))
+            again = ops.linear_fp8_into(torch.empty_like(out), xs[0], w0, s0, (128, 128))
+            outs = [torch.empty_like(out) for _ in range(L)]
 
-        def call(i, _):
-            ops.linear_fp8_into(outs[i], xs[i], weights[i][0], weights[i][1], (128, 128))
+            def call(i, _):
+                ops.linear_fp8_into(outs[i], xs[i], weights[i][0], weights[i][1], (128, 128))
 
-        us, how = timed_calls(call, [(i, None) for i in range(L)], between, reps, timing)
-        out_rows.append(dict(base, impl="opgraft-fp8", M=M, **speed(nbytes, us, ceiling_tbps),
-                             rel_err=float(f"{rel_err(out, ref):.3g}"), tolerance=TOLERANCE["bf16"],
-                             deterministic=bool(torch.equal(out, again)), guard="take", **how))
+            us, how = timed_calls(call, schedule, between, reps, timing)
+            row = dict(base, impl="opgraft-fp8", M=M, **speed(nbytes, us, ceiling_tbps),
+                       rel_err=float(f"{rel_err(out, ref):.3g}"), tolerance=TOLERANCE["bf16"],
+                       deterministic=bool(torch.equal(out, again)), guard="take", **how)
+            if vllm_row is not None:
+                row["speedup"] = round(vllm_row["median_us"] / us, 2)
+            out_rows.append(row)
+        out_rows.append(vllm_row or dict(base, impl="vllm-fp8", M=M, median_us=None, bytes=nbytes,
+                                         guard=f"not run: {vwhy}"))
     del weights
     torch.cuda.empty_cache()
     return out_rows
@@ -218,7 +269,7 @@ class TuneFixture:
 def bench_models(models=tuple(LINEAR_PRESETS), rows=ROWS, dtype: str = "bf16", ceiling_tbps: float | None = None,
                  between_mib: int = BETWEEN_MIB, timing: str = "subtract", progress=None) -> list[dict]:
     """Each model's projections: 16-bit ones (LINEAR_PRESETS) against torch.nn.functional.linear,
-    or with dtype "fp8-block" the block-FP8 ones (LINEAR_FP8_PRESETS), ours alone."""
+    or with dtype "fp8-block" the block-FP8 ones (LINEAR_FP8_PRESETS) against vLLM's FP8 kernel."""
     out = []
     for m in models:
         if dtype == "fp8-block":
@@ -234,7 +285,7 @@ def bench_models(models=tuple(LINEAR_PRESETS), rows=ROWS, dtype: str = "bf16", c
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'model':<18} {'proj':<8} {'N':>7} {'K':>6} {'M':>2} {'impl':<13} {'us':>8} {'MB':>7} {'TB/s':>5} "
-            f"{'ceil%':>6} {'xtorch':>6} {'relerr':>8}")
+            f"{'ceil%':>6} {'xbase':>6} {'relerr':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("median_us") is None:

@@ -274,3 +274,51 @@ def test_bench_rows_on_a_fake_kernel(monkeypatch):
     assert r["fraction_of_ceiling"] == round(r["bytes"] / 2e-6 / 1e12 / 4.5, 3)
     assert r["rel_err"] < 1e-2 and r["deterministic"] and r["guard"] == "take" and r["max_rows"] == 8
     assert "opgraft" in linear_bench.format_table(rows)
+
+
+def test_fp8_bench_rows_against_a_fake_vllm_kernel(monkeypatch):
+    """bench_fp8_shape's rows: ours and vLLM's on the weights vLLM post-processes, both checked
+    against the C oracle, ours with the speedup over vLLM's; vLLM's row says why when it cannot run."""
+    from opgraft.bench import linear as linear_bench
+    from opgraft.presets import LinearShape
+
+    def dequant(w, s):
+        return w.float() * s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)
+
+    prepared = []
+
+    def prepare(w, s):
+        prepared.append(w.shape)
+        return w, s
+
+    monkeypatch.setattr(linear_bench, "vllm_fp8_linear",
+                        lambda: (prepare, lambda x, w, s: (x.float() @ dequant(w, s).T).to(x.dtype), ""))
+    monkeypatch.setattr(ops, "linear_fp8_supports", lambda x, w, s, block, bias=None: (True, ""))
+    monkeypatch.setattr(ops, "linear_fp8_into", lambda out, x, w, s, block, bias=None:
+                        out.copy_((x.float() @ dequant(w, s).T).to(out.dtype)))
+    monkeypatch.setattr(linear_bench, "run_facts", lambda: {"gpu": "fake", "date": "today"})
+    monkeypatch.setattr(linear_bench, "between_traffic", lambda mib, device: None)
+    monkeypatch.setattr(linear_bench, "timed_calls",
+                        lambda call, schedule, between, reps, timing: (call(0, None), (3.0 if call.__name__ == "vcall"
+                                                                                      else 2.0, {}))[1])
+    shape = LinearShape("toy", "o", 256, 256)
+    rows = linear_bench.bench_fp8_shape(shape, rows=(1, 2), device="cpu", ceiling_tbps=4.5)
+    assert len(prepared) == linear_bench.copies_for(shape, 1)
+    assert [(r["impl"], r["M"]) for r in rows] == [("opgraft-fp8", 1), ("vllm-fp8", 1), ("opgraft-fp8", 2),
+                                                    ("vllm-fp8", 2)]
+    ours, theirs = rows[0], rows[1]
+    assert ours["speedup"] == 1.5 and ours["median_us"] == 2.0 and theirs["median_us"] == 3.0
+    assert 0 < ours["rel_err"] < 0.1 and 0 < theirs["rel_err"] < 0.1  # unquantized x: e4m3 error and ours["guard"] == "take"
+    assert "vllm-fp8" in linear_bench.format_table(rows)
+
+    monkeypatch.setattr(linear_bench, "vllm_fp8_linear", lambda: (None, None, "no FlashInfer"))
+    rows = linear_bench.bench_fp8_shape(shape, rows=(1,), device="cpu", ceiling_tbps=4.5)
+    assert rows[1]["impl"] == "vllm-fp8" and rows[1]["median_us"] is None and rows[1]["guard"] == "not run: no FlashInfer"
+    assert "speedup" not in rows[0]
+
+
+def test_vllm_fp8_linear_says_why_not_without_an_sm90_gpu():
+    from opgraft.bench import linear as linear_bench
+
+    prepare, fn, why = linear_bench.vllm_fp8_linear()
+    assert prepare is None and fn is None and why
