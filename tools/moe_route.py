@@ -13,7 +13,9 @@ reads before each call, the span from the end of those reads to the end of the c
 routing recomputed from the logits. "given": the experts with the routing computed before the
 span (the gate still in it): what the routing costs the other variants. --dtype fp8-block: block-FP8
 weights, the activations quantized before the span (vLLM's prepare step runs in every variant),
-the gate on the bf16 hidden states.
+the gate on the bf16 hidden states; two more variants: "routed+quant" (that quantization inside the
+span, as the routing seam ran it before moe.fp8_quantize) and "routed-x16" (the bf16 hidden states
+to the kernels, which quantize them; checked against the oracle of their own quantization).
 """
 import argparse
 import sys
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
     routers = {"torch-topk": torch_topk}
     if fused_topk is not None:
         routers["vllm-topk"] = lambda x, logits: fused_topk(x, logits, k, True)[:2]
-    names = ["given"] + list(routers) + ["routed"]
+    names = ["given"] + list(routers) + ["routed"] + (["routed+quant", "routed-x16"] if fp8 else [])
     gen = torch.Generator(device="cuda").manual_seed(7)
     n = 16
     rows = []
@@ -83,24 +85,37 @@ def main(argv=None) -> int:
         pw, pid = (p / p.sum(-1, keepdim=True)).float(), order.to(torch.int32)
         ref = (moe_bench.reference_fp8(xq[0][0], sc[0], w13, w2, pw, pid) if fp8
                else moe_bench.reference(xs[0], w13, w2, pw, pid))
+        if fp8:
+            from tools.checks.moe import quantize_as_the_kernel
+
+            sx16 = moe_bench.fp8_scales("fp8-block", None, s13, s2)
+            q16 = quantize_as_the_kernel(xs[0], moe_bench.FP8_BLOCK[1])
+            ref16 = moe_bench.reference_fp8(q16[0], moe_bench.fp8_scales("fp8-block", q16[1], s13, s2), w13, w2, pw, pid)
         for name in names:
-            if name == "routed":
-                plan = ops.plan_for_routed(xq[0][0], w13, w2, logits[0], k, True, outs[0], fp8=sc[0])
+            if name.startswith("routed"):
+                x0, f0 = (xs[0], sx16) if name == "routed-x16" else (xq[0][0], sc[0])
+                plan = ops.plan_for_routed(x0, w13, w2, logits[0], k, True, outs[0], fp8=f0)
                 if plan.handle is None:  # the guard keeps vLLM's routing here
-                    print(f"T={T:<3} routed      handed back: {plan.reason}", flush=True)
+                    print(f"T={T:<3} {name:<11} handed back: {plan.reason}", flush=True)
                     continue
 
             def call(i, _, name=name):
                 linear_ops.linear_into(logits[i], xs[i], gate)
                 if name == "routed":
                     ops.moe_routed_into(outs[i], xq[i][0], w13, w2, logits[i], k, True, workspace=ws, fp8=sc[i])
+                elif name == "routed+quant":
+                    q, qs = moe_bench.quantize_activations_fp8(xs[i], "fp8-block", moe_bench.FP8_BLOCK[1])
+                    ops.moe_routed_into(outs[i], q, w13, w2, logits[i], k, True, workspace=ws,
+                                        fp8=moe_bench.fp8_scales("fp8-block", qs, s13, s2))
+                elif name == "routed-x16":
+                    ops.moe_routed_into(outs[i], xs[i], w13, w2, logits[i], k, True, workspace=ws, fp8=sx16)
                 else:
                     tw, ids = given[i] if name == "given" else routers[name](xs[i], logits[i])
                     ops.moe_experts_into(outs[i], xq[i][0], w13, w2, tw, ids, workspace=ws, fp8=sc[i])
 
             call(0, None)
             torch.cuda.synchronize()
-            err = bench.rel_err(outs[0], ref)
+            err = bench.rel_err(outs[0], ref16 if name == "routed-x16" else ref)
             us = bench.time_calls_span(call, [(i, None) for i in range(n)], between)
             tol = 1e-2 if fp8 else bench.TOLERANCE["bf16"]  # FP8: tools.checks.moe's FP8 tolerance
             rows.append({"op": "moe+route", "model": args.model, "dtype": args.dtype, "variant": name, "tokens": T,

@@ -95,6 +95,13 @@ typedef struct opgraft_moe_args {
    * kernels computed, or are NULL (not written). */
   const void *router_logits;
   int64_t router_logits_stride[2];
+  /* ---- ABI 9: FP8 weights with 16-bit hidden states ---- */
+  /* With FP8 weights: 0 or OPGRAFT_DTYPE_FP8_E4M3 (hidden_states e4m3, scaled by hidden_scale), or
+   * dtype: hidden_states in dtype, which gate_up quantizes itself per token and 1 x block_k group
+   * as vLLM's block-FP8 activation quantization does (amax = max(max |x|, 1e-10) in fp32, scale
+   * amax / 448, q = e4m3(x * (448 / amax)), nearest even, saturating); block scales only, H a
+   * multiple of block_k, hidden_scale unused (NULL). */
+  int32_t hidden_dtype;
 } opgraft_moe_args;
 
 /* How the call is routed (opgraft_moe_args.routing). The softmax routings are vLLM's
@@ -147,8 +154,9 @@ OPGRAFT_EXTERN int32_t opgraft_moe_plan_run_routed(const opgraft_moe_plan *plan,
                                                    void *topk_weights, void *topk_ids, void *out, void *workspace,
                                                    void *stream);
 /* The same for a plan of FP8 weights (weight_dtype OPGRAFT_DTYPE_FP8_E4M3), with the three scales
- * laid out as at creation; opgraft_moe_plan_run refuses such a plan (OPGRAFT_EINVAL) and this one a
- * plan without FP8 weights. */
+ * laid out as at creation (hidden_scale NULL where the plan's hidden_dtype is dtype: the kernel
+ * quantizes the hidden states); opgraft_moe_plan_run refuses such a plan (OPGRAFT_EINVAL) and this
+ * one a plan without FP8 weights. */
 OPGRAFT_EXTERN int32_t opgraft_moe_plan_run_fp8(const opgraft_moe_plan *plan, const void *hidden_states,
                                                 const void *hidden_scale, const void *w13, const void *w13_scale,
                                                 const void *w2, const void *w2_scale, const void *topk_weights,

@@ -78,3 +78,32 @@ __device__ __forceinline__ og_u32 og_f32x2_e4m3x2(float lo, float hi) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
+
+// The activation quantization of the FP8 kernels (vLLM's per 1 x block_k group): the largest
+// |value| of 8 16-bit values (x, y, z, w: 2 each) and m, and 8 values times r rounded to e4m3, as
+// f16 (exact).
+__device__ __forceinline__ float og_amax8(const og_vec4 &v, float m) {
+  m = fmaxf(m, fmaxf(fabsf(og_lo(v.x)), fabsf(og_hi(v.x))));
+  m = fmaxf(m, fmaxf(fabsf(og_lo(v.y)), fabsf(og_hi(v.y))));
+  m = fmaxf(m, fmaxf(fabsf(og_lo(v.z)), fabsf(og_hi(v.z))));
+  return fmaxf(m, fmaxf(fabsf(og_lo(v.w)), fabsf(og_hi(v.w))));
+}
+
+__device__ __forceinline__ og_u32 og_quant2(og_u32 v, float r) {
+  return og_e4m3x2_f16x2(og_f32x2_e4m3x2(og_lo(v) * r, og_hi(v) * r));
+}
+__device__ __forceinline__ og_vec4 og_quant8(const og_vec4 &v, float r) {
+  og_vec4 q;
+  q.x = og_quant2(v.x, r), q.y = og_quant2(v.y, r), q.z = og_quant2(v.z, r), q.w = og_quant2(v.w, r);
+  return q;
+}
+
+// A group's absmax from the four lanes of a row (lanes 4g..4g+3 hold its values), floored at
+// vLLM's 1e-10; returns its scale amax / 448 and sets r = 448 / amax (IEEE divisions, as the C
+// oracle computes them).
+__device__ __forceinline__ float og_group_scale(float amax, float &r) {
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2)), 1e-10f);
+  r = __fdiv_rn(448.f, amax);
+  return __fdiv_rn(amax, 448.f);
+}

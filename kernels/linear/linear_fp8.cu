@@ -53,23 +53,6 @@
 #define OG_G (OG_K / OG_BK)    // groups of a row
 #define OG_ROWS (16 * OG_TILES)
 
-__device__ __forceinline__ float og_amax8(const og_vec4 &v, float m) {
-  m = fmaxf(m, fmaxf(fabsf(og_lo(v.x)), fabsf(og_hi(v.x))));
-  m = fmaxf(m, fmaxf(fabsf(og_lo(v.y)), fabsf(og_hi(v.y))));
-  m = fmaxf(m, fmaxf(fabsf(og_lo(v.z)), fabsf(og_hi(v.z))));
-  return fmaxf(m, fmaxf(fabsf(og_lo(v.w)), fabsf(og_hi(v.w))));
-}
-
-// Two 16-bit values times r, rounded to e4m3, as f16x2 (exact).
-__device__ __forceinline__ og_u32 og_quant2(og_u32 v, float r) {
-  return og_e4m3x2_f16x2(og_f32x2_e4m3x2(og_lo(v) * r, og_hi(v) * r));
-}
-__device__ __forceinline__ og_vec4 og_quant8(const og_vec4 &v, float r) {
-  og_vec4 q;
-  q.x = og_quant2(v.x, r), q.y = og_quant2(v.y, r), q.z = og_quant2(v.z, r), q.w = og_quant2(v.w, r);
-  return q;
-}
-
 extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
     OG_SUFFIX(linear_gemv_fp8)(const og_linear_params p) {
   __shared__ float s_red[OG_WARPS][OG_TILES][4][32];
@@ -140,9 +123,8 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
       float amax = 0.f;
 #pragma unroll
       for (int s = 0; s < OG_SPG; ++s) amax = og_amax8(xv[q][s][1], og_amax8(xv[q][s][0], amax));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2)), 1e-10f);
-      const float r = __fdiv_rn(448.f, amax), sx = __fdiv_rn(amax, 448.f);
+      float r;
+      const float sx = og_group_scale(amax, r);
       const float sx0 = __shfl_sync(0xffffffffu, sx, 8 * c), sx1 = __shfl_sync(0xffffffffu, sx, 8 * c + 4);
       og_vec8 b[OG_SPG];
 #pragma unroll

@@ -36,6 +36,13 @@
 #if (OG_GU_KS == 64 && OG_H % 64 != 0) || (OG_DOWN_KS == 64 && OG_I % 64 != 0)
 #error "64-k steps need H (gate_up) or I (down) to be a multiple of 64"
 #endif
+// OG_XQ 1: x is 16-bit (OG_DTYPE) and gate_up quantizes it per token and 1 x OG_BK group itself.
+#ifndef OG_XQ
+#define OG_XQ 0
+#endif
+#if OG_XQ && (OG_SCALE != 1 || OG_H % OG_BK != 0)
+#error "OG_XQ needs block scales and H a multiple of OG_BK"
+#endif
 // gate_up's tiles: OG_GU_ROWS rows of I, in halves of 16 (one MMA tile of rows each).
 #ifndef OG_GU_ROWS
 #define OG_GU_ROWS 32
@@ -133,6 +140,13 @@ struct og_kstep<64> {
   __device__ __forceinline__ static w operand(const void *p) { return og_load_shared_operand(p); }
   __device__ __forceinline__ static w zero() { return og_zero4(); }
 };
+
+// OG_XQ: a lane's 16-bit x values of a k-step (8 a vector) as the step's B operand, rounded to
+// e4m3 with the group's factor r, in f16.
+__device__ __forceinline__ void og_xq_operand(og_vec4 &b, const og_vec4 (&v)[1], float r) { b = og_quant8(v[0], r); }
+__device__ __forceinline__ void og_xq_operand(og_vec8 &b, const og_vec4 (&v)[2], float r) {
+  b.lo = og_quant8(v[0], r), b.hi = og_quant8(v[1], r);
+}
 
 // v (|v| <= 448 here) as f16 bits, rounded to nearest even: 11 significant bits, bf16's 8 and
 // more, where vLLM's TritonExperts feeds its second GEMM one e4m3 term (4).

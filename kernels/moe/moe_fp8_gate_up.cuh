@@ -1,6 +1,6 @@
 // The FP8 gate/up stage: for one tile of OG_GU_ROWS (16 or 32) rows of I of one expert, act =
 // w * silu(G x) * (U x) in f16 with one fp32 scale per (routing slot, 16 rows), from e4m3 weights
-// and activations.
+// and e4m3 activations (or, OG_XQ, 16-bit ones quantized here as vLLM's prepare step would).
 #pragma once
 #include "moe_fp8.cuh"
 
@@ -79,14 +79,14 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
 
   for (int p0 = 0; p0 < npairs; p0 += 8 * NT) {
     int xoff[NT];  // this lane's B row (pair p0 + nt*8 + g): its token's row of x, or -1
-#if OG_SCALE == 1
+#if OG_SCALE == 1 && !OG_XQ
     int xs0[NT], xs1[NT];  // the tokens of this lane's columns 2c, 2c+1, or -1
 #endif
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int n = p0 + nt * 8 + g;
       xoff[nt] = n < npairs ? s_pairs[n] / OG_K : -1;
-#if OG_SCALE == 1
+#if OG_SCALE == 1 && !OG_XQ
       const int m = p0 + nt * 8 + 2 * c;
       xs0[nt] = m < npairs ? s_pairs[m] / OG_K : -1;
       xs1[nt] = m + 1 < npairs ? s_pairs[m + 1] / OG_K : -1;
@@ -102,7 +102,12 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
         for (int k = 0; k < 4; ++k) acc_g[nt][k] = acc_u[nt][k] = 0.f;
 
       for (int s0 = warp * U; s0 < steps; s0 += W * U) {
-        typename K::w a[U][4], bx[U][NT];  // a[.]: gate rows g, g+8 of the half, then up rows g, g+8
+        typename K::w a[U][4];  // gate rows g, g+8 of the half, then up rows g, g+8
+#if OG_XQ
+        og_vec4 bx[U][NT][OG_GU_KS / 32];  // the lane's 16-bit x values (8 a vector)
+#else
+        typename K::w bx[U][NT];
+#endif
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int s = s0 + u;
@@ -113,11 +118,60 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
             a[u][2] = K::template load<OG_LOAD>(wg + up_off + off);
             a[u][3] = K::template load<OG_LOAD>(wg + up_off + 8 * rs + off);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt) {
+#if OG_XQ
+              const char *xr = (const char *)p.x + 2 * ((long long)xoff[nt] * p.x_stride + off);
+#pragma unroll
+              for (int h = 0; h < OG_GU_KS / 32; ++h)
+                bx[u][nt][h] = xoff[nt] >= 0 ? og_load_activation<OG_PDL_IN != 0>(xr + 16 * h) : og_zero4();
+#else
               bx[u][nt] = xoff[nt] >= 0 ? K::operand((const char *)p.x + (long long)xoff[nt] * p.x_stride + off)
                                         : K::zero();
+#endif
+            }
           }
         }
+#if OG_XQ
+        // Each group of SPG k-steps: its absmax per column (token) over the lane's values and the
+        // row's four lanes, then its e4m3 values and products, scaled by the weight block's
+        // scale and the group scales of the lane's columns 2c, 2c+1 (lanes 8c and 8c + 4).
+        constexpr int SPG = OG_BK / OG_GU_KS;
+        static_assert(U % SPG == 0, "OG_XQ: a warp's k-steps a round hold whole groups");
+#pragma unroll
+        for (int j = 0; j < U / SPG; ++j) {
+          const int sj = s0 + j * SPG;
+          if (steps % (W * U) == 0 || sj < steps) {
+            const int kb = sj / SPG;
+            const float sg = wsg[kb * q.w13s_stride[2]], su = wsu[kb * q.w13s_stride[2]];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              if (p0 + nt * 8 < npairs) {
+                float amax = 0.f;
+#pragma unroll
+                for (int u = j * SPG; u < (j + 1) * SPG; ++u)
+#pragma unroll
+                  for (int h = 0; h < OG_GU_KS / 32; ++h) amax = og_amax8(bx[u][nt][h], amax);
+                float r;
+                const float sx = og_group_scale(amax, r);
+                const float x0 = __shfl_sync(OG_FULL, sx, 8 * c), x1 = __shfl_sync(OG_FULL, sx, 8 * c + 4);
+                const float fg0 = sg * x0, fg1 = sg * x1, fu0 = su * x0, fu1 = su * x1;
+#pragma unroll
+                for (int u = j * SPG; u < (j + 1) * SPG; ++u) {
+                  typename K::act b;
+                  og_xq_operand(b, bx[u][nt], r);
+                  float d[4];
+                  og_mma_step(d, a[u][0], a[u][1], b);
+                  acc_g[nt][0] += d[0] * fg0, acc_g[nt][1] += d[1] * fg1;
+                  acc_g[nt][2] += d[2] * fg0, acc_g[nt][3] += d[3] * fg1;
+                  og_mma_step(d, a[u][2], a[u][3], b);
+                  acc_u[nt][0] += d[0] * fu0, acc_u[nt][1] += d[1] * fu1;
+                  acc_u[nt][2] += d[2] * fu0, acc_u[nt][3] += d[3] * fu1;
+                }
+              }
+            }
+          }
+        }
+#else
         // The scale factors of the lane's two columns for gate and up, reloaded where a step
         // starts a new k-block: steps s0.. start at multiples of U, so where U and the block's
         // steps divide one another that is known at compile time.
@@ -157,6 +211,7 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
             }
           }
         }
+#endif
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)

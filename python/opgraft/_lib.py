@@ -75,6 +75,8 @@ class MoeArgs(ctypes.Structure):
         ("routing", ctypes.c_int32),
         ("router_logits", ctypes.c_void_p),
         ("router_logits_stride", _I64_2),
+        # ABI 9: FP8 weights with 16-bit hidden states the kernel quantizes (dtype), else 0 / e4m3
+        ("hidden_dtype", ctypes.c_int32),
     ]
 
 

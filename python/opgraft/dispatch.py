@@ -213,30 +213,38 @@ def _moe_routed(call: RoutedExpertsCall):
 
     out = call.hidden_states.new_empty(call.hidden_states.shape)
     x, fp8 = call.hidden_states, None
+
+    def plan_of(x, fp8):
+        return moe.plan_for_routed(x, call.w13, call.w2, call.router_logits, call.top_k, call.renormalize, out,
+                                   fp8=fp8)
+
     try:
         if call.quantize is not None:
+            # FP8 weights: the kernel quantizes the 16-bit hidden states itself where its plan
+            # says so; else the layer's own quantization, once the e4m3 form's plan takes the call
             s13, s2, block = call.fp8_weights
-            h = call.hidden_states
-            key = (*h.shape, block[1], h.device)
-            if key not in _fp8_like_cache:
-                _fp8_like_cache[key] = moe.fp8_activations_like(h, block[1])
-            x, xs = _fp8_like_cache[key]
-            fp8 = moe.Fp8Scales(xs, s13, s2, block)
-        plan = moe.plan_for_routed(x, call.w13, call.w2, call.router_logits, call.top_k, call.renormalize, out,
-                                   fp8=fp8)
+            fp8 = moe.Fp8Scales(None, s13, s2, block)
+            plan = plan_of(x, fp8)
+            if plan.handle is None:
+                h = call.hidden_states
+                key = (*h.shape, block[1], h.device)
+                if key not in _fp8_like_cache:
+                    _fp8_like_cache[key] = moe.fp8_activations_like(h, block[1])
+                plan = plan_of(_fp8_like_cache[key][0], moe.Fp8Scales(_fp8_like_cache[key][1], s13, s2, block))
+                if plan.handle is None:
+                    return handed_back("moe_route", plan.reason, call)
+                x, xs = call.quantize()
+                fp8 = moe.Fp8Scales(xs, s13, s2, block)
+                plan = plan_of(x, fp8)
+        else:
+            plan = plan_of(x, None)
         if plan.handle is None:
             return handed_back("moe_route", plan.reason, call)
-        if call.quantize is not None:  # the call is ours: now the activations
-            x, xs = call.quantize()
-            fp8 = moe.Fp8Scales(xs, s13, s2, block)
-            plan = moe.plan_for_routed(x, call.w13, call.w2, call.router_logits, call.top_k, call.renormalize, out,
-                                       fp8=fp8)
-            if plan.handle is None:
-                return handed_back("moe_route", plan.reason, call)
         moe.run_routed(plan, out, x, call.w13, call.w2, call.router_logits, call.top_k, call.renormalize, fp8=fp8)
     except Exception as e:
         return kernel_failed("moe_route", e, call)
-    stats_of("moe").take("routed" if fp8 is None else "routed+fp8-block")
+    stats_of("moe").take("routed" if fp8 is None else "routed+fp8-block" if fp8.hidden_scale is not None
+                         else "routed+fp8-block+kernel-quant")
     return out
 
 

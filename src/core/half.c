@@ -1,4 +1,5 @@
-/* bf16 and fp16 to and from double, and e4m3 to double, on the host, for the ops' CPU oracles. Rounding goes straight
+/* bf16 and fp16 to and from double, e4m3 to double and the FP8 kernels' activation quantization,
+ * on the host, for the ops' CPU oracles. Rounding goes straight
  * from fp64 to the nearest even 16-bit value (through float it would round twice). */
 #include <math.h>
 #include <string.h>
@@ -67,4 +68,29 @@ double opgraft__e4m3_to_double(uint8_t b) {
   else if (exp == 0) v = ldexp(man, -9);
   else v = ldexp(8 + man, exp - 10);
   return sign ? -v : v;
+}
+
+/* v rounded to the nearest e4m3 value (ties to even), finite values past 448 saturated. */
+static double e4m3_round(float v) {
+  if (isnan(v)) return NAN;
+  const double a = fabs((double)v);
+  double q;
+  if (a >= 448.0) q = 448.0;
+  else if (a < ldexp(1, -6)) q = nearbyint(a * 512.0) / 512.0; /* subnormals: multiples of 2^-9 */
+  else {
+    int e;
+    frexp(a, &e); /* a in [2^(e-1), 2^e) */
+    const double step = ldexp(1, e - 4); /* 3 mantissa bits */
+    q = nearbyint(a / step) * step;
+  }
+  return v < 0 ? -q : q;
+}
+
+float opgraft__e4m3_quantize_group(int32_t dtype, const uint16_t *x, int64_t stride, int64_t n, double *q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = fmaxf(amax, fabsf((float)opgraft__half_to_double(dtype, x[i * stride])));
+  amax = fmaxf(amax, 1e-10f);
+  const float r = 448.f / amax;
+  for (int64_t i = 0; i < n; ++i) q[i] = e4m3_round((float)opgraft__half_to_double(dtype, x[i * stride]) * r);
+  return amax / 448.f;
 }

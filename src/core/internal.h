@@ -44,6 +44,10 @@ uint64_t opgraft__fnv1a64(const void *data, size_t len);
 /* ---- half.c: bf16 / fp16 (dtype OPGRAFT_DTYPE_BF16 or _FP16) on the host, for the CPU oracles ---- */
 double opgraft__half_to_double(int32_t dtype, uint16_t h);
 double opgraft__e4m3_to_double(uint8_t b);
+/* The 16-bit values x[i * stride], i < n, quantized as the FP8 kernels quantize activations per
+ * 1 x block_k group (og_fp8.cuh): amax = max(max |x|, 1e-10) in fp32, q[i] = e4m3(x * (448 /
+ * amax)) (fp32 product, nearest even, saturating). Returns the group's scale amax / 448. */
+float opgraft__e4m3_quantize_group(int32_t dtype, const uint16_t *x, int64_t stride, int64_t n, double *q);
 /* Rounds to the nearest even value of the dtype (infinity past its largest finite value). */
 uint16_t opgraft__double_to_half(int32_t dtype, double d);
 

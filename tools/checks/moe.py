@@ -8,7 +8,9 @@ random bf16 ones with vLLM's own functions where they import, activations as vLL
 quantizes them; each against the fp64 oracle of the quantized model (tolerance 1e-2: the
 intermediate is f16 on 16-row scales) and, where vLLM's TritonExperts runs, against vLLM's
 result: its own error vs the oracle is stated next to ours, and ours vs vLLM's must stay within
-1.25x vLLM's own error. The bench rows: OPGRAFT_CHECK_DTYPES (default "bf16,fp8-block,fp8-tensor")
+1.25x vLLM's own error. "routed fp8 block x16 ..." cases hand the kernels bf16/fp16 hidden states
+that gate_up quantizes itself: against the oracle of that quantization (done here in torch, and by
+the C oracle) and bit for bit against the e4m3 form with it done beforehand. The bench rows: OPGRAFT_CHECK_DTYPES (default "bf16,fp8-block,fp8-tensor")
 picks the dtypes."""
 
 from __future__ import annotations
@@ -132,14 +134,25 @@ def cases() -> list[dict]:
     return cases + routed_cases() + fp8_cases()
 
 
-def _routed_case(name, shape, T, renorm=True, dtype="bf16", ties=False, tunables=None, fp8=False):
+def _routed_case(name, shape, T, renorm=True, dtype="bf16", ties=False, tunables=None, fp8=False, xq=False):
     """Routing from the router's logits in the kernels (cases named "routed ..."). ties: equal
     logits at the top and across the k-th place, and a -0 next to a +0. Every token count is
     checked: moe.route is forced on above the shipped 4 tokens (and moe.fp8 with fp8: block-FP8
-    weights and activations, the logits and output in dtype)."""
-    fp8_on = {"moe.fp8": 1} if fp8 else {}
-    return dict(name=f"routed {'fp8 block ' if fp8 else ''}{name}", shape=shape, T=T, renorm=renorm, dtype=dtype,
-                ties=ties, tunables={"moe.route": 1, **fp8_on, **(tunables or {})}, routed=True, seed=0, fp8=fp8)
+    weights and activations, the logits and output in dtype; xq: the activations in dtype too,
+    quantized by gate_up, "routed fp8 block x16 ...")."""
+    fp8_on = {"moe.fp8": 1, "moe.fp8_quantize": int(xq)} if fp8 else {}
+    kind = "fp8 block x16 " if xq else "fp8 block " if fp8 else ""
+    return dict(name=f"routed {kind}{name}", shape=shape, T=T, renorm=renorm, dtype=dtype, ties=ties,
+                tunables={"moe.route": 1, **fp8_on, **(tunables or {})}, routed=True, seed=0, fp8=fp8, xq=xq)
+
+
+def quantize_as_the_kernel(x: torch.Tensor, block_k: int):
+    """x [T, H] quantized per token and 1 x block_k group as gate_up does with 16-bit hidden states
+    (og_fp8.cuh): amax in fp32 floored at 1e-10, q = e4m3(x * (448 / amax)), scale amax / 448."""
+    T, H = x.shape
+    g = x.float().view(T, H // block_k, block_k)
+    amax = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-10)
+    return moe_bench._to_e4m3(g * (448.0 / amax)).view(T, H), (amax / 448.0).view(T, -1).contiguous()
 
 
 def routed_cases() -> list[dict]:
@@ -170,6 +183,17 @@ def routed_cases() -> list[dict]:
         _routed_case("small T=5, ties, fp16 out", small, 5, dtype="fp16", ties=True, fp8=True),
         _routed_case("DeepSeek-V3/tp8 dims T=1, softmax without renormalize",
                      MoeShape("DeepSeek-V3/tp8", 256, 7168, 256, 8), 1, renorm=False, fp8=True),
+        _routed_case("Qwen3-30B-A3B T=1", q30, 1, fp8=True, xq=True),
+        _routed_case("Qwen3-30B-A3B T=2, pdl in, down early", q30, 2, fp8=True, xq=True,
+                     tunables={"moe.pdl": 1, "moe.down.early": 1, "moe.pdl_in": 1}),
+        _routed_case("Qwen3-30B-A3B T=8, general routing", q30, 8, fp8=True, xq=True,
+                     tunables={"moe.gate_up.slot_routing": 0, "moe.down.warp_routing": 0}),
+        _routed_case("Qwen3-30B-A3B T=1, 32-k steps", q30, 1, fp8=True, xq=True, tunables={"moe.fp8_kstep": 32}),
+        _routed_case("small T=5, ties, fp16 out", small, 5, dtype="fp16", ties=True, fp8=True, xq=True),
+        _routed_case("DeepSeek-V3/ep8 dims E=32 T=1", MoeShape("DeepSeek-V3/ep8", 32, 7168, 2048, 8), 1, fp8=True,
+                     xq=True),
+        _routed_case("DeepSeek-V3/tp8 dims T=2, softmax without renormalize",
+                     MoeShape("DeepSeek-V3/tp8", 256, 7168, 256, 8), 2, renorm=False, fp8=True, xq=True),
     ]
 
 
@@ -200,12 +224,17 @@ def _run_routed_case(c: dict, device) -> dict:
     shape: MoeShape = c["shape"]
     T, dtype, k, E = c["T"], c["dtype"], shape.top_k, shape.num_experts
     gen = torch.Generator(device=device).manual_seed(300 + c["seed"])
-    fp8 = None
-    if c.get("fp8"):  # e4m3 weights and activations, as vLLM's prepare step hands them
+    fp8 = fp8_given = None
+    if c.get("fp8"):  # e4m3 weights and activations, as vLLM's prepare step hands them (xq: in dtype)
         w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", device, seed=c["seed"])
         xb = moe_bench.make_x(T, shape.hidden, dtype, device, gen)
-        x, xs = moe_bench.quantize_activations_fp8(xb, "fp8-block", moe_bench.FP8_BLOCK[1])
-        fp8 = moe_bench.fp8_scales("fp8-block", xs, s13, s2)
+        if c.get("xq"):
+            xq, xs = quantize_as_the_kernel(xb, moe_bench.FP8_BLOCK[1])
+            fp8_given = moe_bench.fp8_scales("fp8-block", xs, s13, s2)  # the same quantization, done here
+            x, fp8 = xb, moe_bench.fp8_scales("fp8-block", None, s13, s2)
+        else:
+            x, xs = moe_bench.quantize_activations_fp8(xb, "fp8-block", moe_bench.FP8_BLOCK[1])
+            fp8 = moe_bench.fp8_scales("fp8-block", xs, s13, s2)
         odt = xb.dtype
     else:
         w13, w2 = moe_bench.make_weights(shape, dtype, device, seed=c["seed"])
@@ -232,9 +261,18 @@ def _run_routed_case(c: dict, device) -> dict:
     w_err = float(((tw.double() - ew).abs() / ew.abs().clamp_min(1e-30)).max())
     if fp8 is None:
         ref = moe_bench.reference(x, w13, w2, ew.float(), eids)
+    elif fp8_given is not None:
+        ref = moe_bench.reference_fp8(xq, fp8_given, w13, w2, ew.float(), eids)
     else:
         ref = moe_bench.reference_fp8(x, fp8, w13, w2, ew.float(), eids)
     err = bench.rel_err(out, ref)
+    if fp8_given is not None:
+        # the e4m3 form with this quantization done beforehand: the same bits with 64-k steps (the
+        # same f16 operands and sums); with 32-k steps it runs e4m3 MMAs, so only close
+        e4m3 = torch.full_like(out, float("nan"))
+        ops.moe_routed_into(e4m3, xq, w13, w2, logits, k, c["renorm"], fp8=fp8_given)
+        res["same_as_quantized_first"] = bool(torch.equal(out, e4m3))
+        res["rel_err_vs_quantized_first"] = bench.rel_err(out, e4m3.double())
     # the same call with the routing given (vLLM's form): the same bits
     given = torch.full_like(out, float("nan"))
     ops.moe_experts_into(given, x, w13, w2, tw.clone(), ids.clone(), fp8=fp8)
@@ -246,7 +284,10 @@ def _run_routed_case(c: dict, device) -> dict:
     res.update(rel_err=err, tolerance=tol, ids_exact=ids_ok, weights_rel_err=w_err, same_as_given_routing=same_as_given,
                deterministic=det)
     passed = err <= tol and ids_ok and w_err <= 1e-5 and same_as_given and det
-    if shape.hidden * shape.inter * E <= 16 * 256 * 256:
+    if fp8_given is not None:
+        passed = passed and (res["same_as_quantized_first"] or (c["tunables"].get("moe.fp8_kstep") == 32
+                                                                and res["rel_err_vs_quantized_first"] <= 1e-3))
+    if shape.hidden * shape.inter * E <= 16 * 256 * 256 or fp8_given is not None:
         cref = ops.moe_routed_reference_cpu(x, w13, w2, logits, k, c["renorm"], fp8=fp8)
         res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm().clamp_min(1e-300))
         passed = passed and res["c_oracle_vs_torch_fp64"] < 1e-6

@@ -26,14 +26,35 @@ class Fp8Scales:
     them (include/opgraft/moe.h describes the layouts): block_shape (block_n, block_k) for block
     scales, None for one scale per expert matrix and one per-tensor activation scale."""
 
-    hidden_scale: torch.Tensor  # a1q_scale: [T, ceil(H/bk)], or one value
+    # a1q_scale: [T, ceil(H/bk)], or one value; None (block scales): the hidden states are 16-bit
+    # (the output's dtype) and the kernel quantizes them per token and 1 x bk group as vLLM would
+    hidden_scale: torch.Tensor | None
     w13_scale: torch.Tensor  # [E, 2*ceil(I/bn), ceil(H/bk)], or [E] / [E, 1] / [E, 2]
     w2_scale: torch.Tensor  # [E, ceil(H/bn), ceil(I/bk)], or [E] / [E, 1]
     block_shape: tuple | None = None
 
     def layout_key(self) -> tuple:
-        return (self.block_shape,) + tuple((t.shape, t.stride(), t.dtype) for t in
+        return (self.block_shape,) + tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in
                                            (self.hidden_scale, self.w13_scale, self.w2_scale))
+
+    def tensors(self) -> tuple:
+        return tuple(t for t in (self.hidden_scale, self.w13_scale, self.w2_scale) if t is not None)
+
+    def cpu(self) -> "Fp8Scales":
+        return Fp8Scales(*(None if t is None else t.cpu() for t in (self.hidden_scale, self.w13_scale, self.w2_scale)),
+                         self.block_shape)
+
+
+def _ptr(t) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _fp8_hidden_ok(hidden, fp8: Fp8Scales, out_dtype) -> bool:
+    """The hidden states of an FP8 call: e4m3 with their scales, or (hidden_scale None) in the
+    output's 16-bit dtype."""
+    if fp8.hidden_scale is None:
+        return hidden.dtype == out_dtype
+    return hidden.dtype == torch.float8_e4m3fn
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -44,20 +65,23 @@ def _fp8_fields(a: _lib.MoeArgs, fp8: Fp8Scales, T: int, H: int, I: int, E: int)
     """Fills the struct's FP8 fields; False when the scales' shapes are not those of the layout."""
     xs, s13, s2 = fp8.hidden_scale, fp8.w13_scale, fp8.w2_scale
     a.weight_dtype = _lib.DTYPE_FP8_E4M3
-    a.scale_dtype = dtype_code(s13) if dtype_code(xs) == dtype_code(s13) == dtype_code(s2) else 0
-    a.hidden_scale, a.w13_scale, a.w2_scale = xs.data_ptr(), s13.data_ptr(), s2.data_ptr()
+    # 16-bit hidden states (no hidden_scale): the kernel quantizes them
+    a.hidden_dtype = a.dtype if xs is None else _lib.DTYPE_FP8_E4M3
+    a.scale_dtype = dtype_code(s13) if dtype_code(s13) == dtype_code(s2) and (xs is None or dtype_code(xs) == dtype_code(s13)) else 0
+    a.hidden_scale, a.w13_scale, a.w2_scale = _ptr(xs), s13.data_ptr(), s2.data_ptr()
     if fp8.block_shape is not None:
         bn, bk = (int(v) for v in fp8.block_shape)
         a.scale_layout, a.block_n, a.block_k = _lib.SCALE_BLOCK, bn, bk
         if bn < 1 or bk < 1:
             return False
-        ok = (tuple(xs.shape) == (T, _cdiv(H, bk)) and tuple(s13.shape) == (E, 2 * _cdiv(I, bn), _cdiv(H, bk))
-              and tuple(s2.shape) == (E, _cdiv(H, bn), _cdiv(I, bk)))
-        a.hidden_scale_stride = strides(xs, 2)
+        ok = ((xs is None or tuple(xs.shape) == (T, _cdiv(H, bk)))
+              and tuple(s13.shape) == (E, 2 * _cdiv(I, bn), _cdiv(H, bk)) and tuple(s2.shape) == (E, _cdiv(H, bn), _cdiv(I, bk)))
+        if xs is not None:
+            a.hidden_scale_stride = strides(xs, 2)
         a.w13_scale_stride, a.w2_scale_stride = strides(s13, 3), strides(s2, 3)
         return ok
     a.scale_layout = _lib.SCALE_TENSOR
-    if xs.numel() != 1 or s13.shape[:1] != (E,) or s2.shape[:1] != (E,):
+    if xs is None or xs.numel() != 1 or s13.shape[:1] != (E,) or s2.shape[:1] != (E,):
         return False
     halves = s13.numel() // E
     if s13.numel() != E * halves or halves not in (1, 2) or s2.numel() != E:
@@ -114,8 +138,7 @@ def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     else:
         odt = out.dtype if out is not None else out_dtype
         a.dtype = DTYPES[odt] if odt in OUT_DTYPES else 0
-        fp8_in = dtype_code(hidden) == wdt == dtype_code(w2) == _lib.DTYPE_FP8_E4M3
-        if not fp8_in:
+        if not (wdt == dtype_code(w2) == _lib.DTYPE_FP8_E4M3 and _fp8_hidden_ok(hidden, fp8, odt)):
             a.dtype = 0
     a.activation = {"silu": _lib.ACT_SILU, "gelu": _lib.ACT_GELU}.get(activation, 0)
     a.apply_router_weight_on_input = int(bool(apply_router_weight_on_input))
@@ -127,7 +150,7 @@ def moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         and all(t.device == hidden.device for t in (topk_weights, topk_ids))
         and (expert_map is None or (expert_map.dtype == torch.int32 and expert_map.dim() == 1
                                     and expert_map.is_contiguous() and expert_map.device == hidden.device))
-        and (fp8 is None or all(t.device == hidden.device for t in (fp8.hidden_scale, fp8.w13_scale, fp8.w2_scale)))
+        and (fp8 is None or all(t.device == hidden.device for t in fp8.tensors()))
     )
     if consistent and fp8 is not None:
         consistent = _fp8_fields(a, fp8, T, H, I, E)
@@ -265,7 +288,7 @@ def run(plan: Plan, out, hidden, w13, w2, topk_weights, topk_ids, apply_router_w
                 plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), topk_weights.data_ptr(),
                 topk_ids.data_ptr(), emap, out.data_ptr(), ws, current_stream(hidden.device))
         return _lib._lib.opgraft_moe_plan_run_fp8(
-            plan.handle, hidden.data_ptr(), fp8.hidden_scale.data_ptr(), w13.data_ptr(),
+            plan.handle, hidden.data_ptr(), _ptr(fp8.hidden_scale), w13.data_ptr(),
             fp8.w13_scale.data_ptr(), w2.data_ptr(), fp8.w2_scale.data_ptr(), topk_weights.data_ptr(),
             topk_ids.data_ptr(), emap, out.data_ptr(), ws, current_stream(hidden.device))
 
@@ -326,7 +349,7 @@ def moe_reference_cpu(hidden, w13, w2, topk_weights, topk_ids, apply_router_weig
     t = [x.cpu() for x in (hidden, w13, w2, topk_weights, topk_ids)]
     emap = expert_map.cpu() if expert_map is not None else None
     if fp8 is not None:
-        fp8 = Fp8Scales(fp8.hidden_scale.cpu(), fp8.w13_scale.cpu(), fp8.w2_scale.cpu(), fp8.block_shape)
+        fp8 = fp8.cpu()
     a = moe_args(*t, None, apply_router_weight_on_input, emap, fp8=fp8, out_dtype=torch.bfloat16)
     out = torch.empty((t[0].shape[0], t[0].shape[1]), dtype=torch.float64)
     ptr = ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))
@@ -352,8 +375,8 @@ def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
         a.dtype = (dtype_code(hidden) if dtype_code(hidden) == dtype_code(w13) == dtype_code(w2) == dtype_code(router_logits)
                    else 0)
     else:
-        fp8_in = dtype_code(hidden) == dtype_code(w13) == dtype_code(w2) == _lib.DTYPE_FP8_E4M3
         ldt = router_logits.dtype
+        fp8_in = dtype_code(w13) == dtype_code(w2) == _lib.DTYPE_FP8_E4M3 and _fp8_hidden_ok(hidden, fp8, ldt)
         a.dtype = DTYPES[ldt] if fp8_in and ldt in OUT_DTYPES and (out is None or out.dtype == ldt) else 0
     a.activation = _lib.ACT_SILU
     a.routing = _lib.ROUTING_SOFTMAX_RENORM if renormalize else _lib.ROUTING_SOFTMAX
@@ -364,7 +387,7 @@ def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
         _weights_consistent(hidden, w13, w2, out, dims)
         and tuple(router_logits.shape) == (T, E) and all(tuple(t.shape) == (T, k) for t in outs)
         and all(t.device == hidden.device for t in [router_logits] + outs)
-        and (fp8 is None or all(t.device == hidden.device for t in (fp8.hidden_scale, fp8.w13_scale, fp8.w2_scale)))
+        and (fp8 is None or all(t.device == hidden.device for t in fp8.tensors()))
     )
     if consistent and fp8 is not None:
         consistent = _fp8_fields(a, fp8, T, H, I, E)
@@ -423,7 +446,7 @@ def run_routed(plan: Plan, out, hidden, w13, w2, router_logits, top_k, renormali
                 plan.handle, hidden.data_ptr(), w13.data_ptr(), w2.data_ptr(), router_logits.data_ptr(), tw, ids,
                 out.data_ptr(), ws, current_stream(hidden.device))
         return _lib._lib.opgraft_moe_plan_run_routed_fp8(
-            plan.handle, hidden.data_ptr(), fp8.hidden_scale.data_ptr(), w13.data_ptr(), fp8.w13_scale.data_ptr(),
+            plan.handle, hidden.data_ptr(), _ptr(fp8.hidden_scale), w13.data_ptr(), fp8.w13_scale.data_ptr(),
             w2.data_ptr(), fp8.w2_scale.data_ptr(), router_logits.data_ptr(), tw, ids, out.data_ptr(), ws,
             current_stream(hidden.device))
 
@@ -447,7 +470,7 @@ def moe_routed_reference_cpu(hidden, w13, w2, router_logits, top_k: int, renorma
     """The C fp64 oracle of a routed call on CPU tensors; float64 [T, H]."""
     t = [x.cpu() for x in (hidden, w13, w2, router_logits)]
     if fp8 is not None:
-        fp8 = Fp8Scales(fp8.hidden_scale.cpu(), fp8.w13_scale.cpu(), fp8.w2_scale.cpu(), fp8.block_shape)
+        fp8 = fp8.cpu()
     a = moe_routed_args(*t, top_k, renormalize, fp8=fp8)
     out = torch.empty((t[0].shape[0], t[0].shape[1]), dtype=torch.float64)
     _lib.check(_lib.lib().opgraft_moe_reference(ctypes.byref(a), ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))))

@@ -10,22 +10,6 @@ static double load(int32_t dtype, const void *base, int64_t idx) {
   return opgraft__half_to_double(dtype, ((const uint16_t *)base)[idx]);
 }
 
-/* v rounded to the nearest e4m3 value (ties to even), finite values past 448 saturated. */
-static double e4m3_round(float v) {
-  if (isnan(v)) return NAN;
-  const double a = fabs((double)v);
-  double q;
-  if (a >= 448.0) q = 448.0;
-  else if (a < ldexp(1, -6)) q = nearbyint(a * 512.0) / 512.0; /* subnormals: multiples of 2^-9 */
-  else {
-    int e;
-    frexp(a, &e); /* a in [2^(e-1), 2^e) */
-    const double step = ldexp(1, e - 4); /* 3 mantissa bits */
-    q = nearbyint(a / step) * step;
-  }
-  return v < 0 ? -q : q;
-}
-
 static int32_t reference_fp8(const opgraft_linear_args *a, double *out_f64) {
   const int64_t M = a->rows, N = a->out_features, K = a->in_features, bk = a->block_k, bn = a->block_n;
   if (bk < 1 || bn < 1 || K % bk || a->scale_dtype != OPGRAFT_DTYPE_FP32 || !a->weight_scale)
@@ -37,18 +21,9 @@ static int32_t reference_fp8(const opgraft_linear_args *a, double *out_f64) {
   const float *ws = a->weight_scale;
   const uint8_t *w = a->weight;
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      float amax = 0.f;
-      for (int64_t k = g * bk; k < (g + 1) * bk; ++k)
-        amax = fmaxf(amax, fabsf((float)load(a->dtype, a->x, m * a->x_stride[0] + k * a->x_stride[1])));
-      amax = fmaxf(amax, 1e-10f);
-      const float r = 448.f / amax;
-      sx[g] = (double)(amax / 448.f);
-      for (int64_t k = g * bk; k < (g + 1) * bk; ++k) {
-        const float xf = (float)load(a->dtype, a->x, m * a->x_stride[0] + k * a->x_stride[1]);
-        q[k] = e4m3_round(xf * r);
-      }
-    }
+    for (int64_t g = 0; g < G; ++g)
+      sx[g] = opgraft__e4m3_quantize_group(a->dtype, (const uint16_t *)a->x + m * a->x_stride[0] + g * bk * a->x_stride[1],
+                                           a->x_stride[1], bk, q + g * bk);
     for (int64_t n = 0; n < N; ++n) {
       double acc = 0;
       for (int64_t g = 0; g < G; ++g) {

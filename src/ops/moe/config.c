@@ -60,7 +60,9 @@ static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu,
    * minimum caps a thread at 128 registers, at most 6 k-steps (8 reach 128 and spill on some
    * shapes). */
   const int q1 = c->gu_ks / 32, q2 = c->down_ks / 32; /* a k-step's registers, in 32-k steps' */
-  while (c->u1 > 1 && 8 * c->nt + c->u1 * q1 * (8 + 2 * c->nt) > 96) c->u1--;
+  c->xq = opgraft__moe_quantizes_x(a);
+  const int xb = c->xq ? 4 : 2; /* x's registers a token tile and 32-k step: 16-bit, or e4m3 */
+  while (c->u1 > 1 && 8 * c->nt + c->u1 * q1 * (8 + xb * c->nt) > 96) c->u1--;
   if (c->gu_min_blocks * c->w1 >= 16 && c->u1 * q1 > 6) c->u1 = 6 / q1;
   /* An unroll that splits H's k-steps evenly over the warps needs no bounds checks (fewer
    * registers) and gives every warp the same steps. */
@@ -69,6 +71,12 @@ static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu,
       c->u1 = u;
       break;
     }
+  /* Quantizing x: a warp's k-steps a round hold whole 1 x block_k groups (each group's absmax
+   * from the values in its registers), so the unroll is a multiple of the steps of a group. */
+  if (c->xq) {
+    const int spg = a->block_k / c->gu_ks;
+    c->u1 = c->u1 < spg ? spg : c->u1 - c->u1 % spg;
+  }
   while (c->u2 > 1 && 4 * c->nt + c->u2 * q2 * (4 + 4 * c->nt) > 72) c->u2--; /* act: 16 bytes a 32-k step */
   for (int u = c->u2; u * 2 > c->u2; --u) /* chunks of whole k-steps over I, likewise */
     if ((a->inter / c->down_ks) % u == 0) {
@@ -163,6 +171,7 @@ int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_
     OG_OPT("-DOG_GU_KS=%d", c->gu_ks);
     OG_OPT("-DOG_DOWN_KS=%d", c->down_ks);
     OG_OPT("-DOG_GU_ROWS=%d", c->gu_rows);
+    OG_OPT("-DOG_XQ=%d", c->xq);
   }
 #undef OG_OPT
   return opgraft__opts_check(o, "MoE");

@@ -22,6 +22,10 @@ int opgraft__moe_is_fp8(const opgraft_moe_args *a) { return a->weight_dtype == O
 
 int opgraft__moe_routed(const opgraft_moe_args *a) { return a->routing != OPGRAFT_MOE_ROUTING_TOPK; }
 
+int opgraft__moe_quantizes_x(const opgraft_moe_args *a) {
+  return opgraft__moe_is_fp8(a) && a->hidden_dtype == a->dtype;
+}
+
 /* The shape key's dtype field: the activations' dtype, or the FP8 weights' scaling. */
 static const char *key_dtype(const opgraft_moe_args *a) {
   if (!opgraft__moe_is_fp8(a)) return opgraft__moe_dtype_name(a->dtype);
@@ -66,11 +70,21 @@ static int32_t check_fp8(const opgraft_moe_args *a, char *reason, size_t reason_
       (a->block_n < 32 || a->block_n % 32 || a->block_k < 32 || a->block_k % 32 || a->block_n > 65536 ||
        a->block_k > 65536))
     return OG_REASON("FP8 weight blocks %dx%d (multiples of 32 supported)", a->block_n, a->block_k);
+  const int xq = opgraft__moe_quantizes_x(a);
+  if (!xq && a->hidden_dtype != 0 && a->hidden_dtype != OPGRAFT_DTYPE_FP8_E4M3)
+    return OG_REASON("FP8 weights with hidden states of dtype %s (e4m3, or the output's dtype)",
+                     opgraft__moe_dtype_name(a->hidden_dtype));
+  if (xq && L != OPGRAFT_MOE_SCALE_BLOCK) return OG_REASON("16-bit hidden states with per-tensor FP8 scales");
+  if (xq && a->block_k > 128) return OG_REASON("16-bit hidden states with block_k %d (at most 128)", a->block_k);
+  if (xq && a->hidden % a->block_k)
+    return OG_REASON("16-bit hidden states with H %lld not a multiple of block_k %d", (long long)a->hidden,
+                     a->block_k);
   for (int i = 0; i < 3; ++i)
-    if (a->w13_scale_stride[i] < 0 || a->w2_scale_stride[i] < 0 || (i < 2 && a->hidden_scale_stride[i] < 0))
+    if (a->w13_scale_stride[i] < 0 || a->w2_scale_stride[i] < 0 || (i < 2 && !xq && a->hidden_scale_stride[i] < 0))
       return OG_REASON("negative FP8 scale strides");
+  /* e4m3 rows; 16-bit hidden states passed the generic check (16-byte rows) */
   if (a->w13_stride[0] % 16 || a->w13_stride[1] % 16 || a->w2_stride[0] % 16 || a->w2_stride[1] % 16 ||
-      a->hidden_states_stride[0] % 16)
+      (!xq && a->hidden_states_stride[0] % 16))
     return OG_REASON("FP8 row strides are not multiples of 16 bytes");
   return OPGRAFT_OK;
 }
@@ -137,8 +151,8 @@ int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_
   if (T > 0 && (a->hidden_states_stride[0] < H || a->out_stride[0] < H ||
                 a->topk_weights_stride[0] < k || a->topk_ids_stride[0] < k))
     return OG_REASON("row strides smaller than the rows");
-  if (opgraft__moe_routed(a)) return check_routing(a, reason, reason_len);
-  return opgraft__moe_is_fp8(a) ? check_fp8(a, reason, reason_len) : OPGRAFT_OK;
+  int32_t st = opgraft__moe_routed(a) ? check_routing(a, reason, reason_len) : OPGRAFT_OK;
+  return !st && opgraft__moe_is_fp8(a) ? check_fp8(a, reason, reason_len) : st;
 }
 
 int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, size_t reason_len) {
@@ -154,7 +168,8 @@ int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, siz
       ((uintptr_t)a->topk_ids & (a->topk_ids_dtype == OPGRAFT_DTYPE_INT64 ? 7u : 3u)))
     return OG_REASON("out, topk_weights or topk_ids misaligned");
   if (opgraft__moe_is_fp8(a) && a->num_tokens > 0) {
-    if (!a->hidden_scale || !a->w13_scale || !a->w2_scale) return OG_REASON("an FP8 scale pointer is NULL");
+    if ((!a->hidden_scale && !opgraft__moe_quantizes_x(a)) || !a->w13_scale || !a->w2_scale)
+      return OG_REASON("an FP8 scale pointer is NULL");
     if (((uintptr_t)a->hidden_scale | (uintptr_t)a->w13_scale | (uintptr_t)a->w2_scale) & 3u)
       return OG_REASON("FP8 scales misaligned");
   }
@@ -183,6 +198,9 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
     if (off && strcmp(off, "0") == 0) return OG_REASON("OPGRAFT_MOE_FP8=0 (FP8 MoE calls are handed back)");
     if (!opgraft__tune_value("moe.fp8", arch, g, shape, (int32_t)T))
       return OG_REASON("moe.fp8 is 0 on sm_%d at T=%lld (FP8 MoE call handed back)", arch, (long long)T);
+    if (opgraft__moe_quantizes_x(a) && !opgraft__tune_value("moe.fp8_quantize", arch, g, shape, (int32_t)T))
+      return OG_REASON("moe.fp8_quantize is 0 on sm_%d (16-bit hidden states with FP8 weights: quantize them first)",
+                       arch);
   }
   const int64_t max_t = opgraft__tune_value("moe.max_tokens", arch, g, shape, (int32_t)T);
   if (T > max_t) return OG_REASON("%lld tokens > moe.max_tokens %lld", (long long)T, (long long)max_t);

@@ -47,7 +47,10 @@
  * - moe.route up to 2 tokens: the routing inside the FP8 kernels cost +1.3 µs at 1 and 2 tokens
  *   and +3.8 at 4 (gate + routing + experts as one span against the routing given, Qwen3-30B-A3B,
  *   tools.moe_route --dtype fp8-block, v31), where vLLM's topkGating it replaces took 3.56 µs a
- *   layer in the Qwen3-30B-A3B-FP8 engine step (v30). */
+ *   layer in the Qwen3-30B-A3B-FP8 engine step (v30).
+ * - moe.fp8_quantize 1 on sm_90 with block scales: gate_up quantizes 16-bit hidden states itself
+ *   (the routing seam's calls), so vLLM's per_token_group_quant kernel (2.2 µs a layer in the
+ *   Qwen3-30B-A3B-FP8 batch-1 step, v33) does not run. */
 #include <stdio.h>
 #include <string.h>
 
@@ -69,6 +72,7 @@ static int fp8_rule(const opgraft_tune_query *q, const og_moe_shape *s, int64_t 
   const int32_t T = q->tokens;
   if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90 && (T == 1 || (T == 2 && s->fp8 == 1)), 1;
   if (strcmp(key, "moe.route") == 0) return *value = T <= 2, 1;
+  if (strcmp(key, "moe.fp8_quantize") == 0) return *value = q->arch == 90 && s->fp8 == 1, 1;
   if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s->H <= 2048 ? 8 : 16, 1;
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 8, 1;
   if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)

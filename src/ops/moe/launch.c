@@ -184,7 +184,7 @@ static void set_routing(og_moe_params *p, int routed, const void *logits, const 
 /* The pointer checks and the launch of the run entry points; xs, w13s and w2s are the FP8 scales
  * (NULL for other plans), logits the router's (NULL for plans without routing: topk_weights and
  * topk_ids are then inputs, else optional outputs). */
-static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void *xs, const void *w13,
+static int32_t plan_run(const opgraft_moe_plan *plan, int fp8_entry, const void *x, const void *xs, const void *w13,
                         const void *w13s, const void *w2, const void *w2s, const void *logits,
                         const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
                         void *workspace, void *stream, const char *what) {
@@ -197,9 +197,13 @@ static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void 
   const opgraft_moe_args *a = &plan->args;
   const int fp8 = opgraft__moe_is_fp8(a), routed = opgraft__moe_routed(a);
   const char *entry = routed && fp8 ? "_routed_fp8" : routed ? "_routed" : fp8 ? "_fp8" : "";
-  if (!fp8 != !xs)
+  if (!fp8 != !fp8_entry)
     return opgraft__fail(OPGRAFT_EINVAL, "%s: a plan %s FP8 weights (use opgraft_moe_plan_run%s)", what,
                          fp8 ? "of" : "without", entry);
+  const int xq = opgraft__moe_quantizes_x(a);
+  if (fp8 && !xq != !xs)
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: %s hidden_scale for a plan whose hidden states are %s", what,
+                         xs ? "a" : "no", xq ? "16-bit (the kernel quantizes them)" : "e4m3");
   if (!routed != !logits)
     return opgraft__fail(OPGRAFT_EINVAL, "%s: a plan %s routing from logits (use opgraft_moe_plan_run%s)", what,
                          routed ? "of" : "without", entry);
@@ -224,7 +228,7 @@ static int32_t plan_run(const opgraft_moe_plan *plan, const void *x, const void 
 int32_t opgraft_moe_plan_run(const opgraft_moe_plan *plan, const void *x, const void *w13, const void *w2,
                              const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
                              void *workspace, void *stream) {
-  return plan_run(plan, x, NULL, w13, NULL, w2, NULL, NULL, topk_weights, topk_ids, expert_map, out, workspace,
+  return plan_run(plan, 0, x, NULL, w13, NULL, w2, NULL, NULL, topk_weights, topk_ids, expert_map, out, workspace,
                   stream, "opgraft_moe_plan_run");
 }
 
@@ -232,7 +236,7 @@ int32_t opgraft_moe_plan_run_routed(const opgraft_moe_plan *plan, const void *x,
                                     const void *router_logits, void *topk_weights, void *topk_ids, void *out,
                                     void *workspace, void *stream) {
   if (!router_logits) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run_routed: no router_logits");
-  return plan_run(plan, x, NULL, w13, NULL, w2, NULL, router_logits, topk_weights, topk_ids, NULL, out, workspace,
+  return plan_run(plan, 0, x, NULL, w13, NULL, w2, NULL, router_logits, topk_weights, topk_ids, NULL, out, workspace,
                   stream, "opgraft_moe_plan_run_routed");
 }
 
@@ -240,8 +244,7 @@ int32_t opgraft_moe_plan_run_fp8(const opgraft_moe_plan *plan, const void *x, co
                                  const void *w13_scale, const void *w2, const void *w2_scale,
                                  const void *topk_weights, const void *topk_ids, const void *expert_map, void *out,
                                  void *workspace, void *stream) {
-  if (!x_scale) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run_fp8: no hidden_scale");
-  return plan_run(plan, x, x_scale, w13, w13_scale, w2, w2_scale, NULL, topk_weights, topk_ids, expert_map, out,
+  return plan_run(plan, 1, x, x_scale, w13, w13_scale, w2, w2_scale, NULL, topk_weights, topk_ids, expert_map, out,
                   workspace, stream, "opgraft_moe_plan_run_fp8");
 }
 
@@ -249,9 +252,8 @@ int32_t opgraft_moe_plan_run_routed_fp8(const opgraft_moe_plan *plan, const void
                                         const void *w13, const void *w13_scale, const void *w2, const void *w2_scale,
                                         const void *router_logits, void *topk_weights, void *topk_ids, void *out,
                                         void *workspace, void *stream) {
-  if (!x_scale || !router_logits)
-    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run_routed_fp8: no hidden_scale or router_logits");
-  return plan_run(plan, x, x_scale, w13, w13_scale, w2, w2_scale, router_logits, topk_weights, topk_ids, NULL, out,
+  if (!router_logits) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_moe_plan_run_routed_fp8: no router_logits");
+  return plan_run(plan, 1, x, x_scale, w13, w13_scale, w2, w2_scale, router_logits, topk_weights, topk_ids, NULL, out,
                   workspace, stream, "opgraft_moe_plan_run_routed_fp8");
 }
 
@@ -265,7 +267,7 @@ static int same_plan(const opgraft_moe_args *p, const opgraft_moe_args *q) {
   const int fp8 = opgraft__moe_is_fp8(p);
   if (fp8 != opgraft__moe_is_fp8(q)) return 0;
   if (fp8 && (p->scale_layout != q->scale_layout || p->block_n != q->block_n || p->block_k != q->block_k ||
-              p->scale_dtype != q->scale_dtype))
+              p->scale_dtype != q->scale_dtype || opgraft__moe_quantizes_x(p) != opgraft__moe_quantizes_x(q)))
     return 0;
   return p->dtype == q->dtype && p->activation == q->activation && p->routing == q->routing &&
          !p->apply_router_weight_on_input == !q->apply_router_weight_on_input && p->num_tokens == q->num_tokens &&

@@ -37,6 +37,8 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
                                   char *reason, size_t reason_len);
 /* Is the call routed by the kernels from the router's logits (routing != 0)? */
 int opgraft__moe_routed(const opgraft_moe_args *a);
+/* FP8 weights with 16-bit hidden states that gate_up quantizes (hidden_dtype == dtype). */
+int opgraft__moe_quantizes_x(const opgraft_moe_args *a);
 /* The pointer checks every run repeats (alignment, NULL), as a reason. */
 int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, size_t reason_len);
 /* The workspace's act region (FP8 weights: act in f16, its scales from
@@ -65,6 +67,7 @@ typedef struct og_moe_cfg {
   int down_min_blocks; /* down's, likewise */
   int gu_ks, down_ks;  /* FP8: the k of gate_up's / down's k-steps, 32 or 64 (OG_GU_KS, OG_DOWN_KS) */
   int gu_rows;         /* FP8: rows of I a gate_up tile, 16 or 32 (OG_GU_ROWS) */
+  int xq;              /* FP8: gate_up quantizes 16-bit hidden states itself (OG_XQ) */
 } og_moe_cfg;
 void opgraft__moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c);
 /* The compile options of a configuration; OPGRAFT_EINVAL if they did not fit. */

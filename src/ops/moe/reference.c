@@ -18,7 +18,7 @@ static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 static double load_f32(const void *base, int64_t idx) { return ((const float *)base)[idx]; }
 
-/* hidden_states[t, h] (any weights). */
+/* hidden_states[t, h] (any weights; not for 16-bit hidden states with FP8 weights). */
 static double load_x(const opgraft_moe_args *a, int64_t t, int64_t h) {
   const int64_t idx = t * a->hidden_states_stride[0] + h * a->hidden_states_stride[1];
   if (!opgraft__moe_is_fp8(a)) return load_act(a, a->hidden_states, idx);
@@ -57,7 +57,10 @@ static int32_t check_fp8(const opgraft_moe_args *a) {
   } else if (a->scale_layout != OPGRAFT_MOE_SCALE_TENSOR) {
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "FP8 scale layout %d", a->scale_layout);
   }
-  if (a->num_tokens > 0 && (!a->hidden_scale || !a->w13_scale || !a->w2_scale))
+  const int xq = opgraft__moe_quantizes_x(a);
+  if (xq && (a->scale_layout != OPGRAFT_MOE_SCALE_BLOCK || a->hidden % a->block_k))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "16-bit hidden states need block scales and H a multiple of block_k");
+  if (a->num_tokens > 0 && ((!a->hidden_scale && !xq) || !a->w13_scale || !a->w2_scale))
     return opgraft__fail(OPGRAFT_EINVAL, "NULL FP8 scale");
   return OPGRAFT_OK;
 }
@@ -115,17 +118,27 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
       (!out_f64 && !a->out))
     return opgraft__fail(OPGRAFT_EINVAL, "NULL tensor");
   double *x = malloc(sizeof(double) * (size_t)H), *act = malloc(sizeof(double) * (size_t)I);
-  double *acc = malloc(sizeof(double) * (size_t)H);
-  if (!x || !act || !acc) {
-    free(x), free(act), free(acc);
+  double *acc = malloc(sizeof(double) * (size_t)H), *xt = malloc(sizeof(double) * (size_t)H);
+  if (!x || !act || !acc || !xt) {
+    free(x), free(act), free(acc), free(xt);
     return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
   }
+  /* 16-bit hidden states with FP8 weights: each token's row quantized as gate_up does */
+  const int xq = opgraft__moe_quantizes_x(a);
   const float *tw = a->topk_weights;
   for (int64_t t = 0; t < T; ++t) {
     int64_t rid[OG_MOE_MAX_TOPK] = {0};
     double rw[OG_MOE_MAX_TOPK] = {0};
     if (routed) route_token(a, t, rid, rw);
     memset(acc, 0, sizeof(double) * (size_t)H);
+    if (!xq)
+      for (int64_t h = 0; h < H; ++h) xt[h] = load_x(a, t, h);
+    for (int64_t h0 = 0; xq && h0 < H; h0 += a->block_k) {
+      const uint16_t *row = (const uint16_t *)a->hidden_states + t * a->hidden_states_stride[0];
+      const double sx = opgraft__e4m3_quantize_group(a->dtype, row + h0 * a->hidden_states_stride[1],
+                                                     a->hidden_states_stride[1], a->block_k, xt + h0);
+      for (int64_t h = h0; h < h0 + a->block_k; ++h) xt[h] *= sx;
+    }
     for (int64_t j = 0; j < K; ++j) {
       int64_t e = routed ? rid[j] : load_id(a, t, j);
       if (a->expert_map) /* global id -> this rank's expert, or -1 */
@@ -133,7 +146,7 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
       if (e < 0 || e >= E) continue; /* not routed here */
       const double w = routed ? rw[j] : tw[t * a->topk_weights_stride[0] + j * a->topk_weights_stride[1]];
       const double xs = a->apply_router_weight_on_input ? w : 1.0;
-      for (int64_t h = 0; h < H; ++h) x[h] = xs * load_x(a, t, h);
+      for (int64_t h = 0; h < H; ++h) x[h] = xs * xt[h];
       for (int64_t i = 0; i < I; ++i) {
         double g = 0, u = 0;
         for (int64_t h = 0; h < H; ++h) {
@@ -158,6 +171,6 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
       }
     }
   }
-  free(x), free(act), free(acc);
+  free(x), free(act), free(acc), free(xt);
   return OPGRAFT_OK;
 }

@@ -6,8 +6,8 @@
 
 /* Ranges are what the kernels accept; the fallback applies only where neither a row nor the rule
  * gives a value; the last field is what `opgraft tune` tries (the kernels clamp what would not
- * fit). moe.max_tokens (a hand-back threshold from end-to-end runs), moe.expert_map, moe.route and moe.fp8
- * (switches) are not speed choices the tuner makes. */
+ * fit). moe.max_tokens (a hand-back threshold from end-to-end runs), moe.expert_map, moe.route, moe.fp8 and
+ * moe.fp8_quantize (switches) are not speed choices the tuner makes. */
 static const og_tunable tunables[] = {
     {"moe.max_tokens", 0, 64, 1, NULL},
     {"moe.gate_up.warps", 1, 16, 8, "1 2 4 8 16"},
@@ -36,6 +36,9 @@ static const og_tunable tunables[] = {
     {"moe.gate_up.fp8_rows", 16, 32, 16, "16 32"},
     /* FP8 weights taken (1) or handed back (0); also OPGRAFT_MOE_FP8=0. A switch, not tuned. */
     {"moe.fp8", 0, 1, 0, NULL},
+    /* FP8 weights: 16-bit hidden states quantized by gate_up (1), or refused so that the caller
+     * quantizes them (vLLM's kernel) and passes e4m3 (0). A switch, not tuned. */
+    {"moe.fp8_quantize", 0, 1, 0, NULL},
 };
 
 static const og_tune_entry rows[] = {
@@ -163,6 +166,7 @@ static void moe_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_moe_args, routing);
   OG_ABI_FIELD(b, opgraft_moe_args, router_logits);
   OG_ABI_FIELD(b, opgraft_moe_args, router_logits_stride);
+  OG_ABI_FIELD(b, opgraft_moe_args, hidden_dtype);
   opgraft__abi_end(b);
 }
 

@@ -64,6 +64,8 @@ static char nvrtc_error[256];
 static _Atomic int next_job;
 /* The routing of the jobs added (opgraft_moe_routing; routed jobs take no expert map). */
 static int32_t job_routing;
+/* FP8 jobs added with 16-bit hidden states that gate_up quantizes (hidden_dtype = dtype). */
+static int job_hidden16;
 
 /* Adds the configuration that the current tunables give (shape s, T tokens, dtype, weights, arch). */
 static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, const char *setting) {
@@ -85,7 +87,9 @@ static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, con
   if (qz.layout != OPGRAFT_MOE_SCALE_NONE) {
     a.weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a.scale_layout = qz.layout, a.scale_dtype = OPGRAFT_DTYPE_FP32;
     a.block_n = a.block_k = qz.block;
-    if (qz.layout == OPGRAFT_MOE_SCALE_BLOCK) snprintf(wq, sizeof wq, " fp8 %dx%d blocks", qz.block, qz.block);
+    if (qz.layout == OPGRAFT_MOE_SCALE_BLOCK) snprintf(wq, sizeof wq, " fp8 %dx%d blocks%s", qz.block, qz.block,
+                                                       job_hidden16 ? ", 16-bit x" : "");
+    if (job_hidden16) a.hidden_dtype = dtype;
     else snprintf(wq, sizeof wq, " fp8 per-tensor");
   }
   job *j = &jobs[n_jobs];
@@ -276,6 +280,22 @@ static int setup(void **state) {
   add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1",
                                  "OPGRAFT_TUNE_MOE_PDL_IN", "1", NULL},
                 (const int[]){Q30, DSV3_TP8}, 2, (const int32_t[]){1, 2}, 2, OPGRAFT_DTYPE_BF16, Q_B128);
+  /* ... with 16-bit hidden states that gate_up quantizes (the routing seam's calls): both k-steps,
+   * 64x64 blocks, fp16, and without the rule's slot routing */
+  job_hidden16 = 1;
+  static const int xq_shapes[] = {Q30, DSV3, DSV3_TP8, KIMI_TP8, Q235};
+  add_setting_q(NULL, xq_shapes, 5, (const int32_t[]){1, 2, 4, 8}, 4, OPGRAFT_DTYPE_BF16, Q_B128);
+  add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_FP8_KSTEP", "32", NULL}, xq_shapes, 5, (const int32_t[]){1, 2, 8},
+                3, OPGRAFT_DTYPE_BF16, Q_B128);
+  add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1",
+                                 "OPGRAFT_TUNE_MOE_PDL_IN", "1", NULL},
+                (const int[]){Q30, DSV3_TP8}, 2, (const int32_t[]){1, 2}, 2, OPGRAFT_DTYPE_BF16, Q_B128);
+  add_setting_q(NULL, (const int[]){Q30_TP4, DSV3_TP8}, 2, (const int32_t[]){1, 2}, 2, OPGRAFT_DTYPE_BF16, Q_B64);
+  add_setting_q(NULL, (const int[]){Q30}, 1, (const int32_t[]){1, 2}, 2, OPGRAFT_DTYPE_FP16, Q_B128);
+  add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_SLOT_ROUTING", "0", "OPGRAFT_TUNE_MOE_GATE_UP_FP8_ROWS", "32",
+                                 NULL},
+                (const int[]){Q30, DSV3_TP8}, 2, (const int32_t[]){1, 2, 8}, 3, OPGRAFT_DTYPE_BF16, Q_B128);
+  job_hidden16 = 0;
   job_routing = OPGRAFT_MOE_ROUTING_SOFTMAX;
   add_setting_q(NULL, (const int[]){Q30}, 1, (const int32_t[]){1}, 1, OPGRAFT_DTYPE_FP16, Q_TENSOR);
   job_routing = OPGRAFT_MOE_ROUTING_TOPK;

@@ -427,6 +427,46 @@ static void test_fp8_refusals(void **state) {
   }
 }
 
+/* FP8 weights with 16-bit hidden states (ABI 9): gate_up quantizes them; block scales only. */
+static void test_fp8_hidden_states_quantized_in_the_kernel(void **state) {
+  fp8_on();
+  opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  a.hidden_dtype = a.dtype, a.hidden_scale = NULL;
+  memset(a.hidden_scale_stride, 0, sizeof a.hidden_scale_stride);
+  expect_ok(&a, "bf16 hidden states, no hidden_scale");
+  a.hidden_states_stride[0] = 2048 + 8; /* 16-byte rows of bf16 */
+  expect_ok(&a, "bf16 hidden states with a padded row");
+  a.hidden_dtype = OPGRAFT_DTYPE_FP16;
+  expect_refusal(&a, "hidden states of dtype fp16", "hidden states neither e4m3 nor the output's dtype");
+  a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  a.hidden_dtype = OPGRAFT_DTYPE_FP8_E4M3;
+  expect_ok(&a, "hidden_dtype e4m3 is the default form");
+  a.hidden_scale = NULL;
+  expect_refusal(&a, "an FP8 scale pointer is NULL", "e4m3 hidden states without hidden_scale");
+  a = fp8_args(OPGRAFT_MOE_SCALE_TENSOR);
+  a.hidden_dtype = a.dtype, a.hidden_scale = NULL;
+  expect_refusal(&a, "16-bit hidden states with per-tensor FP8 scales", "per-tensor");
+  a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  a.hidden_dtype = a.dtype, a.hidden_scale = NULL, a.block_k = 256;
+  expect_refusal(&a, "block_k 256 (at most 128)", "block_k 256");
+  a.block_k = 96; /* 2048 is not a multiple of 96 */
+  expect_refusal(&a, "H 2048 not a multiple of block_k 96", "H % block_k");
+  a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
+  a.hidden_dtype = a.dtype, a.hidden_scale = NULL;
+  setenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "0", 1);
+  opgraft_tune_reload();
+  expect_refusal(&a, "moe.fp8_quantize is 0", "the switch");
+  unsetenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE");
+  opgraft_tune_reload();
+  a.arch = 89;
+  expect_refusal(&a, "moe.fp8_quantize is 0 on sm_89", "the rule: sm_90 only");
+  a.arch = 90, a.routing = OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM, a.router_logits = (const void *)0x600000;
+  a.router_logits_stride[0] = 128, a.router_logits_stride[1] = 1;
+  expect_ok(&a, "routed, bf16 hidden states");
+  a.scale_dtype = OPGRAFT_DTYPE_BF16; /* a routed call runs the FP8 checks too */
+  expect_refusal(&a, "scales of dtype bf16", "routed FP8 with bf16 scales");
+}
+
 static void test_fp8_tokens_and_expert_map(void **state) {
   fp8_on();
   opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
@@ -563,6 +603,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_fp8_valid, reset_tunables),
       cmocka_unit_test_teardown(test_fp8_archs_and_switches, reset_tunables),
       cmocka_unit_test_teardown(test_fp8_refusals, reset_tunables),
+      cmocka_unit_test_teardown(test_fp8_hidden_states_quantized_in_the_kernel, reset_tunables),
       cmocka_unit_test_teardown(test_fp8_tokens_and_expert_map, reset_tunables),
       cmocka_unit_test_teardown(test_fp8_shape_key_rules_workspace, reset_tunables),
   };

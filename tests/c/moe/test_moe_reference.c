@@ -809,6 +809,62 @@ static void test_fp8_tensor(void **state) {
   }
 }
 
+/* The e4m3 encoding nearest to v by a search of the table, ties to the even encoding, finite
+ * values past 448 saturated. */
+static uint8_t nearest_e4m3_bits(float v) {
+  const double a = fabs((double)v);
+  int best = 0;
+  double best_err = INFINITY;
+  for (int b = 0; b < 127; ++b) {
+    const double err = fabs(e4m3_table[b] - a);
+    if (err < best_err || (err == best_err && (b & 1) == 0)) best_err = err, best = b;
+  }
+  return (uint8_t)((v < 0 ? 0x80 : 0) | best);
+}
+
+/* 16-bit hidden states with FP8 weights (ABI 9): the oracle quantizes each token's 1 x bk groups
+ * itself (amax = max(max |x|, 1e-10) in fp32, scale amax / 448, q = e4m3(x * (448 / amax))); the
+ * brute force quantizes them by its own rule into the e4m3 form and checks that. */
+static void test_fp8_hidden_quantized(void **state) {
+  build_e4m3_table();
+  for (int c = 0; c < 2; ++c) {
+    fp8_problem p;
+    const int bk = c ? 64 : 32;
+    fp8_init(&p, OPGRAFT_MOE_SCALE_BLOCK, 32, bk, 128, 64, 0, 0, 80 + (uint64_t)c);
+    uint16_t *x16 = malloc(sizeof(uint16_t) * (size_t)(p.T * p.H));
+    assert_non_null(x16);
+    for (int64_t i = 0; i < p.T * p.H; ++i) { /* values over a few decades, a zero group in token 1 */
+      const double u = (rnd() >> 11) * 0x1p-53 - 0.5;
+      x16[i] = (i / p.H == 1 && i % p.H < bk) ? 0 : rne_bf16(u * exp2((double)(rnd() % 12) - 6));
+    }
+    for (int64_t t = 0; t < p.T; ++t)
+      for (int64_t g = 0; g < p.H / bk; ++g) {
+        float amax = 0.f;
+        for (int64_t h = g * bk; h < (g + 1) * bk; ++h) amax = fmaxf(amax, fabsf((float)dec_bf16(x16[t * p.H + h])));
+        amax = fmaxf(amax, 1e-10f);
+        const float r = 448.f / amax;
+        p.xs[t * p.xs_stride[0] + g * p.xs_stride[1]] = amax / 448.f;
+        for (int64_t h = g * bk; h < (g + 1) * bk; ++h)
+          p.x[t * p.H + h] = nearest_e4m3_bits((float)dec_bf16(x16[t * p.H + h]) * r);
+      }
+    const int64_t n = p.T * p.H;
+    double *got = malloc(sizeof(double) * (size_t)n), *want = malloc(sizeof(double) * (size_t)n);
+    assert_true(got && want);
+    opgraft_moe_args a = fp8_args(&p);
+    a.hidden_states = x16, a.hidden_dtype = OPGRAFT_DTYPE_BF16, a.hidden_scale = NULL;
+    const int32_t st = opgraft_moe_reference(&a, got);
+    if (st != OPGRAFT_OK) fail_msg("%s: %s", opgraft_status_name(st), opgraft_last_error());
+    fp8_brute_force(&p, want);
+    for (int64_t i = 0; i < n; ++i)
+      if (!(fabs(got[i] - want[i]) <= 1e-12 * fmax(fabs(want[i]), 1e-9)))
+        fail_msg("bk %d: out[%lld] = %.17g, brute force %.17g", bk, (long long)i, got[i], want[i]);
+    a.block_k = 48; /* 128 is not a multiple of 48 */
+    assert_int_equal(opgraft_moe_reference(&a, got), OPGRAFT_EUNSUPPORTED);
+    free(got), free(want), free(x16);
+    fp8_free(&p);
+  }
+}
+
 /* The scales are read where they belong: doubling one w2 block's scale (rows 0..31 of H) changes
  * those outputs and leaves the others' bits alone. */
 static void test_fp8_scales_are_used(void **state) {
@@ -908,6 +964,7 @@ int main(void) {
       cmocka_unit_test(test_fp8_block),
       cmocka_unit_test(test_fp8_tensor),
       cmocka_unit_test(test_fp8_scales_are_used),
+      cmocka_unit_test(test_fp8_hidden_quantized),
       cmocka_unit_test(test_fp8_bad_arguments),
       cmocka_unit_test(test_fp8_expert_map_fewer_local_than_topk),
       cmocka_unit_test(test_own_rounding),

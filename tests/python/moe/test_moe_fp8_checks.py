@@ -84,3 +84,41 @@ def test_expert_parallel_cases_route_tokens_to_the_ranks_experts():
         assert bool(((local >= 0).sum(1) >= 1).all()), c["name"]
         if not c["dup"]:
             assert all(len(set(r)) == k for r in ids.tolist()), c["name"]
+
+
+def test_routed_x16_cases_run_their_checks(monkeypatch):
+    """The routed FP8 cases whose kernels quantize bf16/fp16 hidden states: on CPU with the kernel
+    calls replaced by the oracle of that quantization, every check of a small case runs and passes."""
+
+    def quantized(hidden, fp8):
+        if fp8.hidden_scale is not None:
+            return hidden, fp8
+        x, xs = checks.quantize_as_the_kernel(hidden, fp8.block_shape[1])
+        return x, ops.Fp8Scales(xs, fp8.w13_scale, fp8.w2_scale, fp8.block_shape)
+
+    def experts(out, hidden, w13, w2, tw, ids, fp8):
+        x, f = quantized(hidden, fp8)
+        return out.copy_(moe_bench.reference_fp8(x, f, w13, w2, tw, ids).to(out.dtype))
+
+    class Plan:
+        handle, reason = 1, ""
+
+    def run_routed(plan, out, hidden, w13, w2, logits, k, renorm, tw=None, ids=None, workspace=None, fp8=None):
+        ew, eids = checks._expected_routing(logits, k, renorm)
+        if tw is not None:
+            tw.copy_(ew.float()), ids.copy_(eids)
+        return experts(out, hidden, w13, w2, ew.float(), eids, fp8)
+
+    monkeypatch.setattr(ops, "plan_for_routed", lambda *a, **k: Plan())
+    monkeypatch.setattr(ops, "run_routed", run_routed)
+    monkeypatch.setattr(ops, "moe_routed_into", lambda out, hidden, w13, w2, logits, k, renorm=True, fp8=None, **kw:
+                        run_routed(None, out, hidden, w13, w2, logits, k, renorm, fp8=fp8))
+    monkeypatch.setattr(ops, "moe_experts_into", lambda out, hidden, w13, w2, tw, ids, fp8=None, **kw:
+                        experts(out, hidden, w13, w2, tw, ids, fp8))
+    cases = [c for c in checks.routed_cases() if c.get("xq")]
+    assert len(cases) >= 6 and all(c["name"].startswith("routed fp8 block x16 ") for c in cases)
+    small = [c for c in cases if _small(c)]
+    assert small
+    for c in small:
+        r = checks._run_routed_case(c, "cpu")
+        assert r["passed"] and r["same_as_quantized_first"] and r["c_oracle_vs_torch_fp64"] < 1e-6, r

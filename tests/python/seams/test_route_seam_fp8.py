@@ -1,7 +1,8 @@
 """The MoE routing seam on FP8 layers, against the real vLLM classes: Fp8MoEMethod with a modular
 kernel of TritonExperts (built as vLLM builds it, with its FP8 quant configs) behind the no-dispatch
-prepare/finalize. Which layers reach the guard, and that the layer's activations are quantized
-(by vLLM's own prepare step) only once the plan takes the call."""
+prepare/finalize. Which layers reach the guard, that the kernel quantizes the bf16 activations
+itself where its plan says so, and that otherwise the layer's activations are quantized (by vLLM's
+own prepare step) only once the plan takes the call."""
 
 import os
 import types
@@ -135,6 +136,45 @@ def test_the_quantization_is_the_layers_prepare_step(clean, monkeypatch):
     assert seen["on_input"] is False and seen["qc"] is qc and seen["defer"] is False
 
 
+class _FakePlan:
+    def __init__(self, take, reason=""):
+        self.handle, self.reason = (1 if take else None), reason
+
+
+@pytest.mark.parametrize("kernel_quantizes", [True, False])
+def test_who_quantizes_the_activations(clean, monkeypatch, kernel_quantizes):
+    """The plan for bf16 hidden states (Fp8Scales without hidden_scale) first: where it takes the
+    call, the layer's prepare step never runs and the kernel gets the bf16 hidden states; where it
+    refuses (moe.fp8_quantize 0, say), vLLM's quantization runs once and the kernel gets e4m3."""
+    from opgraft.ops import moe
+
+    plans, runs, quantized = [], [], []
+
+    def plan_for_routed(x, w13, w2, logits, top_k, renorm, out=None, topk_weights=None, topk_ids=None, fp8=None):
+        plans.append((x.dtype, fp8.hidden_scale is None))
+        if fp8.hidden_scale is None:
+            return _FakePlan(kernel_quantizes, "moe.fp8_quantize is 0 on sm_90")
+        return _FakePlan(True)
+
+    monkeypatch.setattr(moe, "plan_for_routed", plan_for_routed)
+    monkeypatch.setattr(moe, "run_routed", lambda plan, out, x, *a, fp8=None, **k: runs.append((x, fp8)))
+    r = _runner()
+    x, logits = _inputs()
+    xq, xs = torch.empty(T, H, dtype=F8), torch.empty(T, H // 128)
+    monkeypatch.setattr(MoEPrepareAndFinalizeNoDPEPModular, "prepare",
+                        lambda *a, **k: quantized.append(1) or (xq, xs, None, None, None))
+    route_seam.make_wrapper(_Original())(r, x, logits, None, None)
+    ran_x, ran_fp8 = runs[0]
+    if kernel_quantizes:
+        assert plans == [(torch.bfloat16, True)] and not quantized
+        assert ran_x is x and ran_fp8.hidden_scale is None
+        assert dispatch.stats()["moe"]["taken_by_kind"] == {"routed+fp8-block+kernel-quant": 1}
+    else:
+        assert plans == [(torch.bfloat16, True), (F8, False), (F8, False)] and quantized == [1]
+        assert ran_x is xq and ran_fp8.hidden_scale is xs
+        assert dispatch.stats()["moe"]["taken_by_kind"] == {"routed+fp8-block": 1}
+
+
 def test_routed_fp8_args_and_guard_without_a_gpu():
     """The C guard on a routed FP8 call at sm_90 (no GPU needed with arch set)."""
     import ctypes
@@ -142,11 +182,11 @@ def test_routed_fp8_args_and_guard_without_a_gpu():
     from opgraft import _lib
     from opgraft.ops import moe
 
-    def reason(T=1, logits_dtype=torch.bfloat16):
+    def reason(T=1, logits_dtype=torch.bfloat16, bf16_x=False):
         E_, H_, I_, k = 128, 2048, 768, 8
-        x = torch.empty(T, H_, dtype=F8)
+        x = torch.empty(T, H_, dtype=torch.bfloat16 if bf16_x else F8)
         w13, w2 = torch.empty(E_, 2 * I_, H_, dtype=F8), torch.empty(E_, H_, I_, dtype=F8)
-        fp8 = moe.Fp8Scales(torch.empty(T, H_ // 128), torch.empty(E_, 2 * I_ // 128, H_ // 128),
+        fp8 = moe.Fp8Scales(None if bf16_x else torch.empty(T, H_ // 128), torch.empty(E_, 2 * I_ // 128, H_ // 128),
                             torch.empty(E_, H_ // 128, I_ // 128), (128, 128))
         a = moe.moe_routed_args(x, w13, w2, torch.empty(T, E_, dtype=logits_dtype), k, True, arch=90, fp8=fp8)
         if a.dtype == -1:
@@ -159,3 +199,13 @@ def test_routed_fp8_args_and_guard_without_a_gpu():
     assert reason(T=2) == ""
     assert reason(T=4) == "moe.route is 0 on sm_90 at T=4 (routing stays vLLM's)"  # FP8's rule: 2 tokens
     assert reason(logits_dtype=torch.float32).startswith("dtype")
+    assert reason(bf16_x=True) == "" and reason(T=2, bf16_x=True) == ""
+    assert reason(bf16_x=True, logits_dtype=torch.float16).startswith("dtype")  # x is not in the logits' dtype
+    os.environ["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"] = "0"
+    try:
+        _lib.lib().opgraft_tune_reload()
+        assert reason(bf16_x=True).startswith("moe.fp8_quantize is 0 on sm_90")
+        assert reason() == ""  # e4m3 hidden states do not look at it
+    finally:
+        del os.environ["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"]
+        _lib.lib().opgraft_tune_reload()
