@@ -201,7 +201,7 @@ static int32_t plan_run(const opgraft_moe_plan *plan, int fp8_entry, const void 
     return opgraft__fail(OPGRAFT_EINVAL, "%s: a plan %s FP8 weights (use opgraft_moe_plan_run%s)", what,
                          fp8 ? "of" : "without", entry);
   const int xq = opgraft__moe_quantizes_x(a);
-  if (fp8 && !xq != !xs)
+  if (fp8 && !xq == !xs)
     return opgraft__fail(OPGRAFT_EINVAL, "%s: %s hidden_scale for a plan whose hidden states are %s", what,
                          xs ? "a" : "no", xq ? "16-bit (the kernel quantizes them)" : "e4m3");
   if (!routed != !logits)
