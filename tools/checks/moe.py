@@ -152,7 +152,10 @@ def quantize_as_the_kernel(x: torch.Tensor, block_k: int):
     T, H = x.shape
     g = x.float().view(T, H // block_k, block_k)
     amax = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-10)
-    return moe_bench._to_e4m3(g * (448.0 / amax)).view(T, H), (amax / 448.0).view(T, -1).contiguous()
+    # 448 / amax as a division of tensors: torch computes scalar / tensor as reciprocal times 448,
+    # an ulp off the kernel's IEEE quotient, which moves the many exact ties of bf16 ratios
+    r = torch.full_like(amax, 448.0) / amax
+    return moe_bench._to_e4m3(g * r).view(T, H), (amax / 448.0).view(T, -1).contiguous()
 
 
 def routed_cases() -> list[dict]:

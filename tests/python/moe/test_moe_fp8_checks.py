@@ -122,3 +122,23 @@ def test_routed_x16_cases_run_their_checks(monkeypatch):
     for c in small:
         r = checks._run_routed_case(c, "cpu")
         assert r["passed"] and r["same_as_quantized_first"] and r["c_oracle_vs_torch_fp64"] < 1e-6, r
+
+
+def test_the_checks_quantizer_is_the_c_oracles():
+    """quantize_as_the_kernel (the GPU check's e4m3 form of 16-bit hidden states) equals the C
+    oracle's quantization bit for bit, on values with exact ties: bf16 ratios to a group's absmax
+    land on e4m3 midpoints often (0.5625 / 3.0 * 448 = 84, between 80 and 88), where a quotient an
+    ulp off (torch's scalar / tensor is a reciprocal times the scalar) breaks them the other way."""
+    shape = MoeShape("small", 4, 256, 64, 2)
+    g = torch.Generator().manual_seed(5)
+    w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", "cpu", seed=1)
+    x = (torch.randint(-48, 49, (3, 256), generator=g).float() / 16).bfloat16()  # multiples of 1/16
+    x[:, ::128] = 3.0  # absmax 3 in every group
+    assert float(x[0, 1]) in [v / 16 for v in range(-48, 49)]
+    xq, xs = checks.quantize_as_the_kernel(x, 128)
+    assert torch.equal(torch.tensor([0.5625]).mul(torch.full((1,), 448.0) / 3.0).to(torch.float8_e4m3fn).float(),
+                       torch.tensor([80.0]))  # the tie to the even encoding
+    logits = torch.randn(3, 4, generator=g).bfloat16()
+    c16 = ops.moe_routed_reference_cpu(x, w13, w2, logits, 2, True, fp8=moe_bench.fp8_scales("fp8-block", None, s13, s2))
+    c8 = ops.moe_routed_reference_cpu(xq, w13, w2, logits, 2, True, fp8=moe_bench.fp8_scales("fp8-block", xs, s13, s2))
+    assert torch.equal(c16, c8)
