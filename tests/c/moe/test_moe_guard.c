@@ -433,6 +433,9 @@ static void test_fp8_hidden_states_quantized_in_the_kernel(void **state) {
   opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
   a.hidden_dtype = a.dtype, a.hidden_scale = NULL;
   memset(a.hidden_scale_stride, 0, sizeof a.hidden_scale_stride);
+  expect_refusal(&a, "moe.fp8_quantize is 0 on sm_90", "the rule: off until checked bit for bit on a GPU");
+  setenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "1", 1);
+  opgraft_tune_reload();
   expect_ok(&a, "bf16 hidden states, no hidden_scale");
   a.hidden_states_stride[0] = 2048 + 8; /* 16-byte rows of bf16 */
   expect_ok(&a, "bf16 hidden states with a padded row");
@@ -456,10 +459,10 @@ static void test_fp8_hidden_states_quantized_in_the_kernel(void **state) {
   setenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "0", 1);
   opgraft_tune_reload();
   expect_refusal(&a, "moe.fp8_quantize is 0", "the switch");
-  unsetenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE");
+  setenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "1", 1);
   opgraft_tune_reload();
   a.arch = 89;
-  expect_refusal(&a, "moe.fp8_quantize is 0 on sm_89", "the rule: sm_90 only");
+  expect_ok(&a, "sm_89 with the switch on");
   a.arch = 90, a.routing = OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM, a.router_logits = (const void *)0x600000;
   a.router_logits_stride[0] = 128, a.router_logits_stride[1] = 1;
   expect_ok(&a, "routed, bf16 hidden states");

@@ -199,12 +199,13 @@ def test_routed_fp8_args_and_guard_without_a_gpu():
     assert reason(T=2) == ""
     assert reason(T=4) == "moe.route is 0 on sm_90 at T=4 (routing stays vLLM's)"  # FP8's rule: 2 tokens
     assert reason(logits_dtype=torch.float32).startswith("dtype")
-    assert reason(bf16_x=True) == "" and reason(T=2, bf16_x=True) == ""
-    assert reason(bf16_x=True, logits_dtype=torch.float16).startswith("dtype")  # x is not in the logits' dtype
-    os.environ["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"] = "0"
+    # bf16 hidden states: refused by the rule (the quantization stays vLLM's) until switched on
+    assert reason(bf16_x=True).startswith("moe.fp8_quantize is 0 on sm_90")
+    os.environ["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"] = "1"
     try:
         _lib.lib().opgraft_tune_reload()
-        assert reason(bf16_x=True).startswith("moe.fp8_quantize is 0 on sm_90")
+        assert reason(bf16_x=True) == "" and reason(T=2, bf16_x=True) == ""
+        assert reason(bf16_x=True, logits_dtype=torch.float16).startswith("dtype")  # x is not in the logits' dtype
         assert reason() == ""  # e4m3 hidden states do not look at it
     finally:
         del os.environ["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"]
