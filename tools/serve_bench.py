@@ -321,8 +321,11 @@ class Server:
 
     def start(self) -> None:
         with open(self.log, "w") as lf:
+            # SIGINT back to its default in the server: a study started in the background (nohup,
+            # `cmd &`) inherits it ignored, and then the clean stop below never reaches the server
             self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO, stdout=lf, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.t0 = time.monotonic()
 
     def alive(self) -> bool:
