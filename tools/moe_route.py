@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     from opgraft.ops import linear as linear_ops
     from opgraft.ops import moe as ops
     from opgraft.presets import PRESETS
+    from tools.checks.moe import quantize_as_the_kernel
 
     shape = PRESETS[args.model]
     E, H, k = shape.num_experts, shape.hidden, shape.top_k
@@ -86,8 +87,6 @@ def main(argv=None) -> int:
         ref = (moe_bench.reference_fp8(xq[0][0], sc[0], w13, w2, pw, pid) if fp8
                else moe_bench.reference(xs[0], w13, w2, pw, pid))
         if fp8:
-            from tools.checks.moe import quantize_as_the_kernel
-
             sx16 = moe_bench.fp8_scales("fp8-block", None, s13, s2)
             q16 = quantize_as_the_kernel(xs[0], moe_bench.FP8_BLOCK[1])
             ref16 = moe_bench.reference_fp8(q16[0], moe_bench.fp8_scales("fp8-block", q16[1], s13, s2), w13, w2, pw, pid)

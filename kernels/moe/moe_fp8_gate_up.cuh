@@ -53,6 +53,20 @@ __device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q,
   }
 }
 
+// One k-step's products of a lane's gate and up rows (a[0..1], a[2..3]) with its B operand b,
+// scaled into the fp32 accumulators of its columns 2c, 2c+1 (gate factors fg0, fg1; up fu0, fu1).
+template <class W4, class B>
+__device__ __forceinline__ void og_fp8_gu_step(float (&acc_g)[4], float (&acc_u)[4], const W4 (&a)[4], const B &b,
+                                               float fg0, float fg1, float fu0, float fu1) {
+  float d[4];
+  og_mma_step(d, a[0], a[1], b);
+  acc_g[0] += d[0] * fg0, acc_g[1] += d[1] * fg1;
+  acc_g[2] += d[2] * fg0, acc_g[3] += d[3] * fg1;
+  og_mma_step(d, a[2], a[3], b);
+  acc_u[0] += d[0] * fu0, acc_u[1] += d[1] * fu1;
+  acc_u[2] += d[2] * fu0, acc_u[3] += d[3] * fu1;
+}
+
 // gate_up over one tile of expert e for its npairs (token, slot) pairs s_pairs[0..npairs): NT
 // 8-pair MMA tiles a pass (an expert with more pairs, only where a token lists it more than once,
 // takes more passes), U k-steps (OG_GU_KS k each: a lane's 8 or 16 bytes of a row) of loads in
@@ -159,13 +173,7 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
                 for (int u = j * SPG; u < (j + 1) * SPG; ++u) {
                   typename K::act b;
                   og_xq_operand(b, bx[u][nt], r);
-                  float d[4];
-                  og_mma_step(d, a[u][0], a[u][1], b);
-                  acc_g[nt][0] += d[0] * fg0, acc_g[nt][1] += d[1] * fg1;
-                  acc_g[nt][2] += d[2] * fg0, acc_g[nt][3] += d[3] * fg1;
-                  og_mma_step(d, a[u][2], a[u][3], b);
-                  acc_u[nt][0] += d[0] * fu0, acc_u[nt][1] += d[1] * fu1;
-                  acc_u[nt][2] += d[2] * fu0, acc_u[nt][3] += d[3] * fu1;
+                  og_fp8_gu_step(acc_g[nt], acc_u[nt], a[u], b, fg0, fg1, fu0, fu1);
                 }
               }
             }
@@ -199,15 +207,8 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
 #endif
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-              if (p0 + nt * 8 < npairs) {
-                float d[4];
-                og_mma_step(d, a[u][0], a[u][1], bx[u][nt]);
-                acc_g[nt][0] += d[0] * fg0[nt], acc_g[nt][1] += d[1] * fg1[nt];
-                acc_g[nt][2] += d[2] * fg0[nt], acc_g[nt][3] += d[3] * fg1[nt];
-                og_mma_step(d, a[u][2], a[u][3], bx[u][nt]);
-                acc_u[nt][0] += d[0] * fu0[nt], acc_u[nt][1] += d[1] * fu1[nt];
-                acc_u[nt][2] += d[2] * fu0[nt], acc_u[nt][3] += d[3] * fu1[nt];
-              }
+              if (p0 + nt * 8 < npairs)
+                og_fp8_gu_step(acc_g[nt], acc_u[nt], a[u], bx[u][nt], fg0[nt], fg1[nt], fu0[nt], fu1[nt]);
             }
           }
         }

@@ -1,6 +1,6 @@
 /* bf16 and fp16 to and from double, e4m3 to double and the FP8 kernels' activation quantization,
- * on the host, for the ops' CPU oracles. Rounding goes straight
- * from fp64 to the nearest even 16-bit value (through float it would round twice). */
+ * on the host, for the ops' CPU oracles. Rounding goes straight from fp64 to the nearest even
+ * 16-bit value (through float it would round twice). */
 #include <math.h>
 #include <string.h>
 

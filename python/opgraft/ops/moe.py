@@ -67,7 +67,8 @@ def _fp8_fields(a: _lib.MoeArgs, fp8: Fp8Scales, T: int, H: int, I: int, E: int)
     a.weight_dtype = _lib.DTYPE_FP8_E4M3
     # 16-bit hidden states (no hidden_scale): the kernel quantizes them
     a.hidden_dtype = a.dtype if xs is None else _lib.DTYPE_FP8_E4M3
-    a.scale_dtype = dtype_code(s13) if dtype_code(s13) == dtype_code(s2) and (xs is None or dtype_code(xs) == dtype_code(s13)) else 0
+    same = dtype_code(s13) == dtype_code(s2) and (xs is None or dtype_code(xs) == dtype_code(s13))
+    a.scale_dtype = dtype_code(s13) if same else 0
     a.hidden_scale, a.w13_scale, a.w2_scale = _ptr(xs), s13.data_ptr(), s2.data_ptr()
     if fp8.block_shape is not None:
         bn, bk = (int(v) for v in fp8.block_shape)

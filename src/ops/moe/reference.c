@@ -131,13 +131,15 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
     double rw[OG_MOE_MAX_TOPK] = {0};
     if (routed) route_token(a, t, rid, rw);
     memset(acc, 0, sizeof(double) * (size_t)H);
-    if (!xq)
+    const uint16_t *row = (const uint16_t *)a->hidden_states + t * a->hidden_states_stride[0];
+    if (!xq) {
       for (int64_t h = 0; h < H; ++h) xt[h] = load_x(a, t, h);
-    for (int64_t h0 = 0; xq && h0 < H; h0 += a->block_k) {
-      const uint16_t *row = (const uint16_t *)a->hidden_states + t * a->hidden_states_stride[0];
-      const double sx = opgraft__e4m3_quantize_group(a->dtype, row + h0 * a->hidden_states_stride[1],
-                                                     a->hidden_states_stride[1], a->block_k, xt + h0);
-      for (int64_t h = h0; h < h0 + a->block_k; ++h) xt[h] *= sx;
+    } else {
+      for (int64_t h0 = 0; h0 < H; h0 += a->block_k) {
+        const double sx = opgraft__e4m3_quantize_group(a->dtype, row + h0 * a->hidden_states_stride[1],
+                                                       a->hidden_states_stride[1], a->block_k, xt + h0);
+        for (int64_t h = h0; h < h0 + a->block_k; ++h) xt[h] *= sx;
+      }
     }
     for (int64_t j = 0; j < K; ++j) {
       int64_t e = routed ? rid[j] : load_id(a, t, j);

@@ -23,6 +23,13 @@ static int teardown(void **state) {
 }
 
 /* After each test: tunables back to their defaults. */
+/* A tunable's value from the environment (NULL: unset), read again. */
+static void tune(const char *name, const char *value) {
+  if (value) setenv(name, value, 1);
+  else unsetenv(name);
+  opgraft_tune_reload();
+}
+
 static int reset_tunables(void **state) {
   og_unsetenv_prefix("OPGRAFT_TUNE_");
   opgraft_tune_reload();
@@ -202,8 +209,7 @@ static void test_kernel_token_limit(void **state) {
 }
 
 static void test_max_tokens_tunable(void **state) {
-  setenv("OPGRAFT_TUNE_MOE_MAX_TOKENS", "4", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_MAX_TOKENS", "4");
   opgraft_moe_args a = valid_args();
   a.num_tokens = 4;
   expect_ok(&a, "T=4 with moe.max_tokens=4");
@@ -211,8 +217,7 @@ static void test_max_tokens_tunable(void **state) {
   expect_refusal(&a, "5 tokens > moe.max_tokens 4", "T=5 with moe.max_tokens=4");
 
   /* Unset again: the limit is whatever the tunable now resolves to for this call. */
-  unsetenv("OPGRAFT_TUNE_MOE_MAX_TOKENS");
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_MAX_TOKENS", NULL);
   const opgraft_tune_query q = {"moe.max_tokens", 90, NULL, "moe:bf16:E128:H2048:I768:k8", 5};
   int64_t max_t = 0;
   assert_int_equal(opgraft_tune_get(&q, &max_t, NULL, 0), OPGRAFT_OK);
@@ -225,11 +230,9 @@ static void test_expert_map(void **state) {
   opgraft_moe_args a = valid_args(); /* this rank: 128 of 256 global experts */
   a.expert_map = (const void *)0x400000, a.expert_map_len = 256;
   expect_ok(&a, "expert_map with the shipped tunables");
-  setenv("OPGRAFT_TUNE_MOE_EXPERT_MAP", "0", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_EXPERT_MAP", "0");
   expect_refusal(&a, "moe.expert_map is 0", "expert_map with moe.expert_map=0");
-  setenv("OPGRAFT_TUNE_MOE_EXPERT_MAP", "1", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_EXPERT_MAP", "1");
   a.expert_map_len = 0;
   expect_refusal(&a, "expert_map of 0 global experts", "expert_map without a length");
   a.expert_map_len = 5000;
@@ -323,8 +326,7 @@ static opgraft_moe_args fp8_args(int32_t layout) {
 /* The rule takes FP8 at one token on sm_90 only (measured as a win there); the guard's other
  * checks are tested with moe.fp8 set to 1. */
 static void fp8_on(void) {
-  setenv("OPGRAFT_TUNE_MOE_FP8", "1", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_FP8", "1");
 }
 
 static void test_fp8_valid(void **state) {
@@ -359,15 +361,12 @@ static void test_fp8_archs_and_switches(void **state) {
   expect_refusal(&a, "the FP8 kernels need sm_89", "fp8 on sm_80");
   a.arch = 89; /* compiled and tested on CPU, never measured: handed back by the rule */
   expect_refusal(&a, "moe.fp8 is 0 on sm_89 at T=1", "fp8 on sm_89");
-  setenv("OPGRAFT_TUNE_MOE_FP8", "1", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_FP8", "1");
   expect_ok(&a, "fp8 on sm_89 with moe.fp8=1");
   a.arch = 90;
-  setenv("OPGRAFT_TUNE_MOE_FP8", "0", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_FP8", "0");
   expect_refusal(&a, "moe.fp8 is 0 on sm_90", "fp8 with moe.fp8=0");
-  unsetenv("OPGRAFT_TUNE_MOE_FP8");
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_FP8", NULL);
   expect_ok(&a, "fp8 on sm_90 at one token by the rule");
   set_shape(&a, 2, 2048, 768, 128, 8);
   expect_ok(&a, "fp8 block scales on sm_90 at two tokens by the rule");
@@ -434,8 +433,7 @@ static void test_fp8_hidden_states_quantized_in_the_kernel(void **state) {
   a.hidden_dtype = a.dtype, a.hidden_scale = NULL;
   memset(a.hidden_scale_stride, 0, sizeof a.hidden_scale_stride);
   expect_refusal(&a, "moe.fp8_quantize is 0 on sm_90", "the rule: off until checked bit for bit on a GPU");
-  setenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "1", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "1");
   expect_ok(&a, "bf16 hidden states, no hidden_scale");
   a.hidden_states_stride[0] = 2048 + 8; /* 16-byte rows of bf16 */
   expect_ok(&a, "bf16 hidden states with a padded row");
@@ -456,11 +454,9 @@ static void test_fp8_hidden_states_quantized_in_the_kernel(void **state) {
   expect_refusal(&a, "H 2048 not a multiple of block_k 96", "H % block_k");
   a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
   a.hidden_dtype = a.dtype, a.hidden_scale = NULL;
-  setenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "0", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "0");
   expect_refusal(&a, "moe.fp8_quantize is 0", "the switch");
-  setenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "1", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "1");
   a.arch = 89;
   expect_ok(&a, "sm_89 with the switch on");
   a.arch = 90, a.routing = OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM, a.router_logits = (const void *)0x600000;
@@ -477,8 +473,7 @@ static void test_fp8_tokens_and_expert_map(void **state) {
   expect_ok(&a, "fp8 T=8");
   a.num_tokens = 9; /* the rule's moe.max_tokens 8 on sm_90 holds for the FP8 shape key too */
   expect_refusal(&a, "9 tokens > moe.max_tokens 8", "fp8 T=9");
-  setenv("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64", 1);
-  opgraft_tune_reload();
+  tune("OPGRAFT_TUNE_MOE_MAX_TOKENS", "64");
   a.num_tokens = 64;
   expect_ok(&a, "fp8 T=64 with moe.max_tokens=64");
   /* DeepSeek-V3 at EP 64: 4 local experts, top-8, an expert_map of 256 global experts */
