@@ -38,7 +38,6 @@ def main(argv=None) -> int:
     from opgraft.ops import linear as linear_ops
     from opgraft.ops import moe as ops
     from opgraft.presets import PRESETS
-    from tools.checks.moe import quantize_as_the_kernel
 
     shape = PRESETS[args.model]
     E, H, k = shape.num_experts, shape.hidden, shape.top_k
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
                else moe_bench.reference(xs[0], w13, w2, pw, pid))
         if fp8:
             sx16 = moe_bench.fp8_scales("fp8-block", None, s13, s2)
-            q16 = quantize_as_the_kernel(xs[0], moe_bench.FP8_BLOCK[1])
+            q16 = moe_bench.quantize_as_the_kernel(xs[0], moe_bench.FP8_BLOCK[1])
             ref16 = moe_bench.reference_fp8(q16[0], moe_bench.fp8_scales("fp8-block", q16[1], s13, s2), w13, w2, pw, pid)
         for name in names:
             if name.startswith("routed"):

@@ -146,18 +146,6 @@ def _routed_case(name, shape, T, renorm=True, dtype="bf16", ties=False, tunables
                 tunables={"moe.route": 1, **fp8_on, **(tunables or {})}, routed=True, seed=0, fp8=fp8, xq=xq)
 
 
-def quantize_as_the_kernel(x: torch.Tensor, block_k: int):
-    """x [T, H] quantized per token and 1 x block_k group as gate_up does with 16-bit hidden states
-    (og_fp8.cuh): amax in fp32 floored at 1e-10, q = e4m3(x * (448 / amax)), scale amax / 448."""
-    T, H = x.shape
-    g = x.float().view(T, H // block_k, block_k)
-    amax = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-10)
-    # 448 / amax as a division of tensors: torch computes scalar / tensor as reciprocal times 448,
-    # an ulp off the kernel's IEEE quotient, which moves the many exact ties of bf16 ratios
-    r = torch.full_like(amax, 448.0) / amax
-    return moe_bench._to_e4m3(g * r).view(T, H), (amax / 448.0).view(T, -1).contiguous()
-
-
 def routed_cases() -> list[dict]:
     small = MoeShape("small", 16, 256, 128, 4)
     q30 = PRESETS["Qwen3-30B-A3B"]
@@ -232,7 +220,7 @@ def _run_routed_case(c: dict, device) -> dict:
         w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", device, seed=c["seed"])
         xb = moe_bench.make_x(T, shape.hidden, dtype, device, gen)
         if c.get("xq"):
-            xq, xs = quantize_as_the_kernel(xb, moe_bench.FP8_BLOCK[1])
+            xq, xs = moe_bench.quantize_as_the_kernel(xb, moe_bench.FP8_BLOCK[1])
             fp8_given = moe_bench.fp8_scales("fp8-block", xs, s13, s2)  # the same quantization, done here
             x, fp8 = xb, moe_bench.fp8_scales("fp8-block", None, s13, s2)
         else:

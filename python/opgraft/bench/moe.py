@@ -333,6 +333,18 @@ def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+def quantize_as_the_kernel(x: torch.Tensor, block_k: int):
+    """x [T, H] quantized per token and 1 x block_k group as gate_up does with 16-bit hidden states
+    (og_fp8.cuh): amax in fp32 floored at 1e-10, q = e4m3(x * (448 / amax)), scale amax / 448."""
+    T, H = x.shape
+    g = x.float().view(T, H // block_k, block_k)
+    amax = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-10)
+    # 448 / amax as a division of tensors: torch computes scalar / tensor as reciprocal times 448,
+    # an ulp off the kernel's IEEE quotient, which moves the many exact ties of bf16 ratios
+    r = torch.full_like(amax, 448.0) / amax
+    return _to_e4m3(g * r).view(T, H), (amax / 448.0).view(T, -1).contiguous()
+
+
 def block_quantize(w: torch.Tensor, block=FP8_BLOCK):
     """One matrix [N, K] to e4m3 with one fp32 scale per block (amax / 448, amax at least 1e-4):
     (q [N, K], s [ceil(N/bn), ceil(K/bk)]), by vLLM's per_block_cast_to_fp8 where it imports."""
@@ -634,8 +646,11 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
     """Rows for one shape with FP8 weights (kind "fp8-block" or "fp8-tensor") at each token count:
     opgraft's kernel ("opgraft", on activations quantized beforehand: the bytes and the ceiling
     fraction are the kernel's), opgraft as the seam runs in vLLM ("opgraft+quant": vLLM's
-    activation quantization, then the kernel), and vLLM's own FP8 path for each backend (vLLM's
-    modular kernel: quantization, TritonExperts or DeepGEMM, finalize), each checked against the
+    activation quantization, then the kernel), with block scales opgraft on the bf16 hidden
+    states ("opgraft-x16": gate_up quantizes them, checked against the oracle of that
+    quantization; a delegate row where the rule says no, moe.fp8_quantize), and vLLM's own FP8
+    path for each backend (vLLM's modular kernel: quantization, TritonExperts or DeepGEMM,
+    finalize), each checked against the
     fp64 oracle of the quantized model. Speedups are opgraft+quant over vLLM's TritonExperts (the
     path vLLM selects on an H200 under tensor parallelism), each backend's error stated next to
     ours. global_experts > shape.num_experts: expert parallelism, the routing over the global
@@ -692,6 +707,26 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
             results["opgraft"] = (us, err, {"deterministic": det, **how})
             us, how = timed_calls(call_q, schedule, between, reps, timing, cross_check)
             results["opgraft+quant"] = (us, err, {"deterministic": det, **how})
+        x16 = ops.Fp8Scales(None, w13_s, w2_s, tuple(FP8_BLOCK)) if kind == "fp8-block" else None
+        ok16, why16 = (ops.moe_supports(xs[0], w13_q, w2_q, *routings[0], expert_map=emap, fp8=x16)
+                       if x16 is not None else (False, ""))
+        if ok16:  # bf16 hidden states in, quantized by gate_up: what the seam runs when the rule takes it
+            kq, ks = quantize_as_the_kernel(xs[0], FP8_BLOCK[1])
+            ref16 = reference_fp8(kq, fp8_scales(kind, ks, w13_s, w2_s), w13_q, w2_q, routings[0][0], local_ids)
+            out16 = torch.full((T, shape.hidden), float("nan"), dtype=torch.bfloat16, device=device)
+            ops.moe_experts_into(out16, xs[0], w13_q, w2_q, *routings[0], expert_map=emap, fp8=x16)
+            again = torch.full_like(out16, float("nan"))
+            ops.moe_experts_into(again, xs[0], w13_q, w2_q, *routings[0], expert_map=emap, fp8=x16)
+            outs16 = [torch.empty_like(out16) for _ in range(n_routings)]
+            ws16 = torch.empty(1 << 24, dtype=torch.uint8, device=device)
+
+            def call_16(i, _):
+                ops.moe_experts_into(outs16[i], xs[i], w13_q, w2_q, *routings[i], expert_map=emap, workspace=ws16,
+                                     fp8=x16)
+
+            us, how = timed_calls(call_16, schedule, between, reps, timing, cross_check)
+            results["opgraft-x16"] = (us, rel_err(out16, ref16), {"deterministic": bool(torch.equal(out16, again)),
+                                                                   **how})
         missing, vs_vllm = {}, None
         for b, (fn, why) in builtins.items():
             name = f"vllm-{b.replace('_', '-')}"
@@ -728,4 +763,7 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
         if not ok:
             rows.append(dict(base, tokens=T, impl="opgraft", median_us=None, bytes=int(nbytes),
                              guard=f"delegate: {reason}"))
+        if x16 is not None and not ok16:
+            rows.append(dict(base, tokens=T, impl="opgraft-x16", median_us=None, bytes=int(nbytes),
+                             guard=f"delegate: {why16}"))
     return rows

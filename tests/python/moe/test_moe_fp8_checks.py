@@ -21,6 +21,9 @@ def oracle_kernel(monkeypatch):
     def fake_into(out, hidden, w13, w2, tw, ids, apply_router_weight_on_input=False, workspace=None, stages=3,
                   expert_map=None, fp8=None):
         local = ids if expert_map is None else expert_map[ids.long()].to(ids.dtype)
+        if fp8.hidden_scale is None:  # 16-bit hidden states: quantized as gate_up does
+            hidden, xs = moe_bench.quantize_as_the_kernel(hidden, fp8.block_shape[1])
+            fp8 = ops.Fp8Scales(xs, fp8.w13_scale, fp8.w2_scale, fp8.block_shape)
         out.copy_(moe_bench.reference_fp8(hidden, fp8, w13, w2, tw, local).to(out.dtype))
         return out
 
@@ -63,6 +66,7 @@ def test_fp8_bench_rows(oracle_kernel, monkeypatch):
                                          global_experts=G, between_mib=0)
         impls = {r["impl"] for r in rows}
         assert {"opgraft", "opgraft+quant"} <= impls
+        assert ("opgraft-x16" in impls) == (kind == "fp8-block")
         for r in rows:
             assert r["dtype"] == kind and r["bytes"] > 0 and r["global_experts"] == (G or 16)
             assert r["fraction_of_ceiling"] is not None and r["rel_err"] < 1e-2
@@ -70,6 +74,18 @@ def test_fp8_bench_rows(oracle_kernel, monkeypatch):
         assert rows[0]["builtin_missing"] and "vllm-triton" in rows[0]["builtin_missing"]
         text = moe_bench.format_table(rows)
         assert kind in text and "FP8 backends missing" in text
+
+
+def test_fp8_bench_x16_row_says_why_when_the_rule_declines(oracle_kernel, monkeypatch):
+    """With the guard refusing 16-bit hidden states, the block bench keeps a delegate row with the reason."""
+    monkeypatch.setattr(moe_bench, "timed_calls", lambda *a, **k: (10.0, {"timing": "test"}))
+    monkeypatch.setattr(moe_bench, "run_facts", lambda: {"gpu": "none"})
+    monkeypatch.setattr(ops, "moe_supports", lambda *a, fp8=None, **k: (False, "moe.fp8_quantize 0")
+                        if fp8 is not None and fp8.hidden_scale is None else (True, ""))
+    rows = moe_bench.bench_shape_fp8(MoeShape("small", 16, 256, 128, 4), [1], "fp8-block", device="cpu",
+                                     n_routings=2, ceiling_tbps=4.0, between_mib=0)
+    x16 = [r for r in rows if r["impl"] == "opgraft-x16"]
+    assert len(x16) == 1 and x16[0]["median_us"] is None and x16[0]["guard"] == "delegate: moe.fp8_quantize 0"
 
 
 def test_expert_parallel_cases_route_tokens_to_the_ranks_experts():
@@ -93,7 +109,7 @@ def test_routed_x16_cases_run_their_checks(monkeypatch):
     def quantized(hidden, fp8):
         if fp8.hidden_scale is not None:
             return hidden, fp8
-        x, xs = checks.quantize_as_the_kernel(hidden, fp8.block_shape[1])
+        x, xs = moe_bench.quantize_as_the_kernel(hidden, fp8.block_shape[1])
         return x, ops.Fp8Scales(xs, fp8.w13_scale, fp8.w2_scale, fp8.block_shape)
 
     def experts(out, hidden, w13, w2, tw, ids, fp8):
@@ -135,7 +151,7 @@ def test_the_checks_quantizer_is_the_c_oracles():
     x = (torch.randint(-48, 49, (3, 256), generator=g).float() / 16).bfloat16()  # multiples of 1/16
     x[:, ::128] = 3.0  # absmax 3 in every group
     assert float(x[0, 1]) in [v / 16 for v in range(-48, 49)]
-    xq, xs = checks.quantize_as_the_kernel(x, 128)
+    xq, xs = moe_bench.quantize_as_the_kernel(x, 128)
     assert torch.equal(torch.tensor([0.5625]).mul(torch.full((1,), 448.0) / 3.0).to(torch.float8_e4m3fn).float(),
                        torch.tensor([80.0]))  # the tie to the even encoding
     logits = torch.randn(3, 4, generator=g).bfloat16()
