@@ -4,7 +4,7 @@ kernel, same model, same prompts, one process per setting.
     python -m tools.e2e study --model Qwen3-30B-A3B --out-dir DIR
         [--modes disabled,opgraft,passthrough] [--batches 1,8,32] [--input-len 128]
         [--output-len 256] [--reps 5] [--mode-timeout 300] [--tp 2 [--expert-parallel]]
-        [--profile-steps 32] [--init-std 0.02]
+        [--profile-steps 32] [--init-std 0.02] [--moe-backend auto]
     python -m tools.e2e run --mode opgraft --model Qwen3-30B-A3B --json FILE   (one setting)
     python -m tools.e2e compare DIR                                            (table again)
 
@@ -493,7 +493,8 @@ def run(args) -> int:
     os.environ.update(env)
     cfg = model_config(args.model)
     result: dict = {"mode": args.mode, "model": args.model, "tp": args.tp,
-                    "expert_parallel": args.expert_parallel, "input_len": args.input_len,
+                    "expert_parallel": args.expert_parallel, "moe_backend": args.moe_backend,
+                    "input_len": args.input_len,
                     "output_len": args.output_len, "reps": args.reps, "batches": {},
                     "commit": os.environ.get("OPGRAFT_COMMIT", ""),
                     "date": time.strftime("%Y-%m-%d"), "status": "starting"}
@@ -524,7 +525,8 @@ def run(args) -> int:
               max_num_seqs=max(batches), gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=False, tensor_parallel_size=args.tp, disable_log_stats=False,
               enable_expert_parallel=args.expert_parallel,
-              compilation_config=compilation_config(capture, args.tp, os.environ))
+              compilation_config=compilation_config(capture, args.tp, os.environ),
+              **({} if args.moe_backend == "auto" else {"moe_backend": args.moe_backend}))
     result["startup_s"] = round(time.perf_counter() - t0, 1)
     result["status"] = "started"
     result["init_std"] = args.init_std
@@ -810,7 +812,7 @@ def study(args) -> int:
                "--reps", str(args.reps), "--init-std", str(args.init_std),
                "--profile-steps", str(args.profile_steps), *(["--profile-host"] if args.profile_host else []),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp),
-               "--capture", args.capture]
+               "--capture", args.capture, "--moe-backend", args.moe_backend]
         if args.expert_parallel:
             cmd.append("--expert-parallel")
         if os.path.exists(path):  # a previous study's result must not stand in for this one's
@@ -857,6 +859,10 @@ def main(argv=None) -> int:
         p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
         p.add_argument("--expert-parallel", action="store_true",
                        help="vLLM enable_expert_parallel (experts split over the --tp ranks)")
+        p.add_argument("--moe-backend", default="auto",
+                       help="vLLM's moe_backend (its --moe-backend: triton, deep_gemm, flashinfer_cutlass, ...; "
+                            "auto: vLLM's choice, not passed, for vLLMs without the option); opgraft's seams "
+                            "take only the calls of the experts classes they wrap, the rest stay that backend's")
         p.add_argument("--profile-steps", type=int, default=0,
                        help="after the timed runs, profile this many decode steps per batch size "
                             "(GPU time per step, kernel by kernel; 0: off)")

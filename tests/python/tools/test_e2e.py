@@ -389,7 +389,7 @@ def _study_args(tmp_path, modes):
     return argparse.Namespace(
         modes=modes, out_dir=str(tmp_path), log_dir=None, model="Qwen3-30B-A3B", batches=[1], input_len=8,
         output_len=4, reps=1, init_std=0.02, profile_steps=0, profile_host=False, gpu_memory_utilization=0.5, tp=1,
-        expert_parallel=False, mode_timeout=10, capture="study")
+        expert_parallel=False, mode_timeout=10, capture="study", moe_backend="auto")
 
 
 def test_study_fails_and_names_each_failed_setting(tmp_path, monkeypatch, capsys):
@@ -470,6 +470,10 @@ def test_study_passes_profile_host_to_each_setting(tmp_path, monkeypatch):
     cmds.clear()
     e2e.study(a)
     assert cmds and all(c[c.index("--capture") + 1] == "vllm" for c in cmds)
+    a.moe_backend = "flashinfer_cutlass"
+    cmds.clear()
+    e2e.study(a)
+    assert cmds and all(c[c.index("--moe-backend") + 1] == "flashinfer_cutlass" for c in cmds)
 
 
 def test_one_token_phases_come_from_vllms_request_stats():
