@@ -23,9 +23,9 @@
  * - linear.l2_fetch 128 (the MoE kernels' largest single gain, NOTES v2), linear.load 4 (the form
  *   that kept its speed after other kernels had filled L2, NOTES v9), linear.pdl 0 (unmeasured).
  * - FP8 weights ("linear:fp8:..."): linear.max_rows 8 on sm_90 for weights of at most 16 MiB, 0
- *   elsewhere: measured against vLLM's FP8 kernel (its engine profile) only up to 10.5 MB
- *   (Qwen3-30B-A3B-FP8: ours 1.06-1.76x), and its DeepGEMM kernels may stream large matrices
- *   better than this GEMV's 40-60% of the ceiling there (DeepSeek-V3 q_b, o; NOTES v32);
+ *   elsewhere: against vLLM's own FP8 kernel in the same run (NOTES v33) ours is 1.27-4.3x on
+ *   Qwen3-30B-A3B-FP8's projections (up to 10.5 MB) but 0.80-1.05x on DeepSeek-V3's q_b
+ *   (38 MB) and o (117 MB), where this GEMV reads 40-60% of the ceiling;
  *   warps as above over 128-column groups (one group a warp at least); one 16-row tile a block
  *   where every block of 8 warps is then resident (two blocks an SM), else two (Qwen3-30B-A3B's
  *   qkv [5120, 2048]: 320 blocks in 1.2 waves 7.77 µs, 160 in one 6.77); one group a warp in
