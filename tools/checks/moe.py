@@ -258,12 +258,19 @@ def _run_routed_case(c: dict, device) -> dict:
         ref = moe_bench.reference_fp8(x, fp8, w13, w2, ew.float(), eids)
     err = bench.rel_err(out, ref)
     if fp8_given is not None:
-        # the e4m3 form with this quantization done beforehand: the same bits with 64-k steps (the
-        # same f16 operands and sums); with 32-k steps it runs e4m3 MMAs, so only close
+        # the e4m3 form with this quantization done beforehand: the same bits where both compile
+        # the same configuration with 64-k steps (the same f16 operands and sums). x's 16-bit
+        # registers can lower gate_up's unroll, which splits H over the warps' rounds otherwise
+        # and so sums in another order; with 32-k steps the e4m3 form runs e4m3 MMAs. Only close then.
         e4m3 = torch.full_like(out, float("nan"))
         ops.moe_routed_into(e4m3, xq, w13, w2, logits, k, c["renorm"], fp8=fp8_given)
         res["same_as_quantized_first"] = bool(torch.equal(out, e4m3))
         res["rel_err_vs_quantized_first"] = bench.rel_err(out, e4m3.double())
+        arch = 90 if device == "cpu" else int("".join(map(str, torch.cuda.get_device_capability(device))))
+        cfg16, cfg8 = (ops.routed_config(xi, w13, w2, logits, k, c["renorm"], fp8=fi, arch=arch).split()
+                       for xi, fi in ((x, fp8), (xq, fp8_given)))
+        res["config_differs_from_quantized_first"] = " ".join(
+            f"{a} vs {b}" for a, b in zip(cfg16, cfg8) if a != b and not a.startswith("-DOG_XQ="))
     # the same call with the routing given (vLLM's form): the same bits
     given = torch.full_like(out, float("nan"))
     ops.moe_experts_into(given, x, w13, w2, tw.clone(), ids.clone(), fp8=fp8)
@@ -276,8 +283,8 @@ def _run_routed_case(c: dict, device) -> dict:
                deterministic=det)
     passed = err <= tol and ids_ok and w_err <= 1e-5 and same_as_given and det
     if fp8_given is not None:
-        passed = passed and (res["same_as_quantized_first"] or (c["tunables"].get("moe.fp8_kstep") == 32
-                                                                and res["rel_err_vs_quantized_first"] <= 1e-3))
+        only_close = c["tunables"].get("moe.fp8_kstep") == 32 or res["config_differs_from_quantized_first"]
+        passed = passed and (res["same_as_quantized_first"] or (only_close and res["rel_err_vs_quantized_first"] <= 1e-3))
     if shape.hidden * shape.inter * E <= 16 * 256 * 256 or fp8_given is not None:
         cref = ops.moe_routed_reference_cpu(x, w13, w2, logits, k, c["renorm"], fp8=fp8)
         res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm().clamp_min(1e-300))

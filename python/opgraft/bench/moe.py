@@ -339,10 +339,11 @@ def quantize_as_the_kernel(x: torch.Tensor, block_k: int):
     T, H = x.shape
     g = x.float().view(T, H // block_k, block_k)
     amax = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-10)
-    # 448 / amax as a division of tensors: torch computes scalar / tensor as reciprocal times 448,
-    # an ulp off the kernel's IEEE quotient, which moves the many exact ties of bf16 ratios
-    r = torch.full_like(amax, 448.0) / amax
-    return _to_e4m3(g * r).view(T, H), (amax / 448.0).view(T, -1).contiguous()
+    # Both quotients as divisions of tensors: on CUDA torch computes scalar / tensor and tensor /
+    # scalar as a reciprocal times the other, an ulp off the kernel's IEEE quotients (448 / amax
+    # moves the many exact ties of bf16 ratios; amax / 448 the group's scale)
+    c = torch.full_like(amax, 448.0)
+    return _to_e4m3(g * (c / amax)).view(T, H), (amax / c).view(T, -1).contiguous()
 
 
 def block_quantize(w: torch.Tensor, block=FP8_BLOCK):

@@ -434,6 +434,16 @@ def plan_for_routed(hidden, w13, w2, router_logits, top_k, renormalize, out=None
                       "tensor shapes or devices are not those of a routed MoE call")
 
 
+def routed_config(hidden, w13, w2, router_logits, top_k, renormalize, fp8: Fp8Scales | None = None,
+                  arch: int = 90) -> str:
+    """The kernels' configuration of a routed call's layout on arch, as compile options
+    ("-DOG_W1=4 ..."); two layouts whose options agree run the same sums in the same order."""
+    a = moe_routed_args(hidden, w13, w2, router_logits, top_k, renormalize, arch=arch, fp8=fp8)
+    buf = ctypes.create_string_buffer(4096)
+    _lib.check(_lib.lib().opgraft_moe_describe(ctypes.byref(a), arch, buf, len(buf)))
+    return buf.value.decode()
+
+
 def run_routed(plan: Plan, out, hidden, w13, w2, router_logits, top_k, renormalize, topk_weights=None,
                topk_ids=None, workspace=None, fp8: Fp8Scales | None = None):
     """Runs a routed plan (plan_for_routed) into out: the kernels route from router_logits and,

@@ -199,8 +199,8 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
     if (!opgraft__tune_value("moe.fp8", arch, g, shape, (int32_t)T))
       return OG_REASON("moe.fp8 is 0 on sm_%d at T=%lld (FP8 MoE call handed back)", arch, (long long)T);
     if (opgraft__moe_quantizes_x(a) && !opgraft__tune_value("moe.fp8_quantize", arch, g, shape, (int32_t)T))
-      return OG_REASON("moe.fp8_quantize is 0 on sm_%d (16-bit hidden states with FP8 weights: quantize them first)",
-                       arch);
+      return OG_REASON("moe.fp8_quantize is 0 on sm_%d at T=%lld (16-bit hidden states with FP8 weights: quantize "
+                       "them first)", arch, (long long)T);
   }
   const int64_t max_t = opgraft__tune_value("moe.max_tokens", arch, g, shape, (int32_t)T);
   if (T > max_t) return OG_REASON("%lld tokens > moe.max_tokens %lld", (long long)T, (long long)max_t);

@@ -48,12 +48,13 @@
  *   and +3.8 at 4 (gate + routing + experts as one span against the routing given, Qwen3-30B-A3B,
  *   tools.moe_route --dtype fp8-block, v31), where vLLM's topkGating it replaces took 3.56 µs a
  *   layer in the Qwen3-30B-A3B-FP8 engine step (v30).
- * - moe.fp8_quantize 0 (vLLM's activation quantization, then e4m3 into our kernels) until the
- *   in-kernel quantization is checked bit for bit on a GPU: on the H200 it cost gate_up +0.34 /
- *   +0.74 µs at 1 / 2 tokens (Qwen3-30B-A3B, tools.moe_route) against the 2.2-µs kernel of vLLM's
- *   it saves (v33's profile), its errors against the oracle were those of the e4m3 form, but the
- *   check's own quantizer was an ulp off the kernel's (v34), so the bit-for-bit comparison is not
- *   yet made. */
+ * - moe.fp8_quantize on sm_90 with block scales up to 2 tokens (gate_up quantizes the 16-bit
+ *   hidden states; the routing seam's calls, moe.route, are those): router gate to output 22.05
+ *   against 24.27 µs with vLLM's quantization kernel at one token, 31.06 against 33.40 at two
+ *   (Qwen3-30B-A3B, tools.moe_route); the op bench -2.0..-2.8 µs on Qwen3-30B-A3B and
+ *   DeepSeek-V3/tp8, but +1.9 µs at 4 tokens on Qwen3-30B-A3B (x's registers lower gate_up's
+ *   unroll); a batch-1 engine step -89 µs. Bit for bit the e4m3 form where both compile one
+ *   configuration (H200 check, NOTES v35). */
 #include <stdio.h>
 #include <string.h>
 
@@ -75,7 +76,7 @@ static int fp8_rule(const opgraft_tune_query *q, const og_moe_shape *s, int64_t 
   const int32_t T = q->tokens;
   if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90 && (T == 1 || (T == 2 && s->fp8 == 1)), 1;
   if (strcmp(key, "moe.route") == 0) return *value = T <= 2, 1;
-  if (strcmp(key, "moe.fp8_quantize") == 0) return *value = 0, 1;
+  if (strcmp(key, "moe.fp8_quantize") == 0) return *value = q->arch == 90 && s->fp8 == 1 && T <= 2, 1;
   if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s->H <= 2048 ? 8 : 16, 1;
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 8, 1;
   if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)

@@ -432,7 +432,13 @@ static void test_fp8_hidden_states_quantized_in_the_kernel(void **state) {
   opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
   a.hidden_dtype = a.dtype, a.hidden_scale = NULL;
   memset(a.hidden_scale_stride, 0, sizeof a.hidden_scale_stride);
-  expect_refusal(&a, "moe.fp8_quantize is 0 on sm_90", "the rule: off until checked bit for bit on a GPU");
+  expect_ok(&a, "the rule: on at one token on sm_90");
+  set_shape(&a, 4, 2048, 768, 128, 8);
+  expect_refusal(&a, "moe.fp8_quantize is 0 on sm_90 at T=4", "the rule: up to two tokens (the routing seam's calls)");
+  set_shape(&a, 1, 2048, 768, 128, 8);
+  a.arch = 89;
+  expect_refusal(&a, "moe.fp8_quantize is 0 on sm_89 at T=1", "the rule: sm_90 only (measured there)");
+  a.arch = 90;
   tune("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", "1");
   expect_ok(&a, "bf16 hidden states, no hidden_scale");
   a.hidden_states_stride[0] = 2048 + 8; /* 16-byte rows of bf16 */

@@ -145,7 +145,7 @@ class _FakePlan:
 def test_who_quantizes_the_activations(clean, monkeypatch, kernel_quantizes):
     """The plan for bf16 hidden states (Fp8Scales without hidden_scale) first: where it takes the
     call, the layer's prepare step never runs and the kernel gets the bf16 hidden states; where it
-    refuses (moe.fp8_quantize 0, say), vLLM's quantization runs once and the kernel gets e4m3."""
+    refuses (OPGRAFT_TUNE_MOE_FP8_QUANTIZE=0, say), vLLM's quantization runs once and the kernel gets e4m3."""
     from opgraft.ops import moe
 
     plans, runs, quantized = [], [], []
@@ -153,7 +153,7 @@ def test_who_quantizes_the_activations(clean, monkeypatch, kernel_quantizes):
     def plan_for_routed(x, w13, w2, logits, top_k, renorm, out=None, topk_weights=None, topk_ids=None, fp8=None):
         plans.append((x.dtype, fp8.hidden_scale is None))
         if fp8.hidden_scale is None:
-            return _FakePlan(kernel_quantizes, "moe.fp8_quantize is 0 on sm_90")
+            return _FakePlan(kernel_quantizes, "moe.fp8_quantize is 0 on sm_90 at T=1")
         return _FakePlan(True)
 
     monkeypatch.setattr(moe, "plan_for_routed", plan_for_routed)
@@ -199,13 +199,13 @@ def test_routed_fp8_args_and_guard_without_a_gpu():
     assert reason(T=2) == ""
     assert reason(T=4) == "moe.route is 0 on sm_90 at T=4 (routing stays vLLM's)"  # FP8's rule: 2 tokens
     assert reason(logits_dtype=torch.float32).startswith("dtype")
-    # bf16 hidden states: refused by the rule (the quantization stays vLLM's) until switched on
-    assert reason(bf16_x=True).startswith("moe.fp8_quantize is 0 on sm_90")
-    os.environ["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"] = "1"
+    # bf16 hidden states: the rule takes them on sm_90 (gate_up quantizes them) up to the seam's 2 tokens
+    assert reason(bf16_x=True) == "" and reason(T=2, bf16_x=True) == ""
+    assert reason(bf16_x=True, logits_dtype=torch.float16).startswith("dtype")  # x is not in the logits' dtype
+    os.environ["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"] = "0"
     try:
         _lib.lib().opgraft_tune_reload()
-        assert reason(bf16_x=True) == "" and reason(T=2, bf16_x=True) == ""
-        assert reason(bf16_x=True, logits_dtype=torch.float16).startswith("dtype")  # x is not in the logits' dtype
+        assert reason(bf16_x=True).startswith("moe.fp8_quantize is 0 on sm_90 at T=1")
         assert reason() == ""  # e4m3 hidden states do not look at it
     finally:
         del os.environ["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"]
