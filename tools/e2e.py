@@ -4,7 +4,7 @@ kernel, same model, same prompts, one process per setting.
     python -m tools.e2e study --model Qwen3-30B-A3B --out-dir DIR
         [--modes disabled,opgraft,passthrough] [--batches 1,8,32] [--input-len 128]
         [--output-len 256] [--reps 5] [--mode-timeout 300] [--tp 2 [--expert-parallel]]
-        [--profile-steps 32] [--init-std 0.02] [--moe-backend auto]
+        [--profile-steps 32] [--init-std 0.02] [--moe-backend auto] [--env MODE:KEY=VALUE ...]
     python -m tools.e2e run --mode opgraft --model Qwen3-30B-A3B --json FILE   (one setting)
     python -m tools.e2e compare DIR                                            (table again)
 
@@ -134,6 +134,21 @@ def _modes(text: str) -> list[str]:
     return vals
 
 
+_MODE_KEYS = ("OPGRAFT_DISABLE", "OPGRAFT_MOE_EXPERTS", "OPGRAFT_ATTENTION_VARIANT", "OPGRAFT_LINEAR_VARIANT")
+
+
+def _setting_env(text: str) -> tuple[str, str, str]:
+    """MODE:KEY=VALUE, an environment variable for one setting only (an A/B of a tunable)."""
+    mode, sep, kv = text.partition(":")
+    key, eq, value = kv.partition("=")
+    if not sep or not eq or mode not in MODES or not key or not (key[0].isalpha() or key[0] == "_") \
+            or not all(ch.isalnum() or ch == "_" for ch in key):
+        raise argparse.ArgumentTypeError(f"--env takes MODE:KEY=VALUE with MODE one of {', '.join(MODES)}; got {text!r}")
+    if key in _MODE_KEYS:
+        raise argparse.ArgumentTypeError(f"{key} is what the setting itself decides; got {text!r}")
+    return mode, key, value
+
+
 def model_config(model: str) -> dict:
     """The config.json dict of a built-in architecture, or of a config.json path (file or dir)."""
     if model in MODEL_CONFIGS:
@@ -181,8 +196,8 @@ def _multicast_off(env) -> bool:
 def mode_env(mode: str, base: dict | None = None) -> dict:
     """The environment a setting runs under."""
     env = dict(os.environ if base is None else base)
-    variants = ("OPGRAFT_MOE_EXPERTS", "OPGRAFT_ATTENTION_VARIANT", "OPGRAFT_LINEAR_VARIANT")
-    for k in ("OPGRAFT_DISABLE", *variants):
+    variants = _MODE_KEYS[1:]
+    for k in _MODE_KEYS:
         env.pop(k, None)
     if mode in ("disabled", "disabled-again"):
         env["OPGRAFT_DISABLE"] = "1"
@@ -497,6 +512,8 @@ def run(args) -> int:
                     "input_len": args.input_len,
                     "output_len": args.output_len, "reps": args.reps, "batches": {},
                     "commit": os.environ.get("OPGRAFT_COMMIT", ""),
+                    "opgraft_env": {k: v for k, v in sorted(os.environ.items())
+                                    if k.startswith("OPGRAFT_") and k != "OPGRAFT_COMMIT"},
                     "date": time.strftime("%Y-%m-%d"), "status": "starting"}
 
     def save():
@@ -801,6 +818,10 @@ def setting_failure(rc, json_path: str, log: str) -> str | None:
 
 
 def study(args) -> int:
+    unused = sorted({mode for mode, _, _ in args.env} - set(args.modes))
+    if unused:
+        print(f"opgraft e2e: --env names {', '.join(unused)}, which --modes does not run", file=sys.stderr)
+        return 2
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
     failed = {}
@@ -820,8 +841,10 @@ def study(args) -> int:
         log = os.path.join(args.log_dir or args.out_dir, f"e2e-{m}.log")
         print(f"opgraft e2e: {m} ... (log {log})", flush=True)
         t = time.perf_counter()
+        env = mode_env(m)
+        env.update({k: v for mode, k, v in args.env if mode == m})
         with open(log, "w") as lf:
-            rc = run_group(cmd, mode_env(m), lf, args.mode_timeout)
+            rc = run_group(cmd, env, lf, args.mode_timeout)
         print(f"opgraft e2e: {m} exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
         wait_gpu_memory_free()
         if rc != 0:
@@ -883,6 +906,9 @@ def main(argv=None) -> int:
     common(s)
     s.add_argument("--modes", type=_modes, default="disabled,opgraft,passthrough",
                    help=f"comma-separated settings, of {', '.join(MODES)}")
+    s.add_argument("--env", type=_setting_env, action="append", default=[], metavar="MODE:KEY=VALUE",
+                   help="an environment variable for one setting only, e.g. "
+                        "opgraft-again:OPGRAFT_TUNE_MOE_FP8_QUANTIZE=0 (a tunable's A/B in one study); repeatable")
     s.add_argument("--out-dir", required=True, help="where each setting's results and the summary go")
     s.add_argument("--mode-timeout", type=float, default=600, help="seconds a setting may run")
     s.add_argument("--log-dir", default=None, help="where each setting's vLLM log goes (default: --out-dir)")

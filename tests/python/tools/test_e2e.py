@@ -389,7 +389,7 @@ def _study_args(tmp_path, modes):
     return argparse.Namespace(
         modes=modes, out_dir=str(tmp_path), log_dir=None, model="Qwen3-30B-A3B", batches=[1], input_len=8,
         output_len=4, reps=1, init_std=0.02, profile_steps=0, profile_host=False, gpu_memory_utilization=0.5, tp=1,
-        expert_parallel=False, mode_timeout=10, capture="study", moe_backend="auto")
+        expert_parallel=False, mode_timeout=10, capture="study", moe_backend="auto", env=[])
 
 
 def test_study_fails_and_names_each_failed_setting(tmp_path, monkeypatch, capsys):
@@ -492,3 +492,36 @@ def test_one_token_phases_come_from_vllms_request_stats():
     assert ph == {"first_token": 21.0, "queue": 2.0, "engine": 18.0, "outside": 9.0}
     assert e2e.one_token_phases([NS(metrics=None)], 0.03) == {}
     assert e2e.one_token_phases([out(0, 0, 0, 0)], 0.03) == {}  # stats off: no timestamps
+
+
+def test_study_env_reaches_only_its_setting(tmp_path, monkeypatch):
+    """--env MODE:KEY=VALUE: one setting's environment only (a tunable's A/B in one study)."""
+    envs = {}
+
+    def fake_run_group(cmd, env, out, timeout):
+        envs[cmd[cmd.index("--mode") + 1]] = env
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"status": "done", "batches": {}}, f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", fake_run_group)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    monkeypatch.delenv("OPGRAFT_TUNE_MOE_FP8_QUANTIZE", raising=False)
+    a = _study_args(tmp_path, ["opgraft", "opgraft-again"])
+    a.env = [e2e._setting_env("opgraft-again:OPGRAFT_TUNE_MOE_FP8_QUANTIZE=0")]
+    assert e2e.study(a) == 0
+    assert envs["opgraft-again"]["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"] == "0"
+    assert "OPGRAFT_TUNE_MOE_FP8_QUANTIZE" not in envs["opgraft"]
+    assert envs["opgraft-again"]["OPGRAFT_MOE_EXPERTS"] == "opgraft"
+
+
+def test_study_env_is_checked(tmp_path, capsys):
+    for bad in ("OPGRAFT_X=1", "nosuch:OPGRAFT_X=1", "opgraft:OPGRAFT_X", "opgraft:=1", "opgraft:1X=2",
+                "opgraft:OPGRAFT_DISABLE=1", "opgraft:OPGRAFT_MOE_EXPERTS=passthrough"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            e2e._setting_env(bad)
+    assert e2e._setting_env("disabled:VLLM_X=a=b") == ("disabled", "VLLM_X", "a=b")
+    a = _study_args(tmp_path, ["opgraft"])
+    a.env = [("disabled", "OPGRAFT_TUNE_MOE_FP8", "0")]
+    assert e2e.study(a) == 2
+    assert "--env names disabled, which --modes does not run" in capsys.readouterr().err
