@@ -143,7 +143,8 @@ def _setting_env(text: str) -> tuple[str, str, str]:
     key, eq, value = kv.partition("=")
     if not sep or not eq or mode not in MODES or not key or not (key[0].isalpha() or key[0] == "_") \
             or not all(ch.isalnum() or ch == "_" for ch in key):
-        raise argparse.ArgumentTypeError(f"--env takes MODE:KEY=VALUE with MODE one of {', '.join(MODES)}; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--env takes MODE:KEY=VALUE with MODE one of {', '.join(MODES)}; got {text!r}")
     if key in _MODE_KEYS:
         raise argparse.ArgumentTypeError(f"{key} is what the setting itself decides; got {text!r}")
     return mode, key, value

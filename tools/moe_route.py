@@ -14,7 +14,7 @@ routing recomputed from the logits. "given": the experts with the routing comput
 span (the gate still in it): what the routing costs the other variants. --dtype fp8-block: block-FP8
 weights, the activations quantized before the span (vLLM's prepare step runs in every variant),
 the gate on the bf16 hidden states; two more variants: "routed+quant" (that quantization inside the
-span, as the routing seam ran it before moe.fp8_quantize) and "routed-x16" (the bf16 hidden states
+span, as the routing seam runs it where moe.fp8_quantize is 0) and "routed-x16" (the bf16 hidden states
 to the kernels, which quantize them; checked against the oracle of their own quantization).
 """
 import argparse

@@ -12,12 +12,12 @@ What is taken: exactly the layers where routing and experts are plain: FusedTopK
 softmax scoring, no EPLB, no routing capture or replay; no shared experts; the quant method
 UnquantizedFusedMoEMethod (bf16/fp16 weights) or Fp8MoEMethod with block scales (its bf16
 activations quantized by our gate_up kernel per token and 1 x block_k group, with fp32 scales, where
-the plan says so, moe.fp8_quantize, 0 by the shipped rule; else by the layer's own prepare step, as vLLM's modular kernel
-does before TritonExperts.apply: vLLM 0.26 on Hopper rounds those scales up to powers of two where
-DeepGEMM's E8M0 is in use), with a modular kernel of TritonExperts behind the no-dispatch
-prepare/finalize (one rank's experts, no DP/EP all-to-all), no expert_map, no
-apply_router_weight_on_input, and what the experts seam itself would take (no bias, no LoRA,
-SwiGLU). The C guard then decides on the shape, before any quantization. Everything else, and every
+the plan says so, moe.fp8_quantize: by the rule on sm_90 up to 2 tokens; else by the layer's own
+prepare step, as vLLM's modular kernel does before TritonExperts.apply: vLLM 0.26 on Hopper rounds
+those scales up to powers of two where DeepGEMM's E8M0 is in use), with a modular kernel of
+TritonExperts behind the no-dispatch prepare/finalize (one rank's experts, no DP/EP all-to-all), no
+expert_map, no apply_router_weight_on_input, and what the experts seam itself would take (no bias,
+no LoRA, SwiGLU). The C guard then decides on the shape, before any quantization. Everything else, and every
 refusal, runs vLLM's own method (its routing, then the experts seam as before).
 OPGRAFT_MOE_ROUTE=0 installs nothing.
 Remove it: delete route_seam from seams() in opgraft/vllm/__init__.py.
