@@ -134,7 +134,8 @@ def _modes(text: str) -> list[str]:
     return vals
 
 
-_MODE_KEYS = ("OPGRAFT_DISABLE", "OPGRAFT_MOE_EXPERTS", "OPGRAFT_ATTENTION_VARIANT", "OPGRAFT_LINEAR_VARIANT")
+_VARIANT_KEYS = ("OPGRAFT_MOE_EXPERTS", "OPGRAFT_ATTENTION_VARIANT", "OPGRAFT_LINEAR_VARIANT")
+_MODE_KEYS = ("OPGRAFT_DISABLE", *_VARIANT_KEYS)  # what a setting sets itself
 
 
 def _setting_env(text: str) -> tuple[str, str, str]:
@@ -197,13 +198,12 @@ def _multicast_off(env) -> bool:
 def mode_env(mode: str, base: dict | None = None) -> dict:
     """The environment a setting runs under."""
     env = dict(os.environ if base is None else base)
-    variants = _MODE_KEYS[1:]
     for k in _MODE_KEYS:
         env.pop(k, None)
     if mode in ("disabled", "disabled-again"):
         env["OPGRAFT_DISABLE"] = "1"
     elif mode in ("passthrough", "opgraft", "opgraft-again"):  # every op's seam; each takes calls, or none
-        for k in variants:
+        for k in _VARIANT_KEYS:
             env[k] = mode.removesuffix("-again")
     else:
         raise ValueError(f"unknown mode {mode!r}")

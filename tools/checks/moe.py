@@ -20,6 +20,7 @@ import os
 import torch
 
 from opgraft import bench
+from opgraft.bench import linear as linear_bench
 from opgraft.bench import moe as moe_bench
 from opgraft.bench.moe import tunables
 from opgraft.ops import moe as ops
@@ -266,7 +267,7 @@ def _run_routed_case(c: dict, device) -> dict:
         ops.moe_routed_into(e4m3, xq, w13, w2, logits, k, c["renorm"], fp8=fp8_given)
         res["same_as_quantized_first"] = bool(torch.equal(out, e4m3))
         res["rel_err_vs_quantized_first"] = bench.rel_err(out, e4m3.double())
-        arch = 90 if device == "cpu" else int("".join(map(str, torch.cuda.get_device_capability(device))))
+        arch = 90 if device == "cpu" else linear_bench.device_of(device)[0]
         cfg16, cfg8 = (ops.routed_config(xi, w13, w2, logits, k, c["renorm"], fp8=fi, arch=arch).split()
                        for xi, fi in ((x, fp8), (xq, fp8_given)))
         res["config_differs_from_quantized_first"] = " ".join(
