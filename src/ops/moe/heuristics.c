@@ -32,7 +32,8 @@
  *   activation quantization) beat vLLM 0.26's own FP8 path (its modular kernel with TritonExperts)
  *   in the same run on the H200 at every shape measured (bench/results/2026-12-01-h200-v23-fp8/
  *   and -v24-fp8/, vllm/). From three tokens the shapes part: table.c takes the block shapes that
- *   won there (Qwen3-30B-A3B, DeepSeek-V3/tp8, to eight tokens); elsewhere vLLM's. Per-tensor
+ *   won there (Qwen3-30B-A3B, DeepSeek-V3/tp8, Kimi-K2/tp8 to eight tokens, Qwen3-235B-A22B to
+ *   five: -v36-fp8-shapes/); elsewhere vLLM's. Per-tensor
  *   scales beyond one token and other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8
  *   overrides it; the tile rules below were argued from the kernels' structure (the tuned rows,
  *   where they exist, were measured).

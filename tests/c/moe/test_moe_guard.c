@@ -509,7 +509,7 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
   assert_true(opgraft__moe_parse_shape(key, &sh) && sh.fp8 && sh.E == 128 && sh.k == 8);
   assert_true(opgraft__moe_parse_shape("moe:bf16:E8:H4096:I14336:k2", &sh) && !sh.fp8);
   /* The rule: FP8 at one token on sm_90, two with block scales (measured as wins there),
-   * Qwen3-30B-A3B's row 3..8; gate_up's warps twice bf16's; routing by slot up to 32 slots. */
+   * the rows of Qwen3-30B-A3B, Kimi-K2/tp8 (3..8) and Qwen3-235B-A22B (3..5); gate_up's warps twice bf16's; routing by slot up to 32 slots. */
   const struct {
     const char *key, *shape;
     int32_t arch, tokens;
@@ -522,8 +522,15 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 90, 9, 0},
       {"moe.fp8", "moe:fp8block:E256:H7168:I256:k8", 90, 8, 1},  /* DeepSeek-V3/tp8's row */
       {"moe.fp8", "moe:fp8block:E256:H7168:I256:k8", 90, 9, 0},
-      {"moe.fp8", "moe:fp8block:E384:H7168:I256:k8", 90, 2, 1},  /* Kimi-K2/tp8: the rule */
-      {"moe.fp8", "moe:fp8block:E384:H7168:I256:k8", 90, 3, 0},
+      {"moe.fp8", "moe:fp8block:E384:H7168:I256:k8", 90, 2, 1},  /* Kimi-K2/tp8: the rule, */
+      {"moe.fp8", "moe:fp8block:E384:H7168:I256:k8", 90, 3, 1},  /* then its row */
+      {"moe.fp8", "moe:fp8block:E384:H7168:I256:k8", 90, 9, 0},
+      {"moe.fp8", "moe:fp8block:E128:H4096:I1536:k8", 90, 5, 1},  /* Qwen3-235B-A22B's row: 3..5 */
+      {"moe.fp8", "moe:fp8block:E128:H4096:I1536:k8", 90, 6, 0},
+      {"moe.fp8_quantize", "moe:fp8block:E128:H4096:I1536:k8", 90, 1, 1},
+      {"moe.fp8_quantize", "moe:fp8block:E128:H4096:I1536:k8", 90, 2, 0},  /* its row: loses there */
+      {"moe.fp8_quantize", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 1},
+      {"moe.gate_up.warps", "moe:fp8block:E128:H4096:I1536:k8", 90, 4, 2},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 2, 0},
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 89, 1, 0},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 1},
