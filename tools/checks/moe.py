@@ -329,6 +329,11 @@ def fp8_cases() -> list[dict]:
     for T in (1, 4):
         cases.append(_fp8_case(f"fp8 tensor Mixtral-8x7B T={T}", PRESETS["Mixtral-8x7B"], T, kind="fp8-tensor",
                                vllm=T == 1))
+    # the configurations of table.c's rows for these shapes (v36)
+    for T in (1, 2, 4):
+        cases.append(_fp8_case(f"fp8 block tuned rows Qwen3-235B-A22B T={T}", PRESETS["Qwen3-235B-A22B"], T))
+    for T in (1, 4, 8):
+        cases.append(_fp8_case(f"fp8 block tuned rows Kimi-K2/tp8 T={T}", PRESETS["Kimi-K2"].per_rank(8), T))
     cases += [
         _fp8_case("fp8 tensor Qwen3-30B-A3B T=3", q30, 3, kind="fp8-tensor", vllm=True),
         _fp8_case("fp8 block small T=5", small, 5),
