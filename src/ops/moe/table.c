@@ -117,27 +117,22 @@ static const og_tune_entry rows[] = {
      * ours with vLLM's quantization 144.7 against 165.2 us at T=4 (1.14x) and 244.6 against 247.7
      * at T=8 (1.01x, inside the run-to-run spread: left to vLLM); at two tokens gate_up's own
      * quantization loses on this shape (86.9 against 81.7 us with vLLM's kernel before ours). */
-    {90, NULL, "moe:fp8block:E128:H4096:I1536:k8", 1, 2, "moe.gate_up.warps", 2, "H200 2026-12-03 opgraft tune (one round, 64 MiB between calls): Qwen3-235B-A22B fp8-block T=1 54.73 -> 43.64 us, T=2 94.98 -> 78.17"},
+    {90, NULL, "moe:fp8block:E128:H4096:I1536:k8", 1, 64, "moe.gate_up.warps", 2, "H200 2026-12-03 opgraft tune (one round, 64 MiB between calls): Qwen3-235B-A22B fp8-block 2 warps won at T=1 (54.73 -> 43.64 us), T=2 (94.98 -> 78.17) and T=4 (163.75 -> 142.56)"},
     {90, NULL, "moe:fp8block:E128:H4096:I1536:k8", 1, 2, "moe.pdl", 1, "H200 2026-12-03 opgraft tune (one round, 64 MiB between calls): Qwen3-235B-A22B fp8-block T=1 54.73 -> 43.64 us, T=2 94.98 -> 78.17"},
     {90, NULL, "moe:fp8block:E128:H4096:I1536:k8", 1, 2, "moe.load", 1, "H200 2026-12-03 opgraft tune (one round, 64 MiB between calls): Qwen3-235B-A22B fp8-block T=1 54.73 -> 43.64 us, T=2 94.98 -> 78.17"},
     {90, NULL, "moe:fp8block:E128:H4096:I1536:k8", 1, 2, "moe.down.early", 1, "H200 2026-12-03 opgraft tune (one round, 64 MiB between calls): Qwen3-235B-A22B fp8-block T=1 54.73 -> 43.64 us, T=2 94.98 -> 78.17"},
-    {90, NULL, "moe:fp8block:E128:H4096:I1536:k8", 3, 64, "moe.gate_up.warps", 2, "H200 2026-12-03 opgraft tune (one round, 64 MiB between calls): Qwen3-235B-A22B fp8-block T=4 163.75 -> 142.56 us"},
     {90, NULL, "moe:fp8block:E128:H4096:I1536:k8", 3, 5, "moe.fp8", 1, "H200 2026-12-03 tuned kernels vs vLLM 0.26 TritonExperts: Qwen3-235B-A22B T=4 1.14x (T=8 1.01x: not taken)"},
     {90, NULL, "moe:fp8block:E128:H4096:I1536:k8", 2, 2, "moe.fp8_quantize", 0, "H200 2026-12-03: Qwen3-235B-A22B T=2 in-kernel quantization 86.87 us against 81.66 with vLLM's quantization kernel and ours"},
     /* FP8 block scales, Kimi-K2 under tensor parallelism 8 (E384, H7168, I256): DeepSeek-V3/tp8's
-     * rows, the same per-rank H and I, measured on this shape (v36); past two tokens ours with vLLM's
-     * quantization 51.8 against 72.9 us at T=4, 93.9 against 110.3 at T=8. */
-    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 1, 1, "moe.gate_up.warps", 8, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
-    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 1, 1, "moe.pdl", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
-    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 1, 1, "moe.pdl_in", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
-    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 2, 2, "moe.gate_up.warps", 8, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
-    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 2, 2, "moe.pdl", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
-    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 2, 2, "moe.load", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
+     * values (the same per-rank H and I), neighbouring token ranges of one value as one row, measured
+     * on this shape (v36); past two tokens ours with vLLM's quantization 51.8 against 72.9 us at T=4,
+     * 93.9 against 110.3 at T=8. */
+    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 1, 2, "moe.gate_up.warps", 8, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
     {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 3, 5, "moe.gate_up.warps", 4, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
-    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 3, 5, "moe.pdl", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
-    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 3, 5, "moe.load", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
     {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 6, 64, "moe.gate_up.warps", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
-    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 6, 64, "moe.pdl", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
+    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 1, 64, "moe.pdl", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
+    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 1, 1, "moe.pdl_in", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
+    {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 2, 5, "moe.load", 1, "H200 2026-12-03 DeepSeek-V3/tp8's rows on Kimi-K2/tp8: T=1/2/4/8 19.78/28.63/49.24/90.76 us (the rule's values, an earlier lease: 22.04/36.78/62.71/116.03)"},
     {90, NULL, "moe:fp8block:E384:H7168:I256:k8", 3, 8, "moe.fp8", 1, "H200 2026-12-03 vs vLLM 0.26 TritonExperts: Kimi-K2/tp8 T=4 1.41x, T=8 1.18x"},
     /* Qwen3-30B-A3B block FP8 past the rule's two tokens: against vLLM's FP8 path in the same run,
      * ours with its quantization 47.2 against 55.5 us at T=4, 78.8 against 86.7 at T=8 (3, 5..7

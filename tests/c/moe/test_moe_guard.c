@@ -22,7 +22,6 @@ static int teardown(void **state) {
   return 0;
 }
 
-/* After each test: tunables back to their defaults. */
 /* A tunable's value from the environment (NULL: unset), read again. */
 static void tune(const char *name, const char *value) {
   if (value) setenv(name, value, 1);
@@ -30,6 +29,7 @@ static void tune(const char *name, const char *value) {
   opgraft_tune_reload();
 }
 
+/* After each test: tunables back to their defaults. */
 static int reset_tunables(void **state) {
   og_unsetenv_prefix("OPGRAFT_TUNE_");
   opgraft_tune_reload();
