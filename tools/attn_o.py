@@ -40,17 +40,22 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", default="256,1024,8192")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
-    ap.add_argument("--extra", action="append", default=[], metavar="NAME=KEY:VALUE,...",
-                    help="one more variant on opgraft's projection, e.g. w16=attention.trigger:1,linear.warps:16")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=KEY:VALUE,...[@kernel]",
+                    help="one more variant on opgraft's projection, e.g. w16=attention.trigger:1,linear.warps:16; "
+                         "@kernel: with the KV write inside attention (as kernel-write)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     variants = dict(VARIANTS)
     for spec in args.extra:
         name, _, kvs = spec.partition("=")
+        kvs, at, write = kvs.partition("@")
         try:
-            variants[name] = ({k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}, True, None)
+            if at and write != "kernel":
+                raise ValueError(write)
+            variants[name] = ({k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}, True,
+                              "kernel" if at else None)
         except ValueError:
-            print(f"tools.attn_o: error: --extra {spec!r}: want NAME=KEY:VALUE,...", file=sys.stderr)
+            print(f"tools.attn_o: error: --extra {spec!r}: want NAME=KEY:VALUE,...[@kernel]", file=sys.stderr)
             return 2
         if not name:
             print(f"tools.attn_o: error: --extra {spec!r}: no name", file=sys.stderr)

@@ -80,6 +80,9 @@ def cases() -> list[dict]:
         # tunable paths
         _case("warps 2, ragged", RAGGED, 32, 4, 128, tunables={"attention.warps": 2}),
         _case("warps 8, context 32768", [32768], 32, 4, 128, tunables={"attention.warps": 8}),
+        _case("warps 12, ragged", RAGGED, 32, 4, 128, tunables={"attention.warps": 12}),
+        _case("warps 12, batch 8 context 32768", [32768] * 8, 32, 4, 128, tunables={"attention.warps": 12}),
+        _case("warps 12, GQA 4 head 128, context 8192", [8192, 1000, 1], 32, 8, 128, tunables={"attention.warps": 12}),
         _case("min_chunk 16 (many splits, two combine levels), context 8192", [8192, 300], 32, 4, 128,
               tunables={"attention.min_chunk": 16, "attention.max_splits": 1024}),
         _case("max_splits 1 (no split)", RAGGED, 32, 4, 128, tunables={"attention.max_splits": 1}),
@@ -131,6 +134,8 @@ def cases() -> list[dict]:
         _case("update: min_chunk 16 (many splits), context 8192", [8192, 17], 32, 4, 128, update=True,
               tunables={"attention.min_chunk": 16, "attention.max_splits": 1024}),
         _case("update: cluster 8, ragged", RAGGED, 32, 4, 128, update=True, tunables={"attention.cluster": 8}),
+        _case("update: warps 12, CUDA graph, ragged", RAGGED, 32, 4, 128, graph=True, update=True,
+              tunables={"attention.warps": 12}),
         _case("update: CUDA graph, new lengths and new keys each replay", RAGGED, 32, 4, 128, graph=True,
               update=True),
         _case("update: CUDA graph, q and new keys written, PDL attention, trigger, o projection pdl 2", [300, 0, 17],

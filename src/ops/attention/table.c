@@ -8,7 +8,7 @@
  * field is what `opgraft tune` tries. */
 static const og_tunable tunables[] = {
     {"attention.max_batch", 0, 4096, 4096, NULL},
-    {"attention.warps", 1, 16, 4, "2 4 8"},
+    {"attention.warps", 1, 16, 4, "2 4 8 12"},
     {"attention.min_blocks", 0, 16, 0, "0 1 2"},
     {"attention.min_chunk", 16, 65536, 128, "64 128 256 512 1024"},
     {"attention.max_splits", 1, 1024, 128, "16 32 64 128 256"},

@@ -151,13 +151,14 @@ static int setup(void **state) {
   add_setting(NULL, written, nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, written, nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL}, written, nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "12", NULL}, written, nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "16", NULL}, written, nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "1", NULL}, written, nwritten);
   /* Each tunable's other values, where they change the code. */
   static const variant some[] = {{BF, 64, 8, 16, 0},   {BF, 128, 8, 16, 0}, {BF, 128, 16, 16, 7},
                                  {BF, 256, 8, 16, 0},  {BF, 128, 1, 16, 0}, {FP, 256, 4, 16, 3}};
   const int nsome = (int)(sizeof some / sizeof *some);
-  for (const char *const *w = (const char *const[]){"1", "2", "8", "16", NULL}; *w; ++w)
+  for (const char *const *w = (const char *const[]){"1", "2", "8", "12", "16", NULL}; *w; ++w)
     add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", *w, NULL}, some, nsome);
   for (const char *const *m = (const char *const[]){"1", "2", NULL}; *m; ++m)
     add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_MIN_BLOCKS", *m, NULL}, some, nsome);
