@@ -85,12 +85,16 @@ static void set_update(opgraft_attention_args *a) {
 }
 
 static void test_max_batch(void **state) {
-  /* sm_90 takes up to 32 sequences (measured: FA3 wins at 64 with long contexts), other archs any. */
+  /* sm_90 takes up to 32 sequences by the rule (measured: FA3 won at 64 with long contexts and 8
+   * warps), 64 for the shape with a 12-warp row; other archs any. */
   opgraft_attention_args a = valid_args();
-  a.batch = 32;
-  expect_ok(&a, "batch 32 on sm_90");
-  a.batch = 33;
-  expect_refusal(&a, "batch 33 > attention.max_batch 32", "batch 33 on sm_90");
+  a.batch = 64;
+  expect_ok(&a, "batch 64 on sm_90, Qwen3-30B-A3B heads");
+  a.batch = 65;
+  expect_refusal(&a, "batch 65 > attention.max_batch 64", "batch 65 on sm_90, Qwen3-30B-A3B heads");
+  a.num_heads = 16, a.batch = 33; /* 4 query heads a kv head: no row, the rule */
+  set_vllm_cache(&a, 4096, 16, 4, 128);
+  expect_refusal(&a, "batch 33 > attention.max_batch 32", "batch 33 on sm_90, GQA 4");
   a.arch = 80;
   expect_ok(&a, "batch 33 on sm_80");
   setenv("OPGRAFT_TUNE_ATTENTION_MAX_BATCH", "64", 1);
@@ -307,14 +311,25 @@ static void test_config(void **state) {
   opgraft_attention_args a = valid_args();
   og_attn_cfg c;
   og_opts o;
-  /* The rule (sm_80: no baked rows); on sm_90 this shape has a tuned row (8 warps). */
+  /* The rule (sm_80: no baked rows); on sm_90 this shape has tuned rows (8 warps at one sequence,
+   * 12 from two). */
   opgraft__attn_config(&a, 80, NULL, &c);
   assert_int_equal(c.warps, 4);
   assert_int_equal(c.min_blocks, 3); /* 3 warps a scheduler x 168 registers fill its 16K */
   assert_int_equal(c.min_chunk, 128);
   assert_int_equal(c.pdl, 0);
   opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 12);
+  assert_int_equal(c.min_blocks, 1);
+  a.batch = 1;
+  opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(c.warps, 8);
+  a.batch = 8;
+  set_update(&a); /* 12 warps with the cache write: 168 registers, one block an SM */
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 12);
+  a = valid_args();
+  opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
   assert_true(has_opt(&o, "-DOG_D=128") && has_opt(&o, "-DOG_G=8"));
   assert_true(has_opt(&o, "-DOG_SOFTCAP=0") && has_opt(&o, "-DOG_WINDOW=0") && has_opt(&o, "-DOG_SINKS=0"));
