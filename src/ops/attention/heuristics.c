@@ -1,13 +1,13 @@
 /* The decode-attention op's rules: tunable values derived from the shape and the GPU, used where
  * no baked row (table.c) matches. Only attention.max_batch is measured here; the other values are
- * argued from the kernel's structure (the tuner's rows override them where measured: 8 warps for
- * Qwen3-30B-A3B's heads, v22):
+ * argued from the kernel's structure (the rows override them where measured: 8 and 12 warps for
+ * Qwen3-30B-A3B's heads, 12 for Llama-3-8B's, v22 and v37):
  * - attention.max_batch 32 on sm_90: against vLLM 0.26's FA3 in the same run (H200, 2026-12-01,
  *   bench/results/2026-12-01-h200-v20-vllm/) ours won at batch 1 and 8 at every context
  *   (1.02-1.40x) and at batch 64 with 1K tokens (1.22x), and lost at batch 64 with 8K and 32K
  *   (0.97x, 0.92x: FA3 reads the cache at ~96% of the ceiling there). The batch is what a plan
- *   knows (the lengths live on the device), so batches above 32 stay FA3's. Unmeasured archs
- *   take every batch.
+ *   knows (the lengths live on the device), so batches above 32 stay FA3's (64 for the heads
+ *   whose 12-warp row won at batch 64, table.c). Unmeasured archs take every batch.
  * - attention.warps 4: a block of 4 warps at the kernel's ~160 registers (head size 128) lets 3
  *   blocks share an SM, 12 warps each with one 16-token tile (8 KB) of K/V in flight: about 96 KB
  *   an SM, above the ~40 KB the H200's bandwidth needs at its ~1 us load latency under load.
