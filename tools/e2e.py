@@ -818,7 +818,18 @@ def setting_failure(rc, json_path: str, log: str) -> str | None:
     return f"{why}{': ' + tail if tail else ''} (log {log})"
 
 
+def _exit_on_term(signum, frame):
+    """SIGTERM or SIGHUP as an exit (143 / 129): run_group's cleanup then stops the running
+    setting's process group, which lives in a session of its own (a `timeout` around the study
+    signals only the study's group) and would outlive the study, keeping the GPU's memory."""
+    raise SystemExit(128 + signum)
+
+
 def study(args) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, _exit_on_term)
+    signal.signal(signal.SIGHUP, _exit_on_term)
     unused = sorted({mode for mode, _, _ in args.env} - set(args.modes))
     if unused:
         print(f"opgraft e2e: --env names {', '.join(unused)}, which --modes does not run", file=sys.stderr)

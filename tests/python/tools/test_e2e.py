@@ -131,6 +131,64 @@ def test_run_group_kills_the_whole_group_on_timeout(tmp_path):
         pytest.fail("the setting's child process survived the timeout")
 
 
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (Z) waiting to be reaped is gone
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for(path, seconds=30):
+    import time
+
+    for _ in range(seconds * 10):
+        if path.exists() and path.read_text():
+            return int(path.read_text())
+        time.sleep(0.1)
+    pytest.fail(f"{path} never written")
+
+
+def test_a_terminated_study_stops_its_setting(tmp_path):
+    """SIGTERM to the study (`timeout` signals its process group, not the setting's session) exits
+    it through run_group's cleanup, which stops the setting's process group: vLLM's engine must
+    not outlive the study."""
+    import argparse
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+    try:  # the study takes the handler (here it returns early: --env names a setting it does not run)
+        args = argparse.Namespace(env=[("stock", "K", "V")], modes=["opgraft"])
+        assert e2e.study(args) == 2
+        assert signal.getsignal(signal.SIGTERM) is e2e._exit_on_term
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGHUP, before[1])
+    pidfile = tmp_path / "child.pid"
+    setting = ("import subprocess, sys, time; "
+               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+               f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    study = ("import os, signal, sys; from tools import e2e; "
+             "signal.signal(signal.SIGTERM, e2e._exit_on_term); "
+             f"e2e.run_group([sys.executable, '-c', {setting!r}], dict(os.environ), open(os.devnull, 'w'), 60)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "python")]))
+    proc = subprocess.Popen([sys.executable, "-c", study], env=env, cwd=root)
+    child = _wait_for(pidfile)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    for _ in range(50):
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the setting's child process survived the study's SIGTERM")
+
+
 def test_run_group_returns_exit_status(tmp_path):
     import os
     import sys
