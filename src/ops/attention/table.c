@@ -22,8 +22,8 @@ static const og_tune_entry rows[] = {
     /* BEGIN TUNED ROWS */
     /* Qwen3-30B-A3B heads (32 query / 4 kv, head 128; also Llama-3-70B/tp8's 8 / 1): 8 warps at one
      * sequence (v22's tune), 12 from two (v37: more loads in flight at one block an SM; 8 warps were
-     * slower than FlashInfer at 3-8 sequences and 32K tokens, 12 are ahead of FA3 and FlashInfer at every
-     * measured point up to 64 sequences, hence the batch bound 64). */
+     * slower than FlashInfer at 3-8 sequences and 32K tokens, 12 are ahead of every baseline timed
+     * beside them at every measured point up to 64 sequences, hence the batch bound 64). */
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 1, "attention.warps", 8, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B batch 1 contexts 1024,8192 12.47 -> 10.87 us"},
     {90, NULL, "attention:bf16:D128:G8:bs16", 2, 4096, "attention.warps", 12, "H200 2026-12-03 bench attention (64 MiB between calls), Qwen3-30B-A3B, warps 8 -> 12: batch 2 32K 42.52 -> 39.98 us, batch 8 32K 138.17 -> 127.74 (FlashInfer 130.76), 8K 41.17 -> 39.10, 1K 11.62 -> 12.48; batch 32 8K 135.58 -> 125.50 (FA3 133.18)"},
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 4096, "attention.max_batch", 64, "H200 2026-12-03 bench attention, Qwen3-30B-A3B batch 64 with 12 warps: 1K 40.97 us (FlashInfer 44.74), 8K 251.90 (FA3 256.32), 32K 970.69 (FA3 972.70)"},
