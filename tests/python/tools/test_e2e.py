@@ -101,42 +101,12 @@ def test_compare_writes_summary_with_ratios(tmp_path, capsys):
     assert "opgraft" in capsys.readouterr().out
 
 
-def test_run_group_kills_the_whole_group_on_timeout(tmp_path):
-    import os
-    import sys
-    import time
-
-    pidfile = tmp_path / "child.pid"
-    # A parent that starts a long-lived child (as vLLM starts its engine core), then hangs.
-    code = ("import subprocess, sys, time; "
+def _setting_with_a_child(pidfile) -> str:
+    """A program that starts a long-lived child (as vLLM starts its engine core), writes the
+    child's pid, then hangs."""
+    return ("import subprocess, sys, time; "
             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
-    with open(tmp_path / "log", "w") as out:
-        t = time.time()
-        rc = e2e.run_group([sys.executable, "-c", code], dict(os.environ), out, timeout=2)
-    assert rc == "timeout" and time.time() - t < 30
-    child = int(pidfile.read_text())
-    def alive(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:  # a zombie (Z) waiting to be reaped is gone
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    for _ in range(50):
-        if not alive(child):
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the setting's child process survived the timeout")
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # a zombie (Z) waiting to be reaped is gone
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _wait_for(path, seconds=30):
@@ -149,6 +119,36 @@ def _wait_for(path, seconds=30):
     pytest.fail(f"{path} never written")
 
 
+def _assert_gone(pid, what):
+    import time
+
+    def alive():
+        try:
+            with open(f"/proc/{pid}/stat") as f:  # a zombie (Z) waiting to be reaped is gone
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    for _ in range(50):
+        if not alive():
+            return
+        time.sleep(0.1)
+    pytest.fail(what)
+
+
+def test_run_group_kills_the_whole_group_on_timeout(tmp_path):
+    import os
+    import sys
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    with open(tmp_path / "log", "w") as out:
+        t = time.time()
+        rc = e2e.run_group([sys.executable, "-c", _setting_with_a_child(pidfile)], dict(os.environ), out, timeout=2)
+    assert rc == "timeout" and time.time() - t < 30
+    _assert_gone(int(pidfile.read_text()), "the setting's child process survived the timeout")
+
+
 def test_a_terminated_study_stops_its_setting(tmp_path):
     """SIGTERM to the study (`timeout` signals its process group, not the setting's session) exits
     it through run_group's cleanup, which stops the setting's process group: vLLM's engine must
@@ -158,7 +158,6 @@ def test_a_terminated_study_stops_its_setting(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
     try:  # the study takes the handler (here it returns early: --env names a setting it does not run)
@@ -169,24 +168,17 @@ def test_a_terminated_study_stops_its_setting(tmp_path):
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGHUP, before[1])
     pidfile = tmp_path / "child.pid"
-    setting = ("import subprocess, sys, time; "
-               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-               f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
     study = ("import os, signal, sys; from tools import e2e; "
              "signal.signal(signal.SIGTERM, e2e._exit_on_term); "
-             f"e2e.run_group([sys.executable, '-c', {setting!r}], dict(os.environ), open(os.devnull, 'w'), 60)")
+             f"e2e.run_group([sys.executable, '-c', {_setting_with_a_child(pidfile)!r}], dict(os.environ), "
+             "open(os.devnull, 'w'), 60)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "python")]))
     proc = subprocess.Popen([sys.executable, "-c", study], env=env, cwd=root)
     child = _wait_for(pidfile)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-    for _ in range(50):
-        if not _alive(child):
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the setting's child process survived the study's SIGTERM")
+    _assert_gone(child, "the setting's child process survived the study's SIGTERM")
 
 
 def test_run_group_returns_exit_status(tmp_path):
