@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -740,8 +741,6 @@ def run_group(cmd: list[str], env: dict, out, timeout: float):
     """Runs cmd in its own process group and returns its exit status, or "timeout". On timeout
     the whole group goes (vLLM's engine-core process too, which would otherwise keep the GPU's
     memory and make the next setting fail)."""
-    import signal
-
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -826,8 +825,6 @@ def _exit_on_term(signum, frame):
 
 
 def study(args) -> int:
-    import signal
-
     signal.signal(signal.SIGTERM, _exit_on_term)
     signal.signal(signal.SIGHUP, _exit_on_term)
     unused = sorted({mode for mode, _, _ in args.env} - set(args.modes))

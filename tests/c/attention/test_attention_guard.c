@@ -93,7 +93,6 @@ static void test_max_batch(void **state) {
   a.batch = 65;
   expect_refusal(&a, "batch 65 > attention.max_batch 64", "batch 65 on sm_90, Qwen3-30B-A3B heads");
   a.num_heads = 16, a.batch = 33; /* 4 query heads a kv head: no row, the rule */
-  set_vllm_cache(&a, 4096, 16, 4, 128);
   expect_refusal(&a, "batch 33 > attention.max_batch 32", "batch 33 on sm_90, GQA 4");
   a.arch = 80;
   expect_ok(&a, "batch 33 on sm_80");
