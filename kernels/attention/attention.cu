@@ -6,8 +6,7 @@
 //   a sink (per head) adding exp(sink_h) to the softmax denominator.
 //
 // One block per (split, kv head, sequence). Its warps share the split's tokens in 16-token tiles
-// (interleaved; as few warps as take them in as many rounds as all would), each tile read once
-// for all G = heads / kv_heads query heads of the kv head:
+// (interleaved), each tile read once for all G = heads / kv_heads query heads of the kv head:
 //   S^T = K Q^T on tensor cores (m16n8k16, the tile's 16 tokens as M, the query heads as N), the
 //   online softmax per head, then O^T += V^T P^T (the head dims as M, tokens as K, heads as N).
 // Every lane loads 16 contiguous bytes per (token, 32 or 64 dims) straight from the cache into
@@ -479,11 +478,6 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   const int r1 = min(L, r0 + chunk);
 #endif
   const int ntiles = (r1 - r0 + 15) >> 4;
-  // Above 8 warps, the fewest warps that take the split's tiles in as many rounds as all OG_W
-  // would (16 tiles of 12 warps: 8 warps of 2): the others take none, so the merge below has fewer
-  // partials. (At 8 or fewer it would cost a register some variants do not have.)
-  const int rounds = (ntiles + OG_W - 1) / OG_W;
-  const int wt = OG_W <= 8 ? OG_W : rounds > 0 ? (ntiles + rounds - 1) / rounds : 1;
 
   // The block's query rows (heads hq0 .. hq0+G-1; rows up to the 8-head tile are zero), loaded
   // before the length so that both loads are in flight together (under PDL: after the wait).
@@ -521,7 +515,7 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 
   // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8.
   og_vec4 kg[OG_DK], k8[OG_DK];
-  int t = warp < wt ? warp : ntiles, row = 0, blk;
+  int t = warp, row = 0, blk;
 #if !OG_WINDOW
   if (r0 + 16 * t == tb_guess) {
     row = tb_guess - bi_guess * p.block_size;
@@ -539,9 +533,9 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
       k8[k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
     }
   }
-  for (; t < ntiles; t += wt) {
+  for (; t < ntiles; t += OG_W) {
     const int tb = r0 + 16 * t;
-    const int tn = t + wt;
+    const int tn = t + OG_W;
     int row_next = 0;
     const int blk_next = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next) : -1;
     og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];
@@ -641,8 +635,7 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     if (lane == 0 && warp + r * OG_W < OG_G) s_xnew[h] = og_logit(p, dot);
   }
 #endif
-  // The tile-taking warps' results into shared memory: maxima, sums (over the lanes' tokens) and
-  // outputs.
+  // The warps' results into shared memory: maxima, sums (over the lanes' tokens) and outputs.
   float *so = region, *sml = region + OG_W * OG_G * OG_D;
 #pragma unroll
   for (int nh = 0; nh < OG_NH; ++nh) {
@@ -653,7 +646,7 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int h = nh * 8 + 2 * c + e;
-      if (h >= OG_G || warp >= wt) continue;
+      if (h >= OG_G) continue;
       if (g == 0) sml[(warp * OG_G + h) * 2] = m[nh][e], sml[(warp * OG_G + h) * 2 + 1] = l[nh][e];
 #pragma unroll
       for (int j = 0; j < OG_DV; ++j) {
@@ -678,8 +671,7 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     const int h = it / (OG_D / 4), d = (it % (OG_D / 4)) * 4;
     float mx = og_ninf();
 #pragma unroll
-    for (int w = 0; w < OG_W; ++w)
-      if (w < wt) mx = fmaxf(mx, sml[(w * OG_G + h) * 2]);
+    for (int w = 0; w < OG_W; ++w) mx = fmaxf(mx, sml[(w * OG_G + h) * 2]);
 #if OG_UPDATE
     const float xn = fresh ? s_xnew[h] : og_ninf();
     mx = fmaxf(mx, xn);
@@ -689,7 +681,6 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < OG_W; ++w) {
-      if (w >= wt) break;
       const float e = og_exp2(sml[(w * OG_G + h) * 2] - mu);
       const float4 v = *(const float4 *)(so + (w * OG_G + h) * OG_D + d);
       sum += sml[(w * OG_G + h) * 2 + 1] * e;
