@@ -21,14 +21,11 @@ static const og_tunable tunables[] = {
 static const og_tune_entry rows[] = {
     /* BEGIN TUNED ROWS */
     /* Qwen3-30B-A3B heads (32 query / 4 kv, head 128; also Llama-3-70B/tp8's 8 / 1): 8 warps at one
-     * sequence (v22's tune), 12 from two (v37: more loads in flight at one block an SM; 8 warps were
-     * slower than FlashInfer at 3-8 sequences and 32K tokens, 12 are ahead of every baseline timed
-     * beside them at every measured point up to 64 sequences, hence the batch bound 64). */
+     * sequence (v22's tune; from two the rule's 12, v37: they lost 0.4-0.9 us to 8 up to 8K tokens at
+     * one sequence), and the batch bound 64: 12 warps are ahead of every baseline timed beside them
+     * at every measured point up to 64 sequences. */
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 1, "attention.warps", 8, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B batch 1 contexts 1024,8192 12.47 -> 10.87 us"},
-    {90, NULL, "attention:bf16:D128:G8:bs16", 2, 4096, "attention.warps", 12, "H200 2026-12-03 bench attention (64 MiB between calls), Qwen3-30B-A3B, warps 8 -> 12: batch 2 32K 42.52 -> 39.98 us, batch 8 32K 138.17 -> 127.74 (FlashInfer 130.76), 8K 41.17 -> 39.10, 1K 11.62 -> 12.48; batch 32 8K 135.58 -> 125.50 (FA3 133.18)"},
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 4096, "attention.max_batch", 64, "H200 2026-12-03 bench attention, Qwen3-30B-A3B batch 64 with 12 warps: 1K 40.97 us (FlashInfer 44.74), 8K 251.90 (FA3 256.32), 32K 970.69 (FA3 972.70)"},
-    /* Llama-3-8B heads (32 query / 8 kv, head 128): 12 warps against the rule's 4 and 8 (v37). */
-    {90, NULL, "attention:bf16:D128:G4:bs16", 1, 4096, "attention.warps", 12, "H200 2026-12-03 bench attention (64 MiB between calls), Llama-3-8B, rule (4 warps) -> 12: batch 1 1K 9.07 -> 8.38 us, 32K 41.55 -> 39.02; batch 8 8K 69.10 -> 67.72, 32K 245.60 -> 242.75"},
     /* END TUNED ROWS */
     {0, NULL, NULL, 0, 0, NULL, 0, NULL}, /* closes the list (C has no empty arrays); not a row */
 };

@@ -327,6 +327,27 @@ static void test_config(void **state) {
   set_update(&a); /* 12 warps with the cache write: 168 registers, one block an SM */
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(c.warps, 12);
+  /* The sm_90 rule: 12 warps for head 128 with 2..8 query heads a kv head, whatever the dtype
+   * (no row matches fp16); 4 elsewhere and on other archs. */
+  a = valid_args();
+  a.dtype = a.kv_dtype = OPGRAFT_DTYPE_FP16, a.batch = 1;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 12);
+  opgraft__attn_config(&a, 80, NULL, &c);
+  assert_int_equal(c.warps, 4);
+  a.num_heads = 5 * a.num_kv_heads;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 12);
+  a.num_heads = 16 * a.num_kv_heads;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 4);
+  a.num_heads = a.num_kv_heads;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 4);
+  a = valid_args();
+  a.num_heads = 4 * a.num_kv_heads, a.batch = 1; /* Llama-3-8B's group size: the rule at one sequence too */
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.warps, 12);
   a = valid_args();
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
