@@ -3,7 +3,7 @@ kernel, same model, same prompts, one process per setting.
 
     python -m tools.e2e study --model Qwen3-30B-A3B --out-dir DIR
         [--modes disabled,opgraft,passthrough] [--batches 1,8,32] [--input-len 128]
-        [--output-len 256] [--reps 5] [--mode-timeout 300] [--tp 2 [--expert-parallel]]
+        [--output-len 256] [--reps 5] [--mode-timeout 600] [--tp 2 [--expert-parallel]]
         [--profile-steps 32] [--init-std 0.02] [--moe-backend auto] [--env MODE:KEY=VALUE ...]
     python -m tools.e2e run --mode opgraft --model Qwen3-30B-A3B --json FILE   (one setting)
     python -m tools.e2e compare DIR                                            (table again)
@@ -44,6 +44,10 @@ set against the one-token run (whose phases, from vLLM's per-request stats, are 
 rep: front end, queue, the engine core's prefill step), and with --profile-host the worker's host ops during that prefill
 (self CPU time, op by op), for a one-token run that is longer than its GPU time. The MoE counters of the engine's
 worker process (opgraft.stats()) are read through vLLM's collective_rpc.
+
+--mode-timeout bounds one setting, start-up included: with empty torch.compile and Triton caches
+(a fresh machine) Qwen3-30B-A3B-FP8 took 200 s to start and 332 s in all at batch 8 with 5 reps
+on an H200 (bench/NOTES.md v38); a later setting with the caches filled took 113 s.
 """
 
 from __future__ import annotations
