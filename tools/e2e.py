@@ -5,6 +5,7 @@ kernel, same model, same prompts, one process per setting.
         [--modes disabled,opgraft,passthrough] [--batches 1,8,32] [--input-len 128]
         [--output-len 256] [--reps 5] [--mode-timeout 600] [--tp 2 [--expert-parallel]]
         [--profile-steps 32] [--init-std 0.02] [--moe-backend auto] [--env MODE:KEY=VALUE ...]
+        [--mode-moe-backend MODE:BACKEND ...]
     python -m tools.e2e run --mode opgraft --model Qwen3-30B-A3B --json FILE   (one setting)
     python -m tools.e2e compare DIR                                            (table again)
 
@@ -154,6 +155,16 @@ def _setting_env(text: str) -> tuple[str, str, str]:
     if key in _MODE_KEYS:
         raise argparse.ArgumentTypeError(f"{key} is what the setting itself decides; got {text!r}")
     return mode, key, value
+
+
+def _setting_backend(text: str) -> tuple[str, str]:
+    """MODE:BACKEND, vLLM's moe_backend for one setting only (stock on another experts backend beside
+    stock on vLLM's choice, in one study)."""
+    mode, sep, backend = text.partition(":")
+    if not sep or mode not in MODES or not backend or not all(ch.isalnum() or ch == "_" for ch in backend):
+        raise argparse.ArgumentTypeError(
+            f"--mode-moe-backend takes MODE:BACKEND with MODE one of {', '.join(MODES)}; got {text!r}")
+    return mode, backend
 
 
 def model_config(model: str) -> dict:
@@ -672,7 +683,8 @@ def compare(out_dir: str, modes=MODES) -> dict:
             row = {"mode": m, "batch": int(key), "itl_ms": br["itl_ms"]["median"],
                    "itl_ms_floor": br.get("itl_ms_floor"),
                    "itl_ms_min": br["itl_ms"]["min"], "itl_ms_max": br["itl_ms"]["max"],
-                   "decode_tok_s": br["decode_tok_s"]["median"], "reps": br["itl_ms"]["n"]}
+                   "decode_tok_s": br["decode_tok_s"]["median"], "reps": br["itl_ms"]["n"],
+                   "moe_backend": r.get("moe_backend", "auto")}
             if base and key in base.get("batches", {}):
                 bi = base["batches"][key]["itl_ms"]["median"]
                 row["itl_vs_disabled"] = br["itl_ms"]["median"] / bi
@@ -693,6 +705,9 @@ def compare(out_dir: str, modes=MODES) -> dict:
         floor = f"{r['itl_ms_floor']:.3f}" if r.get("itl_ms_floor") is not None else "-"
         print(f"{r['mode']:<12} {r['batch']:>3} {r['itl_ms']:>16.3f} "
               f"{r['itl_ms_min']:>7.3f}..{r['itl_ms_max']:<7.3f} {floor:>7} {r['decode_tok_s']:>9.1f} {vs:>7}")
+    for m, r in runs.items():
+        if r.get("moe_backend", "auto") != "auto":
+            print(f"moe_backend {m}: {r['moe_backend']}")
     for m, p in par.items():
         for key, v in p.items():
             print(f"parity {m} vs disabled, B={key}: identical={v['identical']} "
@@ -835,6 +850,14 @@ def study(args) -> int:
     if unused:
         print(f"opgraft e2e: --env names {', '.join(unused)}, which --modes does not run", file=sys.stderr)
         return 2
+    backends = dict(args.mode_moe_backend)
+    named = [mode for mode, _ in args.mode_moe_backend]
+    unused = sorted(set(backends) - set(args.modes))
+    twice = sorted({mode for mode in named if named.count(mode) > 1})
+    if unused or twice:
+        print(f"opgraft e2e: --mode-moe-backend names {', '.join(unused or twice)}, "
+              f"{'which --modes does not run' if unused else 'more than once'}", file=sys.stderr)
+        return 2
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
     failed = {}
@@ -846,7 +869,7 @@ def study(args) -> int:
                "--reps", str(args.reps), "--init-std", str(args.init_std),
                "--profile-steps", str(args.profile_steps), *(["--profile-host"] if args.profile_host else []),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp),
-               "--capture", args.capture, "--moe-backend", args.moe_backend]
+               "--capture", args.capture, "--moe-backend", backends.get(m, args.moe_backend)]
         if args.expert_parallel:
             cmd.append("--expert-parallel")
         if os.path.exists(path):  # a previous study's result must not stand in for this one's
@@ -922,6 +945,11 @@ def main(argv=None) -> int:
     s.add_argument("--env", type=_setting_env, action="append", default=[], metavar="MODE:KEY=VALUE",
                    help="an environment variable for one setting only, e.g. "
                         "opgraft-again:OPGRAFT_TUNE_MOE_FP8_QUANTIZE=0 (a tunable's A/B in one study); repeatable")
+    s.add_argument("--mode-moe-backend", type=_setting_backend, action="append", default=[],
+                   metavar="MODE:BACKEND",
+                   help="vLLM's moe_backend for one setting instead of --moe-backend, e.g. "
+                        "disabled-again:flashinfer_cutlass (stock on two experts backends in one study); "
+                        "repeatable, once a setting")
     s.add_argument("--out-dir", required=True, help="where each setting's results and the summary go")
     s.add_argument("--mode-timeout", type=float, default=600, help="seconds a setting may run")
     s.add_argument("--log-dir", default=None, help="where each setting's vLLM log goes (default: --out-dir)")

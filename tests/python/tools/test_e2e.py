@@ -439,7 +439,7 @@ def _study_args(tmp_path, modes):
     return argparse.Namespace(
         modes=modes, out_dir=str(tmp_path), log_dir=None, model="Qwen3-30B-A3B", batches=[1], input_len=8,
         output_len=4, reps=1, init_std=0.02, profile_steps=0, profile_host=False, gpu_memory_utilization=0.5, tp=1,
-        expert_parallel=False, mode_timeout=10, capture="study", moe_backend="auto", env=[])
+        expert_parallel=False, mode_timeout=10, capture="study", moe_backend="auto", env=[], mode_moe_backend=[])
 
 
 def test_study_fails_and_names_each_failed_setting(tmp_path, monkeypatch, capsys):
@@ -575,3 +575,45 @@ def test_study_env_is_checked(tmp_path, capsys):
     a.env = [("disabled", "OPGRAFT_TUNE_MOE_FP8", "0")]
     assert e2e.study(a) == 2
     assert "--env names disabled, which --modes does not run" in capsys.readouterr().err
+
+
+def test_study_moe_backend_per_setting(tmp_path, monkeypatch, capsys):
+    """--mode-moe-backend MODE:BACKEND: that setting runs vLLM with another experts backend, the
+    others with --moe-backend's; the table says which setting ran on what."""
+    backend = {}
+
+    def fake_run_group(cmd, env, out, timeout):
+        mode, b = cmd[cmd.index("--mode") + 1], cmd[cmd.index("--moe-backend") + 1]
+        backend[mode] = b
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump({"status": "done", "moe_backend": b,
+                       "batches": {"1": {"itl_ms": {"median": 5.0, "min": 4.9, "max": 5.1, "n": 1},
+                                         "decode_tok_s": {"median": 200.0}, "token_ids": [[1, 2]],
+                                         "logprobs": [[-0.1, -0.2]]}}}, f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", fake_run_group)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    a = _study_args(tmp_path, ["disabled", "disabled-again", "opgraft"])
+    a.mode_moe_backend = [e2e._setting_backend("disabled-again:flashinfer_cutlass")]
+    assert e2e.study(a) == 0
+    assert backend == {"disabled": "auto", "disabled-again": "flashinfer_cutlass", "opgraft": "auto"}
+    out = capsys.readouterr().out
+    assert "moe_backend disabled-again: flashinfer_cutlass" in out and "moe_backend disabled:" not in out
+    rows = json.loads((tmp_path / "e2e-summary.json").read_text())["rows"]
+    assert {r["mode"]: r["moe_backend"] for r in rows}["disabled-again"] == "flashinfer_cutlass"
+
+
+def test_study_moe_backend_per_setting_is_checked(tmp_path, capsys):
+    for bad in ("flashinfer_cutlass", "nosuch:triton", "disabled:", "disabled:a b", "disabled:x;y"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            e2e._setting_backend(bad)
+    assert e2e._setting_backend("opgraft:deep_gemm") == ("opgraft", "deep_gemm")
+    a = _study_args(tmp_path, ["opgraft"])
+    a.mode_moe_backend = [("disabled", "triton")]
+    assert e2e.study(a) == 2
+    assert "--mode-moe-backend names disabled, which --modes does not run" in capsys.readouterr().err
+    a.mode_moe_backend = [("opgraft", "triton"), ("opgraft", "deep_gemm")]
+    assert e2e.study(a) == 2
+    assert "--mode-moe-backend names opgraft, more than once" in capsys.readouterr().err
+
