@@ -1,13 +1,13 @@
 /* The decode-attention op's rules: tunable values derived from the shape and the GPU, used where
- * no baked row (table.c) matches. Only attention.max_batch is measured here; the other values are
- * argued from the kernel's structure (the rows override them where measured: 8 warps for
- * Qwen3-30B-A3B's heads at one sequence, v22):
+ * no baked row (table.c) matches. attention.max_batch and attention.warps on sm_90 are measured
+ * here; the other values are argued from the kernel's structure (the rows override them where
+ * measured: 8 warps for Qwen3-30B-A3B's heads at one sequence, v22):
  * - attention.max_batch 32 on sm_90: against vLLM 0.26's FA3 in the same run (H200, 2026-12-01,
  *   bench/results/2026-12-01-h200-v20-vllm/) ours won at batch 1 and 8 at every context
  *   (1.02-1.40x) and at batch 64 with 1K tokens (1.22x), and lost at batch 64 with 8K and 32K
  *   (0.97x, 0.92x: FA3 reads the cache at ~96% of the ceiling there). The batch is what a plan
  *   knows (the lengths live on the device), so batches above 32 stay FA3's (64 for the heads
- *   whose 12-warp row won at batch 64, table.c). Unmeasured archs take every batch.
+ *   where 12 warps won at batch 64: their row, table.c). Unmeasured archs take every batch.
  * - attention.warps 12 on sm_90 for head 128 with 2..8 query heads a kv head (measured): one block
  *   of 12 warps an SM (3 a scheduler x 168 registers fill its 16K) keeps 1.5x the loads of 8 in
  *   flight, and beat 8 warps and 3 blocks of 4 (v37). H200, 64 MiB between calls, µs at batch 1
@@ -17,8 +17,8 @@
  *   27.26 / 130.85; Llama-3-8B (32 / 8) batch 8 32K 245.60 -> 242.75; 32 / 16 (G2) 8K 26.43 /
  *   129.96 -> 24.02 / 127.30; 40 / 8 (G5) 8K 19.66 / 70.90 -> 16.18 / 70.10 (1K at batch 8 a tie,
  *   15.87 -> 15.89; v38's 12-warp rows ran a variant of the kernel, since reverted, that was within
- *   0.4 us of this one on Qwen3-30B-A3B's heads). One query head a kv head keeps 4: 12 warps lost 4-6% at 1K there (11.43 /
- *   37.38 -> 11.84 / 39.46) and won 1-5% at 8K. Elsewhere 4: a block of 4 warps at the kernel's
+ *   0.4 us of this one on Qwen3-30B-A3B's heads). One query head a kv head keeps 4: 12 warps lost
+ *   4-6% at 1K there (11.43 / 37.38 -> 11.84 / 39.46) and won 1-5% at 8K. Elsewhere 4: a block of 4 warps at the kernel's
  *   ~160 registers (head size 128) lets 3 blocks share an SM, 12 warps each with one 16-token tile
  *   (8 KB) of K/V in flight: about 96 KB an SM, above the ~40 KB the H200's bandwidth needs at its
  *   ~1 us load latency under load.
@@ -57,8 +57,8 @@ int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value) {
   if (strcmp(key, "attention.max_batch") == 0) return *value = q->arch == 90 ? 32 : 4096, 1;
   if (strcmp(key, "attention.warps") == 0) {
     og_attn_shape s;
-    const int twelve = q->arch == 90 && opgraft__attn_parse_shape(q->shape, &s) && s.D == 128 && s.G >= 2 && s.G <= 8;
-    return *value = twelve ? 12 : 4, 1;
+    const int head128 = opgraft__attn_parse_shape(q->shape, &s) && s.D == 128 && s.G >= 2 && s.G <= 8;
+    return *value = q->arch == 90 && head128 ? 12 : 4, 1;
   }
   if (strcmp(key, "attention.min_blocks") == 0) return *value = 0, 1;
   if (strcmp(key, "attention.min_chunk") == 0) return *value = 128, 1;

@@ -86,7 +86,7 @@ static void set_update(opgraft_attention_args *a) {
 
 static void test_max_batch(void **state) {
   /* sm_90 takes up to 32 sequences by the rule (measured: FA3 won at 64 with long contexts and 8
-   * warps), 64 for the shape with a 12-warp row; other archs any. */
+   * warps), 64 for Qwen3-30B-A3B's heads by their row (12 warps won there); other archs any. */
   opgraft_attention_args a = valid_args();
   a.batch = 64;
   expect_ok(&a, "batch 64 on sm_90, Qwen3-30B-A3B heads");
@@ -310,8 +310,8 @@ static void test_config(void **state) {
   opgraft_attention_args a = valid_args();
   og_attn_cfg c;
   og_opts o;
-  /* The rule (sm_80: no baked rows); on sm_90 this shape has tuned rows (8 warps at one sequence,
-   * 12 from two). */
+  /* The rule (sm_80: no baked rows); on sm_90 this shape has a tuned row of 8 warps at one
+   * sequence, and the rule's 12 from two. */
   opgraft__attn_config(&a, 80, NULL, &c);
   assert_int_equal(c.warps, 4);
   assert_int_equal(c.min_blocks, 3); /* 3 warps a scheduler x 168 registers fill its 16K */

@@ -508,8 +508,9 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
   og_moe_shape sh;
   assert_true(opgraft__moe_parse_shape(key, &sh) && sh.fp8 && sh.E == 128 && sh.k == 8);
   assert_true(opgraft__moe_parse_shape("moe:bf16:E8:H4096:I14336:k2", &sh) && !sh.fp8);
-  /* The rule: FP8 at one token on sm_90, two with block scales (measured as wins there),
-   * the rows of Qwen3-30B-A3B, Kimi-K2/tp8 (3..8) and Qwen3-235B-A22B (3..5); gate_up's warps twice bf16's; routing by slot up to 32 slots. */
+  /* The rule: FP8 at one token on sm_90, two with block scales (measured as wins there), the rows
+   * of Qwen3-30B-A3B, Kimi-K2/tp8 (3..8) and Qwen3-235B-A22B (3..5); gate_up's warps twice bf16's;
+   * routing by slot up to 32 slots. */
   const struct {
     const char *key, *shape;
     int32_t arch, tokens;
