@@ -266,47 +266,44 @@ __device__ __forceinline__ void og_v_tile(og_vec4 (&vc)[OG_DV], og_vec4 (&v8)[OG
 }
 
 // Combines count (<= OG_FAN) consecutive partials src .. src+count-1 in order: into the output
-// (root) or into the partial dst. All threads of the block take part.
-__device__ __forceinline__ void og_combine(const og_attn_params &p, int b, int hq0, long long src, int count, bool root,
-                                        long long dst, float *region) {
-  float *sw = region, *sl = sw + OG_FAN * OG_G, *ssum = sl + OG_FAN * OG_G, *smu = ssum + OG_G, *smx = smu + OG_G;
-  const int tid = threadIdx.x;
-  for (int i = tid; i < count * OG_G; i += OG_NT) {
-    const float2 ml = og_ld_cg2(p.part_ml + (src * OG_G + i) * 2);
-    sw[i] = ml.x, sl[i] = ml.y;
-  }
-  __syncthreads();
-  for (int h = tid; h < OG_G; h += OG_NT) {
-    float mx = og_ninf();
-    for (int i = 0; i < count; ++i) mx = fmaxf(mx, sw[i * OG_G + h]);
-    const float mu = mx == og_ninf() ? 0.f : mx;
-    float sum = 0.f;
-    for (int i = 0; i < count; ++i) {
-      const float e = og_exp2(sw[i * OG_G + h] - mu);
-      sw[i * OG_G + h] = e;
-      sum += sl[i * OG_G + h] * e;
-    }
-    ssum[h] = sum, smu[h] = mu, smx[h] = mx;
-  }
-  __syncthreads();
-  for (int it = tid; it < OG_G * (OG_D / 4); it += OG_NT) {
+// (root) or into the partial dst. All threads of the block take part. The outputs of a thread's
+// first item are in flight while the maxima and sums go to shared memory, so a pass with one item
+// a thread is one round trip to L2 (NOTES v39).
+static_assert(OG_FAN * 2 <= OG_W * (OG_D + 2), "the combine's maxima and sums fit the warps' partials' room");
+__device__ __forceinline__ void og_combine(const og_attn_params &p, int b, int hq0, long long src, int count,
+                                        bool root, long long dst, float2 *sml) {
+  const int tid = threadIdx.x, items = OG_G * (OG_D / 4);
+  float4 v[OG_FAN];
+  auto load = [&](int it) {
     const int h = it / (OG_D / 4), d = (it % (OG_D / 4)) * 4;
-    float4 v[OG_FAN];
 #pragma unroll
-    for (int i = 0; i < OG_FAN; ++i)  // every load in flight before the first product
+    for (int i = 0; i < OG_FAN; ++i)
       if (i < count) v[i] = og_ld_cg4(p.part + ((src + i) * OG_G + h) * OG_D + d);
+  };
+  if (tid < items) load(tid);
+  for (int i = tid; i < count * OG_G; i += OG_NT) sml[i] = og_ld_cg2(p.part_ml + (src * OG_G + i) * 2);
+  __syncthreads();
+  for (int it = tid; it < items; it += OG_NT) {
+    if (it != tid) load(it);
+    const int h = it / (OG_D / 4), d = (it % (OG_D / 4)) * 4;
+    float mx = og_ninf();
+    for (int i = 0; i < count; ++i) mx = fmaxf(mx, sml[i * OG_G + h].x);
+    const float mu = mx == og_ninf() ? 0.f : mx;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < OG_FAN; ++i)
       if (i < count) {
-        const float e = sw[i * OG_G + h];
+        const float2 ml = sml[i * OG_G + h];
+        const float e = og_exp2(ml.x - mu);
+        sum += ml.y * e;
         acc.x += v[i].x * e, acc.y += v[i].y * e, acc.z += v[i].z * e, acc.w += v[i].w * e;
       }
     if (root) {
-      og_write_out(p, b, hq0 + h, d, acc, ssum[h], smu[h]);
+      og_write_out(p, b, hq0 + h, d, acc, sum, mu);
     } else {
       *(float4 *)(p.part + (dst * OG_G + h) * OG_D + d) = acc;
-      if (d == 0) *(float2 *)(p.part_ml + (dst * OG_G + h) * 2) = make_float2(smx[h], ssum[h]);
+      if (d == 0) *(float2 *)(p.part_ml + (dst * OG_G + h) * 2) = make_float2(mx, sum);
     }
   }
 }
@@ -731,7 +728,7 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
     if (tid == 0) *counter = 0u;  // every child has arrived: ready for the next call
     const bool root = og_attn_parent_is_root(&node);
     og_combine(p, b, hq0, base + node.off + (long long)og_attn_parent(&node) * OG_FAN, members, root,
-               base + og_attn_parent_slot(&node), region);
+               base + og_attn_parent_slot(&node), (float2 *)region);
     if (root) return;
     og_attn_up(&node);
   }

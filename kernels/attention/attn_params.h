@@ -100,15 +100,13 @@ static inline void og_attn_tree(int S, int *slots, int *counters) {
 }
 
 /* Bytes of dynamic shared memory the kernel takes for (D, G, warps, cluster merge or not): the
- * query rows, then either the warps' partials (outputs, maxima, sums; with the cluster merge the
- * block's result after them) or, reusing that room, a combine's weights. */
+ * query rows, then the warps' partials (outputs, maxima, sums; with the cluster merge the block's
+ * result after them). */
 static inline unsigned og_attn_smem_bytes(int D, int G, int W, int cluster) {
   const unsigned nh8 = (unsigned)((G + 7) / 8) * 8u;
   const unsigned sq = nh8 * (unsigned)OG_ATTN_QROW(D) * 2u;
-  const unsigned warps = cluster ? (unsigned)(OG_ATTN_RES_OFF(D, G, W) + G * D + G * 2) * 4u
-                                 : (unsigned)(W * G * D) * 4u + (unsigned)(W * G) * 8u;
-  const unsigned comb = (unsigned)OG_ATTN_FAN * (unsigned)G * 8u + (unsigned)G * 12u;
-  return sq + (warps > comb ? warps : comb);
+  return sq + (cluster ? (unsigned)(OG_ATTN_RES_OFF(D, G, W) + G * D + G * 2) * 4u
+                       : (unsigned)(W * G * D) * 4u + (unsigned)(W * G) * 8u);
 }
 #endif
 
