@@ -326,7 +326,7 @@ def fp8_cases() -> list[dict]:
     cases = []
     for T in (1, 2, 8):
         cases.append(_fp8_case(f"fp8 block Qwen3-30B-A3B T={T}", q30, T, vllm=T != 2))
-    for T in (1, 4):
+    for T in (1, 2, 4, 8):  # table.c's tuned rows for this shape (v39)
         cases.append(_fp8_case(f"fp8 tensor Mixtral-8x7B T={T}", PRESETS["Mixtral-8x7B"], T, kind="fp8-tensor",
                                vllm=T == 1))
     # the configurations of table.c's rows for these shapes (v36)

@@ -33,8 +33,9 @@
  *   in the same run on the H200 at every shape measured (bench/results/2026-12-01-h200-v23-fp8/
  *   and -v24-fp8/, vllm/). From three tokens the shapes part: table.c takes the block shapes that
  *   won there (Qwen3-30B-A3B, DeepSeek-V3/tp8, Kimi-K2/tp8 to eight tokens, Qwen3-235B-A22B to
- *   five: -v36-fp8-shapes/); elsewhere vLLM's. Per-tensor
- *   scales beyond one token and other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8
+ *   five: -v36-fp8-shapes/), and Mixtral-8x7B's per-tensor shape to eight once tuned
+ *   (-v39-fp8-tensor-combine/); elsewhere vLLM's. Other per-tensor shapes beyond one token and other GPUs are
+ *   not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8
  *   overrides it; the tile rules below were argued from the kernels' structure (the tuned rows,
  *   where they exist, were measured).
  * - moe.max_tokens as for bf16 (8 on sm_90).

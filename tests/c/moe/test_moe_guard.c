@@ -532,10 +532,16 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
       {"moe.fp8_quantize", "moe:fp8block:E128:H4096:I1536:k8", 90, 2, 0},  /* its row: loses there */
       {"moe.fp8_quantize", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 1},
       {"moe.gate_up.warps", "moe:fp8block:E128:H4096:I1536:k8", 90, 4, 2},
-      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 2, 0},
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 2, 0},  /* per-tensor: the rule, */
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 89, 1, 0},
-      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 1},
-      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 4, 0},
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 1, 1},
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 4, 0},
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 2, 1},  /* then Mixtral-8x7B's rows */
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 8, 1},
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 9, 0},
+      {"moe.gate_up.warps", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 4},
+      {"moe.gate_up.warps", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 8, 1},
+      {"moe.gate_up.warps", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 8, 16},
       {"moe.gate_up.warps", "moe:fp8block:E128:H2048:I384:k8", 90, 1, 8},
       {"moe.gate_up.warps", "moe:bf16:E128:H2048:I768:k8", 90, 1, 4},
       {"moe.gate_up.warps", "moe:fp8block:E384:H7168:I2048:k8", 90, 1, 16},
