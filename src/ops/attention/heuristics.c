@@ -18,10 +18,10 @@
  *   129.96 -> 24.02 / 127.30; 40 / 8 (G5) 8K 19.66 / 70.90 -> 16.18 / 70.10 (1K at batch 8 a tie,
  *   15.87 -> 15.89; v38's 12-warp rows ran a variant of the kernel, since reverted, that was within
  *   0.4 us of this one on Qwen3-30B-A3B's heads). One query head a kv head keeps 4: 12 warps lost
- *   4-6% at 1K there (11.43 / 37.38 -> 11.84 / 39.46) and won 1-5% at 8K. Elsewhere 4: a block of 4 warps at the kernel's
- *   ~160 registers (head size 128) lets 3 blocks share an SM, 12 warps each with one 16-token tile
- *   (8 KB) of K/V in flight: about 96 KB an SM, above the ~40 KB the H200's bandwidth needs at its
- *   ~1 us load latency under load.
+ *   4-6% at 1K there (11.43 / 37.38 -> 11.84 / 39.46) and won 1-5% at 8K. Elsewhere 4: a block of
+ *   4 warps at the kernel's ~160 registers (head size 128) lets 3 blocks share an SM, 12 warps
+ *   each with one 16-token tile (8 KB) of K/V in flight: about 96 KB an SM, above the ~40 KB the
+ *   H200's bandwidth needs at its ~1 us load latency under load.
  * - attention.min_chunk 128 tokens: a short context splits into few blocks (1K tokens: 8 splits a
  *   kv head, one combine level), each warp pipelining two tiles; a long one into up to
  *   attention.max_splits splits so that batch x kv heads x splits fills one wave of blocks.

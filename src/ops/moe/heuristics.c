@@ -34,10 +34,9 @@
  *   and -v24-fp8/, vllm/). From three tokens the shapes part: table.c takes the block shapes that
  *   won there (Qwen3-30B-A3B, DeepSeek-V3/tp8, Kimi-K2/tp8 to eight tokens, Qwen3-235B-A22B to
  *   five: -v36-fp8-shapes/), and Mixtral-8x7B's per-tensor shape to eight once tuned
- *   (-v39-fp8-tensor-combine/); elsewhere vLLM's. Other per-tensor shapes beyond one token and other GPUs are
- *   not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8
- *   overrides it; the tile rules below were argued from the kernels' structure (the tuned rows,
- *   where they exist, were measured).
+ *   (-v39-fp8-tensor-combine/); elsewhere vLLM's. Other per-tensor shapes beyond one token and
+ *   other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8 overrides it; the tile rules below
+ *   were argued from the kernels' structure (the tuned rows, where they exist, were measured).
  * - moe.max_tokens as for bf16 (8 on sm_90).
  * - gate_up warps 8 for H <= 2048, 16 above (argued for the 32-row tiles of v22; on the 16-row
  *   tiles the tuned Qwen3-30B-A3B rows take 4 at one token and 2 from two).
