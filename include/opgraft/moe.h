@@ -99,8 +99,9 @@ typedef struct opgraft_moe_args {
   /* With FP8 weights: 0 or OPGRAFT_DTYPE_FP8_E4M3 (hidden_states e4m3, scaled by hidden_scale), or
    * dtype: hidden_states in dtype, which gate_up quantizes itself per token and 1 x block_k group
    * as vLLM's block-FP8 activation quantization does (amax = max(max |x|, 1e-10) in fp32, scale
-   * amax / 448, q = e4m3(x * (448 / amax)), nearest even, saturating); block scales only, H a
-   * multiple of block_k, hidden_scale unused (NULL). */
+   * amax / 448, q = e4m3(x * (448 / amax)), nearest even, saturating); H a multiple of block_k,
+   * hidden_scale unused (NULL). With per-tensor scales: in 1 x 128 groups the same way, finer
+   * than vLLM's one dynamic scale a call (H a multiple of 128). */
   int32_t hidden_dtype;
 } opgraft_moe_args;
 

@@ -36,12 +36,15 @@
 #if (OG_GU_KS == 64 && OG_H % 64 != 0) || (OG_DOWN_KS == 64 && OG_I % 64 != 0)
 #error "64-k steps need H (gate_up) or I (down) to be a multiple of 64"
 #endif
-// OG_XQ 1: x is 16-bit (OG_DTYPE) and gate_up quantizes it per token and 1 x OG_BK group itself.
+// OG_XQ 1: x is 16-bit (OG_DTYPE) and gate_up quantizes it per token and 1 x OG_XG group itself:
+// the weight blocks' k with block scales; with per-tensor scales the host's group (finer than
+// vLLM's one dynamic scale a call, and no pass over all of x before the first product).
 #ifndef OG_XQ
 #define OG_XQ 0
 #endif
-#if OG_XQ && (OG_SCALE != 1 || OG_H % OG_BK != 0)
-#error "OG_XQ needs block scales and H a multiple of OG_BK"
+#if OG_XQ && (!defined(OG_XG) || OG_XG < 32 || OG_XG % OG_GU_KS != 0 || OG_H % OG_XG != 0 ||            \
+              (OG_SCALE == 1 && OG_XG != OG_BK))
+#error "OG_XQ needs groups OG_XG of whole k-steps that divide H (the weight blocks' k with block scales)"
 #endif
 // gate_up's tiles: OG_GU_ROWS rows of I, in halves of 16 (one MMA tile of rows each).
 #ifndef OG_GU_ROWS

@@ -1,6 +1,6 @@
 // The FP8 gate/up stage: for one tile of OG_GU_ROWS (16 or 32) rows of I of one expert, act =
 // w * silu(G x) * (U x) in f16 with one fp32 scale per (routing slot, 16 rows), from e4m3 weights
-// and e4m3 activations (or, OG_XQ, 16-bit ones quantized here as vLLM's prepare step would).
+// and e4m3 activations (or, OG_XQ, 16-bit ones quantized here in 1 x OG_XG groups).
 #pragma once
 #include "moe_fp8.cuh"
 
@@ -34,7 +34,7 @@ __device__ __forceinline__ void og_fp8_write_act(const og_moe_fp8_params &q,
         us += s_red[w][nt][h][1][qi][l];
       }
     }
-#if OG_SCALE == 2
+#if OG_SCALE == 2 && !OG_XQ  // OG_XQ: applied a k-step at a time with the group scales
     const float sx = q.x_scale[0];
     gs *= sx * q.w13_scale[e * q.w13s_stride[0]];
     us *= sx * q.w13_scale[e * q.w13s_stride[0] + q.w13s_stride[1]];
@@ -89,6 +89,8 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
   const float *wsg = q.w13_scale + e * q.w13s_stride[0] + (long long)((tile * OG_GU_ROWS) / OG_BN) * q.w13s_stride[1];
   const float *wsu =
       q.w13_scale + e * q.w13s_stride[0] + (long long)(OG_IB + (tile * OG_GU_ROWS) / OG_BN) * q.w13s_stride[1];
+#elif OG_XQ
+  const float wtg = q.w13_scale[e * q.w13s_stride[0]], wtu = q.w13_scale[e * q.w13s_stride[0] + q.w13s_stride[1]];
 #endif
 
   for (int p0 = 0; p0 < npairs; p0 += 8 * NT) {
@@ -147,16 +149,20 @@ __device__ __forceinline__ void og_fp8_gate_up(const og_moe_fp8_params &q, int e
         }
 #if OG_XQ
         // Each group of SPG k-steps: its absmax per column (token) over the lane's values and the
-        // row's four lanes, then its e4m3 values and products, scaled by the weight block's
-        // scale and the group scales of the lane's columns 2c, 2c+1 (lanes 8c and 8c + 4).
-        constexpr int SPG = OG_BK / OG_GU_KS;
+        // row's four lanes, then its e4m3 values and products, scaled by the weight block's (or
+        // matrix's) scale and the group scales of the lane's columns 2c, 2c+1 (lanes 8c and 8c + 4).
+        constexpr int SPG = OG_XG / OG_GU_KS;
         static_assert(U % SPG == 0, "OG_XQ: a warp's k-steps a round hold whole groups");
 #pragma unroll
         for (int j = 0; j < U / SPG; ++j) {
           const int sj = s0 + j * SPG;
           if (steps % (W * U) == 0 || sj < steps) {
+#if OG_SCALE == 1
             const int kb = sj / SPG;
             const float sg = wsg[kb * q.w13s_stride[2]], su = wsu[kb * q.w13s_stride[2]];
+#else
+            const float sg = wtg, su = wtu;
+#endif
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
               if (p0 + nt * 8 < npairs) {

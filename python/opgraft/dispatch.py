@@ -227,9 +227,10 @@ def _moe_routed(call: RoutedExpertsCall):
             plan = plan_of(x, fp8)
             if plan.handle is None:
                 h = call.hidden_states
-                key = (*h.shape, block[1], h.device)
+                bk = None if block is None else block[1]
+                key = (*h.shape, bk, h.device)
                 if key not in _fp8_like_cache:
-                    _fp8_like_cache[key] = moe.fp8_activations_like(h, block[1])
+                    _fp8_like_cache[key] = moe.fp8_activations_like(h, bk)
                 plan = plan_of(_fp8_like_cache[key][0], moe.Fp8Scales(_fp8_like_cache[key][1], s13, s2, block))
                 if plan.handle is None:
                     return handed_back("moe_route", plan.reason, call)
@@ -243,8 +244,9 @@ def _moe_routed(call: RoutedExpertsCall):
         moe.run_routed(plan, out, x, call.w13, call.w2, call.router_logits, call.top_k, call.renormalize, fp8=fp8)
     except Exception as e:
         return kernel_failed("moe_route", e, call)
-    stats_of("moe").take("routed" if fp8 is None else "routed+fp8-block" if fp8.hidden_scale is not None
-                         else "routed+fp8-block+kernel-quant")
+    kind = "" if fp8 is None else "+fp8-block" if fp8.block_shape is not None else "+fp8-tensor"
+    quant = "+kernel-quant" if fp8 is not None and fp8.hidden_scale is None else ""
+    stats_of("moe").take("routed" + kind + quant)
     return out
 
 

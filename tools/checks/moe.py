@@ -10,8 +10,10 @@ intermediate is f16 on 16-row scales) and, where vLLM's TritonExperts runs, agai
 result: its own error vs the oracle is stated next to ours, and ours vs vLLM's must stay within
 1.25x vLLM's own error. "routed fp8 block x16 ..." cases hand the kernels bf16/fp16 hidden states
 that gate_up quantizes itself: against the oracle of that quantization (done here in torch, and by
-the C oracle) and bit for bit against the e4m3 form with it done beforehand. The bench rows: OPGRAFT_CHECK_DTYPES (default "bf16,fp8-block,fp8-tensor")
-picks the dtypes."""
+the C oracle) and bit for bit against the e4m3 form with it done beforehand; "routed fp8 tensor
+x16 ..." likewise with per-tensor weight scales and gate_up's 1 x 128 groups (against the oracles
+only: the per-tensor e4m3 form takes one activation scale). The bench rows: OPGRAFT_CHECK_DTYPES
+(default "bf16,fp8-block,fp8-tensor") picks the dtypes."""
 
 from __future__ import annotations
 
@@ -135,16 +137,19 @@ def cases() -> list[dict]:
     return cases + routed_cases() + fp8_cases()
 
 
-def _routed_case(name, shape, T, renorm=True, dtype="bf16", ties=False, tunables=None, fp8=False, xq=False):
+def _routed_case(name, shape, T, renorm=True, dtype="bf16", ties=False, tunables=None, fp8=False, xq=False,
+                 scales="fp8-block"):
     """Routing from the router's logits in the kernels (cases named "routed ..."). ties: equal
     logits at the top and across the k-th place, and a -0 next to a +0. Every token count is
-    checked: moe.route is forced on above the shipped 4 tokens (and moe.fp8 with fp8: block-FP8
-    weights and activations, the logits and output in dtype; xq: the activations in dtype too,
-    quantized by gate_up, "routed fp8 block x16 ...")."""
+    checked: moe.route is forced on above the shipped 4 tokens (and moe.fp8 with fp8: FP8 weights
+    with scales (block or per-tensor) and activations, the logits and output in dtype; xq: the
+    activations in dtype too, quantized by gate_up, "routed fp8 block x16 ...")."""
     fp8_on = {"moe.fp8": 1, "moe.fp8_quantize": int(xq)} if fp8 else {}
-    kind = "fp8 block x16 " if xq else "fp8 block " if fp8 else ""
+    sk = scales.split("-")[1]
+    kind = f"fp8 {sk} x16 " if xq else f"fp8 {sk} " if fp8 else ""
     return dict(name=f"routed {kind}{name}", shape=shape, T=T, renorm=renorm, dtype=dtype, ties=ties,
-                tunables={"moe.route": 1, **fp8_on, **(tunables or {})}, routed=True, seed=0, fp8=fp8, xq=xq)
+                tunables={"moe.route": 1, **fp8_on, **(tunables or {})}, routed=True, seed=0, fp8=fp8, xq=xq,
+                scales=scales)
 
 
 def routed_cases() -> list[dict]:
@@ -186,6 +191,13 @@ def routed_cases() -> list[dict]:
                      xq=True),
         _routed_case("DeepSeek-V3/tp8 dims T=2, softmax without renormalize",
                      MoeShape("DeepSeek-V3/tp8", 256, 7168, 256, 8), 2, renorm=False, fp8=True, xq=True),
+        _routed_case("Mixtral-8x7B T=1", PRESETS["Mixtral-8x7B"], 1, fp8=True, scales="fp8-tensor"),
+        _routed_case("Mixtral-8x7B T=1", PRESETS["Mixtral-8x7B"], 1, fp8=True, xq=True, scales="fp8-tensor"),
+        _routed_case("Mixtral-8x7B T=2", PRESETS["Mixtral-8x7B"], 2, fp8=True, xq=True, scales="fp8-tensor"),
+        _routed_case("Mixtral-8x7B T=8, 32-k steps", PRESETS["Mixtral-8x7B"], 8, fp8=True, xq=True,
+                     scales="fp8-tensor", tunables={"moe.fp8_kstep": 32}),
+        _routed_case("small T=5, ties, fp16 out", small, 5, dtype="fp16", ties=True, fp8=True, xq=True,
+                     scales="fp8-tensor"),
     ]
 
 
@@ -217,16 +229,17 @@ def _run_routed_case(c: dict, device) -> dict:
     T, dtype, k, E = c["T"], c["dtype"], shape.top_k, shape.num_experts
     gen = torch.Generator(device=device).manual_seed(300 + c["seed"])
     fp8 = fp8_given = None
+    kind = c.get("scales", "fp8-block")
     if c.get("fp8"):  # e4m3 weights and activations, as vLLM's prepare step hands them (xq: in dtype)
-        w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", device, seed=c["seed"])
+        w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, kind, device, seed=c["seed"])
         xb = moe_bench.make_x(T, shape.hidden, dtype, device, gen)
         if c.get("xq"):
-            xq, xs = moe_bench.quantize_as_the_kernel(xb, moe_bench.FP8_BLOCK[1])
-            fp8_given = moe_bench.fp8_scales("fp8-block", xs, s13, s2)  # the same quantization, done here
-            x, fp8 = xb, moe_bench.fp8_scales("fp8-block", None, s13, s2)
+            x, fp8 = xb, moe_bench.fp8_scales(kind, None, s13, s2)
+            xq, xs = moe_bench.quantize_as_the_kernel(xb, moe_bench.kernel_group(fp8.block_shape))
+            fp8_given = moe_bench.fp8_scales(kind, xs, s13, s2)  # the same quantization, done here
         else:
-            x, xs = moe_bench.quantize_activations_fp8(xb, "fp8-block", moe_bench.FP8_BLOCK[1])
-            fp8 = moe_bench.fp8_scales("fp8-block", xs, s13, s2)
+            x, xs = moe_bench.quantize_activations_fp8(xb, kind, moe_bench.FP8_BLOCK[1])
+            fp8 = moe_bench.fp8_scales(kind, xs, s13, s2)
         odt = xb.dtype
     else:
         w13, w2 = moe_bench.make_weights(shape, dtype, device, seed=c["seed"])
@@ -258,8 +271,9 @@ def _run_routed_case(c: dict, device) -> dict:
     else:
         ref = moe_bench.reference_fp8(x, fp8, w13, w2, ew.float(), eids)
     err = bench.rel_err(out, ref)
-    if fp8_given is not None:
-        # the e4m3 form with this quantization done beforehand: the same bits where both compile
+    if fp8_given is not None and kind == "fp8-block":
+        # the e4m3 form with this quantization done beforehand (block scales only: the per-tensor
+        # e4m3 form takes one activation scale, not groups): the same bits where both compile
         # the same configuration with 64-k steps (the same f16 operands and sums). x's 16-bit
         # registers can lower gate_up's unroll, which splits H over the warps' rounds otherwise
         # and so sums in another order; with 32-k steps the e4m3 form runs e4m3 MMAs. Only close then.
@@ -271,7 +285,7 @@ def _run_routed_case(c: dict, device) -> dict:
         cfg16, cfg8 = (ops.routed_config(xi, w13, w2, logits, k, c["renorm"], fp8=fi, arch=arch).split()
                        for xi, fi in ((x, fp8), (xq, fp8_given)))
         res["config_differs_from_quantized_first"] = " ".join(
-            f"{a} vs {b}" for a, b in zip(cfg16, cfg8) if a != b and not a.startswith("-DOG_XQ="))
+            f"{a} vs {b}" for a, b in zip(cfg16, cfg8) if a != b and not a.startswith(("-DOG_XQ=", "-DOG_XG=")))
     # the same call with the routing given (vLLM's form): the same bits
     given = torch.full_like(out, float("nan"))
     ops.moe_experts_into(given, x, w13, w2, tw.clone(), ids.clone(), fp8=fp8)
@@ -283,7 +297,7 @@ def _run_routed_case(c: dict, device) -> dict:
     res.update(rel_err=err, tolerance=tol, ids_exact=ids_ok, weights_rel_err=w_err, same_as_given_routing=same_as_given,
                deterministic=det)
     passed = err <= tol and ids_ok and w_err <= 1e-5 and same_as_given and det
-    if fp8_given is not None:
+    if fp8_given is not None and kind == "fp8-block":
         only_close = c["tunables"].get("moe.fp8_kstep") == 32 or res["config_differs_from_quantized_first"]
         close = only_close and res["rel_err_vs_quantized_first"] <= 1e-3
         passed = passed and (res["same_as_quantized_first"] or close)

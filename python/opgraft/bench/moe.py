@@ -318,6 +318,13 @@ class tunables(_tunables):
 FP8_KINDS = ("fp8-block", "fp8-tensor")
 FP8_MAX = 448.0
 FP8_BLOCK = (128, 128)
+X16_GROUP = 128  # the k of gate_up's own activation groups with per-tensor scales (OG_MOE_X_GROUP)
+
+
+def kernel_group(block_shape) -> int:
+    """The k of the groups gate_up quantizes 16-bit hidden states in: the weight blocks' k, or
+    X16_GROUP with per-tensor scales (block_shape None)."""
+    return X16_GROUP if block_shape is None else int(block_shape[1])
 
 
 def _vllm_attr(module: str, name: str):
@@ -477,8 +484,8 @@ def reference_fp8(x_q, fp8: ops.Fp8Scales, w13_q, w2_q, tw, ids) -> torch.Tensor
     kind = "fp8-block" if fp8.block_shape is not None else "fp8-tensor"
     T, H = x_q.shape
     E, I = w13_q.shape[0], w2_q.shape[2]
-    if kind == "fp8-block":
-        x = dequantize_fp8(x_q, fp8.hidden_scale, kind, (1, fp8.block_shape[1]))
+    if fp8.hidden_scale.numel() > 1:  # 1 x g groups (block scales, or the kernel's with per-tensor ones)
+        x = dequantize_fp8(x_q, fp8.hidden_scale, "fp8-block", (1, H // fp8.hidden_scale.shape[-1]))
     else:
         x = dequantize_fp8(x_q, fp8.hidden_scale, kind)
     out = torch.zeros((T, H), dtype=torch.float64, device=x_q.device)
@@ -647,9 +654,9 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
     """Rows for one shape with FP8 weights (kind "fp8-block" or "fp8-tensor") at each token count:
     opgraft's kernel ("opgraft", on activations quantized beforehand: the bytes and the ceiling
     fraction are the kernel's), opgraft as the seam runs in vLLM ("opgraft+quant": vLLM's
-    activation quantization, then the kernel), with block scales opgraft on the bf16 hidden
-    states ("opgraft-x16": gate_up quantizes them, checked against the oracle of that
-    quantization; a delegate row where the rule says no, moe.fp8_quantize), and vLLM's own FP8
+    activation quantization, then the kernel), opgraft on the bf16 hidden states ("opgraft-x16":
+    gate_up quantizes them in 1 x 128 groups, checked against the oracle of that quantization; a
+    delegate row where the rule says no, moe.fp8_quantize), and vLLM's own FP8
     path for each backend (vLLM's modular kernel: quantization, TritonExperts or DeepGEMM,
     finalize), each checked against the
     fp64 oracle of the quantized model. Speedups are opgraft+quant over vLLM's TritonExperts (the
@@ -713,11 +720,10 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
                 return q, fp8_scales(kind, s, w13_s, w2_s)
 
             timed("opgraft+quant", quantized_here, err, det)
-        x16 = ops.Fp8Scales(None, w13_s, w2_s, tuple(FP8_BLOCK)) if kind == "fp8-block" else None
-        ok16, why16 = (ops.moe_supports(xs[0], w13_q, w2_q, *routings[0], expert_map=emap, fp8=x16)
-                       if x16 is not None else (False, ""))
+        x16 = ops.Fp8Scales(None, w13_s, w2_s, tuple(FP8_BLOCK) if kind == "fp8-block" else None)
+        ok16, why16 = ops.moe_supports(xs[0], w13_q, w2_q, *routings[0], expert_map=emap, fp8=x16)
         if ok16:  # bf16 hidden states in, quantized by gate_up: what the seam runs when the rule takes it
-            kq, ks = quantize_as_the_kernel(xs[0], FP8_BLOCK[1])
+            kq, ks = quantize_as_the_kernel(xs[0], kernel_group(x16.block_shape))
             ref16 = reference_fp8(kq, fp8_scales(kind, ks, w13_s, w2_s), w13_q, w2_q, routings[0][0], local_ids)
             out16, det16 = first(xs[0], x16)
             timed("opgraft-x16", lambda i: (xs[i], x16), rel_err(out16, ref16), det16)
@@ -757,7 +763,7 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
         if not ok:
             rows.append(dict(base, tokens=T, impl="opgraft", median_us=None, bytes=int(nbytes),
                              guard=f"delegate: {reason}"))
-        if x16 is not None and not ok16:
+        if not ok16:
             rows.append(dict(base, tokens=T, impl="opgraft-x16", median_us=None, bytes=int(nbytes),
                              guard=f"delegate: {why16}"))
     return rows

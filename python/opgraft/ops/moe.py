@@ -26,8 +26,9 @@ class Fp8Scales:
     them (include/opgraft/moe.h describes the layouts): block_shape (block_n, block_k) for block
     scales, None for one scale per expert matrix and one per-tensor activation scale."""
 
-    # a1q_scale: [T, ceil(H/bk)], or one value; None (block scales): the hidden states are 16-bit
-    # (the output's dtype) and the kernel quantizes them per token and 1 x bk group as vLLM would
+    # a1q_scale: [T, ceil(H/bk)], or one value; None: the hidden states are 16-bit (the output's
+    # dtype) and the kernel quantizes them per token and 1 x bk group as vLLM's block quantization
+    # would (per-tensor scales: 1 x 128 groups, finer than vLLM's one dynamic scale)
     hidden_scale: torch.Tensor | None
     w13_scale: torch.Tensor  # [E, 2*ceil(I/bn), ceil(H/bk)], or [E] / [E, 1] / [E, 2]
     w2_scale: torch.Tensor  # [E, ceil(H/bn), ceil(I/bk)], or [E] / [E, 1]
@@ -82,7 +83,7 @@ def _fp8_fields(a: _lib.MoeArgs, fp8: Fp8Scales, T: int, H: int, I: int, E: int)
         a.w13_scale_stride, a.w2_scale_stride = strides(s13, 3), strides(s2, 3)
         return ok
     a.scale_layout = _lib.SCALE_TENSOR
-    if xs is None or xs.numel() != 1 or s13.shape[:1] != (E,) or s2.shape[:1] != (E,):
+    if (xs is not None and xs.numel() != 1) or s13.shape[:1] != (E,) or s2.shape[:1] != (E,):
         return False
     halves = s13.numel() // E
     if s13.numel() != E * halves or halves not in (1, 2) or s2.numel() != E:
@@ -406,13 +407,14 @@ def moe_routed_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, r
     return a
 
 
-def fp8_activations_like(hidden: torch.Tensor, block_k: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty tensors laid out as vLLM's block-FP8 quantization of hidden [T, H] lays out its
-    result: e4m3 [T, H] and fp32 scales [T, ceil(H / block_k)] (a plan looks at layouts only)."""
+def fp8_activations_like(hidden: torch.Tensor, block_k: int | None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty tensors laid out as vLLM's FP8 quantization of hidden [T, H] lays out its result:
+    e4m3 [T, H] and fp32 scales [T, ceil(H / block_k)], or [1] per tensor (block_k None); a plan
+    looks at layouts only."""
     T, H = hidden.shape
     device = hidden.device if device is None else device
     return (torch.empty((T, H), dtype=torch.float8_e4m3fn, device=device),
-            torch.empty((T, _cdiv(H, block_k)), dtype=torch.float32, device=device))
+            torch.empty((T, _cdiv(H, block_k)) if block_k is not None else (1,), dtype=torch.float32, device=device))
 
 
 def _routed_key(hidden, w13, w2, router_logits, top_k, renormalize, out, topk_weights, topk_ids, fp8=None):

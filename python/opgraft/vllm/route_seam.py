@@ -10,11 +10,12 @@ batch 1 on an H200 for Qwen3-30B-A3B's 128 experts, bench/NOTES.md v27); here th
 compute it themselves, from the logits, before their first weight load.
 What is taken: exactly the layers where routing and experts are plain: FusedTopKRouter with
 softmax scoring, no EPLB, no routing capture or replay; no shared experts; the quant method
-UnquantizedFusedMoEMethod (bf16/fp16 weights) or Fp8MoEMethod with block scales (its bf16
-activations quantized by our gate_up kernel per token and 1 x block_k group, with fp32 scales, where
-the plan says so, moe.fp8_quantize: by the rule on sm_90 up to 2 tokens; else by the layer's own
-prepare step, as vLLM's modular kernel does before TritonExperts.apply: vLLM 0.26 on Hopper rounds
-those scales up to powers of two where DeepGEMM's E8M0 is in use), with a modular kernel of
+UnquantizedFusedMoEMethod (bf16/fp16 weights) or Fp8MoEMethod with block scales or per-tensor
+scales and dynamic activation scales (its bf16 activations quantized by our gate_up kernel per
+token and 1 x block_k group, or 1 x 128 with per-tensor scales, with fp32 scales, where the plan
+says so, moe.fp8_quantize; else by the layer's own prepare step, as vLLM's modular kernel does
+before TritonExperts.apply: vLLM 0.26 on Hopper rounds block scales up to powers of two where
+DeepGEMM's E8M0 is in use, and quantizes per tensor with one dynamic scale), with a modular kernel of
 TritonExperts behind the no-dispatch prepare/finalize (one rank's experts, no DP/EP all-to-all), no
 expert_map, no apply_router_weight_on_input, and what the experts seam itself would take (no bias,
 no LoRA, SwiGLU). The C guard then decides on the shape, before any quantization. Everything else, and every
@@ -94,9 +95,7 @@ def _fp8_reason(hidden_states, experts, experts_cls, layer) -> str:
     if getattr(experts, "expects_unquantized_inputs", False):
         return "experts that quantize their own inputs"
     block = _fp8_block(experts)
-    if block is None:
-        return "per-tensor FP8 scales (routing stays vLLM's)"
-    xq, xs = moe.fp8_activations_like(hidden_states, block[1], device="meta")
+    xq, xs = moe.fp8_activations_like(hidden_states, None if block is None else block[1], device="meta")
     reason, fp8 = moe_seam._seam_reason(experts, experts_cls, xq, layer.activation, xs, layer.expert_map,
                                         layer.w13_weight, layer.w2_weight, layer.apply_router_weight_on_input)
     return reason or ("" if fp8 is not None else "FP8 layer without FP8 scales")

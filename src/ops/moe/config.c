@@ -74,7 +74,7 @@ static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   /* Quantizing x: a warp's k-steps a round hold whole 1 x block_k groups (each group's absmax
    * from the values in its registers), so the unroll is a multiple of the steps of a group. */
   if (c->xq) {
-    const int spg = a->block_k / c->gu_ks;
+    const int spg = (int)opgraft__moe_x_group(a) / c->gu_ks;
     c->u1 = c->u1 < spg ? spg : c->u1 - c->u1 % spg;
   }
   while (c->u2 > 1 && 4 * c->nt + c->u2 * q2 * (4 + 4 * c->nt) > 72) c->u2--; /* act: 16 bytes a 32-k step */
@@ -172,6 +172,7 @@ int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_
     OG_OPT("-DOG_DOWN_KS=%d", c->down_ks);
     OG_OPT("-DOG_GU_ROWS=%d", c->gu_rows);
     OG_OPT("-DOG_XQ=%d", c->xq);
+    OG_OPT("-DOG_XG=%d", c->xq ? (int)opgraft__moe_x_group(a) : 0);
   }
 #undef OG_OPT
   return opgraft__opts_check(o, "MoE");

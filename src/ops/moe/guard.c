@@ -26,6 +26,10 @@ int opgraft__moe_quantizes_x(const opgraft_moe_args *a) {
   return opgraft__moe_is_fp8(a) && a->hidden_dtype == a->dtype;
 }
 
+int64_t opgraft__moe_x_group(const opgraft_moe_args *a) {
+  return a->scale_layout == OPGRAFT_MOE_SCALE_BLOCK ? a->block_k : OG_MOE_X_GROUP;
+}
+
 /* The shape key's dtype field: the activations' dtype, or the FP8 weights' scaling. */
 static const char *key_dtype(const opgraft_moe_args *a) {
   if (!opgraft__moe_is_fp8(a)) return opgraft__moe_dtype_name(a->dtype);
@@ -74,11 +78,11 @@ static int32_t check_fp8(const opgraft_moe_args *a, char *reason, size_t reason_
   if (!xq && a->hidden_dtype != 0 && a->hidden_dtype != OPGRAFT_DTYPE_FP8_E4M3)
     return OG_REASON("FP8 weights with hidden states of dtype %s (e4m3, or the output's dtype)",
                      opgraft__moe_dtype_name(a->hidden_dtype));
-  if (xq && L != OPGRAFT_MOE_SCALE_BLOCK) return OG_REASON("16-bit hidden states with per-tensor FP8 scales");
-  if (xq && a->block_k > 128) return OG_REASON("16-bit hidden states with block_k %d (at most 128)", a->block_k);
-  if (xq && a->hidden % a->block_k)
-    return OG_REASON("16-bit hidden states with H %lld not a multiple of block_k %d", (long long)a->hidden,
-                     a->block_k);
+  const int64_t xg = opgraft__moe_x_group(a);
+  if (xq && xg > 128) return OG_REASON("16-bit hidden states with block_k %lld (at most 128)", (long long)xg);
+  if (xq && a->hidden % xg)
+    return OG_REASON("16-bit hidden states with H %lld not a multiple of %s %lld", (long long)a->hidden,
+                     L == OPGRAFT_MOE_SCALE_BLOCK ? "block_k" : "the quantization group", (long long)xg);
   for (int i = 0; i < 3; ++i)
     if (a->w13_scale_stride[i] < 0 || a->w2_scale_stride[i] < 0 || (i < 2 && !xq && a->hidden_scale_stride[i] < 0))
       return OG_REASON("negative FP8 scale strides");

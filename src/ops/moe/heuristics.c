@@ -28,15 +28,16 @@
  *   to end at batch 8 the step lost 0.2 ms with it.
  *
  * FP8 weights (shape keys "moe:fp8block:..." and "moe:fp8tensor:..."):
- * - moe.fp8 1 on sm_90 at one token, and at two with block scales: where ours (with vLLM's
- *   activation quantization) beat vLLM 0.26's own FP8 path (its modular kernel with TritonExperts)
- *   in the same run on the H200 at every shape measured (bench/results/2026-12-01-h200-v23-fp8/
- *   and -v24-fp8/, vllm/). From three tokens the shapes part: table.c takes the block shapes that
- *   won there (Qwen3-30B-A3B, DeepSeek-V3/tp8, Kimi-K2/tp8 to eight tokens, Qwen3-235B-A22B to
- *   five: -v36-fp8-shapes/), and Mixtral-8x7B's per-tensor shape to eight once tuned
- *   (-v39-fp8-tensor-combine/); elsewhere vLLM's. Other per-tensor shapes beyond one token and
- *   other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8 overrides it; the tile rules below
- *   were argued from the kernels' structure (the tuned rows, where they exist, were measured).
+ * - moe.fp8 1 on sm_90 up to two tokens: where ours (with vLLM's activation quantization) beat
+ *   vLLM 0.26's own FP8 path (its modular kernel with TritonExperts) in the same run on the H200
+ *   at every shape measured (bench/results/2026-12-01-h200-v23-fp8/ and -v24-fp8/, vllm/; per
+ *   tensor at two tokens: Mixtral-8x7B 1.16x, Qwen3-30B-A3B 1.24x, -v40-fp8-tensor-x16/). From
+ *   three tokens the shapes part: table.c takes the block shapes that won there (Qwen3-30B-A3B,
+ *   DeepSeek-V3/tp8, Kimi-K2/tp8 to eight tokens, Qwen3-235B-A22B to five: -v36-fp8-shapes/), and
+ *   Mixtral-8x7B's per-tensor shape to eight once tuned (-v39-fp8-tensor-combine/); elsewhere
+ *   vLLM's. Other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8 overrides it; the tile
+ *   rules below were argued from the kernels' structure (the tuned rows, where they exist, were
+ *   measured).
  * - moe.max_tokens as for bf16 (8 on sm_90).
  * - gate_up warps 8 for H <= 2048, 16 above (argued for the 32-row tiles of v22; on the 16-row
  *   tiles the tuned Qwen3-30B-A3B rows take 4 at one token and 2 from two).
@@ -49,13 +50,16 @@
  *   and +3.8 at 4 (gate + routing + experts as one span against the routing given, Qwen3-30B-A3B,
  *   tools.moe_route --dtype fp8-block, v31), where vLLM's topkGating it replaces took 3.56 µs a
  *   layer in the Qwen3-30B-A3B-FP8 engine step (v30).
- * - moe.fp8_quantize on sm_90 with block scales up to 2 tokens (gate_up quantizes the 16-bit
- *   hidden states; the routing seam's calls, moe.route, are those): router gate to output 22.05
+ * - moe.fp8_quantize on sm_90 up to 2 tokens (gate_up quantizes the 16-bit hidden states; the
+ *   routing seam's calls, moe.route, are those). Block scales: router gate to output 22.05
  *   against 24.27 µs with vLLM's quantization kernel at one token, 31.06 against 33.40 at two
  *   (Qwen3-30B-A3B, tools.moe_route); the op bench -2.0..-2.8 µs on Qwen3-30B-A3B and
  *   DeepSeek-V3/tp8, but +1.9 µs at 4 tokens on Qwen3-30B-A3B (x's registers lower gate_up's
  *   unroll); a batch-1 engine step -89 µs. Bit for bit the e4m3 form where both compile one
- *   configuration (H200 check, NOTES v35). */
+ *   configuration (H200 check, NOTES v35). Per-tensor scales (1 x 128 groups in place of vLLM's
+ *   dynamic per-tensor quantization, NOTES v40): the op bench -8.9 / -13.0 µs at 1 / 2 tokens on
+ *   Mixtral-8x7B, -10.6 / -10.1 on Qwen3-30B-A3B; from three tokens on Mixtral-8x7B a tie, then
+ *   up to +4.5 µs. */
 #include <stdio.h>
 #include <string.h>
 
@@ -75,9 +79,9 @@ int opgraft__moe_parse_shape(const char *shape, og_moe_shape *s) {
 static int fp8_rule(const opgraft_tune_query *q, const og_moe_shape *s, int64_t *value) {
   const char *key = q->key;
   const int32_t T = q->tokens;
-  if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90 && (T == 1 || (T == 2 && s->fp8 == 1)), 1;
+  if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90 && T <= 2, 1;
   if (strcmp(key, "moe.route") == 0) return *value = T <= 2, 1;
-  if (strcmp(key, "moe.fp8_quantize") == 0) return *value = q->arch == 90 && s->fp8 == 1 && T <= 2, 1;
+  if (strcmp(key, "moe.fp8_quantize") == 0) return *value = q->arch == 90 && T <= 2, 1;
   if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s->H <= 2048 ? 8 : 16, 1;
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 8, 1;
   if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)

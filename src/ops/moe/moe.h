@@ -39,6 +39,10 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
 int opgraft__moe_routed(const opgraft_moe_args *a);
 /* FP8 weights with 16-bit hidden states that gate_up quantizes (hidden_dtype == dtype). */
 int opgraft__moe_quantizes_x(const opgraft_moe_args *a);
+/* The k of the groups gate_up quantizes them in: block_k with block scales, else
+ * OG_MOE_X_GROUP. */
+#define OG_MOE_X_GROUP 128
+int64_t opgraft__moe_x_group(const opgraft_moe_args *a);
 /* The pointer checks every run repeats (alignment, NULL), as a reason. */
 int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, size_t reason_len);
 /* The workspace's act region (FP8 weights: act in f16, its scales from

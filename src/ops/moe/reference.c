@@ -58,8 +58,8 @@ static int32_t check_fp8(const opgraft_moe_args *a) {
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "FP8 scale layout %d", a->scale_layout);
   }
   const int xq = opgraft__moe_quantizes_x(a);
-  if (xq && (a->scale_layout != OPGRAFT_MOE_SCALE_BLOCK || a->hidden % a->block_k))
-    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "16-bit hidden states need block scales and H a multiple of block_k");
+  if (xq && a->hidden % opgraft__moe_x_group(a))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "16-bit hidden states need H a multiple of the quantization group");
   if (a->num_tokens > 0 && ((!a->hidden_scale && !xq) || !a->w13_scale || !a->w2_scale))
     return opgraft__fail(OPGRAFT_EINVAL, "NULL FP8 scale");
   return OPGRAFT_OK;
@@ -135,10 +135,11 @@ int32_t opgraft_moe_reference(const opgraft_moe_args *a, double *out_f64) {
     if (!xq) {
       for (int64_t h = 0; h < H; ++h) xt[h] = load_x(a, t, h);
     } else {
-      for (int64_t h0 = 0; h0 < H; h0 += a->block_k) {
+      const int64_t xg = opgraft__moe_x_group(a);
+      for (int64_t h0 = 0; h0 < H; h0 += xg) {
         const double sx = opgraft__e4m3_quantize_group(a->dtype, row + h0 * a->hidden_states_stride[1],
-                                                       a->hidden_states_stride[1], a->block_k, xt + h0);
-        for (int64_t h = h0; h < h0 + a->block_k; ++h) xt[h] *= sx;
+                                                       a->hidden_states_stride[1], xg, xt + h0);
+        for (int64_t h = h0; h < h0 + xg; ++h) xt[h] *= sx;
       }
     }
     for (int64_t j = 0; j < K; ++j) {

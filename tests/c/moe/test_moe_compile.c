@@ -87,10 +87,11 @@ static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, con
   if (qz.layout != OPGRAFT_MOE_SCALE_NONE) {
     a.weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a.scale_layout = qz.layout, a.scale_dtype = OPGRAFT_DTYPE_FP32;
     a.block_n = a.block_k = qz.block;
-    if (qz.layout == OPGRAFT_MOE_SCALE_BLOCK) snprintf(wq, sizeof wq, " fp8 %dx%d blocks%s", qz.block, qz.block,
-                                                       job_hidden16 ? ", 16-bit x" : "");
     if (job_hidden16) a.hidden_dtype = dtype;
-    else snprintf(wq, sizeof wq, " fp8 per-tensor");
+    if (qz.layout == OPGRAFT_MOE_SCALE_BLOCK)
+      snprintf(wq, sizeof wq, " fp8 %dx%d blocks%s", qz.block, qz.block, job_hidden16 ? ", 16-bit x" : "");
+    else
+      snprintf(wq, sizeof wq, " fp8 per-tensor%s", job_hidden16 ? ", 16-bit x" : "");
   }
   job *j = &jobs[n_jobs];
   memset(j, 0, sizeof *j);
@@ -295,6 +296,11 @@ static int setup(void **state) {
   add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_SLOT_ROUTING", "0", "OPGRAFT_TUNE_MOE_GATE_UP_FP8_ROWS", "32",
                                  NULL},
                 (const int[]){Q30, DSV3_TP8}, 2, (const int32_t[]){1, 2, 8}, 3, OPGRAFT_DTYPE_BF16, Q_B128);
+  /* per-tensor scales, 16-bit hidden states in 1 x 128 groups: Mixtral-8x7B's tuned rows, fp16, PDL */
+  add_setting_q(NULL, (const int[]){MIX, Q30}, 2, (const int32_t[]){1, 2, 3, 4, 8}, 5, OPGRAFT_DTYPE_BF16, Q_TENSOR);
+  add_setting_q(NULL, (const int[]){MIX}, 1, (const int32_t[]){1, 2}, 2, OPGRAFT_DTYPE_FP16, Q_TENSOR);
+  add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_FP8_KSTEP", "32", NULL}, (const int[]){MIX}, 1,
+                (const int32_t[]){1, 8}, 2, OPGRAFT_DTYPE_BF16, Q_TENSOR);
   job_hidden16 = 0;
   job_routing = OPGRAFT_MOE_ROUTING_SOFTMAX;
   add_setting_q(NULL, (const int[]){Q30}, 1, (const int32_t[]){1}, 1, OPGRAFT_DTYPE_FP16, Q_TENSOR);

@@ -452,7 +452,10 @@ static void test_fp8_hidden_states_quantized_in_the_kernel(void **state) {
   expect_refusal(&a, "an FP8 scale pointer is NULL", "e4m3 hidden states without hidden_scale");
   a = fp8_args(OPGRAFT_MOE_SCALE_TENSOR);
   a.hidden_dtype = a.dtype, a.hidden_scale = NULL;
-  expect_refusal(&a, "16-bit hidden states with per-tensor FP8 scales", "per-tensor");
+  memset(a.hidden_scale_stride, 0, sizeof a.hidden_scale_stride);
+  expect_ok(&a, "per-tensor scales, bf16 hidden states (1 x 128 groups)");
+  set_shape(&a, 1, 2048 + 64, 768, 128, 8);
+  expect_refusal(&a, "H 2112 not a multiple of the quantization group 128", "per-tensor, H % 128");
   a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
   a.hidden_dtype = a.dtype, a.hidden_scale = NULL, a.block_k = 256;
   expect_refusal(&a, "block_k 256 (at most 128)", "block_k 256");
@@ -532,7 +535,11 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
       {"moe.fp8_quantize", "moe:fp8block:E128:H4096:I1536:k8", 90, 2, 0},  /* its row: loses there */
       {"moe.fp8_quantize", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 1},
       {"moe.gate_up.warps", "moe:fp8block:E128:H4096:I1536:k8", 90, 4, 2},
-      {"moe.fp8", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 2, 0},  /* per-tensor: the rule, */
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 2, 1},  /* per-tensor: the rule, */
+      {"moe.fp8", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 3, 0},
+      {"moe.fp8_quantize", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 2, 1},
+      {"moe.fp8_quantize", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 3, 0},
+      {"moe.fp8_quantize", "moe:fp8tensor:E8:H4096:I14336:k2", 89, 1, 0},
       {"moe.fp8", "moe:fp8block:E128:H2048:I768:k8", 89, 1, 0},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 1, 1},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 4, 0},

@@ -603,6 +603,7 @@ static void test_e4m3_values(void **state) {
  * tensors in a layout given by strides (transposed when `transposed`). */
 typedef struct fp8_problem {
   int32_t layout, bn, bk, out_dtype;
+  int x_groups; /* per-tensor weights with activations in 1 x bk groups (xs [T, H/bk]) */
   int64_t T, H, I, E, k;
   uint8_t *x, *w13, *w2;
   float *xs, *s13, *s2, *tw;
@@ -713,7 +714,7 @@ static void fp8_brute_force(const fp8_problem *p, double *out) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0, kb = 0, in = 0; h < H; ++h, in = (in + 1 == p->bk) ? (++kb, 0) : in + 1)
       x[t * H + h] = dec_e4m3(p->x[t * H + h]) *
-                     (block ? p->xs[t * p->xs_stride[0] + kb * p->xs_stride[1]] : p->xs[0]);
+                     (block || p->x_groups ? p->xs[t * p->xs_stride[0] + kb * p->xs_stride[1]] : p->xs[0]);
   const int64_t nbi = block ? cdiv64(I, p->bn) : 0;
   for (int64_t e = 0; e < E; ++e)
     for (int half = 0; half < 2; ++half)
@@ -823,14 +824,23 @@ static uint8_t nearest_e4m3_bits(float v) {
 }
 
 /* 16-bit hidden states with FP8 weights (ABI 9): the oracle quantizes each token's 1 x bk groups
- * itself (amax = max(max |x|, 1e-10) in fp32, scale amax / 448, q = e4m3(x * (448 / amax))); the
- * brute force quantizes them by its own rule into the e4m3 form and checks that. */
+ * itself (amax = max(max |x|, 1e-10) in fp32, scale amax / 448, q = e4m3(x * (448 / amax))), in
+ * groups of 128 with per-tensor weight scales; the brute force quantizes them by its own rule
+ * into the e4m3 form and checks that. */
 static void test_fp8_hidden_quantized(void **state) {
   build_e4m3_table();
-  for (int c = 0; c < 2; ++c) {
+  for (int c = 0; c < 3; ++c) {
     fp8_problem p;
-    const int bk = c ? 64 : 32;
-    fp8_init(&p, OPGRAFT_MOE_SCALE_BLOCK, 32, bk, 128, 64, 0, 0, 80 + (uint64_t)c);
+    const int bk = c == 2 ? 128 : c ? 64 : 32;
+    if (c == 2) { /* per-tensor weights, one scale a half; the activations' groups are the kernel's */
+      fp8_init(&p, OPGRAFT_MOE_SCALE_TENSOR, 0, 0, 256, 64, 0, 1, 82);
+      free(p.xs);
+      p.xs = malloc(sizeof(float) * (size_t)(p.T * p.H / bk));
+      assert_non_null(p.xs);
+      p.bk = bk, p.x_groups = 1, p.xs_stride[0] = p.H / bk, p.xs_stride[1] = 1;
+    } else {
+      fp8_init(&p, OPGRAFT_MOE_SCALE_BLOCK, 32, bk, 128, 64, 0, 0, 80 + (uint64_t)c);
+    }
     uint16_t *x16 = malloc(sizeof(uint16_t) * (size_t)(p.T * p.H));
     assert_non_null(x16);
     for (int64_t i = 0; i < p.T * p.H; ++i) { /* values over a few decades, a zero group in token 1 */
@@ -857,8 +867,13 @@ static void test_fp8_hidden_quantized(void **state) {
     fp8_brute_force(&p, want);
     for (int64_t i = 0; i < n; ++i)
       if (!(fabs(got[i] - want[i]) <= 1e-12 * fmax(fabs(want[i]), 1e-9)))
-        fail_msg("bk %d: out[%lld] = %.17g, brute force %.17g", bk, (long long)i, got[i], want[i]);
-    a.block_k = 48; /* 128 is not a multiple of 48 */
+        fail_msg("case %d (bk %d): out[%lld] = %.17g, brute force %.17g", c, bk, (long long)i, got[i], want[i]);
+    if (c == 2) {
+      a.hidden = 192; /* not a multiple of 128 */
+      a.inter = 64, a.w13_stride[1] = 192, a.w13_stride[0] = 2 * 64 * 192;
+    } else {
+      a.block_k = 48; /* 128 is not a multiple of 48 */
+    }
     assert_int_equal(opgraft_moe_reference(&a, got), OPGRAFT_EUNSUPPORTED);
     free(got), free(want), free(x16);
     fp8_free(&p);

@@ -77,10 +77,20 @@ def test_a_block_fp8_layer_reaches_the_guard(clean):
     assert route_seam.route_reason(_runner(), x, logits) == ""
 
 
+def _tensor_config(**kw):
+    return fmc.fp8_w8a8_moe_quant_config(w1_scale=torch.rand(E), w2_scale=torch.rand(E), **kw)
+
+
+def test_a_per_tensor_fp8_layer_reaches_the_guard(clean):
+    """Per-tensor weight scales with a dynamic activation scale (TritonExperts' per-tensor path)."""
+    x, logits = _inputs()
+    assert route_seam.route_reason(_runner(_tensor_config()), x, logits) == ""
+
+
 def test_fp8_layers_it_leaves_to_vllm(clean):
     x, logits = _inputs()
-    tensor = fmc.fp8_w8a8_moe_quant_config(w1_scale=torch.rand(E), w2_scale=torch.rand(E))
-    assert route_seam.route_reason(_runner(tensor), x, logits) == "per-tensor FP8 scales (routing stays vLLM's)"
+    static = _tensor_config(a1_scale=torch.ones(1))
+    assert route_seam.route_reason(_runner(static), x, logits).startswith("static FP8 activation scales")
     biased = fmc.fp8_w8a8_moe_quant_config(w1_scale=torch.rand(E, 2 * I // 128, H // 128),
                                            w2_scale=torch.rand(E, H // 128, I // 128), block_shape=[128, 128],
                                            w1_bias=torch.zeros(E, 2 * I))
@@ -141,8 +151,9 @@ class _FakePlan:
         self.handle, self.reason = (1 if take else None), reason
 
 
+@pytest.mark.parametrize("scales", ["fp8-block", "fp8-tensor"])
 @pytest.mark.parametrize("kernel_quantizes", [True, False])
-def test_who_quantizes_the_activations(clean, monkeypatch, kernel_quantizes):
+def test_who_quantizes_the_activations(clean, monkeypatch, kernel_quantizes, scales):
     """The plan for bf16 hidden states (Fp8Scales without hidden_scale) first: where it takes the
     call, the layer's prepare step never runs and the kernel gets the bf16 hidden states; where it
     refuses (OPGRAFT_TUNE_MOE_FP8_QUANTIZE=0, say), vLLM's quantization runs once and the kernel gets e4m3."""
@@ -158,21 +169,22 @@ def test_who_quantizes_the_activations(clean, monkeypatch, kernel_quantizes):
 
     monkeypatch.setattr(moe, "plan_for_routed", plan_for_routed)
     monkeypatch.setattr(moe, "run_routed", lambda plan, out, x, *a, fp8=None, **k: runs.append((x, fp8)))
-    r = _runner()
+    r = _runner(_tensor_config() if scales == "fp8-tensor" else None)
     x, logits = _inputs()
-    xq, xs = torch.empty(T, H, dtype=F8), torch.empty(T, H // 128)
+    xq, xs = torch.empty(T, H, dtype=F8), torch.empty(T, H // 128) if scales == "fp8-block" else torch.empty(1)
     monkeypatch.setattr(MoEPrepareAndFinalizeNoDPEPModular, "prepare",
                         lambda *a, **k: quantized.append(1) or (xq, xs, None, None, None))
     route_seam.make_wrapper(_Original())(r, x, logits, None, None)
     ran_x, ran_fp8 = runs[0]
+    assert (ran_fp8.block_shape is None) == (scales == "fp8-tensor")
     if kernel_quantizes:
         assert plans == [(torch.bfloat16, True)] and not quantized
         assert ran_x is x and ran_fp8.hidden_scale is None
-        assert dispatch.stats()["moe"]["taken_by_kind"] == {"routed+fp8-block+kernel-quant": 1}
+        assert dispatch.stats()["moe"]["taken_by_kind"] == {f"routed+{scales}+kernel-quant": 1}
     else:
         assert plans == [(torch.bfloat16, True), (F8, False), (F8, False)] and quantized == [1]
         assert ran_x is xq and ran_fp8.hidden_scale is xs
-        assert dispatch.stats()["moe"]["taken_by_kind"] == {"routed+fp8-block": 1}
+        assert dispatch.stats()["moe"]["taken_by_kind"] == {f"routed+{scales}": 1}
 
 
 def test_routed_fp8_args_and_guard_without_a_gpu():
@@ -210,3 +222,27 @@ def test_routed_fp8_args_and_guard_without_a_gpu():
     finally:
         del os.environ["OPGRAFT_TUNE_MOE_FP8_QUANTIZE"]
         _lib.lib().opgraft_tune_reload()
+
+
+def test_routed_per_tensor_fp8_with_bf16_hidden_states_without_a_gpu():
+    """Per-tensor scales with the bf16 hidden states (gate_up's 1 x 128 groups): the guard takes
+    them up to two tokens on sm_90 (the routing seam's), and refuses an H the groups do not divide."""
+    import ctypes
+
+    from opgraft import _lib
+    from opgraft.ops import moe
+
+    def reason(T=1, H_=4096):
+        E_, I_, k = 8, 14336, 2
+        x = torch.empty(T, H_, dtype=torch.bfloat16)
+        w13, w2 = torch.empty(E_, 2 * I_, H_, dtype=F8), torch.empty(E_, H_, I_, dtype=F8)
+        fp8 = moe.Fp8Scales(None, torch.empty(E_), torch.empty(E_), None)
+        a = moe.moe_routed_args(x, w13, w2, torch.empty(T, E_, dtype=torch.bfloat16), k, True, arch=90, fp8=fp8)
+        assert a.dtype != -1
+        buf = ctypes.create_string_buffer(256)
+        st = _lib.lib().opgraft_moe_supports(ctypes.byref(a), buf, len(buf))
+        return "" if st == _lib.OK else buf.value.decode()
+
+    assert reason() == "" and reason(T=2) == ""
+    assert reason(T=3).startswith("moe.fp8_quantize is 0 on sm_90 at T=3")  # Mixtral-8x7B: e4m3 from three
+    assert "not a multiple of the quantization group 128" in reason(H_=4096 + 64)
