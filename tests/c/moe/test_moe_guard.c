@@ -547,6 +547,8 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 8, 1},
       {"moe.fp8", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 9, 0},
       {"moe.gate_up.warps", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 4},
+      {"moe.gate_up.fp8_rows", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 32},
+      {"moe.gate_up.fp8_rows", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 2, 16},
       {"moe.gate_up.warps", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 8, 1},
       {"moe.gate_up.warps", "moe:fp8tensor:E8:H4096:I6400:k2", 90, 8, 16},
       {"moe.gate_up.warps", "moe:fp8block:E128:H2048:I384:k8", 90, 1, 8},
