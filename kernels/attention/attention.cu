@@ -22,7 +22,9 @@
 // 16-wide combines fixed by split index merges them: the last block to arrive at a node (counters
 // in the workspace, reset by that block) merges the node's children in order. The same bits every
 // run, whichever block comes last; one launch, and a combine no wider than 16 partials per block
-// (one block reading all of many splits' partials would be bound by one SM's bandwidth).
+// (one block reading all of many splits' partials would be bound by one SM's bandwidth). The host
+// may give a launch of 17..32 splits fan-in 32 (p.fan_log2 5): one 32-wide level instead of two,
+// since a level costs a fence, an atomic and a round trip more than a second chunk of loads (v39).
 // OG_CLUSTER (sm_90): the splits are launched in thread-block clusters; a sequence short enough
 // for one cluster's splits (n <= the cluster size) is merged through distributed shared memory (each
 // block merging a slice of the outputs, members in rank order), without the workspace, the
@@ -88,7 +90,7 @@
 #ifndef OG_UPDATE
 #define OG_UPDATE 0
 #endif
-#define OG_FAN OG_ATTN_FAN
+#define OG_CHUNK 16  // partials a combine loads at once (a thread's loads in flight)
 
 #if OG_D != 64 && OG_D != 128 && OG_D != 256
 #error "OG_D must be 64, 128 or 256"
@@ -265,40 +267,52 @@ __device__ __forceinline__ void og_v_tile(og_vec4 (&vc)[OG_DV], og_vec4 (&v8)[OG
   }
 }
 
-// Combines count (<= OG_FAN) consecutive partials src .. src+count-1 in order: into the output
-// (root) or into the partial dst. All threads of the block take part. The outputs of a thread's
-// first item are in flight while the maxima and sums go to shared memory, so a pass with one item
-// a thread is one round trip to L2 (NOTES v39).
-static_assert(OG_FAN * 2 <= OG_W * (OG_D + 2), "the combine's maxima and sums fit the warps' partials' room");
+// Combines count (<= OG_ATTN_FAN_MAX) consecutive partials src .. src+count-1 in order: into the
+// output (root) or into the partial dst. All threads of the block take part. A thread loads its
+// item's outputs OG_CHUNK partials at a time; those of its first item's first chunk are in flight
+// while the maxima and sums go to shared memory, so a pass with one item a thread is one round trip
+// to L2 (NOTES v39), two with a second chunk (count > 16, fan-in 32).
+static_assert(OG_ATTN_FAN_MAX * 2 <= OG_W * (OG_D + 2), "the combine's maxima and sums fit the warps' partials' room");
+static_assert(OG_ATTN_FAN == OG_CHUNK && OG_ATTN_FAN_MAX == 2 * OG_CHUNK, "a fan-in 16 node is one chunk, 32 two");
 __device__ __forceinline__ void og_combine(const og_attn_params &p, int b, int hq0, long long src, int count,
                                         bool root, long long dst, float2 *sml) {
   const int tid = threadIdx.x, items = OG_G * (OG_D / 4);
-  float4 v[OG_FAN];
-  auto load = [&](int it) {
+  float4 v[OG_CHUNK];
+  auto load = [&](int it, int c0) {  // partials c0 .. c0 + OG_CHUNK - 1 of item it
     const int h = it / (OG_D / 4), d = (it % (OG_D / 4)) * 4;
 #pragma unroll
-    for (int i = 0; i < OG_FAN; ++i)
-      if (i < count) v[i] = og_ld_cg4(p.part + ((src + i) * OG_G + h) * OG_D + d);
+    for (int i = 0; i < OG_CHUNK; ++i)
+      if (c0 + i < count) v[i] = og_ld_cg4(p.part + ((src + c0 + i) * OG_G + h) * OG_D + d);
   };
-  if (tid < items) load(tid);
+  auto weigh = [&](int c0, int h, float mu, float4 &acc, float &sum) {  // the loaded chunk, in order
+#pragma unroll
+    for (int i = 0; i < OG_CHUNK; ++i)
+      if (c0 + i < count) {
+        const float2 ml = sml[(c0 + i) * OG_G + h];
+        const float e = og_exp2(ml.x - mu);
+        sum += ml.y * e;
+        acc.x += v[i].x * e, acc.y += v[i].y * e, acc.z += v[i].z * e, acc.w += v[i].w * e;
+      }
+  };
+  if (tid < items) load(tid, 0);
   for (int i = tid; i < count * OG_G; i += OG_NT) sml[i] = og_ld_cg2(p.part_ml + (src * OG_G + i) * 2);
   __syncthreads();
   for (int it = tid; it < items; it += OG_NT) {
-    if (it != tid) load(it);
+    if (it != tid) load(it, 0);
     const int h = it / (OG_D / 4), d = (it % (OG_D / 4)) * 4;
     float mx = og_ninf();
     for (int i = 0; i < count; ++i) mx = fmaxf(mx, sml[i * OG_G + h].x);
     const float mu = mx == og_ninf() ? 0.f : mx;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < OG_FAN; ++i)
-      if (i < count) {
-        const float2 ml = sml[i * OG_G + h];
-        const float e = og_exp2(ml.x - mu);
-        sum += ml.y * e;
-        acc.x += v[i].x * e, acc.y += v[i].y * e, acc.z += v[i].z * e, acc.w += v[i].w * e;
-      }
+    // Fan-in 32: the second chunk after the first's products. Not unrolled: one chunk's registers
+    // (unrolled, ptxas overlapped the chunks and the cluster-merge variants spilled).
+#pragma unroll 1
+    for (int c0 = 0;;) {
+      weigh(c0, h, mu, acc, sum);
+      if ((c0 += OG_CHUNK) >= count) break;
+      load(it, c0);
+    }
     if (root) {
       og_write_out(p, b, hq0 + h, d, acc, sum, mu);
     } else {
@@ -711,25 +725,26 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   }
 #endif
   og_attn_node node = {s, n, S, 0, 0};
+  const int lg = p.fan_log2;
 
-  // A tree of OG_FAN-wide combines over the splits, fixed by split index: the last block to
+  // A tree of (1 << lg)-wide combines over the splits, fixed by split index: the last block to
   // arrive at a node (a counter in the workspace, which that block resets) combines the node's
   // children in order into the node's partial, or into the output at the root. Level l's
-  // partials are slots off_l .. off_l + c_l of the group (c_0 = S, c_{l+1} = ceil(c_l / FAN)).
+  // partials are slots off_l .. off_l + c_l of the group (c_0 = S, c_{l+1} = ceil(c_l / (1 << lg))).
   for (;;) {
     __threadfence();
     __syncthreads();
-    const int members = og_attn_members(&node);
-    unsigned *counter = p.counters + (long long)group * p.counters_per_group + node.coff + og_attn_parent(&node);
+    const int members = og_attn_members(&node, lg);
+    unsigned *counter = p.counters + (long long)group * p.counters_per_group + node.coff + og_attn_parent(&node, lg);
     if (tid == 0) s_last = atomicAdd(counter, 1u) == (unsigned)(members - 1);
     __syncthreads();
     if (!s_last) return;
     __threadfence();
     if (tid == 0) *counter = 0u;  // every child has arrived: ready for the next call
-    const bool root = og_attn_parent_is_root(&node);
-    og_combine(p, b, hq0, base + node.off + (long long)og_attn_parent(&node) * OG_FAN, members, root,
-               base + og_attn_parent_slot(&node), (float2 *)region);
+    const bool root = og_attn_parent_is_root(&node, lg);
+    og_combine(p, b, hq0, base + node.off + ((long long)og_attn_parent(&node, lg) << lg), members, root,
+               base + og_attn_parent_slot(&node, lg), (float2 *)region);
     if (root) return;
-    og_attn_up(&node);
+    og_attn_up(&node, lg);
   }
 }

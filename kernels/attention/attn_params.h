@@ -30,7 +30,8 @@ typedef struct og_attn_params {
   int num_blocks; /* the cache's blocks: a block id outside [0, num_blocks) contributes nothing */
   int window_left; /* OG_WINDOW: keys j >= seq_len - 1 - window_left only (-1: all) */
   int min_chunk;   /* tokens a split takes at least (a multiple of 16) */
-  int slots_per_group, counters_per_group; /* og_attn_tree(gridDim.x) */
+  int slots_per_group, counters_per_group; /* og_attn_tree(gridDim.x, fan_log2) */
+  int fan_log2;    /* the combine tree's fan-in is 1 << fan_log2, chosen per launch */
   int slot_count;  /* OG_UPDATE: rows of slot_mapping; rows at or past it write nothing */
   float qk_scale;  /* scale * log2(e); with OG_SOFTCAP scale / softcap */
   float cap_log2;  /* OG_SOFTCAP: softcap * log2(e) */
@@ -38,8 +39,13 @@ typedef struct og_attn_params {
 
 /* A query row in shared memory, in elements: 64 bytes of padding spread the banks. */
 #define OG_ATTN_QROW(D) ((D) + 32)
-/* The split combine's fan-in: a node of the combine tree merges this many partials at most. */
-#define OG_ATTN_FAN 16
+/* The split combine's fan-in (log2): a node of the combine tree merges 16 partials at most, or 32
+ * in a launch of 17..32 splits, which 32 merge in one level and 16 in two (launch.c). A power of
+ * two, so that the kernel's tree arithmetic is shifts. */
+#define OG_ATTN_FAN_LOG2 4
+#define OG_ATTN_FAN_MAX_LOG2 5
+#define OG_ATTN_FAN (1 << OG_ATTN_FAN_LOG2)
+#define OG_ATTN_FAN_MAX (1 << OG_ATTN_FAN_MAX_LOG2)
 
 /* Where a block's result for its cluster's merge starts (OG_CLUSTER), in floats after the start of
  * the warps' partials (outputs W*G*D, maxima and sums W*G*2), at a 16-byte boundary; it takes
@@ -66,34 +72,35 @@ OG_ATTN_FN int og_attn_split(int L, int start, int S, int min_chunk, int *a0, in
 }
 
 /* A node of the combine tree: child idx of a level with cnt live nodes out of cap, whose partials
- * are slots off.. of the group and whose parents' counters are coff.. of the group. */
+ * are slots off.. of the group and whose parents' counters are coff.. of the group. Every
+ * function takes the tree's fan-in as its log2 lg (the fields are never negative). */
 typedef struct og_attn_node {
   int idx, cnt, cap, off, coff;
 } og_attn_node;
-OG_ATTN_FN int og_attn_parent(const og_attn_node *n) { return n->idx / OG_ATTN_FAN; }
-OG_ATTN_FN int og_attn_members(const og_attn_node *n) {
-  const int rest = n->cnt - og_attn_parent(n) * OG_ATTN_FAN;
-  return rest < OG_ATTN_FAN ? rest : OG_ATTN_FAN;
+OG_ATTN_FN int og_attn_parent(const og_attn_node *n, int lg) { return n->idx >> lg; }
+OG_ATTN_FN int og_attn_members(const og_attn_node *n, int lg) {
+  const int rest = n->cnt - (og_attn_parent(n, lg) << lg);
+  return rest < (1 << lg) ? rest : 1 << lg;
 }
 /* Is the parent the root (its merge is the output)? */
-OG_ATTN_FN int og_attn_parent_is_root(const og_attn_node *n) { return n->cnt <= OG_ATTN_FAN; }
+OG_ATTN_FN int og_attn_parent_is_root(const og_attn_node *n, int lg) { return n->cnt <= 1 << lg; }
 /* The parent's slot (where its merge goes when it is not the root). */
-OG_ATTN_FN int og_attn_parent_slot(const og_attn_node *n) { return n->off + n->cap + og_attn_parent(n); }
+OG_ATTN_FN int og_attn_parent_slot(const og_attn_node *n, int lg) { return n->off + n->cap + og_attn_parent(n, lg); }
 /* Moves to the parent. */
-OG_ATTN_FN void og_attn_up(og_attn_node *n) {
-  const int pcap = (n->cap + OG_ATTN_FAN - 1) / OG_ATTN_FAN;
+OG_ATTN_FN void og_attn_up(og_attn_node *n, int lg) {
+  const int pcap = (n->cap + (1 << lg) - 1) >> lg;
   n->off += n->cap, n->coff += pcap;
-  n->idx = og_attn_parent(n), n->cnt = (n->cnt + OG_ATTN_FAN - 1) / OG_ATTN_FAN, n->cap = pcap;
+  n->idx = og_attn_parent(n, lg), n->cnt = (n->cnt + (1 << lg) - 1) >> lg, n->cap = pcap;
 }
 #ifndef __CUDACC_RTC__
-/* The combine tree of S splits: the partial slots and node counters one group (a sequence's kv
- * head) needs. Level l has c_l nodes (c_0 = S, c_{l+1} = ceil(c_l / FAN)); every level with more
- * than one node keeps its partials, every node above level 0 a counter. */
-static inline void og_attn_tree(int S, int *slots, int *counters) {
+/* The combine tree of S splits at fan-in 1 << lg: the partial slots and node counters one group
+ * (a sequence's kv head) needs. Level l has c_l nodes (c_0 = S, c_{l+1} = ceil(c_l / fan-in));
+ * every level with more than one node keeps its partials, every node above level 0 a counter. */
+static inline void og_attn_tree(int S, int lg, int *slots, int *counters) {
   int c = S, sl = 0, co = 0;
   while (c > 1) {
     sl += c;
-    c = (c + OG_ATTN_FAN - 1) / OG_ATTN_FAN;
+    c = (c + (1 << lg) - 1) >> lg;
     co += c;
   }
   *slots = sl, *counters = co;
@@ -101,7 +108,8 @@ static inline void og_attn_tree(int S, int *slots, int *counters) {
 
 /* Bytes of dynamic shared memory the kernel takes for (D, G, warps, cluster merge or not): the
  * query rows, then the warps' partials (outputs, maxima, sums; with the cluster merge the block's
- * result after them). */
+ * result after them), whose room a combine reuses for up to OG_ATTN_FAN_MAX partials' maxima and
+ * sums (W * (D + 2) >= 2 * 32 floats a head for every W and D). */
 static inline unsigned og_attn_smem_bytes(int D, int G, int W, int cluster) {
   const unsigned nh8 = (unsigned)((G + 7) / 8) * 8u;
   const unsigned sq = nh8 * (unsigned)OG_ATTN_QROW(D) * 2u;

@@ -52,6 +52,7 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->load = opgraft__tune_value("attention.load", arch, gpu, shape, B) == 1 ? 1 : 4;
   c->pdl = arch >= 90 && opgraft__tune_value("attention.pdl", arch, gpu, shape, B) != 0;
   c->trigger = arch >= 90 && opgraft__tune_value("attention.trigger", arch, gpu, shape, B) != 0;
+  c->fan32 = opgraft__tune_value("attention.fan32", arch, gpu, shape, B) != 0;
   c->softcap = a->softcap > 0;
   c->window = a->window_left >= 0;
   c->sinks = !a->sinks ? 0 : a->sinks_dtype == OPGRAFT_DTYPE_FP32 ? 2 : 1;
@@ -85,19 +86,20 @@ void opgraft__attn_fn_name(int32_t dtype, char name[64]) {
 static size_t round256(size_t n) { return (n + 255u) & ~(size_t)255u; }
 
 /* The workspace: [counters][partial maxima and sums][partial outputs], each region at a fixed
- * offset sized for the largest split call (so the counters, which must stay zero, never move
- * with the batch). */
+ * offset sized for the largest split call at either fan-in (so the counters, which must stay
+ * zero, never move with the batch or the fan-in). */
 static void workspace_regions(const opgraft_attention_args *a, int64_t max_slots, int max_splits, size_t *counters,
                               size_t *ml, size_t *part) {
   const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_size;
   int64_t nc = 0, ns = 0;
-  for (int S = 2; S <= max_splits && S <= max_slots; ++S) {
-    int sp, sc;
-    og_attn_tree(S, &sp, &sc);
-    const int64_t groups = max_slots / S;
-    if (groups * sc > nc) nc = groups * sc;
-    if (groups * sp > ns) ns = groups * sp;
-  }
+  for (int S = 2; S <= max_splits && S <= max_slots; ++S)
+    for (int lg = OG_ATTN_FAN_LOG2; lg <= OG_ATTN_FAN_MAX_LOG2; ++lg) {
+      int sp, sc;
+      og_attn_tree(S, lg, &sp, &sc);
+      const int64_t groups = max_slots / S;
+      if (groups * sc > nc) nc = groups * sc;
+      if (groups * sp > ns) ns = groups * sp;
+    }
   *counters = round256((size_t)nc * 4u);
   *ml = round256((size_t)(ns * G) * 8u);
   *part = round256((size_t)(ns * G * D) * 4u);

@@ -1,7 +1,7 @@
 /* The decode-attention op's rules: tunable values derived from the shape and the GPU, used where
- * no baked row (table.c) matches. attention.max_batch and attention.warps on sm_90 are measured
- * here; the other values are argued from the kernel's structure (the rows override them where
- * measured: 8 warps for Qwen3-30B-A3B's heads at one sequence, v22):
+ * no baked row (table.c) matches. attention.max_batch, attention.warps and attention.fan32 on sm_90
+ * are measured here; the other values are argued from the kernel's structure (the rows override
+ * them where measured: 8 warps for Qwen3-30B-A3B's heads at one sequence, v22):
  * - attention.max_batch 32 on sm_90: against vLLM 0.26's FA3 in the same run (H200, 2026-12-01,
  *   bench/results/2026-12-01-h200-v20-vllm/) ours won at batch 1 and 8 at every context
  *   (1.02-1.40x) and at batch 64 with 1K tokens (1.22x), and lost at batch 64 with 8K and 32K
@@ -37,7 +37,17 @@
  * - attention.cluster 1 (no clusters): on the H200 at batch 1 with Qwen3-30B-A3B's heads, clusters
  *   of 8 merged contexts up to 1K tokens on chip 11-13% faster, but only 15 clusters of 8 are
  *   resident at one block an SM, so a launch keeps 24 of 33 splits and contexts from 4K tokens
- *   took 8-12% longer (v25); the lengths live on the device, so the choice is the tuner's. */
+ *   took 8-12% longer (v25); the lengths live on the device, so the choice is the tuner's.
+ * - attention.fan32 1 on sm_90: a launch of 17..36 splits a sequence merges them in one 32-wide
+ *   combine (33..36 lowered to 32) instead of two levels of 16; every other launch keeps fan-in
+ *   16, where 32 leaves the number of levels as it is and a node's block reads twice the bytes.
+ *   H200, from v39's fan-in-32 run (fan-in 32 on every launch against 16, in one call:
+ *   bench/results/2026-12-03-h200-v39-fp8-tensor-combine/call-d/), µs at batch 1: Qwen3-30B-A3B's
+ *   heads (32 / 4, head 128: 33 splits, 32 kept) 4K 10.97 -> 9.92, 8K 13.64 -> 12.66, 16K 18.31
+ *   -> 17.19, 32K 27.09 -> 26.12, 2K 8.51 -> 8.38 (batch 2, 8 and 64 within 0.5%); with 64..128
+ *   splits, two levels either way, it lost 4-15%: 16 / 2 head 64 at 8K 10.38 -> 11.97, 8 / 1 head
+ *   128 (Llama-3-70B/tp8) at 32K 13.59 -> 14.35, 8 / 4 head 256 at 8K 17.20 -> 17.85; those
+ *   launches keep 16. v40 re-measures the choice made per launch. */
 #include <stdio.h>
 #include <string.h>
 
@@ -66,6 +76,7 @@ int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value) {
   if (strcmp(key, "attention.load") == 0) return *value = 4, 1;
   if (strcmp(key, "attention.pdl") == 0) return *value = 0, 1;
   if (strcmp(key, "attention.trigger") == 0) return *value = q->arch >= 90, 1;
+  if (strcmp(key, "attention.fan32") == 0) return *value = q->arch == 90, 1;
   if (strcmp(key, "attention.cluster") == 0) return *value = 1, 1;
   return 0;
 }

@@ -131,6 +131,7 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
   q->num_blocks = (int)a->num_blocks;
   q->window_left = (int)a->window_left;
   q->min_chunk = p->cfg.min_chunk;
+  q->fan_log2 = OG_ATTN_FAN_LOG2; /* a launch with splits sets its own */
   const double log2e = 1.4426950408889634;
   if (a->softcap > 0) {
     q->qk_scale = (float)(a->scale / a->softcap);
@@ -162,6 +163,14 @@ static int split_count(const opgraft_attention_plan *plan, int64_t batch, int64_
   return S < 2 ? 1 : (int)S;
 }
 
+int opgraft__attn_fan_of(int fan32, int *S) {
+  /* 33..36 splits drop to 32: an eighth fewer blocks cost less than the level they save (v39).
+   * 32 keeps a cluster launch's split count a multiple of its cluster size (36 in clusters of 4). */
+  if (!fan32 || *S <= OG_ATTN_FAN || *S > OG_ATTN_FAN_MAX + OG_ATTN_FAN_MAX / 8) return OG_ATTN_FAN_LOG2;
+  if (*S > OG_ATTN_FAN_MAX) *S = OG_ATTN_FAN_MAX;
+  return OG_ATTN_FAN_MAX_LOG2;
+}
+
 int opgraft__attn_cluster_of(int cluster, const int resident_of[4], int64_t groups, int *S) {
   int c = 1, i = 0;
   while (c * 2 <= cluster && c * 2 <= *S && i < 3) c *= 2, ++i;
@@ -181,8 +190,9 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_attention_plan *plan,
   int S = split_count(plan, batch, max_seq_len);
   const int cs =
       S > 1 ? opgraft__attn_cluster_of(plan->cfg.cluster, plan->max_clusters, batch * plan->args.num_kv_heads, &S) : 1;
-  if (S > 1) {
-    og_attn_tree(S, &p->slots_per_group, &p->counters_per_group);
+  if (S > 1) { /* the fan-in on the final split count, after the clusters' rounding */
+    p->fan_log2 = opgraft__attn_fan_of(plan->cfg.fan32, &S);
+    og_attn_tree(S, p->fan_log2, &p->slots_per_group, &p->counters_per_group);
     p->counters = (unsigned *)workspace;
     p->part_ml = (float *)((char *)workspace + plan->ml_off);
     p->part = (float *)((char *)workspace + plan->part_off);

@@ -15,6 +15,7 @@ static const og_tunable tunables[] = {
     {"attention.load", 1, 4, 4, "4 1"},
     {"attention.pdl", 0, 1, 0, "0 1"},
     {"attention.trigger", 0, 1, 0, "0 1"},
+    {"attention.fan32", 0, 1, 0, "0 1"},
     {"attention.cluster", 1, 8, 1, "1 4 8"},
 };
 

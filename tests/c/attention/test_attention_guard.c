@@ -282,8 +282,8 @@ static void test_registered_with_its_tunables(void **state) {
   assert_non_null(strstr(opgraft_abi_layout(), "\"opgraft_attention_args\""));
   /* The rule decides every key (there are no baked rows yet). */
   const char *keys[] = {"attention.warps", "attention.min_blocks", "attention.min_chunk", "attention.max_splits",
-                        "attention.load", "attention.pdl", "attention.trigger", "attention.cluster"};
-  for (int i = 0; i < 8; ++i) {
+                        "attention.load", "attention.pdl", "attention.trigger", "attention.cluster", "attention.fan32"};
+  for (int i = 0; i < 9; ++i) {
     const opgraft_tune_query q = {keys[i], 90, "NVIDIA H200", "attention:bf16:D128:G8:bs16", 0};
     int64_t v;
     char src[64];
@@ -410,6 +410,67 @@ static void test_config(void **state) {
   }
   unsetenv("OPGRAFT_TUNE_ATTENTION_CLUSTER");
   opgraft_tune_reload();
+  /* The combine's fan-in 32: on by the sm_90 rule, off elsewhere; the variable overrides both. */
+  a = valid_args();
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.fan32, 1);
+  opgraft__attn_config(&a, 80, NULL, &c);
+  assert_int_equal(c.fan32, 0);
+  setenv("OPGRAFT_TUNE_ATTENTION_FAN32", "0", 1);
+  opgraft_tune_reload();
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.fan32, 0);
+  setenv("OPGRAFT_TUNE_ATTENTION_FAN32", "1", 1);
+  opgraft_tune_reload();
+  opgraft__attn_config(&a, 80, NULL, &c);
+  assert_int_equal(c.fan32, 1);
+  unsetenv("OPGRAFT_TUNE_ATTENTION_FAN32");
+  opgraft_tune_reload();
+  /* A combine's maxima and sums (32 partials x G pairs) fit the room of the warps' partials. */
+  for (int D = 64; D <= 256; D *= 2)
+    for (int G = 1; G <= 16; ++G)
+      for (int W = 1; W <= 16; ++W)
+        for (int cl = 0; cl < 2; ++cl) {
+          const unsigned sq = (unsigned)((G + 7) / 8) * 8u * (unsigned)OG_ATTN_QROW(D) * 2u;
+          if (og_attn_smem_bytes(D, G, W, cl) < sq + (unsigned)(OG_ATTN_FAN_MAX * G) * 8u)
+            fail_msg("D=%d G=%d W=%d cluster=%d: no room for the combine's maxima and sums", D, G, W, cl);
+        }
+}
+
+/* The fan-in a launch takes: 32 (log2 5) for 17..36 splits with attention.fan32, 33..36 lowered
+ * to 32 (one 32-wide combine, where 16 takes two levels); else 16 and the split count as it was. */
+static void test_fan_of(void **state) {
+  for (int fan32 = 0; fan32 < 2; ++fan32)
+    for (int S0 = 1; S0 <= 1024; ++S0) {
+      int S = S0;
+      const int lg = opgraft__attn_fan_of(fan32, &S);
+      const int wide = fan32 && S0 > 16 && S0 <= 36;
+      if (lg != (wide ? 5 : 4) || S != (wide && S0 > 32 ? 32 : S0))
+        fail_msg("fan32 %d, %d splits: fan-in log2 %d and %d splits", fan32, S0, lg, S);
+      /* A launch at fan-in 32 is one level: its S slots and the root's counter. */
+      int sp, sc;
+      og_attn_tree(S, lg, &sp, &sc);
+      if (wide && (sc != 1 || sp != S)) fail_msg("%d splits at fan-in 32: %d slots, %d counters", S, sp, sc);
+    }
+  static const int cases[][4] = {
+      /* fan32, S in, fan-in log2, S out */
+      {1, 33, 5, 32}, /* batch 1 with 4 kv heads on an H200: 33 -> 3 -> 1 becomes 32 -> 1 */
+      {1, 36, 5, 32}, {1, 32, 5, 32}, {1, 17, 5, 17}, {1, 16, 4, 16}, {1, 37, 4, 37},
+      {1, 64, 4, 64}, {1, 128, 4, 128}, {1, 2, 4, 2}, {1, 1, 4, 1},  {0, 33, 4, 33}, {0, 17, 4, 17},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+    int S = cases[i][1];
+    const int lg = opgraft__attn_fan_of(cases[i][0], &S);
+    if (lg != cases[i][2] || S != cases[i][3])
+      fail_msg("fan32 %d S %d: log2 %d S %d, expected %d and %d", cases[i][0], cases[i][1], lg, S, cases[i][2],
+               cases[i][3]);
+  }
+  /* After the clusters' rounding (a multiple of 4 or 8), the lowered count stays a multiple. */
+  for (int S0 = 4; S0 <= 64; S0 += 4) {
+    int S = S0;
+    opgraft__attn_fan_of(1, &S);
+    assert_int_equal(S % 4, 0);
+  }
 }
 
 /* The cluster size and the split count a launch rounds to. */
@@ -471,6 +532,31 @@ static void test_workspace(void **state) {
   assert_true(ml > 0 && ml % 256 == 0 && part > ml && part % 256 == 0);
   assert_true(opgraft__attn_workspace_bytes(&a, 396, 128) > part);
   assert_int_equal(opgraft__attn_workspace_bytes(&a, 396, 1), 0); /* never split: no workspace */
+  /* Every launch's tree fits the regions, at the fan-in it takes with attention.fan32 on or off:
+   * S splits over up to slots / S groups (batch x kv heads), then the fan-in's choice. */
+  static const int64_t slot_counts[] = {132, 396, 528, OG_ATTN_MAX_SLOTS};
+  static const int splits[] = {1, 16, 17, 32, 36, 64, 128, 1024};
+  const int64_t G = a.num_heads / a.num_kv_heads, D = a.head_size;
+  for (int si = 0; si < 4; ++si)
+    for (int mi = 0; mi < 8; ++mi) {
+      const int64_t slots = slot_counts[si];
+      const int max_splits = splits[mi];
+      const size_t total = opgraft__attn_workspace_bytes(&a, slots, max_splits);
+      opgraft__attn_workspace_offsets(&a, slots, max_splits, &ml, &part);
+      for (int64_t groups = 1; groups <= slots; ++groups)
+        for (int fan32 = 0; fan32 < 2; ++fan32) {
+          int64_t S0 = slots / groups;
+          if (S0 > max_splits) S0 = max_splits;
+          if (S0 < 2) continue;
+          int S = (int)S0, sp, sc;
+          const int lg = opgraft__attn_fan_of(fan32, &S);
+          og_attn_tree(S, lg, &sp, &sc);
+          if ((size_t)(groups * sc) * 4u > ml || (size_t)(groups * sp * G) * 8u > part - ml ||
+              (size_t)(groups * sp * G * D) * 4u > total - part)
+            fail_msg("slots %lld max_splits %d groups %lld: %d splits at fan-in log2 %d outgrow the workspace",
+                     (long long)slots, max_splits, (long long)groups, S, lg);
+        }
+    }
   a.dtype = OPGRAFT_DTYPE_FP32;
   assert_int_equal(opgraft_attention_workspace_size(&a, &bytes), OPGRAFT_EUNSUPPORTED);
 }
@@ -496,50 +582,58 @@ static void test_splits_partition_the_keys(void **state) {
         }
 }
 
-/* The combine tree, simulated with random arrival orders: every counter ends at 0, every node
- * merges children that have all been written, slots and counters stay inside og_attn_tree's
- * sizes, and the root is written exactly once. */
+/* The combine tree at either fan-in, simulated with random arrival orders: every counter ends at
+ * 0, every node merges children that have all been written (no more than the fan-in), slots and
+ * counters stay inside og_attn_tree's sizes, the root is written exactly once, by the block that
+ * climbed ceil(log_fan n) levels (one at fan-in 32 for up to 32 splits). */
 static void test_combine_tree(void **state) {
   unsigned seed = 12345;
-  for (int S = 2; S <= 600; S += (S < 40 ? 1 : 37))
-    for (int n = 2; n <= S; n += (n < 34 ? 1 : 61)) {
-      int sp, sc;
-      og_attn_tree(S, &sp, &sc);
-      int *written = calloc((size_t)sp, sizeof(int)), *counters = calloc((size_t)(sc + 1), sizeof(int));
-      int *order = malloc(sizeof(int) * (size_t)n), roots = 0;
-      for (int i = 0; i < n; ++i) order[i] = i;
-      for (int i = n - 1; i > 0; --i) { /* a random arrival order */
-        seed = seed * 1103515245u + 12345u;
-        const int j = (int)((seed >> 8) % (unsigned)(i + 1)), t = order[i];
-        order[i] = order[j], order[j] = t;
-      }
-      for (int k = 0; k < n; ++k) {
-        og_attn_node node = {order[k], n, S, 0, 0};
-        assert_true(node.idx < sp);
-        written[node.idx] = 1;
-        for (;;) {
-          const int ci = node.coff + og_attn_parent(&node);
-          if (ci >= sc) fail_msg("S=%d n=%d: counter %d of %d", S, n, ci, sc);
-          if (++counters[ci] != og_attn_members(&node)) break;
-          counters[ci] = 0;
-          const int first = node.off + og_attn_parent(&node) * OG_ATTN_FAN;
-          for (int c = 0; c < og_attn_members(&node); ++c)
-            if (!written[first + c]) fail_msg("S=%d n=%d: slot %d merged before it was written", S, n, first + c);
-          if (og_attn_parent_is_root(&node)) {
-            ++roots;
-            break;
-          }
-          const int dst = og_attn_parent_slot(&node);
-          if (dst >= sp || written[dst]) fail_msg("S=%d n=%d: parent slot %d (of %d) twice or outside", S, n, dst, sp);
-          written[dst] = 1;
-          og_attn_up(&node);
+  for (int lg = OG_ATTN_FAN_LOG2; lg <= OG_ATTN_FAN_MAX_LOG2; ++lg)
+    for (int S = 2; S <= 600; S += (S < 40 ? 1 : 37))
+      for (int n = 2; n <= S; n += (n < 34 ? 1 : 61)) {
+        int sp, sc, levels = 0;
+        og_attn_tree(S, lg, &sp, &sc);
+        for (int c = n; c > 1; c = (c + (1 << lg) - 1) >> lg) ++levels;
+        int *written = calloc((size_t)sp, sizeof(int)), *counters = calloc((size_t)(sc + 1), sizeof(int));
+        int *order = malloc(sizeof(int) * (size_t)n), roots = 0;
+        for (int i = 0; i < n; ++i) order[i] = i;
+        for (int i = n - 1; i > 0; --i) { /* a random arrival order */
+          seed = seed * 1103515245u + 12345u;
+          const int j = (int)((seed >> 8) % (unsigned)(i + 1)), t = order[i];
+          order[i] = order[j], order[j] = t;
         }
+        for (int k = 0; k < n; ++k) {
+          og_attn_node node = {order[k], n, S, 0, 0};
+          assert_true(node.idx < sp);
+          written[node.idx] = 1;
+          for (int level = 1;; ++level) {
+            const int ci = node.coff + og_attn_parent(&node, lg), members = og_attn_members(&node, lg);
+            if (ci >= sc) fail_msg("lg=%d S=%d n=%d: counter %d of %d", lg, S, n, ci, sc);
+            if (members < 1 || members > 1 << lg) fail_msg("lg=%d S=%d n=%d: %d members", lg, S, n, members);
+            if (++counters[ci] != members) break;
+            counters[ci] = 0;
+            const int first = node.off + (og_attn_parent(&node, lg) << lg);
+            for (int c = 0; c < members; ++c)
+              if (!written[first + c])
+                fail_msg("lg=%d S=%d n=%d: slot %d merged before it was written", lg, S, n, first + c);
+            if (og_attn_parent_is_root(&node, lg)) {
+              if (level != levels) fail_msg("lg=%d S=%d n=%d: the root at level %d of %d", lg, S, n, level, levels);
+              ++roots;
+              break;
+            }
+            const int dst = og_attn_parent_slot(&node, lg);
+            if (dst >= sp || written[dst])
+              fail_msg("lg=%d S=%d n=%d: parent slot %d (of %d) twice or outside", lg, S, n, dst, sp);
+            written[dst] = 1;
+            og_attn_up(&node, lg);
+          }
+        }
+        assert_int_equal(roots, 1);
+        if (lg == OG_ATTN_FAN_MAX_LOG2 && n <= 32) assert_int_equal(levels, 1);
+        for (int i = 0; i < sc; ++i)
+          if (counters[i]) fail_msg("lg=%d S=%d n=%d: counter %d left at %d", lg, S, n, i, counters[i]);
+        free(written), free(counters), free(order);
       }
-      assert_int_equal(roots, 1);
-      for (int i = 0; i < sc; ++i)
-        if (counters[i]) fail_msg("S=%d n=%d: counter %d left at %d", S, n, i, counters[i]);
-      free(written), free(counters), free(order);
-    }
 }
 
 int main(void) {
@@ -553,6 +647,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_workspace, reset_tunables),
       cmocka_unit_test(test_splits_partition_the_keys),
       cmocka_unit_test(test_combine_tree),
+      cmocka_unit_test(test_fan_of),
       cmocka_unit_test(test_cluster_of),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
