@@ -23,8 +23,9 @@
 // in the workspace, reset by that block) merges the node's children in order. The same bits every
 // run, whichever block comes last; one launch, and a combine no wider than 16 partials per block
 // (one block reading all of many splits' partials would be bound by one SM's bandwidth). The host
-// may give a launch of 17..32 splits fan-in 32 (p.fan_log2 5): one 32-wide level instead of two,
-// since a level costs a fence, an atomic and a round trip more than a second chunk of loads (v39).
+// may launch 17..32 splits at fan-in 32 (the entry point attention_decode_fan32_*, with OG_FAN32):
+// one 32-wide level instead of two, since a level costs a fence, an atomic and a round trip more
+// than a second chunk of loads (v39).
 // OG_CLUSTER (sm_90): the splits are launched in thread-block clusters; a sequence short enough
 // for one cluster's splits (n <= the cluster size) is merged through distributed shared memory (each
 // block merging a slice of the outputs, members in rank order), without the workspace, the
@@ -89,6 +90,10 @@
 #endif
 #ifndef OG_UPDATE
 #define OG_UPDATE 0
+#endif
+// OG_FAN32: the module also has the fan-in 32 entry point (attention_decode_fan32_*).
+#ifndef OG_FAN32
+#define OG_FAN32 0
 #endif
 #define OG_CHUNK 16  // partials a combine loads at once (a thread's loads in flight)
 
@@ -267,15 +272,16 @@ __device__ __forceinline__ void og_v_tile(og_vec4 (&vc)[OG_DV], og_vec4 (&v8)[OG
   }
 }
 
-// Combines count (<= OG_ATTN_FAN_MAX) consecutive partials src .. src+count-1 in order: into the
+// Combines count (<= FAN, 16 or 32) consecutive partials src .. src+count-1 in order: into the
 // output (root) or into the partial dst. All threads of the block take part. A thread loads its
 // item's outputs OG_CHUNK partials at a time; those of its first item's first chunk are in flight
 // while the maxima and sums go to shared memory, so a pass with one item a thread is one round trip
 // to L2 (NOTES v39), two with a second chunk (count > 16, fan-in 32).
 static_assert(OG_ATTN_FAN_MAX * 2 <= OG_W * (OG_D + 2), "the combine's maxima and sums fit the warps' partials' room");
-static_assert(OG_ATTN_FAN == OG_CHUNK && OG_ATTN_FAN_MAX == 2 * OG_CHUNK, "a fan-in 16 node is one chunk, 32 two");
+template <int FAN>
 __device__ __forceinline__ void og_combine(const og_attn_params &p, int b, int hq0, long long src, int count,
                                         bool root, long long dst, float2 *sml) {
+  static_assert(FAN == OG_CHUNK || FAN == 2 * OG_CHUNK, "a fan-in 16 node is one chunk, 32 two");
   const int tid = threadIdx.x, items = OG_G * (OG_D / 4);
   float4 v[OG_CHUNK];
   auto load = [&](int it, int c0) {  // partials c0 .. c0 + OG_CHUNK - 1 of item it
@@ -305,13 +311,17 @@ __device__ __forceinline__ void og_combine(const og_attn_params &p, int b, int h
     const float mu = mx == og_ninf() ? 0.f : mx;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float sum = 0.f;
-    // Fan-in 32: the second chunk after the first's products. Not unrolled: one chunk's registers
-    // (unrolled, ptxas overlapped the chunks and the cluster-merge variants spilled).
+    if (FAN == OG_CHUNK) {
+      weigh(0, h, mu, acc, sum);
+    } else {
+      // The second chunk after the first's products. Not unrolled: one chunk's registers
+      // (unrolled, ptxas overlapped the chunks and the cluster-merge variants spilled).
 #pragma unroll 1
-    for (int c0 = 0;;) {
-      weigh(c0, h, mu, acc, sum);
-      if ((c0 += OG_CHUNK) >= count) break;
-      load(it, c0);
+      for (int c0 = 0;;) {
+        weigh(c0, h, mu, acc, sum);
+        if ((c0 += OG_CHUNK) >= count) break;
+        load(it, c0);
+      }
     }
     if (root) {
       og_write_out(p, b, hq0 + h, d, acc, sum, mu);
@@ -393,7 +403,10 @@ __device__ __forceinline__ void og_store_piece(og_u16 *krow, og_u16 *vrow, int i
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(attention_decode)(const og_attn_params p) {
+// The kernel's body at the combine tree's fan-in 1 << LG (a compile-time value: an entry point
+// each, below).
+template <int LG>
+__device__ __forceinline__ void og_attention(const og_attn_params &p) {
   extern __shared__ __align__(16) unsigned char og_smem[];
   og_u16 *sq = (og_u16 *)og_smem;
   float *region = (float *)(og_smem + OG_NH * 8 * OG_QROW * 2);
@@ -725,26 +738,38 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
   }
 #endif
   og_attn_node node = {s, n, S, 0, 0};
-  const int lg = p.fan_log2;
 
-  // A tree of (1 << lg)-wide combines over the splits, fixed by split index: the last block to
+  // A tree of (1 << LG)-wide combines over the splits, fixed by split index: the last block to
   // arrive at a node (a counter in the workspace, which that block resets) combines the node's
   // children in order into the node's partial, or into the output at the root. Level l's
-  // partials are slots off_l .. off_l + c_l of the group (c_0 = S, c_{l+1} = ceil(c_l / (1 << lg))).
+  // partials are slots off_l .. off_l + c_l of the group (c_0 = S, c_{l+1} = ceil(c_l / (1 << LG))).
   for (;;) {
     __threadfence();
     __syncthreads();
-    const int members = og_attn_members(&node, lg);
-    unsigned *counter = p.counters + (long long)group * p.counters_per_group + node.coff + og_attn_parent(&node, lg);
+    const int members = og_attn_members(&node, LG);
+    unsigned *counter = p.counters + (long long)group * p.counters_per_group + node.coff + og_attn_parent(&node, LG);
     if (tid == 0) s_last = atomicAdd(counter, 1u) == (unsigned)(members - 1);
     __syncthreads();
     if (!s_last) return;
     __threadfence();
     if (tid == 0) *counter = 0u;  // every child has arrived: ready for the next call
-    const bool root = og_attn_parent_is_root(&node, lg);
-    og_combine(p, b, hq0, base + node.off + ((long long)og_attn_parent(&node, lg) << lg), members, root,
-               base + og_attn_parent_slot(&node, lg), (float2 *)region);
+    const bool root = og_attn_parent_is_root(&node, LG);
+    og_combine<1 << LG>(p, b, hq0, base + node.off + (long long)og_attn_parent(&node, LG) * (1 << LG), members, root,
+                        base + og_attn_parent_slot(&node, LG), (float2 *)region);
     if (root) return;
-    og_attn_up(&node, lg);
+    og_attn_up(&node, LG);
   }
 }
+
+// The entry points: fan-in 16, and with OG_FAN32 fan-in 32 for the launches the host gives it
+// (opgraft__attn_fan_of). Each is its own function, so fan-in 16's code is as it was before
+// fan-in 32 existed.
+extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(attention_decode)(const og_attn_params p) {
+  og_attention<OG_ATTN_FAN_LOG2>(p);
+}
+#if OG_FAN32
+extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS)
+    OG_SUFFIX(attention_decode_fan32)(const og_attn_params p) {
+  og_attention<OG_ATTN_FAN_MAX_LOG2>(p);
+}
+#endif

@@ -30,8 +30,7 @@ typedef struct og_attn_params {
   int num_blocks; /* the cache's blocks: a block id outside [0, num_blocks) contributes nothing */
   int window_left; /* OG_WINDOW: keys j >= seq_len - 1 - window_left only (-1: all) */
   int min_chunk;   /* tokens a split takes at least (a multiple of 16) */
-  int slots_per_group, counters_per_group; /* og_attn_tree(gridDim.x, fan_log2) */
-  int fan_log2;    /* the combine tree's fan-in is 1 << fan_log2, chosen per launch */
+  int slots_per_group, counters_per_group; /* og_attn_tree(gridDim.x, the launch's fan-in) */
   int slot_count;  /* OG_UPDATE: rows of slot_mapping; rows at or past it write nothing */
   float qk_scale;  /* scale * log2(e); with OG_SOFTCAP scale / softcap */
   float cap_log2;  /* OG_SOFTCAP: softcap * log2(e) */
@@ -40,8 +39,8 @@ typedef struct og_attn_params {
 /* A query row in shared memory, in elements: 64 bytes of padding spread the banks. */
 #define OG_ATTN_QROW(D) ((D) + 32)
 /* The split combine's fan-in (log2): a node of the combine tree merges 16 partials at most, or 32
- * in a launch of 17..32 splits, which 32 merge in one level and 16 in two (launch.c). A power of
- * two, so that the kernel's tree arithmetic is shifts. */
+ * in a launch of 17..32 splits, which 32 merge in one level and 16 in two (launch.c); the kernel
+ * has an entry point for each, the fan-in a compile-time constant in each. */
 #define OG_ATTN_FAN_LOG2 4
 #define OG_ATTN_FAN_MAX_LOG2 5
 #define OG_ATTN_FAN (1 << OG_ATTN_FAN_LOG2)
@@ -73,13 +72,13 @@ OG_ATTN_FN int og_attn_split(int L, int start, int S, int min_chunk, int *a0, in
 
 /* A node of the combine tree: child idx of a level with cnt live nodes out of cap, whose partials
  * are slots off.. of the group and whose parents' counters are coff.. of the group. Every
- * function takes the tree's fan-in as its log2 lg (the fields are never negative). */
+ * function takes the tree's fan-in as its log2 lg (in the kernel a constant). */
 typedef struct og_attn_node {
   int idx, cnt, cap, off, coff;
 } og_attn_node;
-OG_ATTN_FN int og_attn_parent(const og_attn_node *n, int lg) { return n->idx >> lg; }
+OG_ATTN_FN int og_attn_parent(const og_attn_node *n, int lg) { return n->idx / (1 << lg); }
 OG_ATTN_FN int og_attn_members(const og_attn_node *n, int lg) {
-  const int rest = n->cnt - (og_attn_parent(n, lg) << lg);
+  const int rest = n->cnt - og_attn_parent(n, lg) * (1 << lg);
   return rest < (1 << lg) ? rest : 1 << lg;
 }
 /* Is the parent the root (its merge is the output)? */
@@ -88,9 +87,9 @@ OG_ATTN_FN int og_attn_parent_is_root(const og_attn_node *n, int lg) { return n-
 OG_ATTN_FN int og_attn_parent_slot(const og_attn_node *n, int lg) { return n->off + n->cap + og_attn_parent(n, lg); }
 /* Moves to the parent. */
 OG_ATTN_FN void og_attn_up(og_attn_node *n, int lg) {
-  const int pcap = (n->cap + (1 << lg) - 1) >> lg;
+  const int pcap = (n->cap + (1 << lg) - 1) / (1 << lg);
   n->off += n->cap, n->coff += pcap;
-  n->idx = og_attn_parent(n, lg), n->cnt = (n->cnt + (1 << lg) - 1) >> lg, n->cap = pcap;
+  n->idx = og_attn_parent(n, lg), n->cnt = (n->cnt + (1 << lg) - 1) / (1 << lg), n->cap = pcap;
 }
 #ifndef __CUDACC_RTC__
 /* The combine tree of S splits at fan-in 1 << lg: the partial slots and node counters one group
@@ -100,7 +99,7 @@ static inline void og_attn_tree(int S, int lg, int *slots, int *counters) {
   int c = S, sl = 0, co = 0;
   while (c > 1) {
     sl += c;
-    c = (c + (1 << lg) - 1) >> lg;
+    c = (c + (1 << lg) - 1) / (1 << lg);
     co += c;
   }
   *slots = sl, *counters = co;

@@ -45,13 +45,15 @@ typedef struct og_attn_cfg {
   int trigger;     /* lets the next kernel start while the blocks run (sm_90+) */
   int cluster;     /* blocks a thread-block cluster merging splits on chip at most (sm_90+; 1 = none):
                     * 2, 4 or 8, a launch taking 4 or 8 (opgraft__attn_cluster_of) */
-  int fan32;       /* the combine's fan-in 32 where it saves a level (opgraft__attn_fan_of) */
+  int fan32;       /* the combine's fan-in 32 where it saves a level (opgraft__attn_fan_of), with
+                    * its own entry point (OG_FAN32); only with max_splits > 16 */
   int softcap, window, sinks; /* the options' code paths (OG_SOFTCAP, OG_WINDOW, OG_SINKS) */
   int update;                 /* the call writes its new keys and values (OG_UPDATE) */
 } og_attn_cfg;
 void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const char *gpu, og_attn_cfg *c);
 int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg *c, og_opts *o);
-void opgraft__attn_fn_name(int32_t dtype, char name[64]);
+/* The kernel entry point of a dtype at a fan-in (log2; 5: attention_decode_fan32_*, else 16's). */
+void opgraft__attn_fn_name(int32_t dtype, int fan_log2, char name[64]);
 /* The shape checks a compile-only call needs (no device). */
 int32_t opgraft__attn_compile_check(const opgraft_attention_args *a, const char *what);
 /* Bytes of workspace for a launch of at most max_slots blocks in split calls, up to max_splits
@@ -67,9 +69,9 @@ void opgraft__attn_workspace_offsets(const opgraft_attention_args *a, int64_t ma
  * once (resident_of[log2 size] of them): the largest size that keeps at least 70% of the splits,
  * else 1 (S unchanged). */
 int opgraft__attn_cluster_of(int cluster, const int resident_of[4], int64_t groups, int *S);
-/* launch.c: the combine tree's fan-in (its log2, og_attn_params.fan_log2) for a launch of S splits
- * a group: with fan32, 32 where 16 would take two levels and 32 one (16 < S <= 36, S lowered to
- * 32 at most), else 16 (S unchanged). */
+/* launch.c: the combine tree's fan-in (its log2: the kernel entry point the launch takes) for a
+ * launch of S splits a group: with fan32, 32 where 16 would take two levels and 32 one
+ * (16 < S <= 36, S lowered to 32 at most), else 16 (S unchanged). */
 int opgraft__attn_fan_of(int fan32, int *S);
 
 #endif

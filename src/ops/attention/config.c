@@ -52,7 +52,8 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->load = opgraft__tune_value("attention.load", arch, gpu, shape, B) == 1 ? 1 : 4;
   c->pdl = arch >= 90 && opgraft__tune_value("attention.pdl", arch, gpu, shape, B) != 0;
   c->trigger = arch >= 90 && opgraft__tune_value("attention.trigger", arch, gpu, shape, B) != 0;
-  c->fan32 = opgraft__tune_value("attention.fan32", arch, gpu, shape, B) != 0;
+  /* Only where a launch can take 17 splits or more (the fan-in 32 entry point is compiled then). */
+  c->fan32 = opgraft__tune_value("attention.fan32", arch, gpu, shape, B) != 0 && c->max_splits > OG_ATTN_FAN;
   c->softcap = a->softcap > 0;
   c->window = a->window_left >= 0;
   c->sinks = !a->sinks ? 0 : a->sinks_dtype == OPGRAFT_DTYPE_FP32 ? 2 : 1;
@@ -75,12 +76,14 @@ int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg
   OG_OPT("-DOG_TRIGGER=%d", c->trigger);
   OG_OPT("-DOG_CLUSTER=%d", c->cluster > 1);
   OG_OPT("-DOG_UPDATE=%d", c->update);
+  OG_OPT("-DOG_FAN32=%d", c->fan32);
 #undef OG_OPT
   return opgraft__opts_check(o, "attention");
 }
 
-void opgraft__attn_fn_name(int32_t dtype, char name[64]) {
-  snprintf(name, 64, "attention_decode_%s", dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
+void opgraft__attn_fn_name(int32_t dtype, int fan_log2, char name[64]) {
+  snprintf(name, 64, "attention_decode_%s%s", fan_log2 == OG_ATTN_FAN_MAX_LOG2 ? "fan32_" : "",
+           dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
 }
 
 static size_t round256(size_t n) { return (n + 255u) & ~(size_t)255u; }
@@ -150,10 +153,13 @@ int32_t opgraft_attention_compile_report(const opgraft_attention_args *a, int32_
   if ((st = opgraft__attn_options(a, &cfg, &o))) return st;
   og_cubin cub;
   if ((st = opgraft__cubin_cached(OG_ATTN_SOURCE, o.ptr, o.n, arch, &cub))) return st;
-  char name[64];
-  opgraft__attn_fn_name(a->dtype, name);
-  *count = 1;
-  if (cap > 0) st = opgraft__parse_resources(cub.log, name, &out[0]);
+  /* Fan-in 16's kernel, then fan-in 32's where the plan has it. */
+  *count = cfg.fan32 ? 2 : 1;
+  for (int i = 0; i < *count && i < cap && !st; ++i) {
+    char name[64];
+    opgraft__attn_fn_name(a->dtype, i ? OG_ATTN_FAN_MAX_LOG2 : OG_ATTN_FAN_LOG2, name);
+    st = opgraft__parse_resources(cub.log, name, &out[i]);
+  }
   opgraft__cubin_free(&cub);
   return st;
 }

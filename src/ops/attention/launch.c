@@ -13,7 +13,7 @@ struct opgraft_attention_plan {
   opgraft_attention_args args; /* the layout the plan was made for: pointers and bound cleared */
   int32_t arch;
   og_attn_cfg cfg;
-  og_CUfunction fn;
+  og_CUfunction fn[2]; /* the kernel at fan-in 16, and at 32 with cfg.fan32 (else NULL) */
   unsigned threads, smem;
   int64_t slots;      /* blocks of one wave: split calls put at most this many in the tree */
   int max_clusters[4]; /* [log2 size]: clusters of 4 and 8 blocks resident at once (up to cfg.cluster) */
@@ -83,19 +83,24 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
   p->threads = 32u * (unsigned)p->cfg.warps;
   p->smem = og_attn_smem_bytes((int)a->head_size, (int)G, p->cfg.warps, p->cfg.cluster > 1);
   og_opts o;
-  char name[64];
-  opgraft__attn_fn_name(a->dtype, name);
-  const char *np[1] = {name};
-  if (!(st = opgraft__attn_options(a, &p->cfg, &o))) st = opgraft__get_functions(OG_ATTN_SOURCE, o.ptr, o.n, arch, np, 1, &p->fn);
-  if (!st && p->smem > (48u << 10))
-    st = opgraft__cu_check(cu->cuFuncSetAttribute(p->fn, OG_FUNC_ATTR_MAX_DYNAMIC_SHARED, (int)p->smem),
+  char names[2][64];
+  const int nfn = p->cfg.fan32 ? 2 : 1;
+  opgraft__attn_fn_name(a->dtype, OG_ATTN_FAN_LOG2, names[0]);
+  opgraft__attn_fn_name(a->dtype, OG_ATTN_FAN_MAX_LOG2, names[1]);
+  const char *np[2] = {names[0], names[1]};
+  if (!(st = opgraft__attn_options(a, &p->cfg, &o)))
+    st = opgraft__get_functions(OG_ATTN_SOURCE, o.ptr, o.n, arch, np, nfn, p->fn);
+  for (int f = 0; f < nfn && !st && p->smem > (48u << 10); ++f)
+    st = opgraft__cu_check(cu->cuFuncSetAttribute(p->fn[f], OG_FUNC_ATTR_MAX_DYNAMIC_SHARED, (int)p->smem),
                            "cuFuncSetAttribute (attention shared memory)");
   og_CUdevice dev = 0;
   int per_sm = 0, sms = 0;
   if (!st) st = opgraft__cu_check(cu->cuCtxGetDevice(&dev), "cuCtxGetDevice");
   if (!st) st = opgraft__cu_check(cu->cuDeviceGetAttribute(&sms, OG_ATTR_SM_COUNT, dev), "cuDeviceGetAttribute");
+  /* The wave and the clusters resident at once: fan-in 16's kernel's (fan-in 32's takes the same
+   * launch bounds; a launch at either fan-in is correct whatever is resident). */
   if (!st)
-    st = opgraft__cu_check(cu->cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, p->fn, (int)p->threads, p->smem),
+    st = opgraft__cu_check(cu->cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, p->fn[0], (int)p->threads, p->smem),
                            "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   if (!st && per_sm < 1) st = opgraft__fail(OPGRAFT_ECUDA, "the attention kernel cannot be resident on this GPU");
   /* Clusters pack into GPCs: fewer may be resident than blocks / size. Sizes a launch uses only. */
@@ -105,7 +110,7 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
     attr.id = OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
     attr.value.dim[0] = (unsigned)c, attr.value.dim[1] = attr.value.dim[2] = 1;
     og_CUlaunchConfig lc = {(unsigned)c, 1, 1, p->threads, 1, 1, p->smem, NULL, &attr, 1};
-    st = opgraft__cu_check(cu->cuOccupancyMaxActiveClusters(&p->max_clusters[i], p->fn, &lc),
+    st = opgraft__cu_check(cu->cuOccupancyMaxActiveClusters(&p->max_clusters[i], p->fn[0], &lc),
                            "cuOccupancyMaxActiveClusters (attention)");
     if (!st && p->max_clusters[i] < 1)
       st = opgraft__fail(OPGRAFT_ECUDA, "no cluster of %d attention blocks can be resident on this GPU", c);
@@ -131,7 +136,6 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
   q->num_blocks = (int)a->num_blocks;
   q->window_left = (int)a->window_left;
   q->min_chunk = p->cfg.min_chunk;
-  q->fan_log2 = OG_ATTN_FAN_LOG2; /* a launch with splits sets its own */
   const double log2e = 1.4426950408889634;
   if (a->softcap > 0) {
     q->qk_scale = (float)(a->scale / a->softcap);
@@ -190,9 +194,11 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_attention_plan *plan,
   int S = split_count(plan, batch, max_seq_len);
   const int cs =
       S > 1 ? opgraft__attn_cluster_of(plan->cfg.cluster, plan->max_clusters, batch * plan->args.num_kv_heads, &S) : 1;
+  og_CUfunction fn = plan->fn[0];
   if (S > 1) { /* the fan-in on the final split count, after the clusters' rounding */
-    p->fan_log2 = opgraft__attn_fan_of(plan->cfg.fan32, &S);
-    og_attn_tree(S, p->fan_log2, &p->slots_per_group, &p->counters_per_group);
+    const int lg = opgraft__attn_fan_of(plan->cfg.fan32, &S);
+    if (lg == OG_ATTN_FAN_MAX_LOG2) fn = plan->fn[1];
+    og_attn_tree(S, lg, &p->slots_per_group, &p->counters_per_group);
     p->counters = (unsigned *)workspace;
     p->part_ml = (float *)((char *)workspace + plan->ml_off);
     p->part = (float *)((char *)workspace + plan->part_off);
@@ -214,10 +220,10 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_attention_plan *plan,
   }
   if (na) {
     og_CUlaunchConfig lc = {(unsigned)S, gy, gz, plan->threads, 1, 1, plan->smem, s, attrs, na};
-    return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan->fn, params, NULL),
+    return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, fn, params, NULL),
                              "launch attention_decode (cuLaunchKernelEx: programmatic dependent launch or clusters)");
   }
-  return opgraft__cu_check(cu->cuLaunchKernel(plan->fn, (unsigned)S, gy, gz, plan->threads, 1, 1, plan->smem, s, params,
+  return opgraft__cu_check(cu->cuLaunchKernel(fn, (unsigned)S, gy, gz, plan->threads, 1, 1, plan->smem, s, params,
                                               NULL),
                            "launch attention_decode");
 }

@@ -1,5 +1,6 @@
 /* Every decode-attention kernel variant that a shipped or tunable configuration can select
- * compiles with NVRTC for sm_80 and sm_90 without register spills: each head size and group
+ * compiles with NVRTC for sm_80 and sm_90 without register spills, in each entry point (fan-in 16,
+ * and fan-in 32 where the configuration has it: sm_90's rule): each head size and group
  * size, both dtypes, every option's code path (soft cap, window, sinks, the cache write) and each tunable's other
  * values (the block size is a run-time value: it does not change the code). Configurations are resolved first, identical option sets compiled once,
  * on several threads through the kernel cache ($OPGRAFT_TEST_KERNEL_CACHE keeps cubins and their
@@ -7,13 +8,15 @@
  * thread count. */
 #include "og_test.h"
 #include "attention/attention.h"
+#include "../../../kernels/attention/attn_params.h"
 
 typedef struct job {
   char what[200];
   int32_t dtype, arch;
   og_opts opts;
   int32_t status;
-  opgraft_kernel_info info;
+  int nfn;                    /* entry points: fan-in 16's, and fan-in 32's with attention.fan32 */
+  opgraft_kernel_info info[2]; /* in that order */
   char error[512];
   int dup_of;
 } job;
@@ -58,6 +61,7 @@ static void add_job(int32_t dtype, int64_t D, int64_t G, int64_t bs, int options
   og_attn_cfg cfg;
   opgraft__attn_config(&a, arch, NULL, &cfg);
   if (opgraft__attn_options(&a, &cfg, &j->opts) != OPGRAFT_OK) fail_msg("%s: %s", j->what, opgraft_last_error());
+  j->nfn = cfg.fan32 ? 2 : 1;
   for (int i = 0; i < n_jobs && j->dup_of < 0; ++i) {
     const job *o = &jobs[i];
     if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n) continue;
@@ -96,9 +100,11 @@ static void run_job(job *j) {
     opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
     return;
   }
-  char name[64];
-  opgraft__attn_fn_name(j->dtype, name);
-  j->status = opgraft__parse_resources(c.log, name, &j->info);
+  for (int f = 0; f < j->nfn && !j->status; ++f) {
+    char name[64];
+    opgraft__attn_fn_name(j->dtype, f ? OG_ATTN_FAN_MAX_LOG2 : OG_ATTN_FAN_LOG2, name);
+    j->status = opgraft__parse_resources(c.log, name, &j->info[f]);
+  }
   if (j->status) opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
   opgraft__cubin_free(&c);
 }
@@ -212,19 +218,31 @@ static void test_every_variant_compiles(void **state) {
   need_nvrtc();
   assert_true(n_unique > 60 && n_unique <= n_jobs);
   int bad = 0;
+  int fan32 = 0;
   for (int i = 0; i < n_jobs; ++i) {
     const job *r = result_of(&jobs[i]);
-    char name[64];
-    opgraft__attn_fn_name(jobs[i].dtype, name);
     if (r->status != OPGRAFT_OK) {
       print_error("%s: %s: %.400s\n", jobs[i].what, opgraft_status_name(r->status), r->error);
       ++bad;
-    } else if (strcmp(r->info.name, name) != 0 || r->info.registers <= 0) {
-      print_error("%s: kernel \"%s\" with %d registers, expected %s\n", jobs[i].what, r->info.name, r->info.registers, name);
+      continue;
+    }
+    fan32 += r->nfn == 2;
+    if (jobs[i].arch == 90 && r->nfn != 2) { /* sm_90's rule has fan-in 32 everywhere the jobs go */
+      print_error("%s: no fan-in 32 entry point\n", jobs[i].what);
       ++bad;
+    }
+    for (int f = 0; f < r->nfn; ++f) {
+      char name[64];
+      opgraft__attn_fn_name(jobs[i].dtype, f ? OG_ATTN_FAN_MAX_LOG2 : OG_ATTN_FAN_LOG2, name);
+      if (strcmp(r->info[f].name, name) != 0 || r->info[f].registers <= 0) {
+        print_error("%s: kernel \"%s\" with %d registers, expected %s\n", jobs[i].what, r->info[f].name,
+                    r->info[f].registers, name);
+        ++bad;
+      }
     }
   }
   if (bad) fail_msg("%d problems over %d kernel variants", bad, n_jobs);
+  assert_true(fan32 > 0 && fan32 < n_jobs);
 }
 
 static void test_no_spills(void **state) {
@@ -233,11 +251,13 @@ static void test_no_spills(void **state) {
   for (int i = 0; i < n_jobs; ++i) {
     const job *r = result_of(&jobs[i]);
     if (r->status != OPGRAFT_OK) continue; /* reported by test_every_variant_compiles */
-    const opgraft_kernel_info *ki = &r->info;
-    if (ki->spill_store_bytes > 0 || ki->spill_load_bytes > 0 || ki->stack_bytes > 0) {
-      print_error("%s: spills: %d bytes stored, %d loaded, %d registers, %d bytes stack\n", jobs[i].what,
-                  ki->spill_store_bytes, ki->spill_load_bytes, ki->registers, ki->stack_bytes);
-      ++bad;
+    for (int f = 0; f < r->nfn; ++f) {
+      const opgraft_kernel_info *ki = &r->info[f];
+      if (ki->spill_store_bytes > 0 || ki->spill_load_bytes > 0 || ki->stack_bytes > 0) {
+        print_error("%s, %s: spills: %d bytes stored, %d loaded, %d registers, %d bytes stack\n", jobs[i].what,
+                    ki->name, ki->spill_store_bytes, ki->spill_load_bytes, ki->registers, ki->stack_bytes);
+        ++bad;
+      }
     }
   }
   if (bad) fail_msg("%d kernels spill registers", bad);
@@ -255,18 +275,30 @@ static void test_report_matches_the_jobs(void **state) {
   a.block_size = 16, a.num_blocks = 1024, a.max_blocks = 64, a.scale = 0.1, a.window_left = -1;
   a.block_table_dtype = a.seq_lens_dtype = OPGRAFT_DTYPE_INT32;
   a.q_stride[2] = a.out_stride[2] = a.k_stride[3] = a.v_stride[3] = a.block_table_stride[1] = 1;
-  opgraft_kernel_info ki;
+  opgraft_kernel_info ki[2];
   int32_t count = 0;
-  assert_int_equal(opgraft_attention_compile_report(&a, 90, &ki, 1, &count), OPGRAFT_OK);
-  assert_int_equal(count, 1);
+  assert_int_equal(opgraft_attention_compile_report(&a, 90, ki, 2, &count), OPGRAFT_OK);
+  assert_int_equal(count, 2); /* fan-in 16's kernel, then fan-in 32's */
   assert_non_null(strstr(jobs[1].what, "bf16 D=64 G=1 bs=16 options=0 sm_90"));
-  assert_string_equal(ki.name, "attention_decode_bf16");
-  assert_int_equal(ki.registers, result_of(&jobs[1])->info.registers);
-  /* The main variants' resources, for the record. */
-  for (int i = 0; i < n_jobs; ++i)
-    if (strstr(jobs[i].what, "G=8 bs=16 options=0") && !strstr(jobs[i].what, " with "))
-      print_message("  %s: %d registers, %d bytes static shared\n", jobs[i].what, result_of(&jobs[i])->info.registers,
-                    result_of(&jobs[i])->info.shared_bytes);
+  assert_string_equal(ki[0].name, "attention_decode_bf16");
+  assert_string_equal(ki[1].name, "attention_decode_fan32_bf16");
+  for (int f = 0; f < 2; ++f) assert_int_equal(ki[f].registers, result_of(&jobs[1])->info[f].registers);
+  assert_int_equal(opgraft_attention_compile_report(&a, 90, ki, 1, &count), OPGRAFT_OK); /* room for one */
+  assert_int_equal(count, 2);
+  assert_string_equal(ki[0].name, "attention_decode_bf16");
+  assert_int_equal(opgraft_attention_compile_report(&a, 80, ki, 2, &count), OPGRAFT_OK);
+  assert_int_equal(count, 1); /* no fan-in 32 on sm_80 */
+  assert_string_equal(ki[0].name, "attention_decode_bf16");
+  /* The main variants' resources, for the record (and the Qwen3-30B-A3B D128 G8, D64 G8 and D128
+   * G4 variants' at both fan-ins). */
+  for (int i = 0; i < n_jobs; ++i) {
+    const job *r = result_of(&jobs[i]);
+    if ((strstr(jobs[i].what, "G=8 bs=16 options=0") || strstr(jobs[i].what, "bf16 D=128 G=4 bs=16 options=0")) &&
+        !strstr(jobs[i].what, " with "))
+      for (int f = 0; f < r->nfn; ++f)
+        print_message("  %s, %s: %d registers, %d bytes static shared\n", jobs[i].what, r->info[f].name,
+                      r->info[f].registers, r->info[f].shared_bytes);
+  }
 }
 
 static void test_compile_report_arguments(void **state) {

@@ -410,12 +410,34 @@ static void test_config(void **state) {
   }
   unsetenv("OPGRAFT_TUNE_ATTENTION_CLUSTER");
   opgraft_tune_reload();
-  /* The combine's fan-in 32: on by the sm_90 rule, off elsewhere; the variable overrides both. */
+  /* The combine's fan-in 32: on by the sm_90 rule, off elsewhere; the variable overrides both.
+   * With it the module has the fan-in 32 entry point too (OG_FAN32). */
   a = valid_args();
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(c.fan32, 1);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_FAN32=1"));
   opgraft__attn_config(&a, 80, NULL, &c);
   assert_int_equal(c.fan32, 0);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_FAN32=0"));
+  /* Never more than 16 splits: no fan-in 32 (nor its entry point). */
+  setenv("OPGRAFT_TUNE_ATTENTION_MAX_SPLITS", "16", 1);
+  opgraft_tune_reload();
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.fan32, 0);
+  setenv("OPGRAFT_TUNE_ATTENTION_MAX_SPLITS", "17", 1);
+  opgraft_tune_reload();
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.fan32, 1);
+  unsetenv("OPGRAFT_TUNE_ATTENTION_MAX_SPLITS");
+  opgraft_tune_reload();
+  /* The entry points' names. */
+  char fname[64];
+  opgraft__attn_fn_name(OPGRAFT_DTYPE_BF16, OG_ATTN_FAN_LOG2, fname);
+  assert_string_equal(fname, "attention_decode_bf16");
+  opgraft__attn_fn_name(OPGRAFT_DTYPE_FP16, OG_ATTN_FAN_MAX_LOG2, fname);
+  assert_string_equal(fname, "attention_decode_fan32_fp16");
   setenv("OPGRAFT_TUNE_ATTENTION_FAN32", "0", 1);
   opgraft_tune_reload();
   opgraft__attn_config(&a, 90, NULL, &c);
