@@ -29,3 +29,9 @@ def test_a_case_runs_up_to_the_guard_on_cpu():
     c = check._case("tiny", [5, 0, 17], 8, 2, 64, window=7, sinks="fp32", q_pad=16)
     r = check._run_case(c, "cpu")
     assert r["supported"] is False and r["reason"] == "tensors are not on a CUDA device" and r["passed"] is False
+
+
+@pytest.mark.parametrize("only", ["fan-in 32, a partial", "fan-in 32, 17 splits"])
+def test_a_fan_in_32_case_is_selected_alone(only):
+    # tools/gpucheck.py's --only keeps the cases whose name contains the text (case-sensitive)
+    assert len([c for c in check.cases() if only in c["name"]]) == 1
