@@ -47,7 +47,9 @@
  *   -> 17.19, 32K 27.09 -> 26.12, 2K 8.51 -> 8.38 (batch 2, 8 and 64 within 0.5%); with 64..128
  *   splits, two levels either way, it lost 4-15%: 16 / 2 head 64 at 8K 10.38 -> 11.97, 8 / 1 head
  *   128 (Llama-3-70B/tp8) at 32K 13.59 -> 14.35, 8 / 4 head 256 at 8K 17.20 -> 17.85; those
- *   launches keep 16. v40 re-measures the choice made per launch. */
+ *   launches keep 16. Per launch, each fan-in its own entry point (v40, call-f3/, against the
+ *   kernel before it in one call): 4K 10.89 -> 9.81, 8K 13.66 -> 12.51, 32K 27.24 -> 26.04; the
+ *   launches that keep 16 within 0.1 µs (Llama-3-8B at 1K +0.08, the head-64 shape at 8K +0.08). */
 #include <stdio.h>
 #include <string.h>
 
