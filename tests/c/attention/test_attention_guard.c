@@ -306,6 +306,17 @@ static int has_opt(const og_opts *o, const char *opt) {
   return 0;
 }
 
+/* cfg.fan32 of a's plan on arch with the tunable env var set to value (unset after). */
+static int fan32_with(const opgraft_attention_args *a, const char *env, const char *value, int32_t arch) {
+  og_attn_cfg c;
+  setenv(env, value, 1);
+  opgraft_tune_reload();
+  opgraft__attn_config(a, arch, NULL, &c);
+  unsetenv(env);
+  opgraft_tune_reload();
+  return c.fan32;
+}
+
 static void test_config(void **state) {
   opgraft_attention_args a = valid_args();
   og_attn_cfg c;
@@ -422,32 +433,16 @@ static void test_config(void **state) {
   assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
   assert_true(has_opt(&o, "-DOG_FAN32=0"));
   /* Never more than 16 splits: no fan-in 32 (nor its entry point). */
-  setenv("OPGRAFT_TUNE_ATTENTION_MAX_SPLITS", "16", 1);
-  opgraft_tune_reload();
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_int_equal(c.fan32, 0);
-  setenv("OPGRAFT_TUNE_ATTENTION_MAX_SPLITS", "17", 1);
-  opgraft_tune_reload();
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_int_equal(c.fan32, 1);
-  unsetenv("OPGRAFT_TUNE_ATTENTION_MAX_SPLITS");
-  opgraft_tune_reload();
+  assert_int_equal(fan32_with(&a, "OPGRAFT_TUNE_ATTENTION_MAX_SPLITS", "16", 90), 0);
+  assert_int_equal(fan32_with(&a, "OPGRAFT_TUNE_ATTENTION_MAX_SPLITS", "17", 90), 1);
   /* The entry points' names. */
   char fname[64];
   opgraft__attn_fn_name(OPGRAFT_DTYPE_BF16, OG_ATTN_FAN_LOG2, fname);
   assert_string_equal(fname, "attention_decode_bf16");
   opgraft__attn_fn_name(OPGRAFT_DTYPE_FP16, OG_ATTN_FAN_MAX_LOG2, fname);
   assert_string_equal(fname, "attention_decode_fan32_fp16");
-  setenv("OPGRAFT_TUNE_ATTENTION_FAN32", "0", 1);
-  opgraft_tune_reload();
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_int_equal(c.fan32, 0);
-  setenv("OPGRAFT_TUNE_ATTENTION_FAN32", "1", 1);
-  opgraft_tune_reload();
-  opgraft__attn_config(&a, 80, NULL, &c);
-  assert_int_equal(c.fan32, 1);
-  unsetenv("OPGRAFT_TUNE_ATTENTION_FAN32");
-  opgraft_tune_reload();
+  assert_int_equal(fan32_with(&a, "OPGRAFT_TUNE_ATTENTION_FAN32", "0", 90), 0);
+  assert_int_equal(fan32_with(&a, "OPGRAFT_TUNE_ATTENTION_FAN32", "1", 80), 1);
   /* A combine's maxima and sums (32 partials x G pairs) fit the room of the warps' partials. */
   for (int D = 64; D <= 256; D *= 2)
     for (int G = 1; G <= 16; ++G)
