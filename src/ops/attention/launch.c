@@ -197,7 +197,7 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_attention_plan *plan,
   og_CUfunction fn = plan->fn[0];
   if (S > 1) { /* the fan-in on the final split count, after the clusters' rounding */
     const int lg = opgraft__attn_fan_of(plan->cfg.fan32, &S);
-    if (lg == OG_ATTN_FAN_MAX_LOG2) fn = plan->fn[1];
+    fn = plan->fn[lg - OG_ATTN_FAN_LOG2];
     og_attn_tree(S, lg, &p->slots_per_group, &p->counters_per_group);
     p->counters = (unsigned *)workspace;
     p->part_ml = (float *)((char *)workspace + plan->ml_off);
