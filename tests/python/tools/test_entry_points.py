@@ -65,6 +65,13 @@ def test_attn_o_refuses_bad_variants_before_torch(args):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "tools.attn_o: error:" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("args", [("--extra", "x=moe.pdl_in"), ("--extra", "=moe.pdl_in:1"),
+                                  ("--extra", "x=moe.pdl_in:1@kernel")])
+def test_moe_route_refuses_bad_extras_before_torch(args):
+    r = run_hidden("tools.moe_route", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "tools.moe_route: error:" in r.stderr, r.stderr
+
+
 def test_the_cli_without_torch():
     r = run_hidden("opgraft.cli", "tune", "moe", "--tokens", "1")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "torch is not installed" in r.stderr, r.stderr
