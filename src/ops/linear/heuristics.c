@@ -21,7 +21,16 @@
  * - linear.min_blocks: 16 warps an SM (MoE v13: without a minimum ptxas trades the loads issued
  *   together for fewer registers).
  * - linear.l2_fetch 128 (the MoE kernels' largest single gain, NOTES v2), linear.load 4 (the form
- *   that kept its speed after other kernels had filled L2, NOTES v9), linear.pdl 0 (unmeasured).
+ *   that kept its speed after other kernels had filled L2, NOTES v9).
+ * - linear.pdl 1 on sm_90 for 16-bit weights: launched as a programmatic dependent of a previous
+ *   kernel that does not let it start early (vLLM's norm before qkv and the router, the bench's
+ *   64 MiB read), the call starts as that kernel's blocks exit and has its first weights in flight
+ *   when the wait ends. H200, span timing, two runs each, pdl 0 -> 1 (bench/NOTES.md v41): Qwen3-30B-A3B
+ *   router 3.17 -> 3.00 us, qkv 8.02 -> 7.82, lm_head 137.6 -> 137.4; Llama-3-8B qkv 14.95 -> 14.67,
+ *   o 10.85 -> 10.63, down 31.15 -> 30.75 (M=1), gate_up 57.8 -> 56.9 (M=8); Llama-3-70B/tp8 down,
+ *   gate_up, qkv (M=1), lm_head -0.1..-0.8. Rows keep 0 where it lost (Llama-3-70B/tp8's o, +1.8 us,
+ *   and its qkv at 8 rows) and 2 for Qwen3-30B-A3B's o after attention. FP8 weights 0: no gain
+ *   there (Qwen3-30B-A3B-FP8 qkv -0.05, o +0.2..+0.3, router +0.05 us).
  * - FP8 weights ("linear:fp8:..."): linear.max_rows 8 on sm_90 for weights of at most 16 MiB, 0
  *   elsewhere: against vLLM's own FP8 kernel in the same run (NOTES v33) ours is 1.27-4.3x on
  *   Qwen3-30B-A3B-FP8's projections (up to 10.5 MB) but 0.80-1.05x on DeepSeek-V3's q_b
@@ -76,8 +85,8 @@ int opgraft__linear_rule(const opgraft_tune_query *q, int64_t *value) {
   if (strcmp(key, "linear.max_rows") == 0) return *value = q->arch == 90 ? 8 : 1, 1;
   if (strcmp(key, "linear.load") == 0) return *value = 4, 1;
   if (strcmp(key, "linear.l2_fetch") == 0) return *value = 128, 1;
-  if (strcmp(key, "linear.pdl") == 0) return *value = 0, 1;
   if (!parsed) return 0;
+  if (strcmp(key, "linear.pdl") == 0) return *value = q->arch == 90 && !s.fp8, 1;
   if (strcmp(key, "linear.warps") == 0) return *value = rule_warps(&s, q->arch), 1;
   if (strcmp(key, "linear.tiles") == 0) return *value = rule_tiles(&s, q->arch), 1;
   if (strcmp(key, "linear.min_blocks") == 0) return *value = 16 / rule_warps(&s, q->arch), 1;

@@ -32,15 +32,13 @@ static const og_tune_entry rows[] = {
     {90, NULL, "linear:bf16:N7168:K8192", 1, 8, "linear.tiles", 2, "H200 2026-12-02 opgraft tune (64 MiB between calls): Llama-3-70B/tp8 gate_up [7168, 8192] M=1 33.40 -> 30.88 us, M=8 34.16 -> 31.42 (with load 1)"},
     {90, NULL, "linear:bf16:N7168:K8192", 1, 8, "linear.load", 1, "H200 2026-12-02 opgraft tune: Llama-3-70B/tp8 gate_up, with tiles 2"},
     {90, NULL, "linear:bf16:N7168:K8192", 1, 2, "linear.min_blocks", 1, "H200 2026-12-02 opgraft tune: Llama-3-70B/tp8 gate_up M=1, with tiles 2 and load 1"},
-    {90, NULL, "linear:bf16:N7168:K8192", 3, 8, "linear.pdl", 1, "H200 2026-12-02 opgraft tune: Llama-3-70B/tp8 gate_up M=8, with tiles 2 and load 1"},
-    /* Qwen3-30B-A3B qkv at 1-2 rows: `opgraft tune linear` (v22), PDL after the previous kernel. */
-    {90, NULL, "linear:bf16:N5120:K2048", 1, 2, "linear.pdl", 1, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B qkv [5120, 2048] M=1 8.04 -> 7.64 us with pdl 1 and min_blocks 4 (which the configuration clamps to its 2)"},
+    /* Llama-3-70B/tp8 o and qkv: programmatic dependent launch (the rule's linear.pdl 1) lost here
+     * (v41, two runs each); qkv won at one row (8.86 -> 8.62 us) and is unmeasured from 2 to 7. */
+    {90, NULL, "linear:bf16:N8192:K1024", 1, 8, "linear.pdl", 0, "H200 2026-12-04 bench linear (span, 64 MiB between calls): Llama-3-70B/tp8 o [8192, 1024] pdl 0 -> 1 M=1 7.05 -> 8.80 us, M=8 7.20 -> 9.12"},
+    {90, NULL, "linear:bf16:N1280:K8192", 2, 8, "linear.pdl", 0, "H200 2026-12-04 bench linear (span, 64 MiB between calls): Llama-3-70B/tp8 qkv [1280, 8192] pdl 0 -> 1 M=8 9.79 -> 10.08 us"},
     /* Qwen3-30B-A3B o: after attention, which lets it start early (attention.trigger), its weights
      * loaded and asked of L2 before the wait (tools.attn_o, attention + o as one span, v26). */
     {90, NULL, "linear:bf16:N2048:K4096", 1, 8, "linear.pdl", 2, "H200 2026-12-02 tools.attn_o (64 MiB between calls): Qwen3-30B-A3B attention + o, batch 1 at 256 / 1K / 8K tokens 15.53 / 16.17 / 22.28 us with pdl 0 -> 14.31 / 14.77 / 20.86 with pdl 2 and attention.trigger; batch 8 16.72 / 20.07 / 49.83 -> 15.73 / 18.81 / 47.84"},
-    /* Llama-3-8B's (and Mixtral-8x7B's) o [4096, 4096] after attention: pdl 1 (its first loads before
-     * the wait; the L2 prefetch of pdl 2 lost 3-5% here, 32 MB is more than attention's idle time). */
-    {90, NULL, "linear:bf16:N4096:K4096", 1, 8, "linear.pdl", 1, "H200 2026-12-02 tools.attn_o (64 MiB between calls): Llama-3-8B attention + o, batch 1 at 256 / 1K / 8K tokens 20.00 / 20.49 / 29.98 us with pdl 0 -> 19.67 / 19.98 / 28.26 with pdl 1 and attention.trigger (pdl 2 20.68 / 21.06 / 29.59); batch 8 21.76 / 27.67 / 82.40 -> 21.11 / 26.10 / 80.26"},
     /* END TUNED ROWS */
     {0, NULL, NULL, 0, 0, NULL, 0, NULL},
 };

@@ -359,17 +359,19 @@ static void expect_cfg(int64_t N, int64_t K, int warps, int tiles, int unroll, i
 
 static void test_rule_shapes(void **state) {
   /* Every block resident at once where 4 tiles a block allow it (132 SMs x 16 warps an SM). */
-  /* Qwen3-30B-A3B qkv, 640 tiles over 264 blocks (PDL 1), and o (PDL 2 with the L2 prefetch): their
-   * tuned rows (table.c) */
+  /* Qwen3-30B-A3B qkv, 640 tiles over 264 blocks (PDL 1, the rule), and o (PDL 2 with the L2
+   * prefetch: its tuned row, table.c) */
   expect_cfg(5120, 2048, 8, 3, 4, 2, 214, 1);
   expect_cfg(2048, 4096, 8, 1, 8, 2, 256, 2);
-  expect_cfg(128, 2048, 16, 1, 4, 1, 16, 0);     /* Qwen3-30B-A3B router gate: 16 tiles < 132 SMs */
-  expect_cfg(151936, 2048, 8, 2, 4, 2, 9496, 0); /* lm_head: many waves of 16-row blocks */
-  expect_cfg(6144, 4096, 8, 3, 4, 2, 256, 0);    /* Llama-3-8B qkv */
-  expect_cfg_load(1280, 8192, 8, 1, 8, 2, 160, 0, 1); /* Llama-3-70B/tp8 qkv: load form 1 (its tuned row) */
-  expect_cfg(8192, 1024, 8, 3, 4, 2, 342, 0);    /* Llama-3-70B/tp8 o: 3 tiles (its tuned row), 1.3 waves */
-  expect_cfg(7, 72, 1, 1, 3, 16, 1, 0);          /* tiny: one warp, its 3 k-steps */
-  expect_cfg(1, 8, 1, 1, 1, 16, 1, 0);
+  expect_cfg(128, 2048, 16, 1, 4, 1, 16, 1);     /* Qwen3-30B-A3B router gate: 16 tiles < 132 SMs */
+  expect_cfg(151936, 2048, 8, 2, 4, 2, 9496, 1); /* lm_head: many waves of 16-row blocks */
+  expect_cfg(6144, 4096, 8, 3, 4, 2, 256, 1);    /* Llama-3-8B qkv */
+  expect_cfg_load(1280, 8192, 8, 1, 8, 2, 160, 1, 1); /* Llama-3-70B/tp8 qkv: load form 1 (its tuned row) */
+  expect_cfg(8192, 1024, 8, 3, 4, 2, 342, 0);    /* Llama-3-70B/tp8 o: 3 tiles, no PDL (its rows), 1.3 waves */
+  expect_cfg(7, 72, 1, 1, 3, 16, 1, 1);          /* tiny: one warp, its 3 k-steps */
+  expect_cfg(1, 8, 1, 1, 1, 16, 1, 1);
+  /* Llama-3-70B/tp8 qkv from two rows: no PDL (its row). */
+  assert_int_equal(config_of(2, 1280, 8192, 90).pdl, 0);
   /* The rule's values are what the tunables give where no row exists. */
   int64_t v = 0;
   char src[64];
