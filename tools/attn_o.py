@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from opgraft._entry import check_outputs, require_gpu
+from tools import tunable_variants
 
 # name: (attention and linear tunables set for the variant, projection on opgraft's op?, KV write)
 VARIANTS = {
@@ -45,21 +46,10 @@ def main(argv=None) -> int:
                          "@kernel: with the KV write inside attention (as kernel-write)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    variants = dict(VARIANTS)
-    for spec in args.extra:
-        name, _, kvs = spec.partition("=")
-        kvs, at, write = kvs.partition("@")
-        try:
-            if at and write != "kernel":
-                raise ValueError(write)
-            variants[name] = ({k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}, True,
-                              "kernel" if at else None)
-        except ValueError:
-            print(f"tools.attn_o: error: --extra {spec!r}: want NAME=KEY:VALUE,...[@kernel]", file=sys.stderr)
-            return 2
-        if not name:
-            print(f"tools.attn_o: error: --extra {spec!r}: no name", file=sys.stderr)
-            return 2
+    extra = tunable_variants(args.extra, "kernel", "tools.attn_o")
+    if extra is None:
+        return 2
+    variants = dict(VARIANTS, **{name: (cfg, True, "kernel" if write else None) for name, cfg, write in extra})
     names = args.variants.split(",") + [e.partition("=")[0] for e in args.extra]
     bad = [n for n in names if n not in variants]
     if bad:

@@ -64,7 +64,7 @@ __device__ void pf_slice(const char *w, size_t bytes, int i, int n, int mode) {
   for (size_t o = lo + 128 * threadIdx.x; o < hi; o += 128 * blockDim.x) pf_line(w + o, mode);
 }
 
-__global__ void k_read(const u4 *d, size_t n, unsigned *sink) {  // streaming read (flush, A2, touch)
+__global__ void k_read(const u4 *d, size_t n, unsigned *sink) {  // streaming read (F, T)
   const size_t stride = (size_t)gridDim.x * blockDim.x;
   unsigned acc = 0;
   size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -91,9 +91,8 @@ __global__ void k_lat(int busy, unsigned long long ns, const char *w, size_t wby
   if (pf) pf_slice(w, wbytes, blockIdx.x - busy, gridDim.x - busy, pf);
 }
 
-// A2: a streaming read of d, each block a contiguous slice; then, with pf, its slice of W.
-__global__ void k_bw(const u4 *d, size_t n, unsigned *sink, const char *w, size_t wbytes, int pf, int trigger) {
-  if (trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+// The block's contiguous slice of d[0, n), 16-byte loads, 4 in flight a thread.
+__device__ void read_slice(const u4 *d, size_t n, unsigned *sink) {
   const size_t per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(n, lo + per);
   unsigned acc = 0;
   size_t i = lo + threadIdx.x;
@@ -104,6 +103,12 @@ __global__ void k_bw(const u4 *d, size_t n, unsigned *sink, const char *w, size_
   }
   for (; i < hi; i += blockDim.x) acc ^= ld_nc(d + i).x;
   if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// X: a streaming read of d, each block a contiguous slice; then, with pf, its slice of W.
+__global__ void k_bw(const u4 *d, size_t n, unsigned *sink, const char *w, size_t wbytes, int pf, int trigger) {
+  if (trigger) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  read_slice(d, n, sink);
   if (pf) {
     __syncthreads();
     pf_slice(w, wbytes, blockIdx.x, gridDim.x, pf);
@@ -124,8 +129,8 @@ __global__ void k_small(const u4 *d, unsigned *sink, unsigned long long ns, int 
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-// B: each block a contiguous slice of W, 16-byte loads, 4 in flight a thread. pdl: launched as a
-// programmatic dependent; it asks L2 for its slice (pdl_pf) and waits before the reads.
+// B: each block a contiguous slice of W. pdl: launched as a programmatic dependent; it asks L2 for
+// its slice (pdl_pf) and waits before the reads.
 __global__ void k_gemv(const u4 *w, size_t n, unsigned *sink, int pdl, int pdl_pf) {
   const size_t per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(n, lo + per);
   if (pdl) {
@@ -133,15 +138,7 @@ __global__ void k_gemv(const u4 *w, size_t n, unsigned *sink, int pdl, int pdl_p
       for (size_t o = lo * 16 + 128 * threadIdx.x; o < hi * 16; o += 128 * blockDim.x) pf_line((const char *)w + o, 1);
     asm volatile("griddepcontrol.wait;" ::: "memory");
   }
-  unsigned acc = 0;
-  size_t i = lo + threadIdx.x;
-  for (; i + 3 * blockDim.x < hi; i += 4 * blockDim.x) {
-    u4 v0 = ld_nc(w + i), v1 = ld_nc(w + i + blockDim.x), v2 = ld_nc(w + i + 2 * blockDim.x),
-       v3 = ld_nc(w + i + 3 * blockDim.x);
-    acc ^= v0.x ^ v1.y ^ v2.z ^ v3.w;
-  }
-  for (; i < hi; i += blockDim.x) acc ^= ld_nc(w + i).x;
-  if (acc == 0x9e3779b9u) sink[0] = acc;
+  read_slice(w, n, sink);
 }
 
 struct Bufs {
@@ -152,7 +149,7 @@ struct Bufs {
 };
 
 struct Step {  // one kernel of a variant
-  char kind;   // F flush, A lat, X bw (A2), N small, B gemv, T touch W
+  char kind;   // F, A, X, N, B or T (the header)
   int pf = 0, trigger = 0, pdl = 0, pdl_pf = 0;
 };
 

@@ -25,6 +25,7 @@ import argparse
 import sys
 
 from opgraft._entry import check_outputs, require_gpu
+from tools import tunable_variants
 
 
 def main(argv=None) -> int:
@@ -37,20 +38,11 @@ def main(argv=None) -> int:
                     help="one more variant: routed (or routed-x16) with these tunables set")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    extra = {}  # name: (the variant it runs, its tunables)
-    for spec in args.extra:
-        name, _, kvs = spec.partition("=")
-        kvs, at, base = kvs.partition("@")
-        try:
-            if at and base != "x16":
-                raise ValueError(base)
-            cfg = {kk: int(v) for kk, v in (kv.split(":") for kv in kvs.split(",") if kv)}
-        except ValueError:
-            cfg = {}
-        if not name or not cfg:
-            print(f"tools.moe_route: error: --extra {spec!r}: want NAME=KEY:VALUE,...[@x16]", file=sys.stderr)
-            return 2
-        extra[name] = ("routed-x16" if at else "routed", cfg)
+    specs = tunable_variants(args.extra, "x16", "tools.moe_route")
+    if specs is None:
+        return 2
+    # name: (the variant it runs, its tunables)
+    extra = {name: ("routed-x16" if x16 else "routed", cfg) for name, cfg, x16 in specs}
     if not check_outputs("tools.moe_route", {"--json": args.json}):
         return 2
     torch = require_gpu("tools.moe_route")
