@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     if extra is None:
         return 2
     variants = dict(VARIANTS, **{name: (cfg, True, "kernel" if write else None) for name, cfg, write in extra})
-    names = args.variants.split(",") + [e.partition("=")[0] for e in args.extra]
+    names = args.variants.split(",") + [name for name, _, _ in extra]
     bad = [n for n in names if n not in variants]
     if bad:
         print(f"tools.attn_o: error: unknown variants {', '.join(bad)}", file=sys.stderr)

@@ -91,9 +91,16 @@ __global__ void k_lat(int busy, unsigned long long ns, const char *w, size_t wby
   if (pf) pf_slice(w, wbytes, blockIdx.x - busy, gridDim.x - busy, pf);
 }
 
-// The block's contiguous slice of d[0, n), 16-byte loads, 4 in flight a thread.
+// The block's contiguous slice [*lo, *hi) of [0, n).
+__device__ void slice_of(size_t n, size_t *lo, size_t *hi) {
+  const size_t per = (n + gridDim.x - 1) / gridDim.x;
+  *lo = blockIdx.x * per, *hi = min(n, *lo + per);
+}
+
+// The block's slice of d[0, n), 16-byte loads, 4 in flight a thread.
 __device__ void read_slice(const u4 *d, size_t n, unsigned *sink) {
-  const size_t per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(n, lo + per);
+  size_t lo, hi;
+  slice_of(n, &lo, &hi);
   unsigned acc = 0;
   size_t i = lo + threadIdx.x;
   for (; i + 3 * blockDim.x < hi; i += 4 * blockDim.x) {
@@ -132,8 +139,9 @@ __global__ void k_small(const u4 *d, unsigned *sink, unsigned long long ns, int 
 // B: each block a contiguous slice of W. pdl: launched as a programmatic dependent; it asks L2 for
 // its slice (pdl_pf) and waits before the reads.
 __global__ void k_gemv(const u4 *w, size_t n, unsigned *sink, int pdl, int pdl_pf) {
-  const size_t per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(n, lo + per);
   if (pdl) {
+    size_t lo, hi;
+    slice_of(n, &lo, &hi);
     if (pdl_pf)
       for (size_t o = lo * 16 + 128 * threadIdx.x; o < hi * 16; o += 128 * blockDim.x) pf_line((const char *)w + o, 1);
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -153,36 +161,26 @@ struct Step {  // one kernel of a variant
   int pf = 0, trigger = 0, pdl = 0, pdl_pf = 0;
 };
 
+// 256 threads a block, as a programmatic dependent of the stream's previous kernel where pdl.
+template <typename... P, typename... A>
+static void launch_pdl(void (*kernel)(P...), unsigned grid, cudaStream_t st, int pdl, A... args) {
+  cudaLaunchConfig_t c = {};
+  c.gridDim = dim3(grid), c.blockDim = dim3(256), c.stream = st;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  if (pdl) c.attrs = at, c.numAttrs = 1;
+  CK(cudaLaunchKernelEx(&c, kernel, args...));
+}
+
 static void launch(const Bufs &b, const Step &s, cudaStream_t st, size_t wbytes, unsigned long long lat_ns) {
   switch (s.kind) {
     case 'F': k_read<<<2 * b.sms, 512, 0, st>>>(b.flush, b.nflush, b.sink); break;
     case 'T': k_read<<<2 * b.sms, 512, 0, st>>>(b.w, wbytes / 16, b.sink); break;
     case 'A': k_lat<<<b.sms, 256, 0, st>>>(8, lat_ns, (const char *)b.w, wbytes, s.pf, s.trigger); break;
     case 'X': k_bw<<<2 * b.sms, 256, 0, st>>>(b.a2, b.na2, b.sink, (const char *)b.w, wbytes, s.pf, s.trigger); break;
-    case 'N': {
-      cudaLaunchConfig_t c = {};
-      c.gridDim = dim3(1), c.blockDim = dim3(256), c.stream = st;
-      cudaLaunchAttribute at[1];
-      if (s.pdl) {
-        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[0].val.programmaticStreamSerializationAllowed = 1;
-        c.attrs = at, c.numAttrs = 1;
-      }
-      CK(cudaLaunchKernelEx(&c, k_small, (const u4 *)b.small, b.sink, 1500ULL, s.trigger, s.pdl));
-      break;
-    }
-    case 'B': {
-      cudaLaunchConfig_t c = {};
-      c.gridDim = dim3(2 * b.sms), c.blockDim = dim3(256), c.stream = st;
-      cudaLaunchAttribute at[1];
-      if (s.pdl) {
-        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[0].val.programmaticStreamSerializationAllowed = 1;
-        c.attrs = at, c.numAttrs = 1;
-      }
-      CK(cudaLaunchKernelEx(&c, k_gemv, (const u4 *)b.w, wbytes / 16, b.sink, s.pdl, s.pdl_pf));
-      break;
-    }
+    case 'N': launch_pdl(k_small, 1, st, s.pdl, (const u4 *)b.small, b.sink, 1500ULL, s.trigger, s.pdl); break;
+    case 'B': launch_pdl(k_gemv, 2 * b.sms, st, s.pdl, (const u4 *)b.w, wbytes / 16, b.sink, s.pdl, s.pdl_pf); break;
   }
   CK(cudaGetLastError());
 }
@@ -299,7 +297,9 @@ int main(int argc, char **argv) {
             if (!strcmp(vs[u].name, vs[v].base)) share = med[v] - med[u];
         printf("%-42s %6.1f %5.1f %9.2f %9.2f\n", vs[v].name, wb / 1048576.0, lat / 1000.0, med[v], share);
         if (jf) {
-          fprintf(jf, "%s{\"variant\": \"%s\", \"w_bytes\": %zu, \"a_ns\": %llu, \"replay_us\": %.3f, \"share_us\": %.3f, \"runs\": [",
+          fprintf(jf,
+                  "%s{\"variant\": \"%s\", \"w_bytes\": %zu, \"a_ns\": %llu, \"replay_us\": %.3f, "
+                  "\"share_us\": %.3f, \"runs\": [",
                   first ? "" : ",\n", vs[v].name, wb, lat, med[v], share);
           for (size_t r = 0; r < t[v].size(); ++r) fprintf(jf, "%s%.3f", r ? ", " : "", t[v][r]);
           fprintf(jf, "]}");

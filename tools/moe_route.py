@@ -119,40 +119,40 @@ def main(argv=None) -> int:
             ref16 = moe_bench.reference_fp8(q16[0], moe_bench.fp8_scales("fp8-block", q16[1], s13, s2), w13, w2, pw, pid)
         for name in names:
             kind, cfg = extra.get(name, (name, {}))
-            bench.configure(cfg, forget)
-            if kind.startswith("routed"):
-                x0, f0 = (xs[0], sx16) if kind == "routed-x16" else (xq[0][0], sc[0])
-                plan = ops.plan_for_routed(x0, w13, w2, logits[0], k, True, outs[0], fp8=f0)
-                if plan.handle is None:  # the guard keeps vLLM's routing here
-                    print(f"T={T:<3} {name:<11} handed back: {plan.reason}", flush=True)
-                    continue
+            with bench.tunables(cfg, forget):
+                if kind.startswith("routed"):
+                    x0, f0 = (xs[0], sx16) if kind == "routed-x16" else (xq[0][0], sc[0])
+                    plan = ops.plan_for_routed(x0, w13, w2, logits[0], k, True, outs[0], fp8=f0)
+                    if plan.handle is None:  # the guard keeps vLLM's routing here
+                        print(f"T={T:<3} {name:<11} handed back: {plan.reason}", flush=True)
+                        continue
 
-            def call(i, _, kind=kind):
-                linear_ops.linear_into(logits[i], xs[i], gate)
-                if kind == "routed":
-                    ops.moe_routed_into(outs[i], xq[i][0], w13, w2, logits[i], k, True, workspace=ws, fp8=sc[i])
-                elif kind == "routed+quant":
-                    q, qs = moe_bench.quantize_activations_fp8(xs[i], "fp8-block", moe_bench.FP8_BLOCK[1])
-                    ops.moe_routed_into(outs[i], q, w13, w2, logits[i], k, True, workspace=ws,
-                                        fp8=moe_bench.fp8_scales("fp8-block", qs, s13, s2))
-                elif kind == "routed-x16":
-                    ops.moe_routed_into(outs[i], xs[i], w13, w2, logits[i], k, True, workspace=ws, fp8=sx16)
-                else:
-                    tw, ids = given[i] if kind == "given" else routers[kind](xs[i], logits[i])
-                    ops.moe_experts_into(outs[i], xq[i][0], w13, w2, tw, ids, workspace=ws, fp8=sc[i])
+                def call(i, _, kind=kind):
+                    linear_ops.linear_into(logits[i], xs[i], gate)
+                    if kind == "routed":
+                        ops.moe_routed_into(outs[i], xq[i][0], w13, w2, logits[i], k, True, workspace=ws, fp8=sc[i])
+                    elif kind == "routed+quant":
+                        q, qs = moe_bench.quantize_activations_fp8(xs[i], "fp8-block", moe_bench.FP8_BLOCK[1])
+                        ops.moe_routed_into(outs[i], q, w13, w2, logits[i], k, True, workspace=ws,
+                                            fp8=moe_bench.fp8_scales("fp8-block", qs, s13, s2))
+                    elif kind == "routed-x16":
+                        ops.moe_routed_into(outs[i], xs[i], w13, w2, logits[i], k, True, workspace=ws, fp8=sx16)
+                    else:
+                        tw, ids = given[i] if kind == "given" else routers[kind](xs[i], logits[i])
+                        ops.moe_experts_into(outs[i], xq[i][0], w13, w2, tw, ids, workspace=ws, fp8=sc[i])
 
-            call(0, None)
-            torch.cuda.synchronize()
-            err = bench.rel_err(outs[0], ref16 if kind == "routed-x16" else ref)
-            us = bench.time_calls_span(call, [(i, None) for i in range(n)], between)
-            # the graph replays wrote outs[0] again (a PDL race would show here, not in the eager call)
-            err = max(err, bench.rel_err(outs[0], ref16 if kind == "routed-x16" else ref))
-            tol = 1e-2 if fp8 else bench.TOLERANCE["bf16"]  # FP8: tools.checks.moe's FP8 tolerance
-            rows.append({"op": "moe+route", "model": args.model, "dtype": args.dtype, "variant": name,
-                         "tunables": cfg, "tokens": T, "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"),
-                         "ok": err <= tol})
-            print(f"T={T:<3} {name:<11} {us:8.2f} us  rel_err {err:.2e}", flush=True)
-        bench.configure({}, forget)
+                call(0, None)
+                torch.cuda.synchronize()
+                want = ref16 if kind == "routed-x16" else ref
+                err = bench.rel_err(outs[0], want)
+                us = bench.time_calls_span(call, [(i, None) for i in range(n)], between)
+                # the graph replays wrote outs[0] again (a PDL race would show here, not in the eager call)
+                err = max(err, bench.rel_err(outs[0], want))
+                tol = 1e-2 if fp8 else bench.TOLERANCE["bf16"]  # FP8: tools.checks.moe's FP8 tolerance
+                rows.append({"op": "moe+route", "model": args.model, "dtype": args.dtype, "variant": name,
+                             "tunables": cfg, "tokens": T, "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"),
+                             "ok": err <= tol})
+                print(f"T={T:<3} {name:<11} {us:8.2f} us  rel_err {err:.2e}", flush=True)
     bench.print_variants(rows, ("tokens",), names, "routed" if "routed" in names else names[0], ceiling)
     if args.json:
         bench.write_rows(args.json, ceiling, rows)
