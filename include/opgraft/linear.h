@@ -22,6 +22,11 @@ extern "C" {
  * (nearest even, saturating; fp32 IEEE arithmetic). Then
  *   out[m, n] = sum_g weight_scale[n / block_n][g] * sx[m][g] * sum_{k in g} q[m, k] * W[n, k]
  * (+ bias[n]); block_n a multiple of 16, block_k a multiple of 64 dividing K; sm_89 or newer.
+ *
+ * Add + RMSNorm before the projection (16-bit weights; residual set): vLLM's fused_add_rms_norm
+ * of x and residual, then the projection of its normalized output, in one launch. Per row m, in
+ * fp32: h = x + residual, residual_out = round(h), r = rsqrt(mean_k h^2 + norm_eps), and the
+ * projection's input is round(round(h * r) * norm_weight) (round: to dtype, nearest even).
  * ------------------------------------------------------------------------------------------- */
 typedef struct opgraft_linear_args {
   uint32_t struct_size; /* sizeof(opgraft_linear_args), checked */
@@ -47,6 +52,15 @@ typedef struct opgraft_linear_args {
   int32_t scale_dtype;      /* OPGRAFT_DTYPE_FP32 */
   const void *weight_scale;
   int64_t weight_scale_stride[2]; /* [ceil(N/block_n), K/block_k], non-negative */
+  /* Add + RMSNorm before the projection (ABI 10); residual NULL = none. residual, residual_out
+   * and norm_weight are of norm_dtype, which must equal dtype. */
+  int32_t norm_dtype;
+  float norm_eps; /* finite, >= 0 */
+  const void *residual;
+  int64_t residual_stride[2]; /* [M, K]: like x (16-byte aligned rows, columns contiguous) */
+  void *residual_out;
+  int64_t residual_out_stride[2]; /* [M, K]: likewise; may not overlap x or residual */
+  const void *norm_weight;        /* [K] contiguous, 16-byte aligned */
 } opgraft_linear_args;
 
 /* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
@@ -74,6 +88,14 @@ OPGRAFT_EXTERN int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, 
 OPGRAFT_EXTERN int32_t opgraft_linear_plan_run_fp8(const opgraft_linear_plan *plan, const void *x, const void *weight,
                                                    const void *weight_scale, const void *bias, void *out,
                                                    void *stream);
+
+/* The same for a plan made with a residual (add + RMSNorm before the projection): residual,
+ * residual_out and norm_weight as described above; opgraft_linear_plan_run on such a plan, or this
+ * one on a plan without a residual, gives OPGRAFT_EINVAL. */
+OPGRAFT_EXTERN int32_t opgraft_linear_plan_run_norm(const opgraft_linear_plan *plan, const void *x,
+                                                    const void *residual, const void *norm_weight,
+                                                    const void *weight, const void *bias, void *out,
+                                                    void *residual_out, void *stream);
 
 /* The argument-struct form through plans cached inside the library (a convenience for C callers;
  * the Python layer keeps its own plans). The first call for a layout compiles the kernel (NVRTC)

@@ -14,7 +14,7 @@
 // Compile-time constants (src/ops/linear/config.c): OG_DTYPE (1 bf16, 2 fp16), OG_K (K, a
 // multiple of 8), OG_WARPS, OG_TILES (8-row tiles a block), OG_U (k-steps a warp loads before its
 // MMAs), OG_MINB (launch-bounds minimum blocks per SM, 0 = none), OG_LOAD (the weight load's
-// form, og_common.cuh), OG_L2_FETCH, OG_PDL.
+// form, og_common.cuh), OG_L2_FETCH, OG_PDL, OG_NORM.
 //
 // OG_PDL (sm_90; the launcher sets the programmatic-serialization attribute): the kernel may start
 // while the stream's previous kernel still runs. Each warp issues its first weight loads (weights
@@ -22,6 +22,11 @@
 // every thread has waited before the block writes y. OG_PDL 2 also asks L2 for the rest of the
 // warp's weights before the wait, a request a 128-byte line: a previous kernel that lets this one
 // start early (decode attention: latency-bound, DRAM idle) then hides the read's ramp.
+//
+// OG_NORM (linear_norm_gemv): vLLM's fused_add_rms_norm of x and a residual before the product.
+// After the wait every block normalizes the rows itself (h = x + residual in fp32, the rows' few
+// KB read from L2 by every block) into shared memory, from which the MMAs take x, so no kernel
+// boundary separates the norm from the projection; block 0 also writes residual_out.
 #include "og_common.cuh"
 #include "linear_params.h"
 
@@ -49,6 +54,14 @@
 #ifndef OG_PDL
 #define OG_PDL 0
 #endif
+#ifndef OG_NORM
+#define OG_NORM 0
+#endif
+#if OG_NORM
+#define OG_FN OG_SUFFIX(linear_norm_gemv)
+#else
+#define OG_FN OG_SUFFIX(linear_gemv)
+#endif
 
 #define OG_NCH (OG_K / 8)            // 16-byte chunks of a row
 #define OG_STEPS ((OG_NCH + 3) / 4)  // 32-wide k-steps (the last one partial when K % 32 != 0)
@@ -68,13 +81,116 @@ __device__ __forceinline__ void og_prefetch_rest(const og_linear_params &p, long
 }
 #endif
 
+#if OG_NORM
+// The normalized rows in shared memory (dynamic, OG_XS_BYTES a row: 64 bytes of padding put the
+// 16-byte loads of rows g and g + 1 in different banks).
+#define OG_XS_BYTES (2 * (OG_K + 32))
+extern __shared__ __align__(16) char og_xs[];
+
+__device__ __forceinline__ void og_unpack8(const og_vec4 &v, float (&f)[8]) {
+  const og_u32 u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) f[2 * j] = og_lo(u[j]), f[2 * j + 1] = og_hi(u[j]);
+}
+
+// round(a * b) for each 16-bit half: the product of two 16-bit floats is exact in fp32, so one
+// fused multiply-add with -0 rounds it once, as vLLM's multiply in the 16-bit dtype does.
+__device__ __forceinline__ og_u32 og_mul2(og_u32 a, og_u32 b) {
+  og_u32 d;
+#if OG_DTYPE == 1
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#else
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
+  return d;
+}
+
+// h = x + residual of row m at 16-byte chunk i, as 8 floats.
+__device__ __forceinline__ void og_h8(const og_linear_params &p, int m, int i, float (&h)[8]) {
+  float r[8];
+  og_unpack8(og_load_activation<OG_PDL != 0>((const char *)p.x + 2 * (m * p.x_stride + 8LL * i)), h);
+  og_unpack8(og_load_activation<OG_PDL != 0>((const char *)p.r + 2 * (m * p.r_stride + 8LL * i)), r);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) h[j] += r[j];
+}
+
+// Every row's add + RMSNorm into og_xs, as the MMA operand: round(round(h * rstd) * w_norm), with
+// rstd = rsqrt(mean_k h^2 + eps). The block's threads split each row's chunks and take all rows at
+// once (one round trip for every row's loads); the sums go through a shuffle tree, then the warps
+// in order (a fixed order); the second pass reads x and the residual again from L1. Block 0 also
+// writes residual_out. A block barrier: every thread of the block calls it.
+__device__ __forceinline__ void og_norm_stage(const og_linear_params &p, float (*s_part)[8], float *s_rstd) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float ss[8];
+#pragma unroll
+  for (int m = 0; m < 8; ++m) ss[m] = 0.f;
+  for (int i = threadIdx.x; i < OG_NCH; i += OG_WARPS * 32) {
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      if (m < p.M) {
+        float h[8];
+        og_h8(p, m, i, h);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss[m] += h[j] * h[j];
+        if (blockIdx.x == 0) {
+          og_vec4 o;
+          o.x = og_pack2(h[0], h[1]), o.y = og_pack2(h[2], h[3]), o.z = og_pack2(h[4], h[5]), o.w = og_pack2(h[6], h[7]);
+          *(og_vec4 *)((char *)p.ro + 2 * (m * p.ro_stride + 8LL * i)) = o;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < 8; ++m) {
+    if (m < p.M) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
+      if (lane == 0) s_part[warp][m] = ss[m];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < p.M) {
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < OG_WARPS; ++w) t += s_part[w][threadIdx.x];  // warp order: fixed
+    s_rstd[threadIdx.x] = rsqrtf(t / (float)OG_K + p.eps);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < OG_NCH; i += OG_WARPS * 32) {
+    const og_vec4 w = og_load_shared_operand((const char *)p.nw + 16LL * i);  // a weight: never written
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      if (m < p.M) {
+        float h[8];
+        og_h8(p, m, i, h);
+        const float r = s_rstd[m];
+        og_vec4 o;
+        o.x = og_mul2(og_pack2(h[0] * r, h[1] * r), w.x), o.y = og_mul2(og_pack2(h[2] * r, h[3] * r), w.y);
+        o.z = og_mul2(og_pack2(h[4] * r, h[5] * r), w.z), o.w = og_mul2(og_pack2(h[6] * r, h[7] * r), w.w);
+        *(og_vec4 *)(og_xs + m * OG_XS_BYTES + 16 * i) = o;
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// The norm weight asked of L1 before the wait (it is never written): the normalization then finds it there.
+__device__ __forceinline__ void og_prefetch_norm_weight(const og_linear_params &p) {
+  for (int l = threadIdx.x; l < (2 * OG_K + 127) / 128; l += OG_WARPS * 32)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"((const char *)p.nw + 128LL * l));
+}
+#endif
+
 // Is chunk 4s + c of a row inside K? Only the last step of a K that is not a multiple of 32 has
 // chunks past the end; their operands are zero, which adds nothing to the sums.
 __device__ __forceinline__ bool og_chunk_in(int s, int c) { return OG_NCH % 4 == 0 || 4 * s + c < OG_NCH; }
 
 extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
-    OG_SUFFIX(linear_gemv)(const og_linear_params p) {
+    OG_FN(const og_linear_params p) {
   __shared__ float s_red[OG_WARPS][OG_TILES][2][32];
+#if OG_NORM
+  __shared__ float s_part[OG_WARPS][8], s_rstd[8];
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const long long n0 = (long long)blockIdx.x * OG_ROWS;
@@ -98,8 +214,9 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
     for (int q = 0; q < 4; ++q) acc[t][q] = 0.f;
   const og_vec4 zero = og_zero4();
 
-  // The warp's contiguous range of k-steps, OG_U at a time. With OG_PDL the first group is its
-  // own copy of the body (first = true): its weights are loaded before the wait.
+  // The warp's contiguous range of k-steps, OG_U at a time. With OG_PDL or OG_NORM the first group
+  // is its own copy of the body (first = true), run by every warp, even one without k-steps: its
+  // weights are loaded before the wait (and the norm's block barrier) inside it.
   const int s_begin = warp * OG_STEPS / OG_WARPS, s_end = (warp + 1) * OG_STEPS / OG_WARPS;
   auto group = [&](const int s0, const bool first) {
     og_vec4 b[OG_U][OG_TILES], a[OG_U];
@@ -113,16 +230,26 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
                   : OG_PDL && first ? og_load_before_wait(wrow[t] + 64LL * s)
                                     : og_load_stream<OG_LOAD>(wrow[t] + 64LL * s);
     }
-    if (OG_PDL && first) {  // x may be the previous kernel's output: read it only after that kernel ends
+    if ((OG_PDL || OG_NORM) && first) {  // x may be the previous kernel's output: read it only after that kernel ends
 #if OG_PDL >= 2
       og_prefetch_rest(p, n0, s_begin, s_end, lane);
 #endif
-      og_pdl_wait();
+#if OG_NORM
+      og_prefetch_norm_weight(p);
+#endif
+      if (OG_PDL) og_pdl_wait();
+#if OG_NORM
+      og_norm_stage(p, s_part, s_rstd);
+#endif
     }
 #pragma unroll
     for (int q = 0; q < OG_U; ++q) {
       const int s = s0 + q;
+#if OG_NORM
+      a[q] = s < s_end && og_chunk_in(s, c) && xok ? *(const og_vec4 *)(og_xs + g * OG_XS_BYTES + 16 * c + 64 * s) : zero;
+#else
       a[q] = s < s_end && og_chunk_in(s, c) && xok ? og_load_activation<OG_PDL != 0>(xrow + 64LL * s) : zero;
+#endif
     }
 #pragma unroll
     for (int q = 0; q < OG_U; ++q) {
@@ -133,13 +260,9 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
     }
   };
   int s0 = s_begin;
-#if OG_PDL
-  if (s0 < s_end) {
-    group(s0, true);
-    s0 += OG_U;
-  } else {
-    og_pdl_wait();  // a warp without k-steps still writes y below
-  }
+#if OG_PDL || OG_NORM
+  group(s0, true);
+  s0 += OG_U;
 #endif
   for (; s0 < s_end; s0 += OG_U) group(s0, false);
 

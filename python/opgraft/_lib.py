@@ -104,6 +104,13 @@ class LinearArgs(ctypes.Structure):
         ("scale_dtype", ctypes.c_int32),
         ("weight_scale", ctypes.c_void_p),
         ("weight_scale_stride", _I64_2),
+        ("norm_dtype", ctypes.c_int32),
+        ("norm_eps", ctypes.c_float),
+        ("residual", ctypes.c_void_p),
+        ("residual_stride", _I64_2),
+        ("residual_out", ctypes.c_void_p),
+        ("residual_out_stride", _I64_2),
+        ("norm_weight", ctypes.c_void_p),
     ]
 
 
@@ -250,6 +257,7 @@ _SIGNATURES = {
     "opgraft_linear_plan_destroy": (None, [_P]),
     "opgraft_linear_plan_run": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P]),
     "opgraft_linear_plan_run_fp8": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P]),
+    "opgraft_linear_plan_run_norm": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "opgraft_linear_run": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.c_void_p]),
     "opgraft_linear_reference": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.POINTER(ctypes.c_double)]),
     "opgraft_linear_compile_report": (

@@ -433,6 +433,9 @@ def cmd_bench_linear(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.norm and args.dtype == "fp8-block":
+        print("error: --norm takes 16-bit weights (the add + RMSNorm form has no FP8 kernel)", file=sys.stderr)
+        return 2
     if not _check_outputs({"--json": args.json}):
         return 2
     ok, why = _gpu_status()
@@ -443,10 +446,18 @@ def cmd_bench_linear(args) -> int:
     t0 = time.time()
 
     def run(ceiling, rows):
+        progress = lambda msg: print(f"[{time.time() - t0:6.1f} s] {msg} ...", file=sys.stderr, flush=True)  # noqa: E731
         for m in models:
+            if args.norm:
+                for shape in _linear_presets(args.dtype)[m]:
+                    if shape.proj in linear_bench.NORM_FED:
+                        rows += linear_bench.bench_norm_shape(shape, args.rows, args.dtype, ceiling_tbps=ceiling,
+                                                              between_mib=args.between_mib, timing=args.timing,
+                                                              progress=progress)
+                continue
             rows += linear_bench.bench_models(
                 [m], args.rows, args.dtype, ceiling_tbps=ceiling, between_mib=args.between_mib, timing=args.timing,
-                progress=lambda msg: print(f"[{time.time() - t0:6.1f} s] {msg} ...", file=sys.stderr, flush=True))
+                progress=progress)
 
     rows, rc = _gpu_bench(run, linear_bench.format_table)
     failed = _write_rows(args.json, rows)
@@ -1006,6 +1017,9 @@ def main(argv=None) -> int:
     bl.add_argument("--dtype", choices=["bf16", "fp16", "fp8-block"], default="bf16",
                     help="fp8-block: e4m3 weights with 128x128 fp32 block scales, bf16 x (ours alone: vLLM's FP8 "
                          "kernel is timed in the engine)")
+    bl.add_argument("--norm", action="store_true",
+                    help="the projections fed by add + RMSNorm (qkv, gate_up): our one kernel for both against "
+                         "the compiled norm followed by our kernel or by torch's linear")
     bl.add_argument("--between-mib", type=int, default=64,
                     help="read this many MiB of other data before each timed call (0: back to back)")
     bl.add_argument("--timing", choices=["subtract", "span"], default="subtract",

@@ -2,8 +2,9 @@
 14336 (a partial last k-step included), bias on and off, strided x and out, fp16, each tunable
 path, through the custom op (and its hand-back to torch, bit for bit), under CUDA-graph capture,
 against the fp64 oracle, with poisoned outputs and a bit-identical rerun; the block-FP8 form
-(cases named "fp8") against the C fp64 oracle, which quantizes x as the kernel does; then the
-bench rows."""
+(cases named "fp8") against the C fp64 oracle, which quantizes x as the kernel does; the add +
+RMSNorm form (cases named "norm") against vLLM's norm in torch and the C oracle, its residual_out
+bit for bit; then the bench rows."""
 
 from __future__ import annotations
 
@@ -66,6 +67,40 @@ def fp8_cases() -> list[dict]:
              misaligned=True),
         _fp8("fp8 graph: M=4 [5120, 2048] bias", 5120, 2048, 4, bias=True, path="graph"),
         _fp8("fp8 graph, pdl: M=1 [2048, 4096]", 2048, 4096, 1, path="graph", tunables={"linear.pdl": 1}),
+    ]
+
+
+def _norm(name, N, K, M, **kw):
+    return _case(name, N, K, M, **kw) | {"norm": True}
+
+
+def norm_cases() -> list[dict]:
+    """The add + RMSNorm form: M = 1..8, K from 72 (warps without k-steps) to 14336 (several
+    chunks a thread in the norm, shared memory past 48 KB), strided x and residual, fp16, each PDL form, through the
+    custom op and its hand-back (bit for bit), and replayed from a CUDA graph."""
+    q = [_norm(f"norm M={M} [5120, 2048] (Qwen3-30B-A3B qkv){' bias' if M % 3 == 0 else ''}", 5120, 2048, M,
+               bias=M % 3 == 0, seed=M) for M in range(1, 9)]
+    return q + [
+        _norm("norm N=7 K=72 M=3 bias (a partial k-step)", 7, 72, 3, bias=True),
+        _norm("norm N=129 K=72 M=8, 16 warps (warps without k-steps)", 129, 72, 8, tunables={"linear.warps": 16}),
+        _norm("norm N=6144 K=4096 M=2 (Llama-3-8B qkv)", 6144, 4096, 2),
+        _norm("norm N=28672 K=4096 M=1 (Llama-3-8B gate_up)", 28672, 4096, 1),
+        _norm("norm N=1280 K=8192 M=5 (Llama-3-70B/tp8 qkv, 82 KB of shared memory)", 1280, 8192, 5),
+        _norm("norm N=129 K=14336 M=3 (84 KB of shared memory)", 129, 14336, 3),
+        _norm("norm N=129 K=2056 M=4 strided x and residual, out", 129, 2056, 4, x_pad=40, out_pad=3),
+        _norm("norm fp16 N=5120 K=2048 M=3 bias", 5120, 2048, 3, dtype="fp16", bias=True),
+        _norm("norm pdl 0: N=5120 K=2048 M=2", 5120, 2048, 2, tunables={"linear.pdl": 0}),
+        _norm("norm pdl 2: N=5120 K=2056 M=8", 5120, 2056, 8, tunables={"linear.pdl": 2}),
+        _norm("norm tiles 4, unroll 8: N=2049 K=4104 M=6", 2049, 4104, 6,
+              tunables={"linear.tiles": 4, "linear.unroll": 8}),
+        _norm("norm op: N=5120 K=2048 M=1", 5120, 2048, 1, path="op"),
+        _norm("norm op: M=9 goes to vLLM's norm and torch", 5120, 2048, 9, path="op", expect="torch"),
+        _norm("norm op: x not 16-byte aligned goes to the norm and our linear", 129, 2048, 2, path="op",
+              expect="torch", misaligned=True),
+        _norm("norm op: K=8192 M=8 (over the shared memory) goes to the norm and our linear", 1280, 8192, 8,
+              path="op", expect="torch"),
+        _norm("norm graph: N=5120 K=2048 M=4 bias", 5120, 2048, 4, bias=True, path="graph"),
+        _norm("norm graph, pdl 0: N=2048 K=4096 M=1", 2048, 4096, 1, path="graph", tunables={"linear.pdl": 0}),
     ]
 
 
@@ -137,7 +172,7 @@ def cases() -> list[dict]:
         _case("graph: N=5120 K=2048 M=4 bias", 5120, 2048, 4, bias=True, path="graph"),
         _case("graph, pdl: N=2048 K=4096 M=1", 2048, 4096, 1, path="graph", tunables={"linear.pdl": 1}),
     ]
-    return out + fp8_cases()
+    return out + norm_cases() + fp8_cases()
 
 
 def configure(cfg: dict) -> None:
@@ -247,9 +282,91 @@ def _run_fp8_op(res, x, w, sc, b, block, ref, tol) -> dict:
     return res
 
 
+NORM_EPS = 1e-6
+
+
+def _norm_inputs(M, K, dt, gen, device, pad=0, misaligned=False):
+    """x and residual ([M, K], rows padded by pad or 8 bytes past an aligned base) as a decoder
+    layer's: the residual stream larger than the new part."""
+    if misaligned:
+        x = torch.randn(M * K + 8, generator=gen, device=device).to(dt)[4:4 + M * K].view(M, K)
+    else:
+        x = torch.randn((M, K + pad), generator=gen, device=device).to(dt)[:, :K]
+    r = (4 * torch.randn((M, K + pad), generator=gen, device=device)).to(dt)[:, :K]
+    return x, r
+
+
+def _norm_reference(x, r, nw, w, b):
+    """(fp64 [M, N], residual_out): vLLM's add + RMSNorm in torch, then the product in fp64."""
+    n, ro = ops.add_rms_norm_reference(x, r, nw, NORM_EPS)
+    return _reference(n, w, b), ro
+
+
+def _run_norm(c: dict, device) -> dict:
+    N, K, M, dtype = c["N"], c["K"], c["M"], c["dtype"]
+    dt = linear_bench.TORCH_DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(200 + c["seed"])
+    w = linear_bench.make_weight(LinearShape("check", "w", N, K), dtype, device, seed=c["seed"])
+    b = torch.randn(N, generator=gen, device=device).to(dt) if c["bias"] else None
+    nw = (torch.rand(K, generator=gen, device=device) + 0.5).to(dt)
+    x, r = _norm_inputs(M, K, dt, gen, device, c["x_pad"], c["misaligned"])
+    ref, rref = _norm_reference(x, r, nw, w, b)
+    tol = bench.TOLERANCE[dtype]
+    res = {k: v for k, v in c.items()}
+    res["tolerance"] = tol
+    stats = dispatch.stats_of("linear")
+    if c["path"] == "op":
+        before = stats.snapshot()["taken"]
+        y, ro = torch.ops.opgraft.add_rms_norm_linear(x, r, nw, NORM_EPS, w, b)
+        again, _ = torch.ops.opgraft.add_rms_norm_linear(x, r, nw, NORM_EPS, w, b)
+        taken = stats.snapshot()["taken"] - before
+        err = bench.rel_err(y, ref)
+        det = bool(torch.equal(y, again))
+        res.update(rel_err=err, deterministic=det, taken=taken, residual_out_exact=bool(torch.equal(ro, rref)))
+        if res["expect"] == "torch":  # handed back: the norm, then the linear op's own decision
+            n, _ = ops.add_rms_norm_reference(x, r, nw, NORM_EPS)
+            same = bool(torch.equal(y, ops.linear_or_torch(n, w, b)))
+            res.update(bit_identical_to_hand_back=same)
+            res["passed"] = bool(same and det and res["residual_out_exact"] and taken <= 2)
+        else:
+            res["passed"] = bool(err <= tol and det and taken == 2 and res["residual_out_exact"])
+        return res
+    if c["path"] == "graph":
+        rbuf, ro = r.clone(), torch.empty_like(x)
+
+        def call(o, xb):
+            ops.add_rms_norm_linear_into(o, ro, xb, rbuf, nw, NORM_EPS, w, b)
+
+        def reference(xb):
+            yref, want = _norm_reference(xb, rbuf, nw, w, b)
+            res["residual_out_exact"] = res.get("residual_out_exact", True) and bool(torch.equal(ro, want))
+            return yref
+
+        res = _run_graph(res, x, w, tol, gen, call, reference)
+        res["passed"] = bool(res["passed"] and res["residual_out_exact"])
+        return res
+    ro = torch.full(x.shape, float("nan"), dtype=dt, device=device)
+
+    def into(o):
+        ro.fill_(float("nan"))
+        ops.add_rms_norm_linear_into(o, ro, x, r, nw, NORM_EPS, w, b)
+
+    plan = ops.plan_for(x, w, b, norm=(r, nw, NORM_EPS, ro))
+    res = _run_into(res, ref, tol, (plan.handle is not None, plan.reason), into)
+    if res["supported"]:
+        res["residual_out_exact"] = bool(torch.equal(ro, rref))
+        cref, cro = ops.add_rms_norm_linear_reference_cpu(x, r, nw, NORM_EPS, w, b)
+        res["c_oracle_vs_torch_fp64"] = float((cref - ref.cpu()).norm() / ref.cpu().norm().clamp_min(1e-300))
+        res["passed"] = bool(res["passed"] and res["residual_out_exact"] and torch.equal(cro, rref.cpu())
+                             and res["c_oracle_vs_torch_fp64"] < 1e-3)
+    return res
+
+
 def _run_case(c: dict, device) -> dict:
     if c.get("fp8"):
         return _run_fp8(c, device)
+    if c.get("norm"):
+        return _run_norm(c, device)
     N, K, M, dtype = c["N"], c["K"], c["M"], c["dtype"]
     dt = linear_bench.TORCH_DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(100 + c["seed"])

@@ -266,6 +266,96 @@ class TuneFixture:
                            False)[0]
 
 
+# The projections a decoder layer feeds from add + RMSNorm: qkv (input_layernorm) and a dense MLP's
+# gate_up (post_attention_layernorm).
+NORM_FED = ("qkv", "gate_up")
+NORM_EPS = 1e-6
+
+
+def _compiled_norm():
+    """vLLM's add + RMSNorm as its compiled model runs it: the function traced by Inductor, one
+    Triton kernel a shape (Dynamo's caches reset first: a shape's row counts stay under its
+    recompile limit)."""
+    torch._dynamo.reset()
+    return torch.compile(ops.add_rms_norm_reference, fullgraph=True, dynamic=False)
+
+
+def bench_norm_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device="cuda",
+                     ceiling_tbps: float | None = None, reps: int = 30, between_mib: int = BETWEEN_MIB,
+                     timing: str = "span", progress=None) -> list[dict]:
+    """Rows for add + RMSNorm and then the projection, at each row count: our one kernel
+    (opgraft-norm) against the compiled norm's Triton kernel followed by our plain kernel
+    (norm+opgraft) or by torch.nn.functional.linear (norm+torch, stock vLLM's two kernels)."""
+    measure_whole_row_range()
+    L = copies_for(shape)
+    K = shape.in_features
+    dt = TORCH_DTYPES[dtype]
+    weights = [make_weight(shape, dtype, device, seed=i) for i in range(L)]
+    gen = torch.Generator(device=device).manual_seed(4322)
+    norm_w = (torch.rand(K, generator=gen, device=device) + 0.5).to(dt)
+    between = between_traffic(between_mib, device)
+    base = {**run_facts(), "op": "linear", "model": shape.model, "proj": shape.proj, "N": shape.out_features,
+            "K": K, "dtype": dtype, "copies": L, "between_mib": max(between_mib, 0), "norm": "add_rms_norm"}
+    norm = _compiled_norm()
+    out_rows = []
+    w64 = weights[0].double()
+    for M in rows:
+        if progress:
+            progress(f"{shape.model} {shape.proj} [{shape.out_features}, {K}] add + RMSNorm M={M}")
+        xs = [torch.randn((M, K), generator=gen, device=device).to(dt) for _ in range(L)]
+        rs = [(4 * torch.randn((M, K), generator=gen, device=device)).to(dt) for _ in range(L)]
+        schedule = [(i, None) for i in range(L)]
+        n0, r0 = ops.add_rms_norm_reference(xs[0], rs[0], norm_w, NORM_EPS)
+        ref = n0.double() @ w64.T
+        nbytes = call_bytes(shape, M) + 3 * M * K * 2  # x and residual read, residual_out written
+        outs = [torch.empty((M, shape.out_features), dtype=dt, device=device) for _ in range(L)]
+        routs = [torch.empty((M, K), dtype=dt, device=device) for _ in range(L)]
+        ok, reason = True, ""
+        results = {}
+        try:
+            ops.add_rms_norm_linear_into(outs[0], routs[0], xs[0], rs[0], norm_w, NORM_EPS, weights[0])
+        except _lib.OpgraftError as e:
+            ok, reason = False, str(e)
+        if ok:
+            err = rel_err(outs[0], ref)
+            first, rfirst = outs[0].clone(), routs[0].clone()
+            ops.add_rms_norm_linear_into(outs[0], routs[0], xs[0], rs[0], norm_w, NORM_EPS, weights[0])
+            det = bool(torch.equal(first, outs[0]))
+            extra = {"deterministic": det, "residual_out_exact": bool(torch.equal(rfirst, r0))}
+
+            def fused(i, _):
+                ops.add_rms_norm_linear_into(outs[i], routs[i], xs[i], rs[i], norm_w, NORM_EPS, weights[i])
+
+            us, how = timed_calls(fused, schedule, between, reps, timing)
+            results["opgraft-norm"] = (us, err, {**extra, **how})
+
+            def two(i, _):
+                n, _r = norm(xs[i], rs[i], norm_w, NORM_EPS)
+                ops.linear_into(outs[i], n, weights[i])
+
+            us, how = timed_calls(two, schedule, between, reps, timing)
+            results["norm+opgraft"] = (us, rel_err(ops.linear_or_torch(norm(xs[0], rs[0], norm_w, NORM_EPS)[0],
+                                                                       weights[0]), ref), how)
+
+        def stock(i, _):
+            n, _r = norm(xs[i], rs[i], norm_w, NORM_EPS)
+            torch.nn.functional.linear(n, weights[i])
+
+        us, how = timed_calls(stock, schedule, between, reps, timing)
+        results["norm+torch"] = (us, rel_err(torch.nn.functional.linear(norm(xs[0], rs[0], norm_w, NORM_EPS)[0],
+                                                                        weights[0]), ref), how)
+        stock_us = results["norm+torch"][0]
+        for impl, (us, err, extra) in results.items():
+            row = dict(base, impl=impl, M=M, **speed(nbytes, us, ceiling_tbps), speedup=round(stock_us / us, 2),
+                       rel_err=float(f"{err:.3g}"), tolerance=TOLERANCE[dtype],
+                       guard="take" if ok else f"delegate: {reason}")
+            row.update(extra)
+            out_rows.append(row)
+    del weights, w64
+    torch.cuda.empty_cache()
+    return out_rows
+
+
 def bench_models(models=tuple(LINEAR_PRESETS), rows=ROWS, dtype: str = "bf16", ceiling_tbps: float | None = None,
                  between_mib: int = BETWEEN_MIB, timing: str = "subtract", progress=None) -> list[dict]:
     """Each model's projections: 16-bit ones (LINEAR_PRESETS) against torch.nn.functional.linear,

@@ -31,13 +31,30 @@ _TOO_MANY = f"rows N > {MAX_ROWS} (kernel limit)"
 
 
 def linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
-                arch: int = 0, weight_scale: torch.Tensor | None = None, block: tuple[int, int] = (0, 0)
-                ) -> _lib.LinearArgs:
+                arch: int = 0, weight_scale: torch.Tensor | None = None, block: tuple[int, int] = (0, 0),
+                norm: tuple | None = None) -> _lib.LinearArgs:
     """The C argument struct for these tensors (FP8 weights: with their block scales and the block
-    shape); dtype -1 when their shapes or devices do not describe one linear call (the guard then
-    refuses it)."""
+    shape; norm: (residual, norm_weight, eps[, residual_out]) of the add + RMSNorm form, without
+    residual_out the contiguous one the op allocates); dtype -1 when their shapes or devices do not
+    describe one linear call (the guard then refuses it)."""
     a = _lib.LinearArgs()
     a.struct_size = ctypes.sizeof(_lib.LinearArgs)
+    if norm is not None:
+        residual, norm_weight, eps = norm[:3]
+        r_out = norm[3] if len(norm) > 3 else None
+        if not (residual.shape == x.shape and residual.device == x.device and norm_weight.dim() == 1
+                and x.dim() == 2 and norm_weight.shape[0] == x.shape[1] and norm_weight.is_contiguous()
+                and norm_weight.device == x.device and (r_out is None or r_out.shape == x.shape)):
+            a.dtype = -1
+            return a
+        a.norm_dtype = dtype_code(residual) if residual.dtype == norm_weight.dtype else -1
+        a.norm_eps = eps
+        a.residual, a.residual_stride = residual.data_ptr(), strides(residual, 2)
+        a.norm_weight = norm_weight.data_ptr()
+        if r_out is not None:
+            a.residual_out, a.residual_out_stride = r_out.data_ptr(), strides(r_out, 2)
+        else:
+            a.residual_out, a.residual_out_stride = 16, (ctypes.c_int64 * 2)(x.shape[1], 1)
     if weight_scale is not None:
         if weight_scale.dim() != 2 or weight_scale.device != x.device:
             a.dtype = -1
@@ -76,25 +93,28 @@ class Plan(_Plan):
 _plans = PlanCache(4096)
 
 
-def _layout_key(x, weight, bias, out, weight_scale=None, block=(0, 0)):
+def _layout_key(x, weight, bias, out, weight_scale=None, block=(0, 0), norm=None):
     return (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
             None if bias is None else (bias.shape, bias.stride(), bias.dtype),
             None if out is None else (out.shape, out.stride(), out.dtype),
-            None if weight_scale is None else (weight_scale.shape, weight_scale.stride(), weight_scale.dtype, block))
+            None if weight_scale is None else (weight_scale.shape, weight_scale.stride(), weight_scale.dtype, block),
+            None if norm is None else (norm[0].shape, norm[0].stride(), norm[0].dtype, norm[1].shape,
+                                       norm[1].stride(), norm[1].dtype, float(norm[2]),
+                                       None if len(norm) < 4 else (norm[3].shape, norm[3].stride())))
 
 
-def plan_for(x, weight, bias=None, out=None, weight_scale=None, block=(0, 0)) -> Plan:
+def plan_for(x, weight, bias=None, out=None, weight_scale=None, block=(0, 0), norm=None) -> Plan:
     """The plan of this call's layout, made on first sight (the guard runs then, and only then).
     A kernel that cannot be built (no NVRTC, a compile error) gives a plan without a handle whose
     reason says so, and warns once: the calls then go to torch (FP8: to the caller's own path)."""
-    key = _layout_key(x, weight, bias, out, weight_scale, block)
+    key = _layout_key(x, weight, bias, out, weight_scale, block, norm)
     plan = _plans.get(key)
     if plan is not None:
         return plan
     if not x.is_cuda:
         plan = Plan(None, "tensors are not on a CUDA device")
     else:
-        a = linear_args(x, weight, bias, out, weight_scale=weight_scale, block=block)
+        a = linear_args(x, weight, bias, out, weight_scale=weight_scale, block=block, norm=norm)
         if a.dtype == -1:
             plan = Plan(None, "tensor shapes or devices are not those of one linear call")
         else:
@@ -308,6 +328,93 @@ for _key in ("CUDA", "CPU"):
     _LIB.impl("linear_fp8", linear_fp8, _key)
 
 
+# ---- add + RMSNorm, then the projection ------------------------------------------------------
+
+def add_rms_norm_reference(x, residual, norm_weight, eps):
+    """vLLM's fused_add_rms_norm (vllm/ir/ops/layernorm.py, 0.26 and 0.33) in torch: h = x +
+    residual in fp32, residual_out = h rounded, then h * rsqrt(mean(h^2) + eps) rounded and
+    multiplied by norm_weight. Returns (normed, residual_out)."""
+    h = x.float() + residual.float()
+    r = h.to(x.dtype)
+    n = (h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)).to(norm_weight.dtype) * norm_weight
+    return n.to(x.dtype), r
+
+
+_MISALIGNED_NORM = "x, residual, norm weight or weight not 16-byte aligned, or bias misaligned"
+
+
+def _aligned_norm(x, residual, norm_weight, weight, bias) -> bool:
+    return _aligned(x, weight, bias) and not (residual.data_ptr() | norm_weight.data_ptr()) & 15
+
+
+def _run_norm(plan: Plan, x, residual, norm_weight, weight, bias, out, residual_out) -> int:
+    return _lib.lib().opgraft_linear_plan_run_norm(
+        plan.handle, x.data_ptr(), residual.data_ptr(), norm_weight.data_ptr(), weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), residual_out.data_ptr(), current_stream(x.device))
+
+
+def add_rms_norm_linear_into(out, residual_out, x, residual, norm_weight, eps, weight, bias=None):
+    """Runs the add + RMSNorm kernel into out ([M, N]) and residual_out ([M, K]). Raises
+    OpgraftError if the kernel cannot take the call."""
+    norm = (residual, norm_weight, eps, residual_out)
+    _into(out, lambda: plan_for(x, weight, bias, out, norm=norm),
+          lambda: _aligned_norm(x, residual, norm_weight, weight, bias) and not residual_out.data_ptr() & 15,
+          _MISALIGNED_NORM, lambda p, o: _run_norm(p, x, residual, norm_weight, weight, bias, o, residual_out))
+    return out, residual_out
+
+
+def _norm_linear_or_none(x, residual, norm_weight, eps, weight, bias):
+    """(out, residual_out) of our kernel where it takes the call, else None; counted as the linear
+    op's decisions."""
+    norm = (residual, norm_weight, eps)
+    r_out = []
+
+    def run(p, out):
+        r_out[:] = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
+        return _run_norm(p, x, residual, norm_weight, weight, bias, out, r_out[0])
+
+    out = _ours_or_none(x, weight, bias, "add + RMSNorm linear", lambda: plan_for(x, weight, bias, norm=norm),
+                        lambda: _aligned_norm(x, residual, norm_weight, weight, bias), _MISALIGNED_NORM, run)
+    return None if out is None else (out, r_out[0])
+
+
+def _add_rms_norm(x, residual, norm_weight, eps):
+    """vLLM's own add + RMSNorm where vLLM is loaded (its IR op, whichever implementation vLLM
+    selected), else the same function in torch."""
+    ir = getattr(torch.ops, "vllm_ir", None)
+    op = getattr(ir, "fused_add_rms_norm", None) if ir is not None else None
+    if op is not None:
+        return op.default(x, residual, norm_weight, eps)
+    return add_rms_norm_reference(x, residual, norm_weight, eps)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """(linear(add_rms_norm(x, residual)), x + residual): vLLM's fused_add_rms_norm followed by the
+    projection of its normalized output. Our kernel does both in one launch where it takes the
+    call; otherwise vLLM's add + RMSNorm, then the linear op (our plain kernel or torch's)."""
+    if x.dim() != 2:
+        raise ValueError(f"opgraft::add_rms_norm_linear takes a 2-D x, got {x.dim()} dimensions")
+    out = _norm_linear_or_none(x, residual, norm_weight, eps, weight, bias)
+    if out is not None:
+        return out
+    n, r = _add_rms_norm(x, residual, norm_weight, eps)
+    return linear_or_torch(n, weight, bias), r
+
+
+_LIB.define("add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
+            "Tensor? bias=None) -> (Tensor, Tensor)")
+for _key in ("CUDA", "CPU"):
+    _LIB.impl("add_rms_norm_linear", add_rms_norm_linear, _key)
+
+
+@torch.library.register_fake("opgraft::add_rms_norm_linear")
+def _(x, residual, norm_weight, eps, weight, bias=None):
+    if x.dim() != 2:
+        raise ValueError(f"opgraft::add_rms_norm_linear takes a 2-D x, got {x.dim()} dimensions")
+    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty(x.shape)
+
+
 @torch.library.register_fake("opgraft::linear_fp8")
 def _(x, weight, weight_scale, bias, block_n, block_k, name):
     return x.new_empty((x.shape[0], weight.shape[0]))
@@ -333,6 +440,19 @@ def linear_reference_cpu(x, weight, bias=None, weight_scale=None, block=(0, 0)) 
     ptr = ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))
     _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a), ptr))
     return out
+
+
+def add_rms_norm_linear_reference_cpu(x, residual, norm_weight, eps, weight, bias=None):
+    """The C fp64 oracle of the add + RMSNorm form: (float64 [M, N], residual_out [M, K])."""
+    xc, wc, rc, nc = (t.detach().cpu().contiguous() for t in (x, weight, residual, norm_weight))
+    bc = bias.detach().cpu().contiguous() if bias is not None else None
+    r_out = torch.empty_like(xc)
+    a = linear_args(xc, wc, bc, norm=(rc, nc, eps, r_out))
+    if a.dtype == -1:
+        raise ValueError("tensor shapes are not those of one add + RMSNorm linear call")
+    out = torch.empty((xc.shape[0], wc.shape[0]), dtype=torch.float64)
+    _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a), ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))))
+    return out, r_out
 
 
 def linear_fp8_reference_cpu(x, weight, weight_scale, block, bias=None) -> torch.Tensor:

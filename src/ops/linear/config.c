@@ -7,7 +7,7 @@
 
 /* The clamps keep one batch of loads (a k-step group's 16-byte operands: x and each tile's W) at
  * 64 registers or fewer, and the launch-bounds minimum at 16 warps an SM or fewer (128 registers
- * a thread): the compile test checks that every such variant is spill-free on sm_80 and sm_90
+ * a thread; the add + RMSNorm form 12): the compile test checks that every such variant is spill-free on sm_80 and sm_90
  * (FP8: sm_89 and sm_90). */
 void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const char *gpu, og_linear_cfg *c) {
   char shape[96];
@@ -41,7 +41,10 @@ void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const ch
     while (c->unroll > 1 && c->unroll * (c->tiles + 1) > 16) c->unroll--;
     if (c->unroll > per_warp) c->unroll = per_warp > 0 ? (int)per_warp : 1; /* no loads a warp never issues */
   }
-  while (c->min_blocks > 1 && c->min_blocks * c->warps > 16) c->min_blocks--;
+  /* The add + RMSNorm form holds the first weights in flight through its prologue: at most 12
+   * warps an SM by launch bounds (170 registers), where 16 spilled a few bytes. */
+  const int max_warps = a->residual ? 12 : 16;
+  while (c->min_blocks > 1 && c->min_blocks * c->warps > max_warps) c->min_blocks--;
 }
 
 int32_t opgraft__linear_options(const opgraft_linear_args *a, const og_linear_cfg *c, og_opts *o) {
@@ -60,6 +63,7 @@ int32_t opgraft__linear_options(const opgraft_linear_args *a, const og_linear_cf
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_L2_FETCH=%d", c->l2_fetch);
   OG_OPT("-DOG_PDL=%d", c->pdl);
+  if (a->residual) OG_OPT("-DOG_NORM=1");
 #undef OG_OPT
   return opgraft__opts_check(o, "linear");
 }
@@ -70,7 +74,7 @@ unsigned opgraft__linear_grid(const opgraft_linear_args *a, const og_linear_cfg 
 }
 
 void opgraft__linear_fn_name(const opgraft_linear_args *a, char name[64]) {
-  snprintf(name, 64, "linear_gemv%s_%s", opgraft__linear_is_fp8(a) ? "_fp8" : "",
+  snprintf(name, 64, "linear_%sgemv%s_%s", a->residual ? "norm_" : "", opgraft__linear_is_fp8(a) ? "_fp8" : "",
            a->dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
 }
 

@@ -62,6 +62,24 @@ int32_t opgraft__linear_check_static(const opgraft_linear_args *a, char *reason,
   } else if (a->weight_scale || a->block_n || a->block_k) {
     return OG_REASON("weight scales or blocks given with %s weights", opgraft__linear_dtype_name(a->weight_dtype));
   }
+  if (a->residual) {
+    if (fp8) return OG_REASON("add + RMSNorm with FP8 weights (the norm form takes 16-bit weights)");
+    if (a->norm_dtype != a->dtype)
+      return OG_REASON("dtype mismatch: x %s, norm %s", opgraft__linear_dtype_name(a->dtype),
+                       opgraft__linear_dtype_name(a->norm_dtype));
+    if (!(a->norm_eps >= 0.f && a->norm_eps <= 1.f)) return OG_REASON("norm_eps %g outside 0..1", (double)a->norm_eps);
+    if (a->residual_stride[1] != 1 || a->residual_out_stride[1] != 1)
+      return OG_REASON("residual's last dimension is not contiguous");
+    if (M > 1 && (a->residual_stride[0] < K || a->residual_out_stride[0] < K || a->residual_stride[0] % 8 ||
+                  a->residual_out_stride[0] % 8))
+      return OG_REASON("residual row strides %lld / %lld (at least in_features, multiples of 8 elements)",
+                       (long long)a->residual_stride[0], (long long)a->residual_out_stride[0]);
+    if (OG_LINEAR_NORM_SMEM(M, K) > OG_LINEAR_NORM_MAX_SMEM)
+      return OG_REASON("add + RMSNorm of %lld rows of %lld: %lld bytes of shared memory > %d", (long long)M,
+                       (long long)K, (long long)OG_LINEAR_NORM_SMEM(M, K), OG_LINEAR_NORM_MAX_SMEM);
+  } else if (a->residual_out || a->norm_weight) {
+    return OG_REASON("residual_out or norm_weight given without a residual");
+  }
   /* One row needs no row stride (a [1, K] view may carry any). */
   if (M > 1 && a->x_stride[0] < K)
     return OG_REASON("x row stride %lld < in_features %lld", (long long)a->x_stride[0], (long long)K);
@@ -76,6 +94,11 @@ int32_t opgraft__linear_check_pointers(const opgraft_linear_args *a, char *reaso
   if (a->rows > 0 && (!a->x || !a->weight || !a->out)) return OG_REASON("a tensor pointer is NULL");
   if ((((uintptr_t)a->x | (uintptr_t)a->weight) & 15u)) return OG_REASON("x or weight not 16-byte aligned");
   if ((((uintptr_t)a->out | (uintptr_t)a->bias) & 1u)) return OG_REASON("out or bias misaligned");
+  if (a->residual && a->rows > 0) {
+    if (!a->residual_out || !a->norm_weight) return OG_REASON("residual_out or norm_weight is NULL");
+    if (((uintptr_t)a->residual | (uintptr_t)a->residual_out | (uintptr_t)a->norm_weight) & 15u)
+      return OG_REASON("residual, residual_out or norm_weight not 16-byte aligned");
+  }
   if (opgraft__linear_is_fp8(a) && a->rows > 0 && (!a->weight_scale || ((uintptr_t)a->weight_scale & 3u)))
     return OG_REASON("FP8 weight scales NULL or misaligned");
   return OPGRAFT_OK;

@@ -39,7 +39,16 @@
  *   where every block of 8 warps is then resident (two blocks an SM), else two (Qwen3-30B-A3B's
  *   qkv [5120, 2048]: 320 blocks in 1.2 waves 7.77 µs, 160 in one 6.77); one group a warp in
  *   flight (o [2048, 4096] 6.40 -> 5.79 µs against two; qkv and router the same or better).
- *   H200 sweep, bench/NOTES.md v32. */
+ *   H200 sweep, bench/NOTES.md v32.
+ * - linear.norm_rows (the add + RMSNorm form, read by the graph pass, not the kernel): every block
+ *   normalizes the rows itself, a cost that grows with rows x K and with the blocks an SM runs in
+ *   turn, against the norm kernel and the boundary it saves (~2.5 us). H200, span timing, against
+ *   the compiled norm then the plain kernel (bench/NOTES.md v42): Qwen3-30B-A3B qkv [5120, 2048]
+ *   (214 blocks) 10.49 -> 9.00 us at one row, 10.58 -> 9.82 at two, +0.4 at four; Llama-3-70B/tp8
+ *   qkv [1280, 8192] 12.96 -> 12.27 at one, +2.4 at two; Llama-3-8B qkv [6144, 4096] (256 blocks)
+ *   17.58 -> 17.40 at one, +0.9 at two; gate_up of Llama-3-8B (1792 blocks) and Llama-3-70B/tp8
+ *   (448) +4.8 / +2.7 at one. So 2 rows where K <= 2048, else 1, where the blocks are at most two
+ *   an SM; 0 past that, for FP8 weights and off sm_90 (not measured). */
 #include <stdio.h>
 #include <string.h>
 
@@ -87,6 +96,10 @@ int opgraft__linear_rule(const opgraft_tune_query *q, int64_t *value) {
   if (strcmp(key, "linear.l2_fetch") == 0) return *value = 128, 1;
   if (!parsed) return 0;
   if (strcmp(key, "linear.pdl") == 0) return *value = q->arch == 90 && !s.fp8, 1;
+  if (strcmp(key, "linear.norm_rows") == 0) {
+    const int64_t blocks = ((s.N + 7) / 8 + rule_tiles(&s, q->arch) - 1) / rule_tiles(&s, q->arch);
+    return *value = q->arch != 90 || s.fp8 || blocks > 2 * sms_of(q->arch) ? 0 : s.K <= 2048 ? 2 : 1, 1;
+  }
   if (strcmp(key, "linear.warps") == 0) return *value = rule_warps(&s, q->arch), 1;
   if (strcmp(key, "linear.tiles") == 0) return *value = rule_tiles(&s, q->arch), 1;
   if (strcmp(key, "linear.min_blocks") == 0) return *value = 16 / rule_warps(&s, q->arch), 1;

@@ -13,9 +13,11 @@ struct opgraft_linear_plan {
   int32_t arch;
   og_linear_cfg cfg;
   og_CUfunction fn;
-  unsigned grid, threads;
+  unsigned grid, threads, smem; /* smem: dynamic shared memory (the add + RMSNorm form) */
   og_linear_params proto; /* strides and sizes; a run adds the pointers */
 };
+
+enum { OG_FUNC_ATTR_MAX_DYNAMIC_SHARED = 8 }; /* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES */
 
 #define OG_REASON_FAIL(st) opgraft__fail(st, "linear call not supported: %s", reason)
 
@@ -46,6 +48,8 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
   p->args.x = p->args.weight = NULL;
   p->args.bias = a->bias ? (const void *)1 : NULL; /* only whether there is one */
   p->args.out = NULL, p->args.gpu_name = NULL, p->args.weight_scale = NULL;
+  p->args.residual = a->residual ? (const void *)1 : NULL; /* likewise */
+  p->args.residual_out = NULL, p->args.norm_weight = NULL;
   opgraft__linear_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
   og_opts o;
   char name[64];
@@ -59,10 +63,18 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
   }
   p->grid = opgraft__linear_grid(a, &p->cfg);
   p->threads = 32u * (unsigned)p->cfg.warps;
+  p->smem = a->residual ? (unsigned)OG_LINEAR_NORM_SMEM(a->rows, a->in_features) : 0u;
+  if (p->smem > 48u * 1024u &&
+      (st = opgraft__cu_check(cu->cuFuncSetAttribute(p->fn, OG_FUNC_ATTR_MAX_DYNAMIC_SHARED, (int)p->smem),
+                              "cuFuncSetAttribute (linear shared memory)"))) {
+    free(p);
+    return st;
+  }
   og_linear_params *q = &p->proto;
   q->x_stride = a->x_stride[0], q->w_stride = a->weight_stride[0], q->y_stride = a->out_stride[0];
   q->M = (int)a->rows, q->N = (int)a->out_features;
   q->ws_stride0 = a->weight_scale_stride[0], q->ws_stride1 = a->weight_scale_stride[1];
+  q->r_stride = a->residual_stride[0], q->ro_stride = a->residual_out_stride[0], q->eps = a->norm_eps;
   *out = p;
   return OPGRAFT_OK;
 }
@@ -73,19 +85,25 @@ void opgraft_linear_plan_destroy(opgraft_linear_plan *p) { free(p); }
 static int32_t launch(const og_cuda_api *cu, const opgraft_linear_plan *plan, og_linear_params *p, og_CUstream s) {
   void *params[] = {p};
   if (!plan->cfg.pdl)
-    return opgraft__cu_check(cu->cuLaunchKernel(plan->fn, plan->grid, 1, 1, plan->threads, 1, 1, 0, s, params, NULL),
+    return opgraft__cu_check(cu->cuLaunchKernel(plan->fn, plan->grid, 1, 1, plan->threads, 1, 1, plan->smem, s, params, NULL),
                              "launch linear_gemv");
   og_CUlaunchAttribute attr;
   memset(&attr, 0, sizeof attr);
   attr.id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
   attr.value.flag = 1;
-  og_CUlaunchConfig lc = {plan->grid, 1, 1, plan->threads, 1, 1, 0, s, &attr, 1};
+  og_CUlaunchConfig lc = {plan->grid, 1, 1, plan->threads, 1, 1, plan->smem, s, &attr, 1};
   return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan->fn, params, NULL),
                            "launch linear_gemv (programmatic dependent launch)");
 }
 
+/* The norm form's pointers of a run (all NULL without a residual). */
+typedef struct og_norm_ptrs {
+  const void *residual, *norm_weight;
+  void *residual_out;
+} og_norm_ptrs;
+
 static int32_t plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight, const void *weight_scale,
-                        const void *bias, void *out, void *stream) {
+                        const void *bias, void *out, og_norm_ptrs nrm, void *stream) {
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
   int32_t st = opgraft__current_ctx(&cu, &ctx);
@@ -98,8 +116,14 @@ static int32_t plan_run(const opgraft_linear_plan *plan, const void *x, const vo
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a pointer is misaligned");
   if (opgraft__linear_is_fp8(&plan->args) && (!weight_scale || ((uintptr_t)weight_scale & 3u)))
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_fp8: weight_scale NULL or misaligned");
+  if (plan->args.residual &&
+      (!nrm.residual || !nrm.norm_weight || !nrm.residual_out ||
+       (((uintptr_t)nrm.residual | (uintptr_t)nrm.norm_weight | (uintptr_t)nrm.residual_out) & 15u)))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: residual, norm_weight or residual_out NULL or "
+                                         "not 16-byte aligned");
   og_linear_params p = plan->proto;
   p.x = x, p.w = weight, p.bias = bias, p.y = out, p.ws = weight_scale;
+  p.r = nrm.residual, p.nw = nrm.norm_weight, p.ro = nrm.residual_out;
   return launch(cu, plan, &p, (og_CUstream)stream);
 }
 
@@ -108,7 +132,18 @@ int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, 
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: no plan");
   if (opgraft__linear_is_fp8(&plan->args))
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: an FP8 plan (opgraft_linear_plan_run_fp8 runs it)");
-  return plan_run(plan, x, weight, NULL, bias, out, stream);
+  if (plan->args.residual)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a plan with a residual (opgraft_linear_plan_run_norm runs it)");
+  return plan_run(plan, x, weight, NULL, bias, out, (og_norm_ptrs){0}, stream);
+}
+
+int32_t opgraft_linear_plan_run_norm(const opgraft_linear_plan *plan, const void *x, const void *residual,
+                                     const void *norm_weight, const void *weight, const void *bias, void *out,
+                                     void *residual_out, void *stream) {
+  if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: no plan");
+  if (!plan->args.residual)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: a plan without a residual");
+  return plan_run(plan, x, weight, NULL, bias, out, (og_norm_ptrs){residual, norm_weight, residual_out}, stream);
 }
 
 int32_t opgraft_linear_plan_run_fp8(const opgraft_linear_plan *plan, const void *x, const void *weight,
@@ -116,7 +151,7 @@ int32_t opgraft_linear_plan_run_fp8(const opgraft_linear_plan *plan, const void 
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_fp8: no plan");
   if (!opgraft__linear_is_fp8(&plan->args))
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_fp8: a plan of 16-bit weights (opgraft_linear_plan_run runs it)");
-  return plan_run(plan, x, weight, weight_scale, bias, out, stream);
+  return plan_run(plan, x, weight, weight_scale, bias, out, (og_norm_ptrs){0}, stream);
 }
 
 /* ---- the argument-struct entry point, through plans cached here ---- */
@@ -129,6 +164,7 @@ static int same_plan(const opgraft_linear_args *p, const opgraft_linear_args *q)
   return p->dtype == q->dtype && p->weight_dtype == q->weight_dtype && p->out_dtype == q->out_dtype &&
          p->block_n == q->block_n && p->block_k == q->block_k &&
          !p->bias == !q->bias && (!p->bias || p->bias_dtype == q->bias_dtype) && p->rows == q->rows &&
+         !p->residual == !q->residual && (!p->residual || (p->norm_dtype == q->norm_dtype && p->norm_eps == q->norm_eps)) &&
          p->out_features == q->out_features && p->in_features == q->in_features && p->arch == q->arch;
 }
 
@@ -158,5 +194,7 @@ int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
   p.x = a->x, p.w = a->weight, p.bias = a->bias, p.y = a->out, p.ws = a->weight_scale;
   p.x_stride = a->x_stride[0], p.w_stride = a->weight_stride[0], p.y_stride = a->out_stride[0];
   p.ws_stride0 = a->weight_scale_stride[0], p.ws_stride1 = a->weight_scale_stride[1];
+  p.r = a->residual, p.nw = a->norm_weight, p.ro = a->residual_out;
+  p.r_stride = a->residual_stride[0], p.ro_stride = a->residual_out_stride[0], p.eps = a->norm_eps;
   return launch(cu, plan, &p, (og_CUstream)stream);
 }

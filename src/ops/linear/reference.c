@@ -1,4 +1,5 @@
-/* CPU oracle for the linear op: fp64 accumulation on host pointers, for the tests. FP8 weights:
+/* CPU oracle for the linear op: fp64 accumulation on host pointers, for the tests (the add +
+ * RMSNorm form: the norm in fp64, rounded where vLLM's function rounds). FP8 weights:
  * the activations are quantized in fp32 exactly as the kernel does (linear_fp8.cu), then every
  * product and sum is taken in fp64. */
 #include <math.h>
@@ -8,6 +9,26 @@
 
 static double load(int32_t dtype, const void *base, int64_t idx) {
   return opgraft__half_to_double(dtype, ((const uint16_t *)base)[idx]);
+}
+
+/* Row m of the add + RMSNorm form, in place on xin (x's row on entry): h = x + residual in fp64,
+ * then the input the kernel multiplies, rounded to dtype where vLLM's function rounds
+ * (include/opgraft/linear.h); residual_out's row, rounded, where it is set. */
+static void norm_row(const opgraft_linear_args *a, int64_t m, double *xin) {
+  const int64_t K = a->in_features;
+  double ss = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    xin[k] += load(a->dtype, a->residual, m * a->residual_stride[0] + k * a->residual_stride[1]);
+    ss += xin[k] * xin[k];
+    if (a->residual_out)
+      ((uint16_t *)a->residual_out)[m * a->residual_out_stride[0] + k * a->residual_out_stride[1]] =
+          opgraft__double_to_half(a->dtype, xin[k]);
+  }
+  const double r = 1.0 / sqrt(ss / (double)K + (double)a->norm_eps);
+  for (int64_t k = 0; k < K; ++k) {
+    const double v = opgraft__half_to_double(a->dtype, opgraft__double_to_half(a->dtype, xin[k] * r));
+    xin[k] = opgraft__half_to_double(a->dtype, opgraft__double_to_half(a->dtype, v * load(a->dtype, a->norm_weight, k)));
+  }
 }
 
 static int32_t reference_fp8(const opgraft_linear_args *a, double *out_f64) {
@@ -53,16 +74,22 @@ int32_t opgraft_linear_reference(const opgraft_linear_args *a, double *out_f64) 
   if (M == 0) return OPGRAFT_OK;
   if (!a->x || !a->weight || (!out_f64 && !a->out)) return opgraft__fail(OPGRAFT_EINVAL, "NULL tensor");
   if (fp8) return reference_fp8(a, out_f64);
+  if (a->residual && (a->norm_dtype != a->dtype || !a->norm_weight))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the reference's add + RMSNorm takes norm_dtype == dtype and a norm_weight");
+  double *xin = malloc(sizeof(double) * (size_t)K);
+  if (!xin) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
   for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) xin[k] = load(a->dtype, a->x, m * a->x_stride[0] + k * a->x_stride[1]);
+    if (a->residual) norm_row(a, m, xin);
     for (int64_t n = 0; n < N; ++n) {
       double acc = 0;
       for (int64_t k = 0; k < K; ++k)
-        acc += load(a->dtype, a->x, m * a->x_stride[0] + k * a->x_stride[1]) *
-               load(a->dtype, a->weight, n * a->weight_stride[0] + k * a->weight_stride[1]);
+        acc += xin[k] * load(a->dtype, a->weight, n * a->weight_stride[0] + k * a->weight_stride[1]);
       if (a->bias) acc += load(a->dtype, a->bias, n);
       if (out_f64) out_f64[m * N + n] = acc;
       else ((uint16_t *)a->out)[m * a->out_stride[0] + n * a->out_stride[1]] = opgraft__double_to_half(a->dtype, acc);
     }
   }
+  free(xin);
   return OPGRAFT_OK;
 }

@@ -5,7 +5,9 @@
 
 /* Ranges are what the kernel accepts; the fallback applies only where neither a row nor the rule
  * gives a value; the last field is what `opgraft tune` tries (config.c clamps what would not fit).
- * linear.max_rows is a hand-back threshold, not a speed choice the tuner makes. */
+ * linear.max_rows is a hand-back threshold, not a speed choice the tuner makes; linear.norm_rows
+ * (the most rows at which vLLM's graph gets the add + RMSNorm form, opgraft/vllm/norm_seam.py)
+ * is read when the graph is compiled, not by the kernel. */
 static const og_tunable tunables[] = {
     {"linear.max_rows", 0, OG_LINEAR_MAX_ROWS, 1, NULL},
     {"linear.warps", 1, 16, 8, "2 4 8 16"},
@@ -15,6 +17,7 @@ static const og_tunable tunables[] = {
     {"linear.load", 1, 4, 4, "4 1"},
     {"linear.l2_fetch", 0, 256, 0, "0 128 256"},
     {"linear.pdl", 0, 2, 0, "0 1 2"},
+    {"linear.norm_rows", 0, OG_LINEAR_MAX_ROWS, 0, NULL},
 };
 
 /* A placeholder row keeps the array non-empty for the compiler; nrows below excludes it. */
@@ -39,6 +42,8 @@ static const og_tune_entry rows[] = {
     /* Qwen3-30B-A3B o: after attention, which lets it start early (attention.trigger), its weights
      * loaded and asked of L2 before the wait (tools.attn_o, attention + o as one span, v26). */
     {90, NULL, "linear:bf16:N2048:K4096", 1, 8, "linear.pdl", 2, "H200 2026-12-02 tools.attn_o (64 MiB between calls): Qwen3-30B-A3B attention + o, batch 1 at 256 / 1K / 8K tokens 15.53 / 16.17 / 22.28 us with pdl 0 -> 14.31 / 14.77 / 20.86 with pdl 2 and attention.trigger; batch 8 16.72 / 20.07 / 49.83 -> 15.73 / 18.81 / 47.84"},
+    /* Llama-3-70B/tp8 gate_up: its tiles row makes 448 blocks, past the rule's two an SM (v42). */
+    {90, NULL, "linear:bf16:N7168:K8192", 1, 8, "linear.norm_rows", 0, "H200 2026-12-04 bench linear --norm (span, 64 MiB between calls): Llama-3-70B/tp8 gate_up [7168, 8192] M=1 compiled norm + ours 35.32 us, add + RMSNorm form 38.02"},
     /* END TUNED ROWS */
     {0, NULL, NULL, 0, 0, NULL, 0, NULL},
 };
@@ -67,6 +72,13 @@ static void linear_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_linear_args, scale_dtype);
   OG_ABI_FIELD(b, opgraft_linear_args, weight_scale);
   OG_ABI_FIELD(b, opgraft_linear_args, weight_scale_stride);
+  OG_ABI_FIELD(b, opgraft_linear_args, norm_dtype);
+  OG_ABI_FIELD(b, opgraft_linear_args, norm_eps);
+  OG_ABI_FIELD(b, opgraft_linear_args, residual);
+  OG_ABI_FIELD(b, opgraft_linear_args, residual_stride);
+  OG_ABI_FIELD(b, opgraft_linear_args, residual_out);
+  OG_ABI_FIELD(b, opgraft_linear_args, residual_out_stride);
+  OG_ABI_FIELD(b, opgraft_linear_args, norm_weight);
   opgraft__abi_end(b);
 }
 

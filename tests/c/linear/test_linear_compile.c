@@ -59,6 +59,9 @@ static int have_nvrtc;
 static char nvrtc_error[256];
 static _Atomic int next_job;
 
+/* Set while the jobs of the add + RMSNorm form (16-bit weights) are added. */
+static int norm_jobs;
+
 static void add_job(const shape *s, int64_t M, int32_t dtype, int fp8, int32_t arch, const char *setting) {
   if (n_jobs >= MAX_JOBS) fail_msg("more than %d compile jobs", MAX_JOBS);
   opgraft_linear_args a;
@@ -73,18 +76,25 @@ static void add_job(const shape *s, int64_t M, int32_t dtype, int fp8, int32_t a
   a.x_stride[0] = s->K, a.x_stride[1] = 1, a.weight_stride[0] = s->K, a.weight_stride[1] = 1;
   a.out_stride[0] = s->N, a.out_stride[1] = 1;
   a.arch = arch;
+  if (norm_jobs) {
+    a.residual = a.norm_weight = (const void *)16, a.residual_out = (void *)16;
+    a.norm_dtype = dtype, a.norm_eps = 1e-6f;
+    a.residual_stride[0] = a.residual_out_stride[0] = s->K, a.residual_stride[1] = a.residual_out_stride[1] = 1;
+  }
   job *j = &jobs[n_jobs];
   memset(j, 0, sizeof *j);
-  snprintf(j->what, sizeof j->what, "%s [%lld, %lld] %s%s M=%lld sm_%d%s%s", s->name, (long long)s->N,
-           (long long)s->K, fp8 ? "fp8 x " : "", dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", (long long)M, arch,
-           setting ? " with " : "", setting ? setting : "");
+  snprintf(j->what, sizeof j->what, "%s [%lld, %lld] %s%s%s M=%lld sm_%d%s%s", s->name, (long long)s->N,
+           (long long)s->K, fp8 ? "fp8 x " : "", norm_jobs ? "add+RMSNorm " : "",
+           dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", (long long)M, arch, setting ? " with " : "",
+           setting ? setting : "");
   j->args = a, j->dtype = dtype, j->arch = arch, j->dup_of = -1;
   og_linear_cfg cfg;
   opgraft__linear_config(&a, arch, NULL, &cfg);
   if (opgraft__linear_options(&a, &cfg, &j->opts) != OPGRAFT_OK) fail_msg("%s: %s", j->what, opgraft_last_error());
   for (int i = 0; i < n_jobs && j->dup_of < 0; ++i) {
     const job *o = &jobs[i];
-    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n || opgraft__linear_is_fp8(&o->args) != fp8)
+    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n || opgraft__linear_is_fp8(&o->args) != fp8 ||
+        !o->args.residual != !a.residual)
       continue;
     int same = 1;
     for (int k = 0; k < o->opts.n && same; ++k) same = strcmp(o->opts.ptr[k], j->opts.ptr[k]) == 0;
@@ -190,6 +200,23 @@ static int setup(void **state) {
     add_setting(others[i], qkv_o, 2, 1, OPGRAFT_DTYPE_BF16);
     add_setting(others[i], qkv_o, 2, 1, OPGRAFT_DTYPE_FP16);
   }
+  /* The add + RMSNorm form: every shape as shipped at one and eight rows (fp16 at one), the tile,
+   * unroll and warp candidates on qkv and the odd shape, and the other keys on qkv and o. */
+  norm_jobs = 1;
+  add_setting(NULL, NULL, N_SHAPES, 1, OPGRAFT_DTYPE_BF16);
+  add_setting(NULL, NULL, N_SHAPES, 8, OPGRAFT_DTYPE_BF16);
+  add_setting(NULL, NULL, N_SHAPES, 1, OPGRAFT_DTYPE_FP16);
+  for (int t = 0; t < 4; ++t)
+    for (int u = 0; u < 3; ++u)
+      for (int w = 0; w < 4; ++w) {
+        char mb[8];
+        snprintf(mb, sizeof mb, "%d", 16 / atoi(warps[w]));
+        add_setting((const char *[]){"OPGRAFT_TUNE_LINEAR_TILES", tiles[t], "OPGRAFT_TUNE_LINEAR_UNROLL", unrolls[u],
+                                     "OPGRAFT_TUNE_LINEAR_WARPS", warps[w], "OPGRAFT_TUNE_LINEAR_MIN_BLOCKS", mb, NULL},
+                    two, 2, 8, OPGRAFT_DTYPE_BF16);
+      }
+  for (size_t i = 0; i < sizeof others / sizeof *others; ++i) add_setting(others[i], qkv_o, 2, 1, OPGRAFT_DTYPE_BF16);
+  norm_jobs = 0;
   /* FP8 weights: every shape as shipped at one and eight rows (bf16 x; fp16 at one row), then the
    * tuner's candidates at 16 warps an SM for qkv and the odd shape, and the other keys on qkv. */
   add_setting_w(NULL, NULL, N_FP8_SHAPES, 1, OPGRAFT_DTYPE_BF16, 1);

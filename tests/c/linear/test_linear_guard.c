@@ -1,6 +1,8 @@
 /* The linear op's guard (which calls the kernel takes and why it refuses the others), its rule
  * and its configuration. No GPU and no data are needed: the pointers are fake but aligned, and
  * neither the guard nor the configuration reads them. */
+#include <math.h>
+
 #include "og_test.h"
 #include "linear/linear.h"
 
@@ -452,6 +454,85 @@ static void test_shape_key(void **state) {
   assert_false(opgraft__linear_parse_shape(NULL, &s));
 }
 
+/* ---- the add + RMSNorm form ---- */
+
+static opgraft_linear_args norm_args(void) {
+  opgraft_linear_args a = valid_args();
+  a.norm_dtype = OPGRAFT_DTYPE_BF16, a.norm_eps = 1e-6f;
+  a.residual = (const void *)0x500000, a.residual_out = (void *)0x600000, a.norm_weight = (const void *)0x700000;
+  a.residual_stride[0] = a.residual_out_stride[0] = 2048, a.residual_stride[1] = a.residual_out_stride[1] = 1;
+  return a;
+}
+
+static void n_fp8(opgraft_linear_args *a) {
+  opgraft_linear_args f = fp8_args();
+  f.residual = a->residual, f.residual_out = a->residual_out, f.norm_weight = a->norm_weight;
+  f.norm_dtype = a->norm_dtype, f.residual_stride[1] = f.residual_out_stride[1] = 1;
+  *a = f;
+}
+static void n_dtype(opgraft_linear_args *a) { a->norm_dtype = OPGRAFT_DTYPE_FP16; }
+static void n_eps_nan(opgraft_linear_args *a) { a->norm_eps = NAN; }
+static void n_eps_neg(opgraft_linear_args *a) { a->norm_eps = -1e-6f; }
+static void n_col_stride(opgraft_linear_args *a) { a->residual_out_stride[1] = 2; }
+static void n_row_stride(opgraft_linear_args *a) {
+  set_shape(a, 2, 5120, 2048);
+  a->residual_stride[0] = 2044;
+}
+static void n_misaligned(opgraft_linear_args *a) { a->norm_weight = (const void *)0x700008; }
+static void n_null_out(opgraft_linear_args *a) { a->residual_out = NULL; }
+static void n_without_residual(opgraft_linear_args *a) { a->residual = NULL; }
+static void n_smem(opgraft_linear_args *a) {
+  set_shape(a, 8, 1280, 8192);
+  a->residual_stride[0] = a->residual_out_stride[0] = 8192;
+}
+
+static const refusal n_fp8_r = {n_fp8, "add + RMSNorm with FP8 weights"};
+static const refusal n_dtype_r = {n_dtype, "dtype mismatch: x bf16, norm fp16"};
+static const refusal n_eps_nan_r = {n_eps_nan, "norm_eps nan outside 0..1"};
+static const refusal n_eps_neg_r = {n_eps_neg, "outside 0..1"};
+static const refusal n_col_stride_r = {n_col_stride, "residual's last dimension is not contiguous"};
+static const refusal n_row_stride_r = {n_row_stride, "residual row strides 2044 / 2048"};
+static const refusal n_misaligned_r = {n_misaligned, "residual, residual_out or norm_weight not 16-byte aligned"};
+static const refusal n_null_out_r = {n_null_out, "residual_out or norm_weight is NULL"};
+static const refusal n_without_residual_r = {n_without_residual, "given without a residual"};
+static const refusal n_smem_r = {n_smem, "add + RMSNorm of 8 rows of 8192: 131584 bytes of shared memory > 98304"};
+
+static void test_norm_refusal(void **state) {
+  const refusal *r = *state;
+  opgraft_linear_args a = norm_args();
+  expect_ok(&a, "add + RMSNorm base case");
+  r->mutate(&a);
+  expect_refusal(&a, r->needle, r->needle);
+}
+
+static void test_norm_valid(void **state) {
+  opgraft_linear_args a = norm_args();
+  for (int64_t M = 1; M <= 8; ++M) {
+    set_shape(&a, M, 5120, 2048);
+    expect_ok(&a, "add + RMSNorm M 1..8");
+  }
+  a.residual_stride[0] = 4096; /* a residual view of a wider buffer */
+  expect_ok(&a, "padded residual rows");
+  a = norm_args();
+  a.norm_eps = 0.f;
+  expect_ok(&a, "eps 0");
+  /* Its own kernel (name and option), the same tunables as the plain form. */
+  char plain[512], fused[512];
+  opgraft_linear_args p = valid_args();
+  assert_int_equal(opgraft_linear_describe(&p, 90, plain, sizeof plain), OPGRAFT_OK);
+  assert_int_equal(opgraft_linear_describe(&a, 90, fused, sizeof fused), OPGRAFT_OK);
+  assert_null(strstr(plain, "-DOG_NORM"));
+  assert_non_null(strstr(fused, "-DOG_NORM=1"));
+  char name[64];
+  opgraft__linear_fn_name(&a, name);
+  assert_string_equal(name, "linear_norm_gemv_bf16");
+  char k1[96], k2[96];
+  opgraft__linear_shape_key(&a, k1, sizeof k1);
+  opgraft__linear_shape_key(&p, k2, sizeof k2);
+  assert_string_equal(k1, k2);
+}
+
+#define NORM_REFUSAL(r) {"refuse_norm_" #r, test_norm_refusal, NULL, reset_tunables, (void *)&n_##r##_r}
 #define REFUSAL(r) {"refuse_" #r, test_refusal, NULL, reset_tunables, (void *)&r_##r}
 #define FP8_REFUSAL(r) {"refuse_fp8_" #r, test_fp8_refusal, NULL, reset_tunables, (void *)&f_##r##_r}
 
@@ -497,6 +578,17 @@ int main(void) {
       FP8_REFUSAL(scale_null),
       FP8_REFUSAL(scale_misaligned),
       FP8_REFUSAL(out_fp8),
+      cmocka_unit_test_teardown(test_norm_valid, reset_tunables),
+      NORM_REFUSAL(fp8),
+      NORM_REFUSAL(dtype),
+      NORM_REFUSAL(eps_nan),
+      NORM_REFUSAL(eps_neg),
+      NORM_REFUSAL(col_stride),
+      NORM_REFUSAL(row_stride),
+      NORM_REFUSAL(misaligned),
+      NORM_REFUSAL(null_out),
+      NORM_REFUSAL(without_residual),
+      NORM_REFUSAL(smem),
       cmocka_unit_test(test_null_args),
       cmocka_unit_test_teardown(test_max_rows_rule_and_tunable, reset_tunables),
       cmocka_unit_test(test_no_gpu_without_arch),

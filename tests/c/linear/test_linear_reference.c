@@ -1,6 +1,7 @@
 /* The CPU oracle opgraft_linear_reference against a brute-force fp64 loop written here (its own
  * 16-bit decoding and rounding), with strides, bias, odd sizes and both dtypes; with FP8 weights,
- * against a brute force with its own e4m3 decoding and rounding of the quantized activations. */
+ * against a brute force with its own e4m3 decoding and rounding of the quantized activations; the
+ * add + RMSNorm form against a brute force of vLLM's function with this file's rounding. */
 #include <math.h>
 
 #include "og_test.h"
@@ -197,6 +198,66 @@ static void test_zero_rows_and_bad_arguments(void **state) {
   release(&p);
 }
 
+/* ---- add + RMSNorm before the projection ---- */
+
+/* The brute force of the norm form: vLLM's fused_add_rms_norm (h = x + residual, then
+ * round(round(h * rsqrt(mean h^2 + eps)) * w_norm)) with this file's decoding and rounding, then
+ * the products in long double. */
+static void check_norm(int32_t dtype, int64_t M, int64_t N, int64_t K, int64_t r_pad, float eps, const char *what) {
+  problem p = make(dtype, M, N, K, 8, 0, 0, 1);
+  const int64_t rs = K + r_pad;
+  uint16_t *res = calloc((size_t)(M * rs + 1), 2), *ro = calloc((size_t)(M * rs + 1), 2), *nw = calloc((size_t)K, 2);
+  assert_non_null(res);
+  assert_non_null(ro);
+  assert_non_null(nw);
+  for (int64_t i = 0; i < M * rs; ++i) res[i] = rand_half(dtype), ro[i] = 0x1234;
+  for (int64_t k = 0; k < K; ++k) nw[k] = rand_half(dtype);
+  opgraft_linear_args a = args_of(&p);
+  a.norm_dtype = dtype, a.norm_eps = eps, a.norm_weight = nw;
+  a.residual = res, a.residual_stride[0] = rs, a.residual_stride[1] = 1;
+  a.residual_out = ro, a.residual_out_stride[0] = rs, a.residual_out_stride[1] = 1;
+  double *y = malloc(sizeof(double) * (size_t)(M * N));
+  long double *u = malloc(sizeof(long double) * (size_t)K);
+  assert_non_null(y);
+  assert_non_null(u);
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_OK);
+  for (int64_t m = 0; m < M; ++m) {
+    double ss = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double h = dec(dtype, p.x[m * p.xs + k]) + dec(dtype, res[m * rs + k]);
+      ss += h * h;
+      if (ro[m * rs + k] != nearest(dtype, h))
+        fail_msg("%s: residual_out[%lld][%lld] = 0x%04x, want 0x%04x", what, (long long)m, (long long)k,
+                 ro[m * rs + k], nearest(dtype, h));
+    }
+    const double r = 1.0 / sqrt(ss / (double)K + (double)eps);
+    for (int64_t k = 0; k < K; ++k) {
+      const double h = dec(dtype, p.x[m * p.xs + k]) + dec(dtype, res[m * rs + k]);
+      u[k] = dec(dtype, nearest(dtype, dec(dtype, nearest(dtype, h * r)) * dec(dtype, nw[k])));
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      long double want = dec(dtype, p.b[n]);
+      for (int64_t k = 0; k < K; ++k) want += u[k] * (long double)dec(dtype, p.w[n * p.ws + k]);
+      if (fabsl((long double)y[m * N + n] - want) > 1e-12L * (fabsl(want) + 1))
+        fail_msg("%s: y[%lld][%lld] = %.17g, brute force %.17Lg", what, (long long)m, (long long)n, y[m * N + n], want);
+    }
+    for (int64_t k = K; k < rs; ++k) assert_int_equal(ro[m * rs + k], 0x1234); /* padding untouched */
+  }
+  /* A norm dtype unlike x's, or no norm weight: refused. */
+  a.norm_dtype = dtype == OPGRAFT_DTYPE_BF16 ? OPGRAFT_DTYPE_FP16 : OPGRAFT_DTYPE_BF16;
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EUNSUPPORTED);
+  a.norm_dtype = dtype, a.norm_weight = NULL;
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EUNSUPPORTED);
+  free(u), free(y), free(nw), free(ro), free(res);
+  release(&p);
+}
+
+static void test_norm_shapes(void **state) {
+  check_norm(OPGRAFT_DTYPE_BF16, 1, 5, 64, 0, 1e-6f, "norm M=1 N=5 K=64");
+  check_norm(OPGRAFT_DTYPE_BF16, 3, 17, 40, 8, 1e-5f, "norm M=3 N=17 K=40 padded residual rows");
+  check_norm(OPGRAFT_DTYPE_FP16, 8, 9, 96, 16, 0.0f, "norm fp16 M=8 N=9 K=96 eps 0");
+}
+
 /* ---- FP8 weights ---- */
 
 static double dec_e4m3(uint8_t b) {
@@ -303,6 +364,7 @@ int main(void) {
       cmocka_unit_test(test_shapes_fp16),
       cmocka_unit_test(test_rounding_at_ties),
       cmocka_unit_test(test_zero_rows_and_bad_arguments),
+      cmocka_unit_test(test_norm_shapes),
       cmocka_unit_test(test_fp8_helpers),
       cmocka_unit_test(test_fp8_shapes),
   };

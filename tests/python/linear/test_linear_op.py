@@ -3,6 +3,7 @@ reasons, the fp64 oracle, the hand-back to torch (bit for bit), and the custom o
 implementation under torch.compile."""
 
 import ctypes
+import types
 
 import pytest
 
@@ -168,6 +169,68 @@ def test_plan_cache_and_forget():
     assert ops.plan_for(x, w) is not p
 
 
+def _norm_inputs(M=3, K=64, N=24, dtype=torch.bfloat16):
+    return (rand(M, K, dtype=dtype, seed=1), (4 * rand(M, K, dtype=dtype, seed=2)).to(dtype),
+            (rand(K, dtype=dtype, seed=3).abs() + 0.5).to(dtype), rand(N, K, dtype=dtype, seed=4))
+
+
+def test_norm_args_and_guard():
+    x, r, nw, w = _norm_inputs(2, 2048, 5120)
+    assert supports_at(ops.linear_args(x, w, None, norm=(r, nw, 1e-6))) == (_lib.OK, "")
+    a = ops.linear_args(x, w, None, norm=(r, nw, 1e-6))
+    assert a.residual == r.data_ptr() and a.norm_weight == nw.data_ptr() and a.residual_out == 16
+    assert tuple(a.residual_out_stride) == (2048, 1) and abs(a.norm_eps - 1e-6) < 1e-12
+    st, why = supports_at(ops.linear_args(x, w, None, norm=(r, nw.half(), 1e-6)))
+    assert st == _lib.EUNSUPPORTED and why.startswith("dtype mismatch: x bf16, norm")
+    st, why = supports_at(ops.linear_args(x, w, None, norm=(r.half(), nw.half(), 1e-6)))
+    assert why == "dtype mismatch: x bf16, norm fp16"
+    wide = rand(2, 2052)
+    assert supports_at(ops.linear_args(x, w, None, norm=(wide[:, :2048], nw, 1e-6)))[1] == \
+        "residual row strides 2052 / 2048 (at least in_features, multiples of 8 elements)"
+    assert supports_at(ops.linear_args(x, w, None, norm=(r, nw, float("nan"))))[1] == "norm_eps nan outside 0..1"
+    assert ops.linear_args(x, w, None, norm=(r[:1], nw, 1e-6)).dtype == -1  # residual unlike x
+    assert ops.linear_args(x, w, None, norm=(r, nw[:100], 1e-6)).dtype == -1
+    fp8 = torch.zeros(5120, 2048, dtype=torch.float8_e4m3fn)
+    st, why = supports_at(ops.linear_args(x, fp8, None, weight_scale=torch.ones(40, 16), block=(128, 128),
+                                          norm=(r, nw, 1e-6)))
+    assert why == "add + RMSNorm with FP8 weights (the norm form takes 16-bit weights)"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norm_oracle_matches_torch(dtype):
+    """The C oracle rounds the normalized input where vLLM's function does: its products then match
+    torch's fp64 product of that input, and residual_out matches bit for bit."""
+    x, r, nw, w = _norm_inputs(3, 200, 40, dtype)
+    b = rand(40, dtype=dtype, seed=5)
+    y, ro = ops.add_rms_norm_linear_reference_cpu(x, r, nw, 1e-5, w, b)
+    n, want_r = ops.add_rms_norm_reference(x, r, nw, 1e-5)
+    want = n.double() @ w.double().T + b.double()
+    assert torch.equal(ro, want_r)
+    assert float((y - want).abs().max()) < 1e-12 * float(want.abs().max())
+
+
+def test_norm_op_on_cpu_is_the_composition(stats):
+    """On CPU tensors the op is vLLM's add + RMSNorm (its IR op where vLLM is loaded, else the same
+    function in torch) and then the linear op: the same bits as the two calls."""
+    x, r, nw, w = _norm_inputs()
+    b = rand(24, seed=6)
+    y, ro = torch.ops.opgraft.add_rms_norm_linear(x, r, nw, 1e-6, w, b)
+    n, want_r = ops.add_rms_norm_reference(x, r, nw, 1e-6)
+    assert torch.equal(ro, want_r) and torch.equal(y, torch.nn.functional.linear(n, w, b))
+    assert stats.snapshot()["taken"] == 0
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x5, r5 = rand(5, 64), rand(5, 64, seed=7)
+    with FakeTensorMode() as mode:
+        fx, fr5, fnw, fw = (mode.from_tensor(t) for t in (x5, r5, nw, w))
+        fy, fr = torch.ops.opgraft.add_rms_norm_linear(fx, fr5, fnw, 1e-6, fw, None)
+        assert fy.shape == (5, 24) and fr.shape == (5, 64) and fy.dtype == fr.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="2-D"):
+        torch.ops.opgraft.add_rms_norm_linear(x[None], r[None], nw, 1e-6, w)
+    torch.library.opcheck(torch.ops.opgraft.add_rms_norm_linear.default, (x, r, nw, 1e-6, w, b),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
 def test_every_variant_is_registered():
     assert dispatch.variants("linear") == ["opgraft", "passthrough"]
     assert dispatch.VARIANT_ENV["linear"] == "OPGRAFT_LINEAR_VARIANT"
@@ -214,6 +277,24 @@ class _FakeKernel:
         monkeypatch.setattr(ops, "linear_supports", self.supports)
         monkeypatch.setattr(ops, "linear_into", self.into)
         monkeypatch.setattr(ops, "linear_or_torch", self.or_torch)
+        monkeypatch.setattr(ops, "add_rms_norm_linear_into", self.norm_into)
+        monkeypatch.setattr(ops, "_norm_linear_or_none", self.norm_or_none)
+        real_plan_for = ops.plan_for
+        monkeypatch.setattr(ops, "plan_for", lambda x, w, b=None, out=None, norm=None, **kw: (
+            types.SimpleNamespace(handle=1, reason="") if norm is not None and self._ok(x, w, b) else real_plan_for(x, w, b, out, norm=norm, **kw)))
+
+    def norm_into(self, out, r_out, x, r, nw, eps, w, b=None):
+        n, ro = ops.add_rms_norm_reference(x, r, nw, eps)
+        r_out.copy_(ro)
+        return self.into(out, n, w, b), r_out
+
+    def norm_or_none(self, x, r, nw, eps, w, b):
+        if not self._ok(x, w, b):
+            dispatch.stats_of("linear").delegate("fake: refused")
+            return None
+        dispatch.stats_of("linear").take()
+        out, ro = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype), torch.empty_like(x)
+        return self.norm_into(out, ro, x, r, nw, eps, w, b)
 
     @staticmethod
     def _ok(x, w, b):
@@ -322,3 +403,28 @@ def test_vllm_fp8_linear_says_why_not_without_an_sm90_gpu():
 
     prepare, fn, why = linear_bench.vllm_fp8_linear()
     assert prepare is None and fn is None and why
+
+
+def test_norm_bench_rows_on_a_fake_kernel(monkeypatch):
+    from opgraft.bench import linear as linear_bench
+    from opgraft.presets import LinearShape
+
+    _FakeKernel(monkeypatch)
+    monkeypatch.setattr(linear_bench, "run_facts", lambda: {"gpu": "fake", "date": "today"})
+    monkeypatch.setattr(linear_bench, "between_traffic", lambda mib, device: None)
+    monkeypatch.setattr(linear_bench, "_compiled_norm", lambda: ops.add_rms_norm_reference)
+    times = {"fused": 2.0, "two": 3.0, "stock": 4.0}
+
+    def timed(call, schedule, between, reps, timing):
+        call(0, None)
+        return times[call.__name__], {"timing": timing}
+
+    monkeypatch.setattr(linear_bench, "timed_calls", timed)
+    rows = linear_bench.bench_norm_shape(LinearShape("toy", "qkv", 40, 64), rows=(1, 3), device="cpu",
+                                         ceiling_tbps=4.5)
+    assert [(r["impl"], r["M"]) for r in rows] == [(i, m) for m in (1, 3)
+                                                    for i in ("opgraft-norm", "norm+opgraft", "norm+torch")]
+    r = rows[0]
+    assert r["norm"] == "add_rms_norm" and r["speedup"] == 2.0 and r["bytes"] == 2 * (40 * 64 + 64 + 40) + 3 * 64 * 2
+    assert r["deterministic"] and r["residual_out_exact"] and r["rel_err"] < 1e-2 and r["guard"] == "take"
+    assert all(x["rel_err"] < 1e-2 for x in rows)
