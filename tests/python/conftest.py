@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 # The switches a seam test must not inherit from the shell that runs it.
 PLUGIN_SWITCHES = ("OPGRAFT_DISABLE", "OPGRAFT_ATTN_BACKEND", "OPGRAFT_ATTENTION", "OPGRAFT_ATTENTION_VARIANT",
                    "OPGRAFT_LINEAR", "OPGRAFT_LINEAR_FP8", "OPGRAFT_LINEAR_VARIANT", "OPGRAFT_MOE_EXPERTS", "OPGRAFT_MOE_FP8",
-                   "OPGRAFT_MOE_ROUTE")
+                   "OPGRAFT_MOE_ROUTE", "OPGRAFT_NORM_FUSION")
 
 
 @pytest.fixture

@@ -103,9 +103,10 @@ def register() -> None:
 def seams():
     """The seams register() installs, in order: (name, module with install/uninstall/installed and
     optionally disabled() -> why not)."""
-    from . import attn_seam, linear_seam, moe_seam, route_seam
+    from . import attn_seam, linear_seam, moe_seam, norm_seam, route_seam
 
-    return (("moe", moe_seam), ("moe routing", route_seam), ("attention", attn_seam), ("linear", linear_seam))
+    return (("moe", moe_seam), ("moe routing", route_seam), ("attention", attn_seam), ("linear", linear_seam),
+            ("norm fusion", norm_seam))
 
 
 def _version() -> str:
