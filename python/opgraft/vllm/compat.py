@@ -44,3 +44,27 @@ def vllm_version_is(spec: str) -> bool:
     """True when the installed vLLM's release equals spec ("0.26.0"), or starts with it ("0.26")."""
     have, want = _release(vllm_version()), _release(spec)
     return bool(have) and have[: len(want)] == want
+
+
+def _env_factor_table():
+    """vLLM's table of environment variables hashed into its compile-cache key, or None."""
+    try:
+        import vllm.envs as envs
+    except Exception:
+        return None
+    table = getattr(envs, "environment_variables", None)
+    return table if isinstance(table, dict) else None
+
+
+def add_compile_factor(key: str, fn) -> None:
+    """Adds fn (-> str) under key to the factors of vLLM's compile-cache key: a graph traced with
+    a seam's state is then never reused with another."""
+    table = _env_factor_table()
+    if table is not None:
+        table[key] = fn
+
+
+def remove_compile_factor(key: str, fn) -> None:
+    table = _env_factor_table()
+    if table is not None and table.get(key) is fn:
+        del table[key]

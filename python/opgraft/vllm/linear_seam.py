@@ -68,7 +68,7 @@ import threading
 import weakref
 
 from .. import dispatch
-from .compat import switched_off
+from .compat import add_compile_factor, remove_compile_factor, switched_off
 
 logger = logging.getLogger("opgraft")
 
@@ -281,23 +281,11 @@ def _compile_factor() -> str:
 
 
 def _add_compile_factor() -> None:
-    try:
-        import vllm.envs as envs
-    except Exception:
-        return
-    table = getattr(envs, "environment_variables", None)
-    if isinstance(table, dict):
-        table[COMPILE_FACTOR] = _compile_factor
+    add_compile_factor(COMPILE_FACTOR, _compile_factor)
 
 
 def _remove_compile_factor() -> None:
-    try:
-        import vllm.envs as envs
-    except Exception:
-        return
-    table = getattr(envs, "environment_variables", None)
-    if isinstance(table, dict) and table.get(COMPILE_FACTOR) is _compile_factor:
-        del table[COMPILE_FACTOR]
+    remove_compile_factor(COMPILE_FACTOR, _compile_factor)
 
 
 # ---- block-FP8 layers -----------------------------------------------------------------------

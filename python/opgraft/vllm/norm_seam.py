@@ -39,7 +39,7 @@ import threading
 
 from .. import dispatch
 from . import linear_seam
-from .compat import switched_off
+from .compat import add_compile_factor, remove_compile_factor, switched_off
 
 _PATCH_ATTR = "_opgraft_original_configure"
 COMPILE_FACTOR = "OPGRAFT_NORM_FUSION_SEAM"
@@ -334,23 +334,11 @@ def _compile_factor() -> str:
 
 
 def _add_compile_factor() -> None:
-    try:
-        import vllm.envs as envs
-    except Exception:
-        return
-    table = getattr(envs, "environment_variables", None)
-    if isinstance(table, dict):
-        table[COMPILE_FACTOR] = _compile_factor
+    add_compile_factor(COMPILE_FACTOR, _compile_factor)
 
 
 def _remove_compile_factor() -> None:
-    try:
-        import vllm.envs as envs
-    except Exception:
-        return
-    table = getattr(envs, "environment_variables", None)
-    if isinstance(table, dict) and table.get(COMPILE_FACTOR) is _compile_factor:
-        del table[COMPILE_FACTOR]
+    remove_compile_factor(COMPILE_FACTOR, _compile_factor)
 
 
 def install() -> tuple[bool, str]:

@@ -125,6 +125,23 @@ static void add_setting(const char *const *env, const int *ids, int nids, int64_
   add_setting_w(env, ids, nids, M, dtype, 0);
 }
 
+/* The tuner's candidates where they change registers, on two shapes (ids) at M rows: every tile
+ * count and unroll at 16 warps an SM (128 registers a thread, the tightest budget the configuration
+ * allows). */
+static void add_candidates(const int ids[2], int64_t M, int fp8) {
+  static const char *const tiles[] = {"1", "2", "3", "4"}, *const unrolls[] = {"2", "4", "8"};
+  static const char *const warps[] = {"2", "4", "8", "16"};
+  for (int t = 0; t < 4; ++t)
+    for (int u = 0; u < 3; ++u)
+      for (int w = 0; w < 4; ++w) {
+        char mb[8];
+        snprintf(mb, sizeof mb, "%d", 16 / atoi(warps[w]));
+        add_setting_w((const char *[]){"OPGRAFT_TUNE_LINEAR_TILES", tiles[t], "OPGRAFT_TUNE_LINEAR_UNROLL", unrolls[u],
+                                       "OPGRAFT_TUNE_LINEAR_WARPS", warps[w], "OPGRAFT_TUNE_LINEAR_MIN_BLOCKS", mb, NULL},
+                      ids, 2, M, OPGRAFT_DTYPE_BF16, fp8);
+      }
+}
+
 static void run_job(job *j) {
   og_cubin c;
   j->status = opgraft__cubin_cached(opgraft__linear_source(&j->args), j->opts.ptr, j->opts.n, j->arch, &c);
@@ -173,17 +190,7 @@ static int setup(void **state) {
    * SM (128 registers a thread, the tightest budget the configuration allows), for a K that fills
    * every step and one with a partial last step. */
   static const int two[] = {0, 18}; /* Qwen3-30B-A3B qkv (K=2048), N=129 K=2056 */
-  static const char *const tiles[] = {"1", "2", "3", "4"}, *const unrolls[] = {"2", "4", "8"};
-  static const char *const warps[] = {"2", "4", "8", "16"};
-  for (int t = 0; t < 4; ++t)
-    for (int u = 0; u < 3; ++u)
-      for (int w = 0; w < 4; ++w) {
-        char mb[8];
-        snprintf(mb, sizeof mb, "%d", 16 / atoi(warps[w]));
-        add_setting((const char *[]){"OPGRAFT_TUNE_LINEAR_TILES", tiles[t], "OPGRAFT_TUNE_LINEAR_UNROLL", unrolls[u],
-                                     "OPGRAFT_TUNE_LINEAR_WARPS", warps[w], "OPGRAFT_TUNE_LINEAR_MIN_BLOCKS", mb, NULL},
-                    two, 2, 1, OPGRAFT_DTYPE_BF16);
-      }
+  add_candidates(two, 1, 0);
   /* The other keys one at a time, at the widest tile the rule picks (3) and the largest (4). */
   static const int qkv_o[] = {0, 13}; /* Qwen3-30B-A3B qkv (3 tiles), Llama-3-70B/tp8 o (4 tiles) */
   const char *const *others[] = {
@@ -206,15 +213,7 @@ static int setup(void **state) {
   add_setting(NULL, NULL, N_SHAPES, 1, OPGRAFT_DTYPE_BF16);
   add_setting(NULL, NULL, N_SHAPES, 8, OPGRAFT_DTYPE_BF16);
   add_setting(NULL, NULL, N_SHAPES, 1, OPGRAFT_DTYPE_FP16);
-  for (int t = 0; t < 4; ++t)
-    for (int u = 0; u < 3; ++u)
-      for (int w = 0; w < 4; ++w) {
-        char mb[8];
-        snprintf(mb, sizeof mb, "%d", 16 / atoi(warps[w]));
-        add_setting((const char *[]){"OPGRAFT_TUNE_LINEAR_TILES", tiles[t], "OPGRAFT_TUNE_LINEAR_UNROLL", unrolls[u],
-                                     "OPGRAFT_TUNE_LINEAR_WARPS", warps[w], "OPGRAFT_TUNE_LINEAR_MIN_BLOCKS", mb, NULL},
-                    two, 2, 8, OPGRAFT_DTYPE_BF16);
-      }
+  add_candidates(two, 8, 0);
   for (size_t i = 0; i < sizeof others / sizeof *others; ++i) add_setting(others[i], qkv_o, 2, 1, OPGRAFT_DTYPE_BF16);
   norm_jobs = 0;
   /* FP8 weights: every shape as shipped at one and eight rows (bf16 x; fp16 at one row), then the
@@ -223,15 +222,7 @@ static int setup(void **state) {
   add_setting_w(NULL, NULL, N_FP8_SHAPES, 8, OPGRAFT_DTYPE_BF16, 1);
   add_setting_w(NULL, NULL, N_FP8_SHAPES, 1, OPGRAFT_DTYPE_FP16, 1);
   static const int fp8_two[] = {0, 8};
-  for (int t = 0; t < 4; ++t)
-    for (int u = 0; u < 3; ++u)
-      for (int w = 0; w < 4; ++w) {
-        char mb[8];
-        snprintf(mb, sizeof mb, "%d", 16 / atoi(warps[w]));
-        add_setting_w((const char *[]){"OPGRAFT_TUNE_LINEAR_TILES", tiles[t], "OPGRAFT_TUNE_LINEAR_UNROLL", unrolls[u],
-                                       "OPGRAFT_TUNE_LINEAR_WARPS", warps[w], "OPGRAFT_TUNE_LINEAR_MIN_BLOCKS", mb, NULL},
-                      fp8_two, 2, 8, OPGRAFT_DTYPE_BF16, 1);
-      }
+  add_candidates(fp8_two, 8, 1);
   for (size_t i = 0; i < sizeof others / sizeof *others; ++i) add_setting_w(others[i], fp8_two, 1, 1, OPGRAFT_DTYPE_BF16, 1);
   long threads = sysconf(_SC_NPROCESSORS_ONLN);
   const char *env = getenv("OPGRAFT_TEST_JOBS");
