@@ -936,6 +936,12 @@ def cmd_doctor(args) -> int:
         say("block-FP8 linear", off or ("off (OPGRAFT_LINEAR_FP8=0): vLLM's FP8 kernels" if linear_seam.fp8_disabled()
                                         else "ready: Fp8LinearMethod layers with block scales, up to linear.max_rows"
                                         if fp8_cls else f"unavailable: {fwhy}"))
+        from .vllm import norm_seam
+
+        noff = norm_seam.disabled()
+        ncls, nwhy = (None, "") if noff else norm_seam._target()
+        say("norm fusion", noff or ("ready: add + RMSNorm in the qkv projection's kernel, in graphs of up to "
+                                    "linear.norm_rows tokens" if ncls else f"unavailable: {nwhy}"))
     print("\n".join(out))
     if args.model:
         try:

@@ -438,3 +438,18 @@ def test_rows_allowed_asks_the_linear_op(monkeypatch):
     assert norm_seam.rows_allowed(5120, 2048, torch.float32) == 0
     monkeypatch.setattr(norm_seam, "_device", lambda: (0, None))
     assert norm_seam.rows_allowed(5120, 2048, BF16) == 0
+
+
+def test_doctor_reports_the_norm_fusion(clean, capsys, monkeypatch):
+    from opgraft import cli
+
+    def line():
+        assert cli.main(["doctor"]) == 0
+        return [x[22:].strip() for x in capsys.readouterr().out.splitlines() if x.startswith("norm fusion")]
+
+    assert line() == ["ready: add + RMSNorm in the qkv projection's kernel, in graphs of up to linear.norm_rows tokens"]
+    monkeypatch.setenv("OPGRAFT_NORM_FUSION", "0")
+    assert line() == ["norm fusion disabled by OPGRAFT_NORM_FUSION=0"]
+    monkeypatch.delenv("OPGRAFT_NORM_FUSION")
+    monkeypatch.setenv("OPGRAFT_LINEAR", "0")
+    assert line() == ["norm fusion off with the linear seam (OPGRAFT_LINEAR=0)"]
