@@ -1,8 +1,9 @@
 """Norm fusion seam: a post-grad pass that folds add + RMSNorm into the projection after it.
 
 What is patched: `PostGradPassManager.configure(self, config)` in
-vllm/compilation/passes/pass_manager.py (same signature in vLLM 0.26.0, the pinned release, and
-0.33.0, the newest; both tested in CI). The wrapper calls vLLM's configure, then appends opgraft's
+vllm/compilation/passes/pass_manager.py and `VllmConfig._set_compile_ranges(self)` in
+vllm/config/vllm.py (same signatures in vLLM 0.26.0, the pinned release, and 0.33.0, the newest;
+both tested in CI). The wrapper calls vLLM's configure, then appends opgraft's
 pass with `self.add`, so it runs after vLLM's own fusions (which get the first pick of the norms
 they match: all-reduce + RMSNorm, RMSNorm + quant) and before vLLM lowers its IR ops.
 
@@ -15,6 +16,14 @@ which the pass rewrites to `(y, r) = opgraft.add_rms_norm_linear.default(x, resi
 norm_weight, eps, W, bias)`: our GEMV kernel does the add + RMSNorm in its prologue, one launch
 instead of two a layer. The op computes the same function (vLLM's norm, then opgraft::linear)
 where the kernel does not take the call.
+
+Which graphs: the kernel's prologue (every block normalizes the rows) pays only for a few rows
+(linear.norm_rows, the linear op's rule: 2 for Qwen3-30B-A3B's qkv on sm_90, 0 off sm_90;
+bench/NOTES.md v42). vLLM compiles one graph per range of token counts; install() also wraps
+`VllmConfig._set_compile_ranges` to add an endpoint at the model's qkv linear.norm_rows (the
+mechanism vLLM's own rope + KV-cache fusion uses), and the pass runs only in graphs whose range ends
+there or below, on layers whose [N, K] allows that many rows. Prefills and larger batches run a
+graph of their own with vLLM's norm.
 
 How: the pass walks the graph and rewrites only the exact pattern: 2-D x and residual of one
 shape, bf16/fp16; norm weight [K] and W [N, K] of x's dtype; no variance_size; the normed output
