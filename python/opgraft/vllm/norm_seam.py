@@ -22,8 +22,9 @@ Which graphs: the kernel's prologue (every block normalizes the rows) pays only 
 bench/NOTES.md v42). vLLM compiles one graph per range of token counts; install() also wraps
 `VllmConfig._set_compile_ranges` to add an endpoint at the model's qkv linear.norm_rows (the
 mechanism vLLM's own rope + KV-cache fusion uses), and the pass runs only in graphs whose range ends
-there or below, on layers whose [N, K] allows that many rows. Prefills and larger batches run a
-graph of their own with vLLM's norm.
+there or below, on layers whose [N, K] allows that many rows (no endpoint at 1, which vLLM itself
+refuses for user endpoints: a model whose qkv allows one row is not fused). Prefills and larger
+batches run a graph of their own with vLLM's norm.
 
 How: the pass walks the graph and rewrites only the exact pattern: 2-D x and residual of one
 shape, bf16/fp16; norm weight [K] and W [N, K] of x's dtype; no variance_size; the normed output
@@ -324,12 +325,13 @@ def _make_set_compile_ranges(original):
     def _set_compile_ranges(self):
         original(self)
         # A graph for 1..E tokens (E: the qkv projection's linear.norm_rows), where the pass fuses,
-        # and vLLM's own above E, as vLLM's rope + KV-cache fusion splits its ranges.
+        # and vLLM's own above E, as vLLM's rope + KV-cache fusion splits its ranges. Like vLLM's
+        # own check of user endpoints, none at 1 (a one-size range): E = 1 fuses nothing.
         cc = self.compilation_config
         end = self.scheduler_config.max_num_batched_tokens if self.scheduler_config is not None else None
         e = qkv_rows(self) if self.model_config is not None else 0
         points = list(cc.compile_ranges_endpoints or [])
-        if e >= 1 and end is not None and e < end and e not in points:
+        if e >= 2 and end is not None and e < end and e not in points:
             cc.compile_ranges_endpoints = sorted(points + [e])
 
     setattr(_set_compile_ranges, _PATCH_ATTR, original)

@@ -414,7 +414,7 @@ def test_compile_ranges_get_the_qkv_endpoint(clean, rows):
     c = config()
     patched(c)
     assert c.compilation_config.compile_ranges_endpoints == [2, 8192] and rows.asked[-1] == (5120, 2048, BF16)
-    for value, model, max_tokens in ((0, Model(), 8192), (2, None, 8192), (2, Model(), 2)):
+    for value, model, max_tokens in ((0, Model(), 8192), (1, Model(), 8192), (2, None, 8192), (2, Model(), 2)):
         rows.value = value
         c = config(model, max_tokens)
         patched(c)
