@@ -82,9 +82,8 @@ __device__ __forceinline__ void og_prefetch_rest(const og_linear_params &p, long
 #endif
 
 #if OG_NORM
-// The normalized rows in shared memory (dynamic, OG_XS_BYTES a row: 64 bytes of padding put the
-// 16-byte loads of rows g and g + 1 in different banks).
-#define OG_XS_BYTES (2 * (OG_K + 32))
+// The normalized rows in shared memory (dynamic, OG_XS_BYTES a row, linear_params.h).
+#define OG_XS_BYTES (2 * (OG_K + OG_LINEAR_NORM_PAD))
 extern __shared__ __align__(16) char og_xs[];
 
 __device__ __forceinline__ void og_unpack8(const og_vec4 &v, float (&f)[8]) {

@@ -4,6 +4,10 @@
 #ifndef OPGRAFT_LINEAR_PARAMS_H
 #define OPGRAFT_LINEAR_PARAMS_H
 
+/* The add + RMSNorm form's normalized rows in shared memory are K + OG_LINEAR_NORM_PAD elements
+ * apart: 64 bytes of padding put the 16-byte loads of rows g and g + 1 in different banks. */
+#define OG_LINEAR_NORM_PAD 32
+
 typedef struct og_linear_params {
   const void *x;    /* [M, K] */
   const void *w;    /* [N, K] */

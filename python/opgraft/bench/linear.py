@@ -65,6 +65,20 @@ def device_of(device) -> tuple[int, str]:
     return major * 10 + minor, torch.cuda.get_device_name(device)
 
 
+def result_rows(base: dict, results: dict, baseline: str, nbytes: int, ceiling_tbps: float | None,
+                dtype: str) -> list[dict]:
+    """A row per impl of results ({impl: (µs, rel_err, extra fields)}), its speedup over
+    baseline's time."""
+    base_us = results[baseline][0]
+    rows = []
+    for impl, (us, err, extra) in results.items():
+        row = dict(base, impl=impl, **speed(nbytes, us, ceiling_tbps), speedup=round(base_us / us, 2),
+                   rel_err=float(f"{err:.3g}"), tolerance=TOLERANCE[dtype])
+        row.update(extra)
+        rows.append(row)
+    return rows
+
+
 def bench_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device="cuda", ceiling_tbps: float | None = None,
                 reps: int = 30, between_mib: int = BETWEEN_MIB, timing: str = "subtract", progress=None) -> list[dict]:
     """Rows for one projection at each row count: opgraft and torch-linear, checked against fp64."""
@@ -109,14 +123,9 @@ def bench_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device="cuda
 
         us, how = timed_calls(tcall, schedule, between, reps, timing)
         results["torch-linear"] = (us, terr, how)
-        torch_us = results["torch-linear"][0]
-        for impl, (us, err, extra) in results.items():
-            row = dict(base, impl=impl, M=M, **speed(nbytes, us, ceiling_tbps),
-                       speedup=round(torch_us / us, 2), rel_err=float(f"{err:.3g}"), tolerance=TOLERANCE[dtype],
-                       max_rows=max_rows, max_rows_source=max_rows_src,
-                       guard="take" if ok else f"delegate: {reason}")
-            row.update(extra)
-            out_rows.append(row)
+        out_rows += result_rows(dict(base, M=M, max_rows=max_rows, max_rows_source=max_rows_src,
+                                     guard="take" if ok else f"delegate: {reason}"),
+                                results, "torch-linear", nbytes, ceiling_tbps, dtype)
         if not ok:
             out_rows.append(dict(base, impl="opgraft", M=M, median_us=None, bytes=nbytes, guard=f"delegate: {reason}"))
     del weights, w64
@@ -307,6 +316,7 @@ def bench_norm_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device=
         schedule = [(i, None) for i in range(L)]
         n0, r0 = ops.add_rms_norm_reference(xs[0], rs[0], norm_w, NORM_EPS)
         ref = n0.double() @ w64.T
+        n_compiled = norm(xs[0], rs[0], norm_w, NORM_EPS)[0]  # the baselines' normalized input
         nbytes = call_bytes(shape, M) + 3 * M * K * 2  # x and residual read, residual_out written
         outs = [torch.empty((M, shape.out_features), dtype=dt, device=device) for _ in range(L)]
         routs = [torch.empty((M, K), dtype=dt, device=device) for _ in range(L)]
@@ -334,23 +344,16 @@ def bench_norm_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device=
                 ops.linear_into(outs[i], n, weights[i])
 
             us, how = timed_calls(two, schedule, between, reps, timing)
-            results["norm+opgraft"] = (us, rel_err(ops.linear_or_torch(norm(xs[0], rs[0], norm_w, NORM_EPS)[0],
-                                                                       weights[0]), ref), how)
+            results["norm+opgraft"] = (us, rel_err(ops.linear_or_torch(n_compiled, weights[0]), ref), how)
 
         def stock(i, _):
             n, _r = norm(xs[i], rs[i], norm_w, NORM_EPS)
             torch.nn.functional.linear(n, weights[i])
 
         us, how = timed_calls(stock, schedule, between, reps, timing)
-        results["norm+torch"] = (us, rel_err(torch.nn.functional.linear(norm(xs[0], rs[0], norm_w, NORM_EPS)[0],
-                                                                        weights[0]), ref), how)
-        stock_us = results["norm+torch"][0]
-        for impl, (us, err, extra) in results.items():
-            row = dict(base, impl=impl, M=M, **speed(nbytes, us, ceiling_tbps), speedup=round(stock_us / us, 2),
-                       rel_err=float(f"{err:.3g}"), tolerance=TOLERANCE[dtype],
-                       guard="take" if ok else f"delegate: {reason}")
-            row.update(extra)
-            out_rows.append(row)
+        results["norm+torch"] = (us, rel_err(torch.nn.functional.linear(n_compiled, weights[0]), ref), how)
+        out_rows += result_rows(dict(base, M=M, guard="take" if ok else f"delegate: {reason}"), results,
+                                "norm+torch", nbytes, ceiling_tbps, dtype)
     del weights, w64
     torch.cuda.empty_cache()
     return out_rows

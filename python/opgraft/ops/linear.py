@@ -427,13 +427,14 @@ def _(x, weight, bias=None):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def linear_reference_cpu(x, weight, bias=None, weight_scale=None, block=(0, 0)) -> torch.Tensor:
-    """The C fp64 oracle on CPU copies of the tensors (FP8 weights: with their block scales);
-    returns float64 [M, N]."""
+def linear_reference_cpu(x, weight, bias=None, weight_scale=None, block=(0, 0), norm=None) -> torch.Tensor:
+    """The C fp64 oracle on CPU copies of the tensors (FP8 weights: with their block scales; norm:
+    the add + RMSNorm form's CPU (residual, norm_weight, eps, residual_out), residual_out
+    written); returns float64 [M, N]."""
     xc, wc = x.detach().cpu(), weight.detach().cpu()
     bc = bias.detach().cpu().contiguous() if bias is not None else None
     sc = weight_scale.detach().cpu() if weight_scale is not None else None
-    a = linear_args(xc, wc, bc, weight_scale=sc, block=tuple(block))
+    a = linear_args(xc, wc, bc, weight_scale=sc, block=tuple(block), norm=norm)
     if a.dtype == -1:
         raise ValueError("tensor shapes are not those of one linear call")
     out = torch.empty((xc.shape[0], wc.shape[0]), dtype=torch.float64)
@@ -444,15 +445,9 @@ def linear_reference_cpu(x, weight, bias=None, weight_scale=None, block=(0, 0)) 
 
 def add_rms_norm_linear_reference_cpu(x, residual, norm_weight, eps, weight, bias=None):
     """The C fp64 oracle of the add + RMSNorm form: (float64 [M, N], residual_out [M, K])."""
-    xc, wc, rc, nc = (t.detach().cpu().contiguous() for t in (x, weight, residual, norm_weight))
-    bc = bias.detach().cpu().contiguous() if bias is not None else None
-    r_out = torch.empty_like(xc)
-    a = linear_args(xc, wc, bc, norm=(rc, nc, eps, r_out))
-    if a.dtype == -1:
-        raise ValueError("tensor shapes are not those of one add + RMSNorm linear call")
-    out = torch.empty((xc.shape[0], wc.shape[0]), dtype=torch.float64)
-    _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a), ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_double))))
-    return out, r_out
+    rc, nc = residual.detach().cpu(), norm_weight.detach().cpu().contiguous()
+    r_out = torch.empty(x.shape, dtype=x.dtype)
+    return linear_reference_cpu(x, weight, bias, norm=(rc, nc, eps, r_out)), r_out
 
 
 def linear_fp8_reference_cpu(x, weight, weight_scale, block, bias=None) -> torch.Tensor:

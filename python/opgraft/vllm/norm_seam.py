@@ -119,6 +119,7 @@ def _source_hash() -> str:
     return InductorPass.hash_source(f"opgraft {__version__}\n{src}")
 
 
+@functools.lru_cache(maxsize=1)  # asked once a fused layer when a graph compiles; the GPU stays
 def _device() -> tuple[int, str | None]:
     """(arch, GPU name) of this process's GPU through vLLM's platform (NVML: no CUDA context in the
     process that builds the config), (0, None) without one."""

@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../../kernels/linear/linear_params.h"
 #include "linear.h"
 
 struct opgraft_linear_plan {
@@ -20,6 +19,14 @@ struct opgraft_linear_plan {
 enum { OG_FUNC_ATTR_MAX_DYNAMIC_SHARED = 8 }; /* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES */
 
 #define OG_REASON_FAIL(st) opgraft__fail(st, "linear call not supported: %s", reason)
+
+/* The sizes, strides and eps of a call: what a run adds to them is the pointers. */
+static void layout_of(const opgraft_linear_args *a, og_linear_params *q) {
+  q->x_stride = a->x_stride[0], q->w_stride = a->weight_stride[0], q->y_stride = a->out_stride[0];
+  q->M = (int)a->rows, q->N = (int)a->out_features;
+  q->ws_stride0 = a->weight_scale_stride[0], q->ws_stride1 = a->weight_scale_stride[1];
+  q->r_stride = a->residual_stride[0], q->ro_stride = a->residual_out_stride[0], q->eps = a->norm_eps;
+}
 
 int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_plan **out, char *reason,
                                    size_t reason_len) {
@@ -70,11 +77,7 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
     free(p);
     return st;
   }
-  og_linear_params *q = &p->proto;
-  q->x_stride = a->x_stride[0], q->w_stride = a->weight_stride[0], q->y_stride = a->out_stride[0];
-  q->M = (int)a->rows, q->N = (int)a->out_features;
-  q->ws_stride0 = a->weight_scale_stride[0], q->ws_stride1 = a->weight_scale_stride[1];
-  q->r_stride = a->residual_stride[0], q->ro_stride = a->residual_out_stride[0], q->eps = a->norm_eps;
+  layout_of(a, &p->proto);
   *out = p;
   return OPGRAFT_OK;
 }
@@ -191,10 +194,8 @@ int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
     opgraft__plan_cache_put(&plans, made);
   }
   og_linear_params p = plan->proto;
+  layout_of(a, &p); /* this entry point takes the strides from each call */
   p.x = a->x, p.w = a->weight, p.bias = a->bias, p.y = a->out, p.ws = a->weight_scale;
-  p.x_stride = a->x_stride[0], p.w_stride = a->weight_stride[0], p.y_stride = a->out_stride[0];
-  p.ws_stride0 = a->weight_scale_stride[0], p.ws_stride1 = a->weight_scale_stride[1];
   p.r = a->residual, p.nw = a->norm_weight, p.ro = a->residual_out;
-  p.r_stride = a->residual_stride[0], p.ro_stride = a->residual_out_stride[0], p.eps = a->norm_eps;
   return launch(cu, plan, &p, (og_CUstream)stream);
 }

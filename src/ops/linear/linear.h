@@ -4,6 +4,7 @@
 #define OPGRAFT_OPS_LINEAR_H
 
 #include "../../core/internal.h"
+#include "../../../kernels/linear/linear_params.h"
 
 /* The kernel's limits (kernels/linear/linear.cu): the rows are the tokens of one MMA tile, and K
  * is a compile-time constant of 16-byte chunks. */
@@ -13,11 +14,11 @@
 #define OG_LINEAR_MIN_ARCH 80     /* mma.sync bf16 and cvt.rn.bf16.f32 need sm_80 */
 #define OG_LINEAR_FP8_MIN_ARCH 89 /* cvt between f32, e4m3x2 and f16x2 needs sm_89 */
 
-/* The add + RMSNorm form keeps its normalized rows in shared memory (kernels/linear/linear.cu:
- * rows * (K + 32) * 2 bytes); above 48 KB the plan raises the kernel's limit, which sm_80's 163 KB
- * a block allows up to this. */
+/* The add + RMSNorm form keeps its normalized rows in shared memory (kernels/linear/linear.cu,
+ * linear_params.h); above 48 KB the plan raises the kernel's limit, which sm_80's 163 KB a block
+ * allows up to this. */
 #define OG_LINEAR_NORM_MAX_SMEM (96 * 1024)
-#define OG_LINEAR_NORM_SMEM(rows, K) ((rows) * ((K) + 32) * 2)
+#define OG_LINEAR_NORM_SMEM(rows, K) ((rows) * ((K) + OG_LINEAR_NORM_PAD) * 2)
 
 extern const og_op opgraft__linear_op;
 
