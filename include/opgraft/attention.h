@@ -84,7 +84,36 @@ typedef struct opgraft_attention_args {
   const void *slot_mapping;
   int32_t slot_mapping_dtype; /* OPGRAFT_DTYPE_INT64 */
   int64_t slot_count;         /* rows of slot_mapping (a run's value, not the plan's) */
+  /* ---- ABI 11: vLLM's q/k RMSNorm and rotary embedding of the query and the new key, in the kernel
+   * (only with k_new). With q_norm_weight and k_norm_weight (both or neither; [head_size] in
+   * qk_norm_dtype, which must be dtype), each head x of q and of k_new first becomes
+   *   round(round(x * rsqrt(mean(x^2) + qk_norm_eps)) * w)       (vLLM's RMSNorm over a head);
+   * with rope_style NEOX or GPTJ, each head is then rotated by its row's position p = positions[b]
+   * (int64 [batch]) through cos_sin_cache (rope_rows rows of cos_sin_stride elements, in
+   * cos_sin_dtype, which must be dtype: the head_size / 2 cosines of row p, then their sines;
+   * rotary_dim is head_size): NEOX pairs dim i with i + head_size / 2, GPTJ dim 2i with 2i + 1,
+   *   (x1, x2) -> round(x1 cos_i - x2 sin_i), round(x2 cos_i + x1 sin_i)   (fp32).
+   * A position outside [0, rope_rows) is not rotated. The new key is stored normalized and
+   * rotated, as vLLM stores it after its own norm and rotary embedding. Plans of such calls run
+   * through opgraft_attention_plan_run_args. */
+  const void *q_norm_weight;
+  const void *k_norm_weight;
+  int32_t qk_norm_dtype;
+  double qk_norm_eps;
+  int32_t rope_style; /* OPGRAFT_ROPE_* */
+  const void *cos_sin_cache;
+  int32_t cos_sin_dtype;
+  int64_t cos_sin_stride; /* elements between rows; a row's dims are contiguous */
+  int64_t rope_rows;
+  const void *positions;
+  int32_t positions_dtype; /* OPGRAFT_DTYPE_INT64, [batch] contiguous */
 } opgraft_attention_args;
+
+enum {
+  OPGRAFT_ROPE_NONE = 0,
+  OPGRAFT_ROPE_NEOX = 1, /* vLLM's is_neox_style: dim i with i + head_size / 2 */
+  OPGRAFT_ROPE_GPTJ = 2, /* dim 2i with 2i + 1 */
+};
 
 /* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
  * "head size 96 (64, 128 or 256 supported)") written to reason. Looks only at the arguments,
@@ -121,7 +150,8 @@ OPGRAFT_EXTERN int32_t opgraft_attention_plan_run(const opgraft_attention_plan *
 
 /* The same for a plan made with k_new set: the call's new keys and values are stored into the
  * cache at slot_mapping's slots (slot_count rows) as well. opgraft_attention_plan_run refuses such
- * a plan (OPGRAFT_EINVAL), and this function a plan made without k_new. */
+ * a plan (OPGRAFT_EINVAL), and this function a plan made without k_new or with q/k norm or rotary
+ * embedding (opgraft_attention_plan_run_args runs those). */
 OPGRAFT_EXTERN int32_t opgraft_attention_plan_run_update(const opgraft_attention_plan *plan, const void *q,
                                                          const void *k_new, const void *v_new,
                                                          const void *slot_mapping, int64_t slot_count,
@@ -129,6 +159,13 @@ OPGRAFT_EXTERN int32_t opgraft_attention_plan_run_update(const opgraft_attention
                                                          const void *block_table, const void *seq_lens,
                                                          const void *sinks, void *out, void *workspace,
                                                          int64_t batch, int64_t max_seq_len, void *stream);
+
+/* Runs the plan with the pointers, batch, max_seq_len and slot_count of args (its layout must be
+ * the plan's): the only run entry point of a plan made with q/k norm or rotary embedding, and one
+ * for every other plan too. */
+OPGRAFT_EXTERN int32_t opgraft_attention_plan_run_args(const opgraft_attention_plan *plan,
+                                                       const opgraft_attention_args *args, void *workspace,
+                                                       void *stream);
 
 /* Bytes of workspace opgraft_attention_run needs for these arguments on any GPU (an upper bound
  * of the plan's), zeroed once as above. */
@@ -139,7 +176,8 @@ OPGRAFT_EXTERN int32_t opgraft_attention_run(const opgraft_attention_args *args,
 
 /* CPU oracle: the same function in fp64 on host pointers. Writes out_f64 ([batch, num_heads,
  * head_size], contiguous) when it is not NULL; otherwise rounds to args->dtype into args->out.
- * With k_new set it stores the new keys and values into the host cache first, as the kernel does. */
+ * With k_new set it stores the new keys and values into the host cache first, as the kernel does
+ * (normalized and rotated first where args ask for it). */
 OPGRAFT_EXTERN int32_t opgraft_attention_reference(const opgraft_attention_args *args, double *out_f64);
 
 /* Compiles the kernel this call would use for the given arch (needs NVRTC, no GPU) and reports

@@ -43,6 +43,13 @@
 // slot >= 0), written by the block of the last split, which takes key L-1 from k_new and v_new
 // rather than from the cache (a decode row's slot is its key L-1's place), as one more partial
 // merged after its warps'. No block reads the slot being written, so the write needs no ordering.
+//
+// OG_QKNORM, OG_ROPE (with OG_UPDATE): vLLM's q/k RMSNorm and rotary embedding (the header says
+// what they compute) of the row's query heads and new key, in registers as they arrive, before the
+// query goes to shared memory and the key to the cache. A head's D/8 16-byte pieces sit in D/8
+// consecutive lanes of one warp, so its sum of squares and a NeoX rotation's other half are
+// shuffles; a thread's pieces all start at the same dim, so it loads one set of norm weights and
+// of cosines and sines (its row's, with the length: the position is the input preparation's).
 #include "og_common.cuh"
 #include "attn_params.h"
 
@@ -94,6 +101,17 @@
 // OG_FAN32: the module also has the fan-in 32 entry point (attention_decode_fan32_*).
 #ifndef OG_FAN32
 #define OG_FAN32 0
+#endif
+#ifndef OG_QKNORM
+#define OG_QKNORM 0
+#endif
+// OG_ROPE: 0 none, 1 NeoX (dim i with i + D/2), 2 GPT-J (dim 2i with 2i + 1).
+#ifndef OG_ROPE
+#define OG_ROPE 0
+#endif
+#define OG_QKPRO (OG_QKNORM || OG_ROPE)
+#if OG_QKPRO && !OG_UPDATE
+#error "q/k norm and rotary embedding need the call's new keys (OG_UPDATE)"
 #endif
 #define OG_CHUNK 16  // partials a combine loads at once (a thread's loads in flight)
 
@@ -403,6 +421,79 @@ __device__ __forceinline__ void og_store_piece(og_u16 *krow, og_u16 *vrow, int i
 }
 #endif
 
+#if OG_QKPRO
+// What the thread's 8 dims (from d = 8 * (tid % (D/8))) need: the norm weights, and the cosines
+// and sines of the row's position (NeoX: of frequencies d % (D/2) .. +8; GPT-J: d/2 .. +4, in x, y).
+struct og_qk_consts {
+  og_vec4 qw, kw, cr, sr;
+  bool rot;
+};
+__device__ __forceinline__ void og_qk_load(const og_attn_params &p, long long pos, og_qk_consts &k) {
+  const int d = 8 * ((int)threadIdx.x % (OG_D / 8));
+#if OG_QKNORM
+  k.qw = og_load_shared_operand((const og_u16 *)p.q_norm_w + d);  // weights: never written
+  k.kw = og_load_shared_operand((const og_u16 *)p.k_norm_w + d);
+#endif
+#if OG_ROPE
+  k.rot = pos >= 0 && pos < p.rope_rows;
+  const og_u16 *row = (const og_u16 *)p.cos_sin + (k.rot ? pos : 0) * p.cs_stride;
+#if OG_ROPE == 1
+  k.cr = og_load_shared_operand(row + d % (OG_D / 2));
+  k.sr = og_load_shared_operand(row + OG_D / 2 + d % (OG_D / 2));
+#else
+  const uint2 c = __ldg((const uint2 *)(row + d / 2)), s = __ldg((const uint2 *)(row + OG_D / 2 + d / 2));
+  k.cr.x = c.x, k.cr.y = c.y, k.sr.x = s.x, k.sr.y = s.y;
+#endif
+#endif
+}
+// A query or key piece (8 dims of one head at the thread's d) normalized with the weights w and
+// rotated. Every lane of the warp calls it, each with its own piece (the heads' lanes meet in
+// shuffles); the rotation in fp32 from the normalized 16-bit values, rounded once.
+__device__ __forceinline__ og_vec4 og_qk_piece(const og_attn_params &p, og_vec4 v, const og_vec4 &w,
+                                               const og_qk_consts &k) {
+#if OG_QKNORM
+  {
+    float x[8];
+    og_unpack8(v, x);
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ss += x[j] * x[j];
+#pragma unroll
+    for (int o = OG_D / 16; o > 0; o >>= 1) ss += __shfl_xor_sync(OG_FULL, ss, o);
+    const float r = rsqrtf(ss / (float)OG_D + p.qk_eps);
+    v.x = og_mul2(og_pack2(x[0] * r, x[1] * r), w.x), v.y = og_mul2(og_pack2(x[2] * r, x[3] * r), w.y);
+    v.z = og_mul2(og_pack2(x[4] * r, x[5] * r), w.z), v.w = og_mul2(og_pack2(x[6] * r, x[7] * r), w.w);
+  }
+#endif
+#if OG_ROPE
+  if (k.rot) {  // the same in every thread of the block (one row)
+    float x[8], o[8];
+    og_unpack8(v, x);
+#if OG_ROPE == 1
+    og_vec4 u;  // the same dims of the head's other half
+    u.x = __shfl_xor_sync(OG_FULL, v.x, OG_D / 16), u.y = __shfl_xor_sync(OG_FULL, v.y, OG_D / 16);
+    u.z = __shfl_xor_sync(OG_FULL, v.z, OG_D / 16), u.w = __shfl_xor_sync(OG_FULL, v.w, OG_D / 16);
+    float y[8], c[8], s[8];
+    og_unpack8(u, y), og_unpack8(k.cr, c), og_unpack8(k.sr, s);
+    const bool second = threadIdx.x & (OG_D / 16);  // dims D/2 .. D of the head
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = second ? x[j] * c[j] + y[j] * s[j] : x[j] * c[j] - y[j] * s[j];
+#else
+    const float c[4] = {og_lo(k.cr.x), og_hi(k.cr.x), og_lo(k.cr.y), og_hi(k.cr.y)};
+    const float s[4] = {og_lo(k.sr.x), og_hi(k.sr.x), og_lo(k.sr.y), og_hi(k.sr.y)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      o[2 * j] = x[2 * j] * c[j] - x[2 * j + 1] * s[j];
+      o[2 * j + 1] = x[2 * j + 1] * c[j] + x[2 * j] * s[j];
+    }
+#endif
+    v = og_pack8(o);
+  }
+#endif
+  return v;
+}
+#endif
+
 // The kernel's body at the combine tree's fan-in 1 << LG (a compile-time value: an entry point
 // each, below).
 template <int LG>
@@ -436,6 +527,9 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
     for (int r = 0; r < OG_NEWREGS; ++r) {
       const int i = tid + r * OG_NT;
       if (i < OG_NEWITEMS) nreg[r] = og_new_piece(p, b, hk, i);
+#if OG_QKPRO  // defined values in the lanes that only take part in the key's shuffles
+      else nreg[r] = og_zero4();
+#endif
     }
 #endif
   };
@@ -452,9 +546,21 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 #if OG_UPDATE  // the row's cache slot, in flight with the length
   const long long slot = b < p.slot_count ? og_ld_meta_s64(p.slot_mapping + b) : -1;
 #endif
+#if OG_QKPRO
+  og_qk_consts qk;
+  og_qk_load(p, OG_ROPE ? og_ld_meta_s64(p.positions + b) : 0, qk);  // constants: before the wait
+#endif
 #if OG_PDL
   og_pdl_wait();
   load_q();
+#endif
+#if OG_QKPRO
+#pragma unroll
+  for (int r = 0; r < OG_QREGS; ++r) qreg[r] = og_qk_piece(p, qreg[r], qk.qw, qk);
+  if (warp == 0) {  // the new key's pieces are warp 0's first D/8 lanes (r = 0)
+    const og_vec4 kn = og_qk_piece(p, nreg[0], qk.kw, qk);
+    if (tid < OG_D / 8) nreg[0] = kn;
+  }
 #endif
   if (L <= 0) {  // a padded row: zeros
     if (s == 0) {

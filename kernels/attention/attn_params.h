@@ -18,12 +18,16 @@ typedef struct og_attn_params {
   const void *k_new;      /* OG_UPDATE: the call's new keys [batch, kv_heads, D] through kn_st, kn_sh */
   const void *v_new;      /* OG_UPDATE: its new values, likewise */
   const long long *slot_mapping; /* OG_UPDATE: [slot_count] cache slot (block * block_size + row) of row b's new key */
+  const void *q_norm_w, *k_norm_w; /* OG_QKNORM: [D] RMSNorm weights of a query head and of a key head */
+  const void *cos_sin;             /* OG_ROPE: [rope_rows] rows of cs_stride: D/2 cosines, then D/2 sines */
+  const long long *positions;      /* OG_ROPE: [batch] row b's position */
   long long q_st, q_sh;
   long long o_st, o_sh;
   long long k_sb, k_st, k_sh;
   long long v_sb, v_st, v_sh;
   long long bt_stride;
   long long kn_st, kn_sh, vn_st, vn_sh;
+  long long cs_stride; /* OG_ROPE */
   int block_size; /* tokens a cache block, a multiple of 16 (a run-time value: the kernel can be
                    * compiled before the cache exists) */
   int max_blocks; /* the block table's columns */
@@ -34,6 +38,8 @@ typedef struct og_attn_params {
   int slot_count;  /* OG_UPDATE: rows of slot_mapping; rows at or past it write nothing */
   float qk_scale;  /* scale * log2(e); with OG_SOFTCAP scale / softcap */
   float cap_log2;  /* OG_SOFTCAP: softcap * log2(e) */
+  float qk_eps;    /* OG_QKNORM: the RMSNorm's epsilon */
+  int rope_rows;   /* OG_ROPE: rows of cos_sin; a position outside [0, rope_rows) is not rotated */
 } og_attn_params;
 
 /* A query row in shared memory, in elements: 64 bytes of padding spread the banks. */

@@ -148,6 +148,30 @@ __device__ __forceinline__ og_u32 og_pack2(float lo, float hi) {
 __device__ __forceinline__ float og_lo(og_u32 v) { return og_to_float((og_u16)(v & 0xffffu)); }
 __device__ __forceinline__ float og_hi(og_u32 v) { return og_to_float((og_u16)(v >> 16)); }
 
+// The 8 values of a 16-byte piece, in order.
+__device__ __forceinline__ void og_unpack8(const og_vec4 &v, float (&f)[8]) {
+  const og_u32 u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) f[2 * j] = og_lo(u[j]), f[2 * j + 1] = og_hi(u[j]);
+}
+__device__ __forceinline__ og_vec4 og_pack8(const float (&f)[8]) {
+  og_vec4 v;
+  v.x = og_pack2(f[0], f[1]), v.y = og_pack2(f[2], f[3]), v.z = og_pack2(f[4], f[5]), v.w = og_pack2(f[6], f[7]);
+  return v;
+}
+
+// round(a * b) for each 16-bit half: the product of two 16-bit floats is exact in fp32, so one
+// fused multiply-add with -0 rounds it once, as vLLM's multiply in the 16-bit dtype does.
+__device__ __forceinline__ og_u32 og_mul2(og_u32 a, og_u32 b) {
+  og_u32 d;
+#if OG_DTYPE == 1
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#else
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
+  return d;
+}
+
 // Tensor-core product D = A (16x16, row) * B (16x8, col) + D with fp32 accumulation (sm_80+).
 // Fragment ownership for lane = 4*g + c: a0 = A[g][2c..2c+1], a1 = A[g+8][2c..], a2 = A[g][2c+8..],
 // a3 = A[g+8][2c+8..]; b0 = B[2c..2c+1][g], b1 = B[2c+8..][g]; d = D[g][2c..], D[g+8][2c..].

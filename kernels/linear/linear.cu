@@ -86,24 +86,6 @@ __device__ __forceinline__ void og_prefetch_rest(const og_linear_params &p, long
 #define OG_XS_BYTES (2 * (OG_K + OG_LINEAR_NORM_PAD))
 extern __shared__ __align__(16) char og_xs[];
 
-__device__ __forceinline__ void og_unpack8(const og_vec4 &v, float (&f)[8]) {
-  const og_u32 u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) f[2 * j] = og_lo(u[j]), f[2 * j + 1] = og_hi(u[j]);
-}
-
-// round(a * b) for each 16-bit half: the product of two 16-bit floats is exact in fp32, so one
-// fused multiply-add with -0 rounds it once, as vLLM's multiply in the 16-bit dtype does.
-__device__ __forceinline__ og_u32 og_mul2(og_u32 a, og_u32 b) {
-  og_u32 d;
-#if OG_DTYPE == 1
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-#else
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-#endif
-  return d;
-}
-
 // h = x + residual of row m at 16-byte chunk i, as 8 floats.
 __device__ __forceinline__ void og_h8(const og_linear_params &p, int m, int i, float (&h)[8]) {
   float r[8];
@@ -131,11 +113,7 @@ __device__ __forceinline__ void og_norm_stage(const og_linear_params &p, float (
         og_h8(p, m, i, h);
 #pragma unroll
         for (int j = 0; j < 8; ++j) ss[m] += h[j] * h[j];
-        if (blockIdx.x == 0) {
-          og_vec4 o;
-          o.x = og_pack2(h[0], h[1]), o.y = og_pack2(h[2], h[3]), o.z = og_pack2(h[4], h[5]), o.w = og_pack2(h[6], h[7]);
-          *(og_vec4 *)((char *)p.ro + 2 * (m * p.ro_stride + 8LL * i)) = o;
-        }
+        if (blockIdx.x == 0) *(og_vec4 *)((char *)p.ro + 2 * (m * p.ro_stride + 8LL * i)) = og_pack8(h);
       }
     }
   }

@@ -21,6 +21,7 @@ OK, EINVAL, ENOMEM, ENOLIB, ECUDA, ENVRTC, EUNSUPPORTED = 0, -1, -2, -3, -4, -5,
 EIO, EPARSE, ENOTFOUND, ENODEV, ERANGE, ESTALE = -7, -8, -9, -10, -11, -12
 
 DTYPE_BF16, DTYPE_FP16, DTYPE_FP32, DTYPE_INT32, DTYPE_INT64, DTYPE_FP8_E4M3, DTYPE_UINT8 = 1, 2, 3, 4, 5, 6, 7
+ROPE_NONE, ROPE_NEOX, ROPE_GPTJ = 0, 1, 2  # opgraft_attention_args.rope_style
 ACT_SILU, ACT_GELU = 1, 2
 # opgraft_moe_scale_layout
 SCALE_NONE, SCALE_BLOCK, SCALE_TENSOR = 0, 1, 2
@@ -160,6 +161,18 @@ class AttentionArgs(ctypes.Structure):
         ("slot_mapping", ctypes.c_void_p),
         ("slot_mapping_dtype", ctypes.c_int32),
         ("slot_count", ctypes.c_int64),
+        # ABI 11: q/k RMSNorm and rotary embedding of the query and the new key
+        ("q_norm_weight", ctypes.c_void_p),
+        ("k_norm_weight", ctypes.c_void_p),
+        ("qk_norm_dtype", ctypes.c_int32),
+        ("qk_norm_eps", ctypes.c_double),
+        ("rope_style", ctypes.c_int32),
+        ("cos_sin_cache", ctypes.c_void_p),
+        ("cos_sin_dtype", ctypes.c_int32),
+        ("cos_sin_stride", ctypes.c_int64),
+        ("rope_rows", ctypes.c_int64),
+        ("positions", ctypes.c_void_p),
+        ("positions_dtype", ctypes.c_int32),
     ]
 
 
@@ -277,6 +290,7 @@ _SIGNATURES = {
     "opgraft_attention_plan_run_update": (
         ctypes.c_int32,
         [_P, _P, _P, _P, _P, ctypes.c_int64, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, _P]),
+    "opgraft_attention_plan_run_args": (ctypes.c_int32, [_P, ctypes.POINTER(AttentionArgs), _P, _P]),
     "opgraft_attention_workspace_size": (
         ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.POINTER(ctypes.c_size_t)]),
     "opgraft_attention_run": (ctypes.c_int32, [ctypes.POINTER(AttentionArgs), _P, ctypes.c_size_t, _P]),

@@ -475,9 +475,10 @@ def _parse_ints(text: str, what: str, lo: int, hi: int) -> list[int]:
 
 
 def attention_args_struct(heads_q: int, heads_kv: int, head_size: int, batch: int, dtype: str, arch: int,
-                          block_size: int = 16) -> _lib.AttentionArgs:
+                          block_size: int = 16, prologue: bool = False) -> _lib.AttentionArgs:
     """Arguments that describe a decode-attention shape only (fake aligned pointers, vLLM's NHD
-    cache strides): for the guard and the compiler."""
+    cache strides): for the guard and the compiler. prologue: the call that writes its new keys
+    after Qwen3's q/k norm and NeoX rotary embedding."""
     a = _lib.AttentionArgs()
     a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
     a.dtype = a.kv_dtype = _lib.DTYPE_BF16 if dtype == "bf16" else _lib.DTYPE_FP16
@@ -491,6 +492,12 @@ def attention_args_struct(heads_q: int, heads_kv: int, head_size: int, batch: in
     a.block_table_dtype = a.seq_lens_dtype = _lib.DTYPE_INT32
     a.block_table_stride[:] = [4096, 1]
     a.arch = arch
+    if prologue:
+        a.k_new = a.v_new = a.slot_mapping = a.q_norm_weight = a.k_norm_weight = a.cos_sin_cache = a.positions = fake
+        a.k_new_stride[:] = a.v_new_stride[:] = [(heads_q + 2 * heads_kv) * head_size, head_size]
+        a.slot_mapping_dtype = a.positions_dtype = _lib.DTYPE_INT64
+        a.qk_norm_dtype = a.cos_sin_dtype = a.dtype
+        a.qk_norm_eps, a.rope_style, a.cos_sin_stride, a.rope_rows = 1e-6, _lib.ROPE_NEOX, head_size, 40960
     return a
 
 
@@ -521,7 +528,7 @@ def _cpu_bench_attention(args, why: str) -> int:
     rows = []
     for name, batch, context in points:
         s = presets[name]
-        a = attention_args_struct(s.heads_q, s.heads_kv, s.head_size, batch, args.dtype, 90)
+        a = attention_args_struct(s.heads_q, s.heads_kv, s.head_size, batch, args.dtype, 90, prologue=args.prologue)
         reason = ctypes.create_string_buffer(256)
         st = _lib.lib().opgraft_attention_supports(ctypes.byref(a), reason, len(reason))
         row = {"op": "attention", "model": name, "batch": batch, "context": context, "heads_q": s.heads_q,
@@ -560,16 +567,18 @@ def cmd_bench_attention(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    impls = tuple(args.impls.split(","))
-    unknown = [i for i in impls if i not in ab.IMPLS]
+    known = ab.PROLOGUE_IMPLS if args.prologue else ab.IMPLS
+    impls = known if args.impls is None else tuple(args.impls.split(","))
+    unknown = [i for i in impls if i not in known]
     if unknown:
-        print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(ab.IMPLS)})", file=sys.stderr)
+        print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(known)})", file=sys.stderr)
         return 2
 
     def run(ceiling, rows):
         for point in points:
             rows += ab.bench_rows(ceiling, [point], args.dtype, args.reps, args.between_mib, args.hint, impls,
-                                  progress=lambda m: print(m, file=sys.stderr, flush=True), shapes=presets)
+                                  progress=lambda m: print(m, file=sys.stderr, flush=True), shapes=presets,
+                                  prologue=args.prologue)
 
     rows, rc = _gpu_bench(run, ab.format_table)
     failed = _write_rows(args.json, rows)
@@ -1046,8 +1055,13 @@ def main(argv=None) -> int:
                     help="read this many MiB of other data before each timed call (0: back to back)")
     ba.add_argument("--hint", type=int, default=0,
                     help="the max_seq_len our kernel gets (0: unknown, as in a CUDA graph; it caps splits only)")
-    ba.add_argument("--impls", default="opgraft,vllm-fa3,vllm-flashinfer,vllm-triton",
-                    help="the implementations to time (default: %(default)s)")
+    ba.add_argument("--impls", default=None,
+                    help="the implementations to time (default: opgraft,vllm-fa3,vllm-flashinfer,vllm-triton; "
+                         "with --prologue opgraft-fused,norm-rope+opgraft,vllm-qk-norm-rope+opgraft)")
+    ba.add_argument("--prologue", action="store_true",
+                    help="q/k RMSNorm + rotary embedding + KV-cache write + attention from the qkv output: our "
+                         "kernel doing all of it against the compiled norm and rotary (or vLLM's fused_qk_norm_rope) "
+                         "followed by our kernel")
     ba.add_argument("--json", nargs="?", const="-", default=None, help="write JSON rows (to FILE, or stdout)")
     ba.set_defaults(fn=cmd_bench_attention)
     profile_ops = sub.add_parser("profile", help="time split and roofline verdict per token count").add_subparsers(

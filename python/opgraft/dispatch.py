@@ -327,7 +327,9 @@ class AttentionCall:
     FlashAttentionImpl.forward splits from it, the metadata's lengths and block table, and where
     the output goes (rows 0 .. batch-1, batch = len(seq_lens)). With key, value and slot_mapping
     the call also owes the cache its new keys and values (vLLM's KV-cache write): our kernel stores
-    them, and the delegate does vLLM's write before its attention."""
+    them, and the delegate does vLLM's write before its attention. With pro (an ops.attention
+    QKPrologue) the query and key are before vLLM's q/k norm and rotary embedding, which our kernel
+    applies and the delegate must do itself."""
 
     query: Any
     key_cache: Any
@@ -345,6 +347,7 @@ class AttentionCall:
     key: Any = None
     value: Any = None
     slot_mapping: Any = None
+    pro: Any = None
 
 
 @register_variant("attention", "passthrough")
@@ -362,12 +365,12 @@ def _attention_opgraft(call: AttentionCall):
     try:
         plan = attention.plan_for(call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
                                   call.output, call.scale, call.softcap, call.window_left, call.sinks,
-                                  key=call.key, value=call.value, slot_mapping=call.slot_mapping)
+                                  key=call.key, value=call.value, slot_mapping=call.slot_mapping, pro=call.pro)
         if plan.handle is None:
             return handed_back("attention", plan.reason, call)
         attention.run(plan, call.output, call.query, call.key_cache, call.value_cache, call.block_table,
                       call.seq_lens, call.scale, call.softcap, call.window_left, call.sinks, call.max_seq_len,
-                      call.key, call.value, call.slot_mapping)
+                      call.key, call.value, call.slot_mapping, call.pro)
     except Exception as e:
         return kernel_failed("attention", e, call)
     stats_of("attention").take()

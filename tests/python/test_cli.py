@@ -376,6 +376,34 @@ def test_bench_attention_without_gpu_reports_guard_and_compile():
     assert r.returncode == 2 and "neither a preset" in r.stderr
 
 
+def test_bench_attention_prologue(monkeypatch, capsys):
+    """--prologue: without a GPU the guard and compile of the variant with q/k norm and rotary
+    embedding; with one, the prologue rows with their own implementations."""
+    r = run("bench", "attention", "--prologue", "--model", "Qwen3-30B-A3B", "--batch", "1", "--context", "1024",
+            "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["guard"] == "take" and row["kernel"]["spill_bytes"] == 0
+    pytest.importorskip("torch")
+    from opgraft import bench, cli
+    from opgraft.bench import attention as attn_bench
+
+    monkeypatch.setattr(cli, "_gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(bench, "measure_read_ceiling", lambda device: 4.5)
+    seen = []
+
+    def bench_rows(ceiling, points, dtype, reps, between, hint, impls, progress=None, shapes=None, prologue=False):
+        seen.append((impls, prologue))
+        return []
+
+    monkeypatch.setattr(attn_bench, "bench_rows", bench_rows)
+    assert cli.main(["bench", "attention", "--prologue", "--model", "Qwen3-30B-A3B", "--batch", "1", "--context",
+                     "1024"]) == 0
+    assert seen == [(attn_bench.PROLOGUE_IMPLS, True)]
+    rc, _, err = in_process(capsys, "bench", "attention", "--prologue", "--impls", "vllm-fa3")
+    assert rc == 2 and "unknown --impls vllm-fa3" in err
+
+
 def test_doctor_says_what_happens_to_block_fp8_layers(capsys, monkeypatch):
     pytest.importorskip("vllm")
     for k in ("OPGRAFT_DISABLE", "OPGRAFT_LINEAR", "OPGRAFT_LINEAR_FP8"):

@@ -8,9 +8,13 @@ and CUDA-graph replays with new lengths. Outputs are poisoned (NaN) before each 
 batch must stay NaN, padded rows must be zeros, and a rerun must give the same bits. Update cases
 hand the kernel each row's last key and value as new ones (views of a fused qkv row, their cache
 rows NaN, a padded row with a slot of its own): the cache afterwards must equal the intended one
-bit for bit, and the output the oracle's on it."""
+bit for bit, and the output the oracle's on it. Prologue cases add vLLM's q/k RMSNorm and rotary
+embedding (positions L-1; in a batch the first row's outside the cos/sin cache): the expected query and keys
+are torch's (bench.attention.qk_prologue_torch), the stored keys within one rounding step of them."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -29,14 +33,15 @@ def prepare() -> None:
 
 
 def _case(name, lens, hq, hk, d, dtype="bf16", bs=16, layout="NHD", softcap=0.0, window=-1, sinks=None, q_pad=0,
-          tunables=None, graph=False, hint=0, seed=0, write_q=False, o_proj=0, update=False):
+          tunables=None, graph=False, hint=0, seed=0, write_q=False, o_proj=0, update=False, qk_norm=False, rope=0):
     """graph: captured into a CUDA graph, replayed with new lengths; in it, write_q puts a kernel
     writing the query right before attention (a programmatic dependent must wait for it), o_proj
     N an output projection [N, heads x head size] on opgraft's linear op right after (which may
-    start early under attention.trigger and must still read the finished output)."""
+    start early under attention.trigger and must still read the finished output). qk_norm, rope
+    (with update): the kernel's q/k RMSNorm and rotary embedding (1 NeoX, 2 GPT-J)."""
     return dict(name=name, lens=list(lens), hq=hq, hk=hk, d=d, dtype=dtype, bs=bs, layout=layout, softcap=softcap,
                 window=window, sinks=sinks, q_pad=q_pad, tunables=tunables or {}, graph=graph, hint=hint, seed=seed,
-                write_q=write_q, o_proj=o_proj, update=update)
+                write_q=write_q, o_proj=o_proj, update=update or qk_norm or bool(rope), qk_norm=qk_norm, rope=rope)
 
 
 RAGGED = [1, 15, 16, 17, 1000, 0, 8192, 33]
@@ -161,6 +166,27 @@ def cases() -> list[dict]:
         _case("update: CUDA graph, q and new keys written, PDL attention, trigger, o projection pdl 2", [300, 0, 17],
               32, 4, 128, graph=True, write_q=True, o_proj=2048, update=True,
               tunables={"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 2, "linear.max_rows": 8}),
+        # vLLM's q/k RMSNorm and rotary embedding in the kernel (Qwen3's attention)
+        *[_case(f"prologue: batch 1 context {L}, q/k norm + NeoX", [L], 32, 4, 128, qk_norm=True, rope=1)
+          for L in (1, 17, 1000, 8192)],
+        _case("prologue: ragged with padded rows, q/k norm + NeoX", RAGGED, 32, 4, 128, qk_norm=True, rope=1),
+        _case("prologue: batch 64 context 1000, q/k norm + NeoX", [1000] * 64, 32, 4, 128, qk_norm=True, rope=1),
+        _case("prologue: GQA 4 head 64, HND, fp16, GPT-J alone", RAGGED, 8, 2, 64, layout="HND", dtype="fp16",
+              rope=2),
+        _case("prologue: GQA 1 head 256, window 1024, soft cap, q/k norm alone", RAGGED, 4, 4, 256, bs=32,
+              window=1023, softcap=50.0, qk_norm=True),
+        _case("prologue: GQA 5, fp32 sinks, block 48, q/k norm + GPT-J", [1000, 47, 48, 49], 10, 2, 64, bs=48,
+              sinks="fp32", qk_norm=True, rope=2),
+        _case("prologue: GQA 16 head 128, NeoX alone, min_chunk 16", [8192, 17], 64, 4, 128, rope=1,
+              tunables={"attention.min_chunk": 16}),
+        _case("prologue: cluster 8, ragged", RAGGED, 32, 4, 128, qk_norm=True, rope=1,
+              tunables={"attention.cluster": 8}),
+        _case("prologue: warps 12, ragged", RAGGED, 32, 4, 128, qk_norm=True, rope=1,
+              tunables={"attention.warps": 12}),
+        _case("prologue: warps 1", [1000, 0, 17], 32, 4, 128, qk_norm=True, rope=1, tunables={"attention.warps": 1}),
+        _case("prologue: CUDA graph, q, new keys and positions written, PDL attention, trigger", [300, 0, 17], 32, 4,
+              128, graph=True, write_q=True, qk_norm=True, rope=1,
+              tunables={"attention.pdl": 1, "attention.trigger": 1}),
     ]
     return c
 
@@ -170,9 +196,10 @@ def run_case(c: dict, device="cuda") -> dict:
         return _run_case(c, device)
 
 
-def _check_out(p, out, lens, tol) -> dict:
+def _check_out(p, out, lens, tol, query=None) -> dict:
+    """query: the query the oracle takes instead of p's (normalized and rotated)."""
     B = len(lens)
-    ref = attn_bench.reference(p)
+    ref = attn_bench.reference(p if query is None else dataclasses.replace(p, query=query))
     err = bench.rel_err(out[:B], ref) if any(L > 0 for L in lens) else 0.0
     pad = [b for b, L in enumerate(lens) if L <= 0]
     pad_zero = all(bool((out[b] == 0).all()) for b in pad)
@@ -186,13 +213,20 @@ class _NewRows:
     into views of a fused qkv output, with its slot; the first padded row writes a slot of its own
     block (which no row reads). expected_k / expected_v: the cache as the write must leave it."""
 
-    def __init__(self, p, rows: int, device):
+    def __init__(self, p, rows: int, device, qk_norm=False, rope=0):
         hq, hk, d = p.query.shape[1], p.key_cache.shape[2], p.key_cache.shape[3]
         self.p = p
         self.fused = torch.full((rows, (hq + 2 * hk) * d), float("nan"), dtype=p.query.dtype, device=device)
         self.key = self.fused[:, hq * d:(hq + hk) * d].view(rows, hk, d)
         self.value = self.fused[:, (hq + hk) * d:].view(rows, hk, d)
         self.slots = torch.full((p.seq_lens.shape[0],), -1, dtype=torch.int64, device=device)
+        self.pro = (attn_bench.make_prologue(p.query.dtype, d, rows, device, qk_norm, rope)
+                    if qk_norm or rope else None)
+        self.stored = None  # with pro: the keys the cache must hold at the slots (row b's at slots[b])
+
+    def query(self, q):
+        """The query the oracle must take: q, normalized and rotated with pro."""
+        return q if self.pro is None else attn_bench.qk_prologue_torch(q, self.pro.q_norm_weight, self.pro)
 
     def set(self, lens, gen=None):
         """Slots for these lengths; with gen, new random keys and values written there."""
@@ -208,6 +242,12 @@ class _NewRows:
             else:
                 slots.append(-1)
         self.slots.copy_(torch.tensor(slots, dtype=torch.int64))
+        if self.pro is not None:  # positions L-1; in a batch, the first row's past the cos/sin cache
+            rows = self.pro.cos_sin_cache.shape[0] if self.pro.cos_sin_cache is not None else 1
+            pos = [max(L - 1, 0) for L in lens]
+            if len(pos) > 1:
+                pos[0] = rows
+            self.pro.positions[:len(pos)].copy_(torch.tensor(pos, dtype=torch.int64))
         for b, slot in enumerate(slots):
             if slot < 0:
                 continue
@@ -220,10 +260,13 @@ class _NewRows:
                 self.key[b] = p.key_cache[blk, row]
                 self.value[b] = p.value_cache[blk, row]
         self.expected_k, self.expected_v = p.key_cache.clone(), p.value_cache.clone()
+        keys = self.key[:len(lens)]
+        if self.pro is not None:
+            keys = attn_bench.qk_prologue_torch(keys, self.pro.k_norm_weight, self.pro)
         for b, slot in enumerate(slots):
             if slot >= 0:
                 blk, row = divmod(slot, bs)
-                self.expected_k[blk, row], self.expected_v[blk, row] = self.key[b], self.value[b]
+                self.expected_k[blk, row], self.expected_v[blk, row] = keys[b], self.value[b]
         self.poison()
 
     def poison(self):
@@ -235,13 +278,25 @@ class _NewRows:
                 self.p.value_cache[blk, row] = float("nan")
 
     def cache_as_expected(self) -> bool:
+        """Bit for bit; with pro, the new keys (at the slots) within one rounding step of torch's
+        (the kernel's rsqrt and its fp32 products are not torch's)."""
         bits = lambda t: t.contiguous().view(torch.int16)  # NaN rows compare by their bits
-        return bool(torch.equal(bits(self.p.key_cache), bits(self.expected_k))
-                    and torch.equal(bits(self.p.value_cache), bits(self.expected_v)))
+        kc, ke = self.p.key_cache.clone(), self.expected_k.clone()
+        if self.pro is not None:
+            bs = kc.shape[1]
+            for slot in self.slots.tolist():
+                if slot >= 0:
+                    blk, row = divmod(slot, bs)
+                    got, want = kc[blk, row].float(), ke[blk, row].float()
+                    ulp = 2.0 ** (-7 if kc.dtype == torch.bfloat16 else -10)
+                    if not bool(((got - want).abs() <= ulp * want.abs() + 1e-6).all()):
+                        return False
+                    kc[blk, row] = ke[blk, row]
+        return bool(torch.equal(bits(kc), bits(ke)) and torch.equal(bits(self.p.value_cache), bits(self.expected_v)))
 
 
 def _run_ours(p, out, hint, new):
-    return attn_bench.run_ours(p, out, hint, *(() if new is None else (new.key, new.value, new.slots)))
+    return attn_bench.run_ours(p, out, hint, *(() if new is None else (new.key, new.value, new.slots, new.pro)))
 
 
 def _run_case(c: dict, device) -> dict:
@@ -253,12 +308,13 @@ def _run_case(c: dict, device) -> dict:
     res["lens"] = lens if len(lens) <= 16 else f"{len(lens)} x {lens[0]}"
     B = len(lens)
     extra = 2  # output rows past the batch: must stay poisoned
-    new = _NewRows(p, B + extra, device) if c["update"] else None
+    new = _NewRows(p, B + extra, device, c.get("qk_norm", False), c.get("rope", 0)) if c["update"] else None
     if new is not None:
         new.set(lens)
     ok, reason = ops.supports(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale, p.softcap,
                               p.window_left, p.sinks, key=None if new is None else new.key,
-                              value=None if new is None else new.value, slot_mapping=None if new is None else new.slots)
+                              value=None if new is None else new.value, slot_mapping=None if new is None else new.slots,
+                              pro=None if new is None else new.pro)
     res.update(supported=ok, reason=reason)
     if not ok:
         res.update(passed=False)
@@ -271,7 +327,7 @@ def _run_case(c: dict, device) -> dict:
     _run_ours(p, out, c["hint"], new)
     torch.cuda.synchronize()
     written = new is None or new.cache_as_expected()
-    chk = _check_out(p, out, lens, tol)
+    chk = _check_out(p, out, lens, tol, None if new is None else new.query(p.query[:B]))
     outs = []
     for _ in range(2):  # reruns from the same state (the new rows poisoned again)
         if new is not None:
@@ -286,7 +342,7 @@ def _run_case(c: dict, device) -> dict:
     if new is not None:
         res["cache_written_as_expected"] = written
         chk["ok"] = chk["ok"] and written
-    if sum(max(L, 0) for L in lens) * c["hk"] <= 64 * 1024 and c["layout"] == "NHD":
+    if sum(max(L, 0) for L in lens) * c["hk"] <= 64 * 1024 and c["layout"] == "NHD" and (new is None or new.pro is None):
         cref = ops.reference_cpu(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale, p.softcap,
                                  p.window_left, p.sinks)
         tref = attn_bench.reference(p).cpu()
@@ -360,7 +416,7 @@ def _run_graph_case(c, p, res, tol, extra, new=None) -> dict:
             written = new.cache_as_expected()
             res.setdefault("cache_written_as_expected", []).append(written)
             good &= written
-        chk = _check_out(p, outs[0], v, tol)
+        chk = _check_out(p, outs[0], v, tol, None if new is None else new.query(p.query[:B]))
         res.setdefault("attention_rel_err", []).append(chk["rel_err"])
         worst = max(worst, chk["rel_err"])
         good &= chk["ok"]

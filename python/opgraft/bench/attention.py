@@ -20,12 +20,14 @@ start/end times (bench.timed_calls), as in a decode step.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 
+from .. import _lib
 from ..ops import attention as ops
 from ..presets import ATTENTION_POINTS as DEFAULT_POINTS
 from ..presets import ATTENTION_PRESETS as PRESETS
@@ -134,10 +136,56 @@ def reference(p: Problem, rows: int | None = None) -> torch.Tensor:
 
 
 def run_ours(p: Problem, out: torch.Tensor, max_seq_len: int = 0, key=None, value=None,
-             slot_mapping=None) -> torch.Tensor:
-    """Our kernel on the problem; with key, value and slot_mapping it also stores them in the cache."""
+             slot_mapping=None, pro=None) -> torch.Tensor:
+    """Our kernel on the problem; with key, value and slot_mapping it also stores them in the cache
+    (with pro, the query and the new keys normalized and rotated first)."""
     return ops.attention_decode_into(out, p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale,
-                                     p.softcap, p.window_left, p.sinks, max_seq_len, key, value, slot_mapping)
+                                     p.softcap, p.window_left, p.sinks, max_seq_len, key, value, slot_mapping, pro)
+
+
+def rope_cache(rows: int, head_size: int, dtype, device, base: float = 1e6) -> torch.Tensor:
+    """vLLM's RotaryEmbedding cos/sin cache (rotary_dim = head_size; Qwen3's base 1e6): [rows, D],
+    the D/2 cosines then the D/2 sines of position x inverse frequency, in dtype."""
+    inv = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float, device=device) / head_size))
+    freqs = torch.outer(torch.arange(rows, dtype=torch.float, device=device), inv)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def make_prologue(heads_dtype, head_size: int, rows: int, device, norm: bool = True, rope: int = 1,
+                  rope_rows: int = 40960, seed: int = 0, eps: float = 1e-6) -> ops.QKPrologue:
+    """A QKPrologue as Qwen3's attention has it (norm weights near 1, NeoX rotation, 40960
+    positions), positions all 0 (the caller writes them: int64 [rows])."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = lambda: (1 + 0.5 * torch.rand((head_size,), generator=g, device=device)).to(heads_dtype)
+    return ops.QKPrologue(w() if norm else None, w() if norm else None, eps,
+                          rope_cache(rope_rows, head_size, heads_dtype, device) if rope else None,
+                          torch.zeros((rows,), dtype=torch.int64, device=device), rope)
+
+
+def qk_prologue_torch(x: torch.Tensor, weight, pro: ops.QKPrologue) -> torch.Tensor:
+    """vLLM's RMSNorm over each head (vllm.ir's rms_norm) and rotary embedding
+    (RotaryEmbedding.forward_static, in fp32 and rounded once, as Inductor compiles it) of a query
+    or key [rows, heads, D] whose row r has position pro.positions[r]; a position outside the
+    cache is not rotated (the kernel's rule)."""
+    dt, D, rows = x.dtype, x.shape[-1], x.shape[0]
+    if weight is not None:
+        xf = x.float()
+        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + pro.eps)).to(dt) * weight
+    if pro.rope_style == _lib.ROPE_NONE:
+        return x
+    cs = pro.cos_sin_cache
+    pos = pro.positions[:rows].long()
+    inside = (pos >= 0) & (pos < cs.shape[0])
+    c = cs[pos.clamp(0, cs.shape[0] - 1)].float()
+    cos, sin = c[:, None, : D // 2], c[:, None, D // 2: D]
+    xf = x.float()
+    if pro.rope_style == _lib.ROPE_NEOX:
+        x1, x2 = xf[..., : D // 2], xf[..., D // 2:]
+        o = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = xf[..., ::2], xf[..., 1::2]
+        o = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.where(inside[:, None, None], o.to(dt), x)
 
 
 def _kwargs_for(fn, kwargs: dict) -> dict:
@@ -356,31 +404,147 @@ class TuneFixture:
 IMPLS = ("opgraft", *BASELINES)
 
 
+PROLOGUE_IMPLS = ("opgraft-fused", "norm-rope+opgraft", "vllm-qk-norm-rope+opgraft")
+
+
+def _compiled_prologue():
+    """vLLM's q/k RMSNorm and rotary embedding as its compiled model runs them: the functions
+    traced by Inductor (Dynamo's caches reset first)."""
+    torch._dynamo.reset()
+
+    def both(q, k, pro):
+        return qk_prologue_torch(q, pro.q_norm_weight, pro), qk_prologue_torch(k, pro.k_norm_weight, pro)
+
+    return torch.compile(both, fullgraph=True, dynamic=False)
+
+
+def bench_prologue_point(shape: AttnShape, batch: int, context: int, dtype: str = "bf16",
+                         ceiling_tbps: float | None = None, reps: int = 20, between_mib: int = BETWEEN_MIB,
+                         impls=PROLOGUE_IMPLS, progress=None) -> list[dict]:
+    """Rows for a decode step's q/k RMSNorm, rotary embedding, KV-cache write and attention (Qwen3's
+    attention: norm weights, NeoX, positions L-1) from the qkv projection's output: our kernel doing
+    all of it (opgraft-fused) against the compiled norm + rotary followed by our kernel with the
+    cache write (norm-rope+opgraft, what the engine runs without the fusion), and vLLM's
+    fused_qk_norm_rope CUDA op followed by ours (vllm-qk-norm-rope+opgraft, vLLM's
+    enable_qk_norm_rope_fusion). Each is checked against fp64 attention over torch's normalized
+    and rotated query and the cache as it wrote it, then timed from its kernels' start to end."""
+    if progress:
+        progress(f"{shape.name} batch={batch} context={context} with q/k norm + rotary")
+    dt = TORCH_DTYPES[dtype]
+    p = make_problem([context] * batch, shape.heads_q, shape.heads_kv, shape.head_size, dtype, seed=batch + context)
+    Hq, Hk, D = shape.heads_q, shape.heads_kv, shape.head_size
+    g = torch.Generator(device="cuda").manual_seed(11)
+    qkv = torch.randn((batch, (Hq + 2 * Hk) * D), generator=g, device="cuda").to(dt)
+    views = lambda t: (t[:, :Hq * D].view(batch, Hq, D), t[:, Hq * D:(Hq + Hk) * D].view(batch, Hk, D),
+                       t[:, (Hq + Hk) * D:].view(batch, Hk, D))
+    bs = p.key_cache.shape[1]
+    last = context - 1
+    slots = torch.tensor([int(p.block_table[b, last // bs]) * bs + last % bs for b in range(batch)],
+                         dtype=torch.int64, device="cuda")
+    pro = make_prologue(dt, D, batch, "cuda")
+    pro.positions.fill_(last)
+    q0, k0, _ = views(qkv)
+    q_t = qk_prologue_torch(q0, pro.q_norm_weight, pro)
+    k_t = qk_prologue_torch(k0, pro.k_norm_weight, pro).float()
+    stored = lambda: p.key_cache[slots // bs, slots % bs].float()  # [batch, Hk, D] the written keys
+    nbytes = kv_bytes(p)
+    between = between_traffic(between_mib, "cuda")
+    base = {**run_facts(), "op": "attention", "model": shape.name, "dtype": dtype, "batch": batch, "context": context,
+            "heads_q": Hq, "heads_kv": Hk, "head_size": D, "block_size": bs, "bytes": nbytes,
+            "between_mib": max(between_mib, 0), "ceiling_tbps": round(ceiling_tbps, 3) if ceiling_tbps else None,
+            "prologue": "qk_norm+neox", "baseline": "norm-rope+opgraft"}
+    compiled = _compiled_prologue()
+    bufs = [qkv.clone() for _ in range(2)]  # vLLM's op rewrites its buffer: one a timed call
+    rows = []
+    for impl in impls:
+        row = dict(base, impl=impl)
+        fn, why = None, ""
+        if impl == "opgraft-fused":
+            ok, why = ops.supports(q0, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale,
+                                   key=k0, value=views(qkv)[2], slot_mapping=slots, pro=pro)
+            if ok:
+                def fn(out, i):
+                    q, k, v = views(qkv)
+                    run_ours(p, out, 0, k, v, slots, pro)
+            why = "" if ok else f"guard: {why}"
+        elif impl == "norm-rope+opgraft":
+            def fn(out, i):
+                q, k, v = views(qkv)
+                qn, kn = compiled(q, k, pro)
+                ops.attention_decode_into(out, qn, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale,
+                                          key=kn, value=v, slot_mapping=slots)
+        elif impl == "vllm-qk-norm-rope+opgraft":
+            op = getattr(getattr(torch.ops, "_C", None), "fused_qk_norm_rope", None)
+            if op is None:
+                why = "torch.ops._C.fused_qk_norm_rope is not loaded (vLLM's _C)"
+            else:
+                def fn(out, i):
+                    buf = bufs[i]
+                    op(buf, Hq, Hk, Hk, D, pro.eps, pro.q_norm_weight, pro.k_norm_weight, pro.cos_sin_cache, True,
+                       pro.positions, -1)
+                    q, k, v = views(buf)
+                    ops.attention_decode_into(out, q, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale,
+                                              key=k, value=v, slot_mapping=slots)
+        else:
+            why = f"unknown implementation {impl}"
+        if fn is None:
+            rows.append(dict(row, median_us=None, missing=why))
+            continue
+        outs = [torch.full_like(p.query, float("nan")) for _ in range(2)]
+        try:
+            for b in bufs:
+                b.copy_(qkv)
+            fn(outs[0], 0)
+            torch.cuda.synchronize()
+            err = rel_err(outs[0], reference(dataclasses.replace(p, query=q_t)))
+            kerr = float(((stored() - k_t).abs() / k_t.abs().clamp_min(1e-3)).max())
+            bufs[0].copy_(qkv)
+            fn(outs[1], 0)
+            torch.cuda.synchronize()
+            det = bool(torch.equal(outs[0], outs[1]))
+            us, how = timed_calls(lambda i, _w: fn(outs[i], i), [(0, None), (1, None)], between, reps, "span")
+        except Exception as e:  # report, do not hide: the row says why it is missing
+            rows.append(dict(row, median_us=None, missing=f"{type(e).__name__}: {str(e)[:120]}"))
+            continue
+        rows.append(dict(row, **speed(nbytes, us, ceiling_tbps), rel_err=float(f"{err:.3g}"),
+                         stored_key_rel_err=float(f"{kerr:.3g}"), tolerance=TOLERANCE[dtype], deterministic=det,
+                         **how))
+    del p, bufs
+    torch.cuda.empty_cache()
+    return rows
+
+
 def bench_rows(ceiling_tbps: float, points=DEFAULT_POINTS, dtype: str = "bf16", reps: int = 20,
                between_mib: int = BETWEEN_MIB, hint: int = 0, impls=IMPLS, progress=print,
-               shapes=PRESETS) -> list[dict]:
-    """Rows for (shape name, batch, context) points; shapes maps the names to their heads."""
+               shapes=PRESETS, prologue: bool = False) -> list[dict]:
+    """Rows for (shape name, batch, context) points; shapes maps the names to their heads. With
+    prologue, bench_prologue_point's (impls from PROLOGUE_IMPLS)."""
     rows = []
     for name, batch, context in points:
+        if prologue:
+            rows += bench_prologue_point(shapes[name], batch, context, dtype, ceiling_tbps, reps, between_mib,
+                                         impls=impls, progress=lambda m: progress("  bench " + m))
+            continue
         rows += bench_point(shapes[name], batch, context, dtype, ceiling_tbps, reps, between_mib, impls=impls,
                             hint=hint, progress=lambda m: progress("  bench " + m))
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'model':<14} {'batch':>5} {'ctx':>6} {'impl':<16} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6} "
-            f"{'vs fa3':>6} {'relerr':>8}  note")
+    """The rows' table; the speedup column is against the row's baseline (vLLM's FA3, or for the
+    q/k norm + rotary rows the compiled norm + rotary followed by our kernel)."""
+    head = (f"{'model':<14} {'batch':>5} {'ctx':>6} {'impl':<25} {'us':>9} {'MB':>8} {'TB/s':>6} {'ceil%':>6} "
+            f"{'xbase':>6} {'relerr':>8}  note")
     lines = [head, "-" * len(head)]
-    fa3 = {(r["model"], r["batch"], r["context"]): r["median_us"] for r in rows
-           if r["impl"] == "vllm-fa3" and r.get("median_us")}
+    base = {(r["model"], r["batch"], r["context"], r["impl"]): r["median_us"] for r in rows if r.get("median_us")}
     for r in rows:
-        key = (r["model"], r["batch"], r["context"])
+        key = (r["model"], r["batch"], r["context"], r.get("baseline", "vllm-fa3"))
         if r.get("median_us") is None:
-            lines.append(f"{r['model']:<14} {r['batch']:>5} {r['context']:>6} {r['impl']:<16} {'-':>9}  "
+            lines.append(f"{r['model']:<14} {r['batch']:>5} {r['context']:>6} {r['impl']:<25} {'-':>9}  "
                          f"{r.get('missing', '')}")
             continue
-        sp = fa3.get(key, 0) / r["median_us"] if fa3.get(key) else 0
-        lines.append(f"{r['model']:<14} {r['batch']:>5} {r['context']:>6} {r['impl']:<16} {r['median_us']:>9.1f} "
+        sp = base.get(key, 0) / r["median_us"] if base.get(key) else 0
+        lines.append(f"{r['model']:<14} {r['batch']:>5} {r['context']:>6} {r['impl']:<25} {r['median_us']:>9.1f} "
                      f"{r['bytes'] / 1e6:>8.1f} {r['tbps']:>6.2f} {(r.get('fraction_of_ceiling') or 0) * 100:>5.1f}% "
                      f"{sp:>6.2f} {r['rel_err']:>8.1e}  {'' if r.get('deterministic') else 'NOT bit-identical'}")
     return "\n".join(lines)

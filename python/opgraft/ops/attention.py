@@ -10,6 +10,8 @@ Tensors (vLLM's FlashAttention views, any strides the guard takes):
   key, value   optional: the call's new keys and values [tokens >= batch, kv_heads, head_size], with
                slot_mapping int64 [rows]: the kernel stores row b's into cache slot slot_mapping[b]
                (vLLM's reshape_and_cache_flash) and attends with them as the row's last key
+  pro          optional, with key: a QKPrologue, vLLM's q/k RMSNorm and rotary embedding, which the
+               kernel applies to the query and the new key first (the key is stored so)
 
 A plan (the guard's decision, the tunables, the compiled kernel) is made once per layout and kept;
 the batch, the lengths and the pointers are each call's, so a call is one ctypes crossing with no
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -30,11 +33,62 @@ from . import PlanCache, current_stream, dtype_code, strides
 from . import Plan as _Plan
 
 
+class QKPrologue(NamedTuple):
+    """vLLM's q/k RMSNorm and rotary embedding of a decode call's query and new key, done by the
+    kernel (include/opgraft/attention.h says what it computes). Either part may be absent."""
+    q_norm_weight: torch.Tensor | None  # [head_size], the query's dtype
+    k_norm_weight: torch.Tensor | None
+    eps: float
+    cos_sin_cache: torch.Tensor | None  # [rows, head_size]: head_size / 2 cosines, then the sines
+    positions: torch.Tensor | None      # int64 [>= batch]
+    rope_style: int = _lib.ROPE_NONE    # _lib.ROPE_NEOX (vLLM's is_neox_style) or _lib.ROPE_GPTJ
+
+    def layout(self):
+        """What of it a plan depends on."""
+        cs = self.cos_sin_cache
+        return (None if self.q_norm_weight is None else (self.q_norm_weight.dtype, self.k_norm_weight.dtype,
+                                                          float(self.eps)),
+                self.rope_style, None if cs is None else (cs.shape, cs.stride(), cs.dtype),
+                None if self.positions is None else self.positions.dtype)
+
+
+def _pro_consistent(pro: QKPrologue | None, query, key, batch, dev) -> bool:
+    """No prologue, or one whose tensors fit the call's heads (the guard checks dtypes and strides)."""
+    if pro is None:
+        return True
+    D = query.shape[2]
+    weights = (pro.q_norm_weight, pro.k_norm_weight)
+    norm_ok = all(w is None for w in weights) or all(
+        w is not None and w.dim() == 1 and w.shape[0] == D and w.stride(0) == 1 and w.device == dev for w in weights)
+    if pro.rope_style == _lib.ROPE_NONE:
+        rope_ok = True
+    else:
+        cs, pos = pro.cos_sin_cache, pro.positions
+        rope_ok = (cs is not None and pos is not None and cs.dim() == 2 and cs.shape[1] == D and cs.stride(1) == 1
+                   and pos.dim() == 1 and pos.shape[0] >= batch and (pos.numel() <= 1 or pos.stride(0) == 1)
+                   and cs.device == dev and pos.device == dev)
+    return key is not None and norm_ok and rope_ok
+
+
+def _set_prologue(a: _lib.AttentionArgs, pro: QKPrologue) -> None:
+    if pro.q_norm_weight is not None:
+        a.q_norm_weight, a.k_norm_weight = pro.q_norm_weight.data_ptr(), pro.k_norm_weight.data_ptr()
+        same = pro.k_norm_weight.dtype == pro.q_norm_weight.dtype
+        a.qk_norm_dtype, a.qk_norm_eps = dtype_code(pro.q_norm_weight) if same else 0, float(pro.eps)
+    a.rope_style = int(pro.rope_style)
+    if pro.rope_style != _lib.ROPE_NONE:
+        cs = pro.cos_sin_cache
+        a.cos_sin_cache, a.cos_sin_dtype, a.cos_sin_stride, a.rope_rows = (cs.data_ptr(), dtype_code(cs),
+                                                                            cs.stride(0), cs.shape[0])
+        a.positions, a.positions_dtype = pro.positions.data_ptr(), dtype_code(pro.positions)
+
+
 def attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, out: torch.Tensor | None, scale: float, softcap: float = 0.0,
                    window_left: int = -1, sinks: torch.Tensor | None = None, max_seq_len: int = 0, flags: int = 0,
                    query_len: int = 1, arch: int = 0, key: torch.Tensor | None = None,
-                   value: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None) -> _lib.AttentionArgs:
+                   value: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+                   pro: QKPrologue | None = None) -> _lib.AttentionArgs:
     """The C argument struct for these tensors; dtype -1 when their shapes or devices do not
     describe a paged decode-attention call (the guard then refuses it)."""
     a = _lib.AttentionArgs()
@@ -55,6 +109,7 @@ def attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         and (sinks is None or (sinks.dim() == 1 and sinks.shape[0] == query.shape[1] and sinks.is_contiguous()
                                and sinks.device == dev))
         and _new_consistent(key, value, slot_mapping, key_cache, seq_lens.shape[0], dev)
+        and _pro_consistent(pro, query, key, seq_lens.shape[0], dev)
     )
     if not consistent:
         a.dtype = -1
@@ -83,6 +138,8 @@ def attention_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         a.v_new, a.v_new_stride = value.data_ptr(), (ctypes.c_int64 * 2)(*value.stride()[:2])
         a.slot_mapping, a.slot_mapping_dtype = slot_mapping.data_ptr(), dtype_code(slot_mapping)
         a.slot_count = slot_mapping.shape[0]
+    if pro is not None:
+        _set_prologue(a, pro)
     return a
 
 
@@ -107,7 +164,7 @@ _plans = PlanCache(1024)
 
 
 def _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks, flags,
-                query_len, key=None, value=None, slot_mapping=None):
+                query_len, key=None, value=None, slot_mapping=None, pro=None):
     # The batch is part of a plan (its guard limit and tuned rows depend on it); the lengths are not.
     return (seq_lens.shape[0], query.shape[1:], query.stride(), query.dtype, query.device, key_cache.shape,
             key_cache.stride(), key_cache.dtype, value_cache.shape, value_cache.stride(), value_cache.dtype,
@@ -115,7 +172,8 @@ def _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale
             float(scale), float(softcap or 0.0), int(window_left),
             None if sinks is None else (sinks.shape, sinks.dtype), flags, query_len,
             None if key is None else (key.shape[1:], key.stride(), key.dtype, value.shape[1:], value.stride(),
-                                      value.dtype, slot_mapping.dtype, slot_mapping.dim()))
+                                      value.dtype, slot_mapping.dtype, slot_mapping.dim()),
+            None if pro is None else pro.layout())
 
 
 def _capturing() -> bool:
@@ -136,17 +194,18 @@ MAX_BATCH = 65535
 
 def _static_key(a: _lib.AttentionArgs, device_index: int):
     return (device_index, a.batch, a.dtype, a.num_heads // max(1, a.num_kv_heads), a.head_size, a.softcap > 0,
-            a.window_left >= 0, a.sinks_dtype if a.sinks else None, bool(a.k_new), _lib.lib().opgraft_tune_generation())
+            a.window_left >= 0, a.sinks_dtype if a.sinks else None, bool(a.k_new), bool(a.q_norm_weight), a.rope_style,
+            _lib.lib().opgraft_tune_generation())
 
 
 def plan_for(query, key_cache, value_cache, block_table, seq_lens, out=None, scale=1.0, softcap=0.0, window_left=-1,
-             sinks=None, flags=0, query_len=1, key=None, value=None, slot_mapping=None) -> Plan:
+             sinks=None, flags=0, query_len=1, key=None, value=None, slot_mapping=None, pro=None) -> Plan:
     """The plan of this call's layout, made on first sight (the guard runs then, and only then).
     Under CUDA graph capture a plan is made only where prepare() already loaded its kernel
     (compiling and loading one then could break the capture); otherwise the call is refused for
     now and planned at the next call outside a capture."""
     lkey = _layout_key(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
-                       flags, query_len, key, value, slot_mapping)
+                       flags, query_len, key, value, slot_mapping, pro)
     plan = _plans.get(lkey)
     if plan is not None:
         return plan
@@ -154,7 +213,7 @@ def plan_for(query, key_cache, value_cache, block_table, seq_lens, out=None, sca
         plan = Plan(None, "tensors are not on a CUDA device")
     else:
         a = attention_args(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left,
-                           sinks, 0, flags, query_len, key=key, value=value, slot_mapping=slot_mapping)
+                           sinks, 0, flags, query_len, key=key, value=value, slot_mapping=slot_mapping, pro=pro)
         if a.dtype == -1:
             plan = Plan(None, "tensor shapes or devices are not those of paged decode attention")
         else:
@@ -225,16 +284,18 @@ def workspace(device, nbytes: int) -> torch.Tensor | None:
 
 def prepare(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, device, softcap: float = 0.0,
             window_left: int = -1, sinks_dtype: torch.dtype | None = None, block_size: int = 16,
-            batches=(1,), update: bool = False) -> tuple[bool, str]:
+            batches=(1,), update: bool = False, qk_norm: bool = False,
+            rope_style: int = _lib.ROPE_NONE) -> tuple[bool, str]:
     """Compiles and loads the kernel for a layer's static configuration at each of batches (the
     CUDA-graph capture sizes: a plan is per batch) and reserves the workspace, so that a call under
     CUDA graph capture only makes its plan. update: the variant that writes the call's new keys
-    and values. (True, "") or (False, why the layer's calls will be handed back), from batch 1; a
-    larger batch the guard refuses is simply not prepared."""
+    and values; qk_norm, rope_style: with update, the variant that normalizes and rotates the query
+    and the new key first. (True, "") or (False, why the layer's calls will be handed back), from
+    batch 1; a larger batch the guard refuses is simply not prepared."""
     ok, why = True, ""
     for b in sorted({1, *batches}):
         took, reason = _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, window_left,
-                                    sinks_dtype, block_size, b, update=update)
+                                    sinks_dtype, block_size, b, update=update, qk_norm=qk_norm, rope_style=rope_style)
         if b == 1:
             ok, why = took, reason
             if not ok:
@@ -243,7 +304,7 @@ def prepare(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtyp
 
 
 def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, window_left, sinks_dtype, block_size,
-                 batch, update=False) -> tuple[bool, str]:
+                 batch, update=False, qk_norm=False, rope_style=_lib.ROPE_NONE) -> tuple[bool, str]:
     code = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}.get(dtype)
     if code is None:
         return False, f"dtype {dtype} (the kernel takes bf16 and fp16)"
@@ -266,6 +327,12 @@ def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, win
         a.k_new = a.v_new = a.slot_mapping = fake
         a.k_new_stride[:] = a.v_new_stride[:] = [num_kv_heads * head_size, head_size]
         a.slot_mapping_dtype = _lib.DTYPE_INT64
+    if qk_norm:
+        a.q_norm_weight = a.k_norm_weight = fake
+        a.qk_norm_dtype, a.qk_norm_eps = code, 1e-6
+    if rope_style != _lib.ROPE_NONE:
+        a.rope_style, a.cos_sin_cache, a.positions = rope_style, fake, fake
+        a.cos_sin_dtype, a.cos_sin_stride, a.rope_rows, a.positions_dtype = code, head_size, 1, _lib.DTYPE_INT64
     key = _static_key(a, _device_index(device))
     if key in _prepared:  # another layer of the same configuration did it (and reserved the workspace)
         return True, ""
@@ -285,26 +352,28 @@ def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, win
 
 
 def supports(query, key_cache, value_cache, block_table, seq_lens, out=None, scale=1.0, softcap=0.0, window_left=-1,
-             sinks=None, flags=0, query_len=1, key=None, value=None, slot_mapping=None) -> tuple[bool, str]:
+             sinks=None, flags=0, query_len=1, key=None, value=None, slot_mapping=None, pro=None) -> tuple[bool, str]:
     """(True, "") if the kernel can take the call, else (False, reason)."""
     plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
-                    flags, query_len, key, value, slot_mapping)
+                    flags, query_len, key, value, slot_mapping, pro)
     return plan.handle is not None, plan.reason
 
 
 def attention_decode_into(out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0,
-                          window_left=-1, sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None):
+                          window_left=-1, sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None,
+                          pro=None):
     """Runs the kernel into out (rows 0 .. batch-1). Raises OpgraftError if unsupported.
     max_seq_len is an upper bound of seq_lens (0 = unknown): it caps the split count only. With
-    key, value and slot_mapping the kernel also stores them into the cache (see the module's text)."""
+    key, value and slot_mapping the kernel also stores them into the cache, with pro normalized and
+    rotated first, the query too (see the module's text)."""
     plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
-                    key=key, value=value, slot_mapping=slot_mapping)
+                    key=key, value=value, slot_mapping=slot_mapping, pro=pro)
     return run(plan, out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left, sinks,
-               max_seq_len, key, value, slot_mapping)
+               max_seq_len, key, value, slot_mapping, pro)
 
 
 def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0, window_left=-1,
-        sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None):
+        sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None, pro=None):
     """Runs a plan made for these tensors' layout (plan_for) into out: one ctypes crossing."""
     for _ in range(2):
         if plan.handle is None:
@@ -313,7 +382,11 @@ def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, s
         tail = (block_table.data_ptr(), seq_lens.data_ptr(), None if sinks is None else sinks.data_ptr(),
                 out.data_ptr(), None if ws is None else ws.data_ptr(), seq_lens.shape[0], max(0, int(max_seq_len)),
                 current_stream(query.device))
-        if key is None:
+        if pro is not None:  # the pointers through the argument struct (a CUDA-graph decode call pays it once)
+            a = attention_args(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left,
+                               sinks, max_seq_len, key=key, value=value, slot_mapping=slot_mapping, pro=pro)
+            st = _lib.lib().opgraft_attention_plan_run_args(plan.handle, ctypes.byref(a), tail[4], tail[7])
+        elif key is None:
             st = _lib.lib().opgraft_attention_plan_run(plan.handle, query.data_ptr(), key_cache.data_ptr(),
                                                        value_cache.data_ptr(), *tail)
         else:
@@ -325,7 +398,7 @@ def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, s
             return out
         forget_plans()  # the tunables changed (or the context): plan again, once
         plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
-                        key=key, value=value, slot_mapping=slot_mapping)
+                        key=key, value=value, slot_mapping=slot_mapping, pro=pro)
     _lib.check(st)
     return out
 
@@ -348,11 +421,16 @@ def _(query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0, 
 
 
 def reference_cpu(query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0, window_left=-1,
-                  sinks=None) -> torch.Tensor:
-    """The C fp64 oracle on CPU copies of the tensors (strides kept); float64 [batch, heads, D]."""
+                  sinks=None, key=None, value=None, slot_mapping=None, pro=None) -> torch.Tensor:
+    """The C fp64 oracle on CPU copies of the tensors (strides kept); float64 [batch, heads, D].
+    With key, value and slot_mapping it stores the new rows into the cache first (normalized and
+    rotated with pro), as the kernel does: into the caller's cache where it is on the CPU already."""
+    cpu = lambda x: None if x is None else x.cpu()
     t = [x.cpu() for x in (query, key_cache, value_cache, block_table, seq_lens)]
-    s = sinks.cpu() if sinks is not None else None
-    a = attention_args(*t, None, scale, softcap, window_left, s)
+    if pro is not None:
+        pro = QKPrologue(*(cpu(x) if isinstance(x, torch.Tensor) else x for x in pro))
+    a = attention_args(*t, None, scale, softcap, window_left, cpu(sinks), key=cpu(key), value=cpu(value),
+                       slot_mapping=cpu(slot_mapping), pro=pro)
     if a.dtype == -1:
         raise _lib.OpgraftError(_lib.EINVAL, "tensor shapes do not describe paged decode attention")
     out = torch.empty((t[4].shape[0], t[0].shape[1], t[0].shape[2]), dtype=torch.float64)

@@ -28,6 +28,8 @@ const char *opgraft__attn_dtype_name(int32_t d);
 void opgraft__attn_shape_key(const opgraft_attention_args *a, char *buf, size_t len);
 /* The checks that look only at the arguments (no system calls, no pointers). */
 int32_t opgraft__attn_check_static(const opgraft_attention_args *a, char *reason, size_t reason_len);
+/* Its part for the q/k norm and rotary embedding (ABI 11). */
+int32_t opgraft__attn_check_prologue(const opgraft_attention_args *a, char *reason, size_t reason_len);
 /* Alignment and NULL checks of the pointers a call carries. */
 int32_t opgraft__attn_check_pointers(const opgraft_attention_args *a, char *reason, size_t reason_len);
 /* The checks that need the device; arch_out and gpu receive the device. */
@@ -49,6 +51,7 @@ typedef struct og_attn_cfg {
                     * its own entry point (OG_FAN32); only with max_splits > 16 */
   int softcap, window, sinks; /* the options' code paths (OG_SOFTCAP, OG_WINDOW, OG_SINKS) */
   int update;                 /* the call writes its new keys and values (OG_UPDATE) */
+  int qknorm, rope;           /* q/k RMSNorm, rotary embedding (OG_QKNORM, OG_ROPE: OPGRAFT_ROPE_*) */
 } og_attn_cfg;
 void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const char *gpu, og_attn_cfg *c);
 int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg *c, og_opts *o);

@@ -58,6 +58,8 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->window = a->window_left >= 0;
   c->sinks = !a->sinks ? 0 : a->sinks_dtype == OPGRAFT_DTYPE_FP32 ? 2 : 1;
   c->update = a->k_new != NULL;
+  c->qknorm = a->q_norm_weight != NULL;
+  c->rope = a->rope_style;
 }
 
 int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg *c, og_opts *o) {
@@ -77,6 +79,8 @@ int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg
   OG_OPT("-DOG_CLUSTER=%d", c->cluster > 1);
   OG_OPT("-DOG_UPDATE=%d", c->update);
   OG_OPT("-DOG_FAN32=%d", c->fan32);
+  OG_OPT("-DOG_QKNORM=%d", c->qknorm);
+  OG_OPT("-DOG_ROPE=%d", c->rope);
 #undef OG_OPT
   return opgraft__opts_check(o, "attention");
 }

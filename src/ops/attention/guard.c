@@ -93,6 +93,35 @@ int32_t opgraft__attn_check_static(const opgraft_attention_args *a, char *reason
       if (!mult8(a->k_new_stride[i]) || !mult8(a->v_new_stride[i]))
         return OG_REASON("new key or value strides are not multiples of 16 bytes");
   }
+  return opgraft__attn_check_prologue(a, reason, reason_len);
+}
+
+/* The q/k norm and rotary embedding's arguments (ABI 11). */
+int32_t opgraft__attn_check_prologue(const opgraft_attention_args *a, char *reason, size_t reason_len) {
+  const int norm = a->q_norm_weight || a->k_norm_weight;
+  if (a->rope_style < OPGRAFT_ROPE_NONE || a->rope_style > OPGRAFT_ROPE_GPTJ)
+    return OG_REASON("unknown rotary embedding style %d", a->rope_style);
+  if (!norm && a->rope_style == OPGRAFT_ROPE_NONE) return OPGRAFT_OK;
+  if (!a->k_new) return OG_REASON("q/k norm or rotary embedding without the call's new keys (the kernel applies them to those)");
+  if (norm) {
+    if (!a->q_norm_weight || !a->k_norm_weight) return OG_REASON("a q norm weight without a k norm weight, or the reverse");
+    if (a->qk_norm_dtype != a->dtype)
+      return OG_REASON("q/k norm weight dtype %s (the query's %s expected)", opgraft__attn_dtype_name(a->qk_norm_dtype),
+                       opgraft__attn_dtype_name(a->dtype));
+    if (!(a->qk_norm_eps >= 0) || !isfinite(a->qk_norm_eps) || a->qk_norm_eps > 1.0)
+      return OG_REASON("q/k norm epsilon %g", a->qk_norm_eps);
+  }
+  if (a->rope_style != OPGRAFT_ROPE_NONE) {
+    if (a->cos_sin_dtype != a->dtype)
+      return OG_REASON("cos/sin cache dtype %s (the query's %s expected)", opgraft__attn_dtype_name(a->cos_sin_dtype),
+                       opgraft__attn_dtype_name(a->dtype));
+    if (a->rope_rows < 1 || a->rope_rows > INT32_MAX) return OG_REASON("cos/sin cache of %lld rows", (long long)a->rope_rows);
+    if (a->cos_sin_stride < a->head_size || !mult8(a->cos_sin_stride))
+      return OG_REASON("cos/sin cache row stride %lld (at least the head size, a multiple of 16 bytes)",
+                       (long long)a->cos_sin_stride);
+    if (a->positions_dtype != OPGRAFT_DTYPE_INT64)
+      return OG_REASON("positions dtype %s (int64 expected)", opgraft__attn_dtype_name(a->positions_dtype));
+  }
   return OPGRAFT_OK;
 }
 
@@ -107,6 +136,13 @@ int32_t opgraft__attn_check_pointers(const opgraft_attention_args *a, char *reas
     return OG_REASON("new keys without new values or a slot mapping");
   if (!aligned(a->k_new, 16) || !aligned(a->v_new, 16) || !aligned(a->slot_mapping, 8))
     return OG_REASON("new keys, values or slot mapping misaligned");
+  if ((a->q_norm_weight || a->k_norm_weight) && (!a->q_norm_weight || !a->k_norm_weight))
+    return OG_REASON("q/k norm weights: one is NULL");
+  if (a->rope_style != OPGRAFT_ROPE_NONE && a->batch > 0 && (!a->cos_sin_cache || !a->positions))
+    return OG_REASON("rotary embedding without a cos/sin cache or positions");
+  if (!aligned(a->q_norm_weight, 16) || !aligned(a->k_norm_weight, 16) || !aligned(a->cos_sin_cache, 16) ||
+      !aligned(a->positions, 8))
+    return OG_REASON("q/k norm weights, cos/sin cache or positions misaligned");
   if (!aligned(a->block_table, 4) || !aligned(a->seq_lens, 4) ||
       !aligned(a->sinks, a->sinks_dtype == OPGRAFT_DTYPE_FP32 ? 4u : 2u))
     return OG_REASON("block table, seq_lens or sinks misaligned");

@@ -47,6 +47,14 @@ static void layout_of(const opgraft_attention_args *a, opgraft_attention_args *k
     memcpy(k->v_new_stride, a->v_new_stride, sizeof k->v_new_stride);
     k->slot_mapping_dtype = a->slot_mapping_dtype;
   }
+  k->q_norm_weight = a->q_norm_weight ? (const void *)1 : NULL; /* only whether there is a q/k norm */
+  k->k_norm_weight = a->k_norm_weight ? (const void *)1 : NULL;
+  if (a->q_norm_weight) k->qk_norm_dtype = a->qk_norm_dtype, k->qk_norm_eps = a->qk_norm_eps;
+  k->rope_style = a->rope_style;
+  if (a->rope_style) {
+    k->cos_sin_dtype = a->cos_sin_dtype, k->cos_sin_stride = a->cos_sin_stride, k->rope_rows = a->rope_rows;
+    k->positions_dtype = a->positions_dtype;
+  }
 }
 
 #define OG_REASON_FAIL(st) opgraft__fail(st, "attention call not supported: %s", reason)
@@ -131,6 +139,9 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
   q->bt_stride = a->block_table_stride[0];
   q->kn_st = a->k_new_stride[0], q->kn_sh = a->k_new_stride[1];
   q->vn_st = a->v_new_stride[0], q->vn_sh = a->v_new_stride[1];
+  q->cs_stride = a->cos_sin_stride;
+  q->qk_eps = (float)a->qk_norm_eps;
+  q->rope_rows = (int)a->rope_rows;
   q->block_size = (int)a->block_size;
   q->max_blocks = (int)a->max_blocks;
   q->num_blocks = (int)a->num_blocks;
@@ -230,16 +241,28 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_attention_plan *plan,
 
 static int misaligned(const void *p, unsigned n) { return ((uintptr_t)p & (n - 1u)) != 0; }
 
-/* Both run entry points: k_new NULL for a plan without the cache write. */
+/* Every run entry point: k_new NULL for a plan without the cache write; pro (the q/k norm weights,
+ * the cos/sin cache and the positions) NULL from the entry points that have none. */
 static int32_t run(const char *what, const opgraft_attention_plan *plan, const void *q, const void *k_new,
                    const void *v_new, const void *slot_mapping, int64_t slot_count, const void *k_cache,
                    const void *v_cache, const void *block_table, const void *seq_lens, const void *sinks, void *out,
-                   void *workspace, int64_t batch, int64_t max_seq_len, void *stream) {
+                   void *workspace, int64_t batch, int64_t max_seq_len, const opgraft_attention_args *pro,
+                   void *stream) {
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "%s: no plan", what);
+  const int has_pro = plan->args.q_norm_weight || plan->args.rope_style;
+  if (has_pro && !pro)
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: the plan was made with q/k norm or rotary embedding (run it with "
+                                         "opgraft_attention_plan_run_args)", what);
   if (!k_new != !plan->args.k_new)
     return opgraft__fail(OPGRAFT_EINVAL, "%s: the plan was made %s new keys (run it with %s)", what,
                          plan->args.k_new ? "with" : "without",
                          plan->args.k_new ? "opgraft_attention_plan_run_update" : "opgraft_attention_plan_run");
+  if (has_pro && ((plan->args.q_norm_weight && (!pro->q_norm_weight || !pro->k_norm_weight ||
+                                                misaligned(pro->q_norm_weight, 16) || misaligned(pro->k_norm_weight, 16))) ||
+                  (plan->args.rope_style && batch > 0 &&
+                   (!pro->cos_sin_cache || !pro->positions || misaligned(pro->cos_sin_cache, 16) ||
+                    misaligned(pro->positions, 8)))))
+    return opgraft__fail(OPGRAFT_EINVAL, "%s: q/k norm weights, cos/sin cache or positions NULL or misaligned", what);
   if (k_new && (!v_new || slot_count < 0 || (slot_count > 0 && !slot_mapping) || misaligned(k_new, 16) ||
                 misaligned(v_new, 16) || misaligned(slot_mapping, 8)))
     return opgraft__fail(OPGRAFT_EINVAL, "%s: new values, slot mapping or slot count %lld bad", what,
@@ -268,6 +291,10 @@ static int32_t run(const char *what, const opgraft_attention_plan *plan, const v
   p.block_table = (const int *)block_table, p.seq_lens = (const int *)seq_lens, p.sinks = sinks;
   p.k_new = k_new, p.v_new = v_new, p.slot_mapping = (const long long *)slot_mapping;
   p.slot_count = slot_count > batch ? (int)batch : (int)slot_count;
+  if (has_pro) {
+    p.q_norm_w = pro->q_norm_weight, p.k_norm_w = pro->k_norm_weight;
+    p.cos_sin = pro->cos_sin_cache, p.positions = (const long long *)pro->positions;
+  }
   return launch(cu, plan, &p, batch, max_seq_len, workspace, (og_CUstream)stream);
 }
 
@@ -276,7 +303,7 @@ int32_t opgraft_attention_plan_run(const opgraft_attention_plan *plan, const voi
                                    const void *sinks, void *out, void *workspace, int64_t batch, int64_t max_seq_len,
                                    void *stream) {
   return run("opgraft_attention_plan_run", plan, q, NULL, NULL, NULL, 0, k_cache, v_cache, block_table, seq_lens,
-             sinks, out, workspace, batch, max_seq_len, stream);
+             sinks, out, workspace, batch, max_seq_len, NULL, stream);
 }
 
 int32_t opgraft_attention_plan_run_update(const opgraft_attention_plan *plan, const void *q, const void *k_new,
@@ -286,7 +313,23 @@ int32_t opgraft_attention_plan_run_update(const opgraft_attention_plan *plan, co
                                           int64_t batch, int64_t max_seq_len, void *stream) {
   if (!k_new) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run_update: no new keys");
   return run("opgraft_attention_plan_run_update", plan, q, k_new, v_new, slot_mapping, slot_count, k_cache, v_cache,
-             block_table, seq_lens, sinks, out, workspace, batch, max_seq_len, stream);
+             block_table, seq_lens, sinks, out, workspace, batch, max_seq_len, NULL, stream);
+}
+
+int32_t opgraft_attention_plan_run_args(const opgraft_attention_plan *plan, const opgraft_attention_args *a,
+                                        void *workspace, void *stream) {
+  if (!a || a->struct_size < sizeof *a)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run_args: no arguments, or an older ABI's");
+  if (plan) { /* strides or options other than the plan's would be read wrongly */
+    opgraft_attention_args layout;
+    layout_of(a, &layout);
+    layout.batch = plan->args.batch;
+    if (memcmp(&layout, &plan->args, sizeof layout) != 0)
+      return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_plan_run_args: the arguments' layout is not the plan's");
+  }
+  return run("opgraft_attention_plan_run_args", plan, a->q, a->k_new, a->v_new, a->slot_mapping, a->slot_count,
+             a->k_cache, a->v_cache, a->block_table, a->seq_lens, a->sinks, a->out, workspace, a->batch,
+             a->max_seq_len, a, stream);
 }
 
 /* ---- the argument-struct entry point, through plans cached here ---- */
@@ -330,6 +373,6 @@ int32_t opgraft_attention_run(const opgraft_attention_args *a, void *workspace, 
   if (plan->workspace > workspace_bytes)
     return opgraft__fail(OPGRAFT_EINVAL, "workspace of %zu bytes given, %zu needed", workspace_bytes, plan->workspace);
   return run("opgraft_attention_run", plan, a->q, a->k_new, a->v_new, a->slot_mapping, a->slot_count, a->k_cache,
-             a->v_cache, a->block_table, a->seq_lens, a->sinks, a->out,
-                                    workspace, a->batch, a->max_seq_len, stream);
+             a->v_cache, a->block_table, a->seq_lens, a->sinks, a->out, workspace, a->batch, a->max_seq_len, a,
+             stream);
 }

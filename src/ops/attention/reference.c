@@ -54,9 +54,69 @@ static uint16_t double_to_fp16(double d) {
   return sign | (uint16_t)(exp << 10) | (uint16_t)(q - 1024);
 }
 
-static double load16(int32_t dtype, const void *base, int64_t idx) {
-  const uint16_t h = ((const uint16_t *)base)[idx];
-  return dtype == OPGRAFT_DTYPE_BF16 ? bf16_to_double(h) : fp16_to_double(h);
+static double value16(int32_t dtype, uint16_t h) { return dtype == OPGRAFT_DTYPE_BF16 ? bf16_to_double(h) : fp16_to_double(h); }
+static double load16(int32_t dtype, const void *base, int64_t idx) { return value16(dtype, ((const uint16_t *)base)[idx]); }
+
+static uint16_t round16(int32_t dtype, double v) { return dtype == OPGRAFT_DTYPE_BF16 ? double_to_bf16(v) : double_to_fp16(v); }
+
+/* vLLM's q/k RMSNorm (weights w, or none) and rotary embedding of one head of row b, in place on its
+ * D 16-bit values, rounded where vLLM rounds: the normalized value, its product with the weight,
+ * the rotated value. */
+static void prologue_head(const opgraft_attention_args *a, uint16_t *x, const void *w, int64_t b) {
+  const int64_t D = a->head_size;
+  const int32_t t = a->dtype;
+  if (w) {
+    double ss = 0;
+    for (int64_t d = 0; d < D; ++d) ss += load16(t, x, d) * load16(t, x, d);
+    const double r = 1.0 / sqrt(ss / (double)D + a->qk_norm_eps);
+    for (int64_t d = 0; d < D; ++d)
+      x[d] = round16(t, value16(t, round16(t, load16(t, x, d) * r)) * load16(t, w, d));
+  }
+  const int64_t pos = a->rope_style ? ((const int64_t *)a->positions)[b] : -1;
+  if (pos < 0 || pos >= a->rope_rows) return; /* no rotation, or a position outside the cache */
+  double y[256];
+  const int64_t half = D / 2, row = pos * a->cos_sin_stride;
+  for (int64_t i = 0; i < half; ++i) {
+    const double c = load16(t, a->cos_sin_cache, row + i), s = load16(t, a->cos_sin_cache, row + half + i);
+    const int64_t i1 = a->rope_style == OPGRAFT_ROPE_NEOX ? i : 2 * i, i2 = a->rope_style == OPGRAFT_ROPE_NEOX ? i + half : 2 * i + 1;
+    const double x1 = load16(t, x, i1), x2 = load16(t, x, i2);
+    y[i1] = x1 * c - x2 * s, y[i2] = x2 * c + x1 * s;
+  }
+  for (int64_t d = 0; d < D; ++d) x[d] = round16(t, y[d]);
+}
+
+/* The call with its query and new keys normalized and rotated (contiguous copies), then as without. */
+static int32_t reference_prologue(const opgraft_attention_args *a, double *out_f64) {
+  const int64_t B = a->batch, H = a->num_heads, Hk = a->num_kv_heads, D = a->head_size;
+  if (!a->k_new || D > 256 || D % 2 || (a->rope_style && (!a->cos_sin_cache || !a->positions)) ||
+      !a->q_norm_weight != !a->k_norm_weight || a->rope_style < 0 || a->rope_style > OPGRAFT_ROPE_GPTJ)
+    return opgraft__fail(OPGRAFT_EINVAL, "q/k norm or rotary embedding without new keys, weights or a cos/sin cache");
+  if ((a->q_norm_weight && a->qk_norm_dtype != a->dtype) || (a->rope_style && a->cos_sin_dtype != a->dtype))
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the reference takes norm weights and cos/sin in the query's dtype");
+  uint16_t *q = malloc(sizeof(uint16_t) * (size_t)(B * H * D + 1)), *k = malloc(sizeof(uint16_t) * (size_t)(B * Hk * D + 1));
+  if (!q || !k) {
+    free(q), free(k);
+    return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t d = 0; d < D; ++d)
+        q[(b * H + h) * D + d] = ((const uint16_t *)a->q)[b * a->q_stride[0] + h * a->q_stride[1] + d * a->q_stride[2]];
+      prologue_head(a, q + (b * H + h) * D, a->q_norm_weight, b);
+    }
+    for (int64_t h = 0; h < Hk; ++h) {
+      for (int64_t d = 0; d < D; ++d)
+        k[(b * Hk + h) * D + d] = ((const uint16_t *)a->k_new)[b * a->k_new_stride[0] + h * a->k_new_stride[1] + d];
+      prologue_head(a, k + (b * Hk + h) * D, a->k_norm_weight, b);
+    }
+  }
+  opgraft_attention_args t = *a;
+  t.q = q, t.q_stride[0] = H * D, t.q_stride[1] = D, t.q_stride[2] = 1;
+  t.k_new = k, t.k_new_stride[0] = Hk * D, t.k_new_stride[1] = D;
+  t.q_norm_weight = t.k_norm_weight = NULL, t.rope_style = OPGRAFT_ROPE_NONE;
+  const int32_t st = opgraft_attention_reference(&t, out_f64);
+  free(q), free(k);
+  return st;
 }
 
 int32_t opgraft_attention_reference(const opgraft_attention_args *a, double *out_f64) {
@@ -73,6 +133,7 @@ int32_t opgraft_attention_reference(const opgraft_attention_args *a, double *out
   if (B == 0) return OPGRAFT_OK;
   if (!a->q || !a->k_cache || !a->v_cache || !a->block_table || !a->seq_lens || (!out_f64 && !a->out))
     return opgraft__fail(OPGRAFT_EINVAL, "NULL tensor");
+  if (a->q_norm_weight || a->k_norm_weight || a->rope_style) return reference_prologue(a, out_f64);
   if (a->k_new) { /* the call's cache write first (the caller's cache is changed, as on the GPU) */
     if (!a->v_new || (a->slot_count > 0 && !a->slot_mapping) || a->slot_mapping_dtype != OPGRAFT_DTYPE_INT64)
       return opgraft__fail(OPGRAFT_EINVAL, "new keys without values or an int64 slot mapping");

@@ -73,6 +73,17 @@ static void attention_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_attention_args, slot_mapping);
   OG_ABI_FIELD(b, opgraft_attention_args, slot_mapping_dtype);
   OG_ABI_FIELD(b, opgraft_attention_args, slot_count);
+  OG_ABI_FIELD(b, opgraft_attention_args, q_norm_weight);
+  OG_ABI_FIELD(b, opgraft_attention_args, k_norm_weight);
+  OG_ABI_FIELD(b, opgraft_attention_args, qk_norm_dtype);
+  OG_ABI_FIELD(b, opgraft_attention_args, qk_norm_eps);
+  OG_ABI_FIELD(b, opgraft_attention_args, rope_style);
+  OG_ABI_FIELD(b, opgraft_attention_args, cos_sin_cache);
+  OG_ABI_FIELD(b, opgraft_attention_args, cos_sin_dtype);
+  OG_ABI_FIELD(b, opgraft_attention_args, cos_sin_stride);
+  OG_ABI_FIELD(b, opgraft_attention_args, rope_rows);
+  OG_ABI_FIELD(b, opgraft_attention_args, positions);
+  OG_ABI_FIELD(b, opgraft_attention_args, positions_dtype);
   opgraft__abi_end(b);
 }
 

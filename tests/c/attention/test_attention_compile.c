@@ -21,7 +21,7 @@ typedef struct job {
   int dup_of;
 } job;
 
-enum { MAX_JOBS = 1024 };
+enum { MAX_JOBS = 2048 };
 static job jobs[MAX_JOBS];
 static int n_jobs, n_unique;
 static int have_nvrtc;
@@ -30,7 +30,8 @@ static _Atomic int next_job;
 static const int32_t archs[] = {80, 90};
 
 /* Options of a call: 0 none, else a mask of SOFTCAP 1, WINDOW 2, SINKS32 4, SINKS16 8, UPDATE 16
- * (the call's new keys and values written by the kernel). */
+ * (the call's new keys and values written by the kernel), and with UPDATE QKNORM 32, NEOX 64 and
+ * GPTJ 128 (q/k norm, rotary embedding). */
 static void add_job(int32_t dtype, int64_t D, int64_t G, int64_t bs, int options, int32_t arch, const char *setting) {
   if (n_jobs >= MAX_JOBS) fail_msg("more than %d compile jobs", MAX_JOBS);
   opgraft_attention_args a;
@@ -49,6 +50,13 @@ static void add_job(int32_t dtype, int64_t D, int64_t G, int64_t bs, int options
   if (options & 16) {
     a.k_new = a.v_new = a.slot_mapping = (const void *)0x1000, a.slot_mapping_dtype = OPGRAFT_DTYPE_INT64;
     a.k_new_stride[0] = a.v_new_stride[0] = 2 * D * 3, a.k_new_stride[1] = a.v_new_stride[1] = D;
+  }
+  if (options & 32)
+    a.q_norm_weight = a.k_norm_weight = (const void *)0x1000, a.qk_norm_dtype = dtype, a.qk_norm_eps = 1e-6;
+  if (options & 192) {
+    a.rope_style = options & 64 ? OPGRAFT_ROPE_NEOX : OPGRAFT_ROPE_GPTJ;
+    a.cos_sin_cache = a.positions = (const void *)0x1000, a.cos_sin_dtype = dtype, a.cos_sin_stride = D;
+    a.rope_rows = 4096, a.positions_dtype = OPGRAFT_DTYPE_INT64;
   }
   a.arch = arch;
   job *j = &jobs[n_jobs];
@@ -160,6 +168,21 @@ static int setup(void **state) {
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "12", NULL}, written, nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "16", NULL}, written, nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "1", NULL}, written, nwritten);
+  /* q/k norm and NeoX rotary embedding (Qwen3's) over every shipped variant with the settings the
+   * cache write takes; GPT-J, and each alone, over some. */
+  variant prologue[sizeof shipped / sizeof *shipped];
+  for (int i = 0; i < nwritten; ++i) prologue[i] = written[i], prologue[i].options |= 32 | 64;
+  add_setting(NULL, prologue, nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, prologue, nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL}, prologue, nwritten);
+  static const variant pro_some[] = {{BF, 64, 8, 16, 16 | 32 | 128}, {BF, 128, 8, 16, 16 | 32 | 128},
+                                     {FP, 256, 4, 16, 16 | 32 | 128}, {BF, 128, 4, 16, 16 | 64},
+                                     {BF, 64, 16, 16, 16 | 128 | 3},  {BF, 128, 16, 16, 16 | 32 | 7},
+                                     {BF, 256, 1, 16, 16 | 32},       {FP, 128, 8, 16, 16 | 64 | 11}};
+  const int npro = (int)(sizeof pro_some / sizeof *pro_some);
+  add_setting(NULL, pro_some, npro);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "16", NULL}, pro_some, npro);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_WARPS", "1", NULL}, pro_some, npro);
   /* Each tunable's other values, where they change the code. */
   static const variant some[] = {{BF, 64, 8, 16, 0},   {BF, 128, 8, 16, 0}, {BF, 128, 16, 16, 7},
                                  {BF, 256, 8, 16, 0},  {BF, 128, 1, 16, 0}, {FP, 256, 4, 16, 3}};

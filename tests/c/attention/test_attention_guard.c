@@ -84,6 +84,16 @@ static void set_update(opgraft_attention_args *a) {
   a->slot_mapping_dtype = OPGRAFT_DTYPE_INT64, a->slot_count = 8;
 }
 
+/* Qwen3's q/k RMSNorm and NeoX rotary embedding in the kernel (with the cache write). */
+static void set_prologue(opgraft_attention_args *a) {
+  set_update(a);
+  a->q_norm_weight = (const void *)0x800000, a->k_norm_weight = (const void *)0x800100;
+  a->qk_norm_dtype = a->dtype, a->qk_norm_eps = 1e-6;
+  a->rope_style = OPGRAFT_ROPE_NEOX, a->cos_sin_cache = (const void *)0x900000, a->cos_sin_dtype = a->dtype;
+  a->cos_sin_stride = 128, a->rope_rows = 40960, a->positions = (const void *)0xa00000;
+  a->positions_dtype = OPGRAFT_DTYPE_INT64;
+}
+
 static void test_max_batch(void **state) {
   /* sm_90 takes up to 32 sequences by the rule (measured: FA3 won at 64 with long contexts and 8
    * warps), 64 for Qwen3-30B-A3B's heads by their row (12 warps won there); other archs any. */
@@ -119,6 +129,19 @@ static void test_valid(void **state) {
   expect_ok(&a, "the cache write in the kernel");
   a.slot_count = 0, a.slot_mapping = NULL;
   expect_ok(&a, "the cache write with no slots this call");
+  a = valid_args();
+  set_prologue(&a);
+  expect_ok(&a, "q/k norm and NeoX rotary embedding");
+  a.rope_style = OPGRAFT_ROPE_GPTJ;
+  expect_ok(&a, "q/k norm and GPT-J rotary embedding");
+  a.rope_style = OPGRAFT_ROPE_NONE, a.cos_sin_cache = a.positions = NULL;
+  expect_ok(&a, "q/k norm alone");
+  set_prologue(&a);
+  a.q_norm_weight = a.k_norm_weight = NULL;
+  expect_ok(&a, "rotary embedding alone");
+  a.batch = 0, a.cos_sin_cache = a.positions = NULL;
+  a.q = a.k_cache = a.v_cache = a.block_table = a.seq_lens = NULL, a.out = NULL;
+  expect_ok(&a, "rotary embedding, an empty batch with NULL pointers");
   static const int64_t heads[][3] = {{32, 32, 64}, {32, 8, 128}, {64, 4, 128}, {16, 2, 256}, {8, 8, 256}, {7, 1, 64}};
   for (int i = 0; i < 6; ++i) {
     a = valid_args();
@@ -208,6 +231,19 @@ static void m_no_new_values(opgraft_attention_args *a) { set_update(a), a->v_new
 static void m_no_slots(opgraft_attention_args *a) { set_update(a), a->slot_mapping = NULL; }
 static void m_new_misaligned(opgraft_attention_args *a) { set_update(a), a->k_new = (const void *)0x600008; }
 static void m_slots_misaligned(opgraft_attention_args *a) { set_update(a), a->slot_mapping = (const void *)0x700004; }
+static void m_pro_no_update(opgraft_attention_args *a) { set_prologue(a), a->k_new = NULL; }
+static void m_rope_style(opgraft_attention_args *a) { set_prologue(a), a->rope_style = 3; }
+static void m_one_norm_weight(opgraft_attention_args *a) { set_prologue(a), a->k_norm_weight = NULL; }
+static void m_norm_dtype(opgraft_attention_args *a) { set_prologue(a), a->qk_norm_dtype = OPGRAFT_DTYPE_FP32; }
+static void m_norm_eps(opgraft_attention_args *a) { set_prologue(a), a->qk_norm_eps = NAN; }
+static void m_cos_sin_dtype(opgraft_attention_args *a) { set_prologue(a), a->cos_sin_dtype = OPGRAFT_DTYPE_FP32; }
+static void m_rope_rows(opgraft_attention_args *a) { set_prologue(a), a->rope_rows = 0; }
+static void m_cos_sin_stride(opgraft_attention_args *a) { set_prologue(a), a->cos_sin_stride = 132; }
+static void m_cos_sin_short(opgraft_attention_args *a) { set_prologue(a), a->cos_sin_stride = 64; }
+static void m_positions_int32(opgraft_attention_args *a) { set_prologue(a), a->positions_dtype = OPGRAFT_DTYPE_INT32; }
+static void m_no_positions(opgraft_attention_args *a) { set_prologue(a), a->positions = NULL; }
+static void m_cos_sin_misaligned(opgraft_attention_args *a) { set_prologue(a), a->cos_sin_cache = (const void *)0x900008; }
+static void m_norm_misaligned(opgraft_attention_args *a) { set_prologue(a), a->q_norm_weight = (const void *)0x800002; }
 
 static const refusal refusals[] = {
     {m_struct_size, "struct_size"},
@@ -258,6 +294,19 @@ static const refusal refusals[] = {
     {m_no_slots, "without new values or a slot mapping"},
     {m_new_misaligned, "slot mapping misaligned"},
     {m_slots_misaligned, "slot mapping misaligned"},
+    {m_pro_no_update, "without the call's new keys"},
+    {m_rope_style, "unknown rotary embedding style 3"},
+    {m_one_norm_weight, "a q norm weight without a k norm weight"},
+    {m_norm_dtype, "q/k norm weight dtype fp32"},
+    {m_norm_eps, "q/k norm epsilon"},
+    {m_cos_sin_dtype, "cos/sin cache dtype fp32"},
+    {m_rope_rows, "cos/sin cache of 0 rows"},
+    {m_cos_sin_stride, "cos/sin cache row stride 132"},
+    {m_cos_sin_short, "cos/sin cache row stride 64"},
+    {m_positions_int32, "positions dtype int32"},
+    {m_no_positions, "without a cos/sin cache or positions"},
+    {m_cos_sin_misaligned, "cos/sin cache or positions misaligned"},
+    {m_norm_misaligned, "cos/sin cache or positions misaligned"},
 };
 
 static void test_refusals(void **state) {

@@ -46,6 +46,8 @@ typedef struct problem {
   int sinks; /* 0 none, 1 fp32, 2 the dtype */
   int bad_blocks; /* sequence 1's first block id -1, its last num_blocks */
   int update;     /* every sequence's last key and value given as new ones, their cache rows NaN */
+  int qknorm;     /* with update: q/k RMSNorm of the query and the new key */
+  int rope;       /* with update: rotary embedding (OPGRAFT_ROPE_*); sequence 0's position is out of range */
   /* built */
   int nblocks, maxb;
   double *ql, *kl, *vl; /* [B][H][D], [B][Lmax][Hk][D] rounded values */
@@ -54,12 +56,47 @@ typedef struct problem {
   float sinks32[32];
   int32_t *bt;
   uint16_t *knew, *vnew; /* update: [B][Hk][D + 8] */
+  uint16_t *kstored;     /* update: [B][Hk][D] the new keys as the cache must hold them */
   int64_t *slots;
+  uint16_t qw[256], kw[256], *cos_sin; /* qknorm, rope: the norm weights, the [64][D + 8] cos/sin rows */
+  int64_t pos[8];
   opgraft_attention_args a;
 } problem;
 
 static uint16_t enc(const problem *p, double v) { return p->dtype == OPGRAFT_DTYPE_BF16 ? to_bf16(v) : to_fp16(v); }
 static double dec(const problem *p, uint16_t h) { return p->dtype == OPGRAFT_DTYPE_BF16 ? from_bf16(h) : from_fp16(h); }
+
+/* Round to nearest even at the dtype's precision (normal and subnormal; no overflow here). */
+static double rne(const problem *p, double d) {
+  if (d == 0) return d;
+  const int bits = p->dtype == OPGRAFT_DTYPE_BF16 ? 8 : 11, emin = p->dtype == OPGRAFT_DTYPE_BF16 ? -133 : -24;
+  int e;
+  frexp(d, &e);
+  const double ulp = ldexp(1, e - bits > emin ? e - bits : emin);
+  return nearbyint(d / ulp) * ulp;
+}
+
+enum { ROPE_ROWS = 64 };
+
+/* vLLM's q/k RMSNorm (eps 1e-6) and rotary embedding of one head (D values) of row b, in place. */
+static void brute_prologue(const problem *p, double *x, const uint16_t *w, int b) {
+  const int D = p->D;
+  if (p->qknorm) {
+    double ss = 0;
+    for (int d = 0; d < D; ++d) ss += x[d] * x[d];
+    const double r = 1.0 / sqrt(ss / D + 1e-6);
+    for (int d = 0; d < D; ++d) x[d] = rne(p, rne(p, x[d] * r) * dec(p, w[d]));
+  }
+  if (!p->rope || p->pos[b] < 0 || p->pos[b] >= ROPE_ROWS) return;
+  double y[256];
+  const uint16_t *row = p->cos_sin + p->pos[b] * (D + 8);
+  for (int i = 0; i < D / 2; ++i) {
+    const double c = dec(p, row[i]), s = dec(p, row[D / 2 + i]);
+    const int i1 = p->rope == OPGRAFT_ROPE_NEOX ? i : 2 * i, i2 = p->rope == OPGRAFT_ROPE_NEOX ? i + D / 2 : 2 * i + 1;
+    y[i1] = x[i1] * c - x[i2] * s, y[i2] = x[i2] * c + x[i1] * s;
+  }
+  for (int d = 0; d < D; ++d) x[d] = rne(p, y[d]);
+}
 
 static int lmax(const problem *p) {
   int m = 1;
@@ -107,13 +144,26 @@ static void build(problem *p) {
     memcpy(ks, st, sizeof st), memcpy(vs, st, sizeof st);
     p->cache_k = cache, p->cache_v = cache + (size_t)p->nblocks * bs * row;
   }
+  p->cos_sin = NULL;
+  if (p->qknorm || p->rope) {
+    for (int d = 0; d < D; ++d) p->qw[d] = enc(p, 1 + 0.5 * urand()), p->kw[d] = enc(p, 1 + 0.5 * urand());
+    p->cos_sin = malloc(2 * (size_t)ROPE_ROWS * (D + 8));
+    for (int r = 0; r < ROPE_ROWS; ++r)
+      for (int i = 0; i < D / 2; ++i) {
+        const double f = r * pow(10000.0, -2.0 * i / D);
+        p->cos_sin[r * (D + 8) + i] = enc(p, cos(f)), p->cos_sin[r * (D + 8) + D / 2 + i] = enc(p, sin(f));
+      }
+    for (int b = 0; b < B; ++b) p->pos[b] = b == 0 ? ROPE_ROWS : (p->lens[b] > 0 ? p->lens[b] - 1 : 0) % ROPE_ROWS;
+  }
   for (int b = 0; b < B; ++b)
-    for (int h = 0; h < H; ++h)
+    for (int h = 0; h < H; ++h) {
       for (int d = 0; d < D; ++d) {
         const uint16_t e = enc(p, urand());
         p->q[((size_t)b * H + h) * D + d] = e;
         p->ql[((size_t)b * H + h) * D + d] = dec(p, e);
       }
+      if (p->qknorm || p->rope) brute_prologue(p, p->ql + ((size_t)b * H + h) * D, p->qw, b);
+    }
   for (int b = 0; b < B; ++b)
     for (int j = 0; j < p->lens[b]; ++j) {
       const int blk = p->bt[b * p->maxb + j / bs];
@@ -128,7 +178,7 @@ static void build(problem *p) {
           p->cache_v[blk * vs[0] + (j % bs) * vs[1] + kh * vs[2] + d] = ev;
         }
     }
-  p->knew = p->vnew = NULL, p->slots = NULL;
+  p->knew = p->vnew = p->kstored = NULL, p->slots = NULL;
   if (p->update) { /* the last key of each sequence moves out of the cache into the call */
     const size_t nrow = (size_t)D + 8;
     p->knew = malloc(2 * (size_t)B * Hk * nrow), p->vnew = malloc(2 * (size_t)B * Hk * nrow);
@@ -144,6 +194,14 @@ static void build(problem *p) {
           *ck = *cv = p->dtype == OPGRAFT_DTYPE_BF16 ? 0x7fc0u : 0x7e00u;
         }
     }
+    /* The key the cache must hold and attention must use: normalized and rotated where asked. */
+    p->kstored = malloc(2 * (size_t)B * Hk * D);
+    for (int b = 0; b < B; ++b)
+      for (int kh = 0; kh < Hk && p->slots[b] >= 0; ++kh) {
+        double *k = p->kl + (((size_t)b * Lm + p->lens[b] - 1) * Hk + kh) * D;
+        if (p->qknorm || p->rope) brute_prologue(p, k, p->kw, b);
+        for (int d = 0; d < D; ++d) p->kstored[((size_t)b * Hk + kh) * D + d] = enc(p, k[d]);
+      }
   }
   p->sinks16 = malloc(2 * (size_t)H);
   for (int h = 0; h < H; ++h) {
@@ -174,11 +232,18 @@ static void build(problem *p) {
     a->k_new_stride[0] = a->v_new_stride[0] = (int64_t)Hk * (D + 8), a->k_new_stride[1] = a->v_new_stride[1] = D + 8;
     a->slot_mapping_dtype = OPGRAFT_DTYPE_INT64, a->slot_count = B;
   }
+  if (p->qknorm) {
+    a->q_norm_weight = p->qw, a->k_norm_weight = p->kw, a->qk_norm_dtype = p->dtype, a->qk_norm_eps = 1e-6;
+  }
+  if (p->rope) {
+    a->rope_style = p->rope, a->cos_sin_cache = p->cos_sin, a->cos_sin_dtype = p->dtype;
+    a->cos_sin_stride = D + 8, a->rope_rows = ROPE_ROWS, a->positions = p->pos, a->positions_dtype = OPGRAFT_DTYPE_INT64;
+  }
 }
 
 static void release(problem *p) {
   free(p->ql), free(p->kl), free(p->vl), free(p->q), free(p->bt), free(p->sinks16);
-  free(p->knew), free(p->vnew), free(p->slots);
+  free(p->knew), free(p->vnew), free(p->slots), free(p->kstored), free(p->cos_sin);
   free(p->cache_k < p->cache_v ? p->cache_k : p->cache_v);
 }
 
@@ -219,7 +284,8 @@ static void check(problem *p, const char *what) {
       for (int d = 0; d < p->D; ++d) {
         const int64_t blk = p->slots[b] / p->bs, row = p->slots[b] % p->bs;
         const size_t ni = ((size_t)b * p->Hk + kh) * (p->D + 8) + d;
-        if (p->cache_k[blk * p->a.k_stride[0] + row * p->a.k_stride[1] + kh * p->a.k_stride[2] + d] != p->knew[ni] ||
+        if (p->cache_k[blk * p->a.k_stride[0] + row * p->a.k_stride[1] + kh * p->a.k_stride[2] + d] !=
+                p->kstored[((size_t)b * p->Hk + kh) * p->D + d] ||
             p->cache_v[blk * p->a.v_stride[0] + row * p->a.v_stride[1] + kh * p->a.v_stride[2] + d] != p->vnew[ni])
           fail_msg("%s: sequence %d's new key or value not in the cache", what, b);
       }
@@ -293,6 +359,20 @@ static void test_cache_write(void **state) {
   check(&q, "fp16 MHA, separate K/V, window 16, with the cache write");
 }
 
+/* vLLM's q/k RMSNorm and rotary embedding before the call (Qwen3's attention): the query and the
+ * new key normalized and rotated by the oracle as by the brute force, the new key stored so. */
+static void test_qk_norm_rope(void **state) {
+  problem p = {.dtype = OPGRAFT_DTYPE_BF16, .B = 4, .H = 32, .Hk = 4, .D = 128, .bs = 16, .layout = 0,
+               .lens = {5, 0, 17, 40}, .window_left = -1, .update = 1, .qknorm = 1, .rope = OPGRAFT_ROPE_NEOX};
+  check(&p, "bf16 32/4 heads, q/k norm and NeoX rotary embedding, a position out of range, a padded row");
+  problem q = {.dtype = OPGRAFT_DTYPE_FP16, .B = 3, .H = 8, .Hk = 2, .D = 64, .bs = 32, .layout = 1,
+               .lens = {9, 33, 2}, .window_left = 15, .update = 1, .rope = OPGRAFT_ROPE_GPTJ};
+  check(&q, "fp16 GQA 4, head 64, GPT-J rotary embedding alone, window 16");
+  problem r = {.dtype = OPGRAFT_DTYPE_BF16, .B = 2, .H = 8, .Hk = 1, .D = 256, .bs = 16, .layout = 0,
+               .lens = {3, 21}, .window_left = -1, .update = 1, .qknorm = 1};
+  check(&r, "bf16 MQA 8, head 256, q/k norm alone");
+}
+
 static void test_arguments(void **state) {
   problem p = {.dtype = OPGRAFT_DTYPE_BF16, .B = 1, .H = 4, .Hk = 4, .D = 64, .bs = 16, .lens = {3}, .window_left = -1};
   build(&p);
@@ -311,7 +391,20 @@ static void test_arguments(void **state) {
   assert_int_equal(opgraft_attention_reference(&p.a, NULL), OPGRAFT_EINVAL);
   p.a.batch = 0;
   assert_int_equal(opgraft_attention_reference(&p.a, NULL), OPGRAFT_OK);
+  p.a.batch = 1;
+  p.a.rope_style = OPGRAFT_ROPE_NEOX; /* rotary embedding without new keys or a cos/sin cache */
+  assert_int_equal(opgraft_attention_reference(&p.a, out), OPGRAFT_EINVAL);
+  p.a.rope_style = OPGRAFT_ROPE_NONE;
   release(&p);
+  problem q = {.dtype = OPGRAFT_DTYPE_BF16, .B = 1, .H = 4, .Hk = 4, .D = 64, .bs = 16, .lens = {3}, .window_left = -1,
+               .update = 1, .qknorm = 1};
+  build(&q);
+  q.a.qk_norm_dtype = OPGRAFT_DTYPE_FP32;
+  assert_int_equal(opgraft_attention_reference(&q.a, out), OPGRAFT_EUNSUPPORTED);
+  q.a.qk_norm_dtype = q.a.dtype;
+  q.a.k_norm_weight = NULL;
+  assert_int_equal(opgraft_attention_reference(&q.a, out), OPGRAFT_EINVAL);
+  release(&q);
 }
 
 int main(void) {
@@ -321,6 +414,7 @@ int main(void) {
       cmocka_unit_test(test_sinks_and_missing_blocks),
       cmocka_unit_test(test_head_256),
       cmocka_unit_test(test_cache_write),
+      cmocka_unit_test(test_qk_norm_rope),
       cmocka_unit_test(test_arguments),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -35,3 +35,12 @@ def test_a_case_runs_up_to_the_guard_on_cpu():
 def test_a_fan_in_32_case_is_selected_alone(only):
     # tools/gpucheck.py's --only keeps the cases whose name contains the text (case-sensitive)
     assert len([c for c in check.cases() if only in c["name"]]) == 1
+
+
+def test_a_prologue_case_runs_up_to_the_guard_on_cpu():
+    c = check._case("tiny prologue", [5, 0, 17], 8, 2, 64, qk_norm=True, rope=1)
+    assert c["update"]
+    r = check._run_case(c, "cpu")
+    assert r["supported"] is False and r["reason"] == "tensors are not on a CUDA device" and r["passed"] is False
+    assert any(c["qk_norm"] and c["rope"] == 1 and c["graph"] for c in check.cases())
+    assert any(c["rope"] == 2 for c in check.cases()) and any(c["qk_norm"] and not c["rope"] for c in check.cases())

@@ -3,6 +3,7 @@ views (pointers, strides, batch), the guard's decisions on those arguments, the 
 against the bench's independent torch fp64 reference, the custom op's fake, and the dispatch's
 hand-backs (no GPU needed)."""
 import ctypes
+import dataclasses
 
 import pytest
 
@@ -259,7 +260,7 @@ def test_a_plan_is_per_batch():
 def test_prepare_loads_every_capture_size_and_needs_only_batch_one(monkeypatch):
     seen = []
 
-    def one(*args, update=False):
+    def one(*args, update=False, qk_norm=False, rope_style=0):
         batch = args[-1]
         seen.append(batch)
         return (True, "") if batch <= 32 else (False, f"batch {batch} > attention.max_batch 32")
@@ -271,3 +272,85 @@ def test_prepare_loads_every_capture_size_and_needs_only_batch_one(monkeypatch):
     monkeypatch.setattr(ops, "_prepare_one", lambda *a, **k: seen.append(a[-1]) or (False, "no NVRTC"))
     assert ops.prepare(32, 4, 128, torch.bfloat16, "cpu", batches=(8,)) == (False, "no NVRTC")
     assert seen == [1]
+
+
+def prologue(p, rows=None, norm=True, rope=_lib.ROPE_NEOX):
+    """Qwen3's q/k RMSNorm and NeoX rotary embedding for p's rows, positions L-1."""
+    rows = rows or p.seq_lens.shape[0]
+    pro = attn_bench.make_prologue(p.query.dtype, p.query.shape[2], rows, "cpu", norm, rope, rope_rows=512)
+    lens = p.seq_lens.tolist() + [1] * (rows - p.seq_lens.shape[0])
+    pro.positions.copy_(torch.tensor([max(L - 1, 0) for L in lens], dtype=torch.int64))
+    return pro
+
+
+def test_args_of_a_call_with_q_k_norm_and_rotary_embedding():
+    p = problem()
+    key, value, slots = new_rows(p, rows=4)
+    pro = prologue(p, rows=4)
+    a = args_of(p, key=key, value=value, slot_mapping=slots, pro=pro)
+    assert a.q_norm_weight == pro.q_norm_weight.data_ptr() and a.k_norm_weight == pro.k_norm_weight.data_ptr()
+    assert a.qk_norm_dtype == _lib.DTYPE_BF16 and a.qk_norm_eps == pro.eps
+    assert a.rope_style == _lib.ROPE_NEOX and a.cos_sin_cache == pro.cos_sin_cache.data_ptr()
+    assert (a.cos_sin_dtype, a.cos_sin_stride, a.rope_rows) == (_lib.DTYPE_BF16, 64, 512)
+    assert a.positions == pro.positions.data_ptr() and a.positions_dtype == _lib.DTYPE_INT64
+    assert guard(a) == (_lib.OK, "")
+    assert guard(args_of(p, key=key, value=value, slot_mapping=slots, pro=pro._replace(q_norm_weight=None,
+                                                                                       k_norm_weight=None))) == (_lib.OK, "")
+    # tensors that do not fit the heads, or a prologue without the new keys: refused before the guard
+    for change in (dict(q_norm_weight=pro.q_norm_weight[:32]), dict(k_norm_weight=pro.k_norm_weight.view(2, 32)),
+                   dict(k_norm_weight=None), dict(cos_sin_cache=pro.cos_sin_cache[:, :32]),
+                   dict(positions=pro.positions[:2]), dict(positions=None), dict(cos_sin_cache=pro.cos_sin_cache[0]),
+                   dict(cos_sin_cache=torch.zeros(512, 128, dtype=torch.bfloat16))):
+        assert args_of(p, key=key, value=value, slot_mapping=slots, pro=pro._replace(**change)).dtype == -1, change
+    assert args_of(p, pro=pro).dtype == -1
+    # dtypes and strides the guard refuses, with its reasons
+    for change, needle in ((dict(q_norm_weight=pro.q_norm_weight.float(), k_norm_weight=pro.k_norm_weight.float()),
+                            "q/k norm weight dtype fp32"),
+                           (dict(positions=pro.positions.int()), "positions dtype int32"),
+                           (dict(cos_sin_cache=pro.cos_sin_cache.float()), "cos/sin cache dtype fp32"),
+                           (dict(cos_sin_cache=torch.zeros(512, 68, dtype=torch.bfloat16)[:, :64]), "row stride 68"),
+                           (dict(rope_style=3), "unknown rotary embedding style 3")):
+        st, why = guard(args_of(p, key=key, value=value, slot_mapping=slots, pro=pro._replace(**change)))
+        assert st == _lib.EUNSUPPORTED and needle in why, (needle, why)
+    # a plan's layout has the prologue's form (not its pointers)
+    lk = lambda pro: ops._layout_key(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, None, p.scale,
+                                     0.0, -1, None, 0, 1, key, value, slots, pro)
+    assert lk(pro) == lk(prologue(p, rows=4)) != lk(None)
+    assert lk(pro) != lk(pro._replace(rope_style=_lib.ROPE_GPTJ)) != lk(pro._replace(eps=1e-5))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(dtype="fp16", layout="HND", window_left=30, rope=_lib.ROPE_GPTJ),
+    dict(hq=4, hk=4, d=128, norm=False),
+    dict(hq=16, hk=1, d=256, sinks="fp32", lens=(1, 17, 0, 200), rope=_lib.ROPE_NONE),
+])
+def test_c_oracle_with_the_prologue_matches_torch(kw):
+    """The C oracle normalizes and rotates the query and the new key as the GPU check's torch code
+    (vLLM's ops, in fp32 rounded once) does: the stored keys within one rounding step, the output
+    within the dtype's tolerance of torch's fp64 attention on them."""
+    norm, rope = kw.pop("norm", True), kw.pop("rope", _lib.ROPE_NEOX)
+    p = problem(**kw)
+    B = p.seq_lens.shape[0]
+    key, value, _ = new_rows(p)
+    torch.manual_seed(0)
+    key.copy_(torch.randn(key.shape).to(key.dtype)), value.copy_(torch.randn(value.shape).to(value.dtype))
+    bs = p.key_cache.shape[1]
+    slots = torch.tensor([int(p.block_table[b, (L - 1) // bs]) * bs + (L - 1) % bs if L > 0 else -1
+                          for b, L in enumerate(p.seq_lens.tolist())], dtype=torch.int64)
+    pro = prologue(p, norm=norm, rope=rope)
+    got = ops.reference_cpu(p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale, p.softcap,
+                            p.window_left, p.sinks, key=key, value=value, slot_mapping=slots, pro=pro)
+    want_k = attn_bench.qk_prologue_torch(key, pro.k_norm_weight, pro)
+    ulp = 2.0 ** (-7 if key.dtype == torch.bfloat16 else -10)
+    for b, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            stored = p.key_cache[slot // bs, slot % bs].float()
+            assert bool(((stored - want_k[b].float()).abs() <= ulp * want_k[b].float().abs() + 1e-6).all()), b
+            assert torch.equal(p.value_cache[slot // bs, slot % bs], value[b])
+    q = attn_bench.qk_prologue_torch(p.query, pro.q_norm_weight, pro)
+    want = attn_bench.reference(dataclasses.replace(p, query=q))
+    assert float((got - want).norm() / want.norm()) < attn_bench.TOLERANCE[kw.get("dtype", "bf16")]
+    if norm or rope:  # and the prologue changed something
+        plain = attn_bench.reference(p)
+        assert float((got - plain).norm() / plain.norm()) > 0.05
