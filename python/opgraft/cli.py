@@ -951,6 +951,10 @@ def cmd_doctor(args) -> int:
         ncls, nwhy = (None, "") if noff else norm_seam._target()
         say("norm fusion", noff or ("ready: add + RMSNorm in the qkv projection's kernel, in graphs of up to "
                                     "linear.norm_rows tokens" if ncls else f"unavailable: {nwhy}"))
+        from .vllm import rope_seam
+
+        say("attention prologue", rope_seam.disabled() or "ready: q/k RMSNorm and rotary embedding in the attention "
+            "kernel (opt-in, OPGRAFT_ATTENTION_PROLOGUE=1)")
     print("\n".join(out))
     if args.model:
         try:

@@ -414,3 +414,16 @@ def test_doctor_says_what_happens_to_block_fp8_layers(capsys, monkeypatch):
         rc, out, err = in_process(capsys, "doctor")
         lines = {line[:22].strip(): line[22:].strip() for line in out.splitlines() if len(line) > 22}
         assert rc == 0 and lines["block-FP8 linear"].startswith(want), (out, err)
+
+
+def test_doctor_says_whether_the_attention_prologue_is_on(capsys, monkeypatch):
+    pytest.importorskip("vllm")
+    for k in ("OPGRAFT_DISABLE", "OPGRAFT_ATTENTION", "OPGRAFT_ATTENTION_CACHE_WRITE", "OPGRAFT_ATTENTION_PROLOGUE"):
+        monkeypatch.delenv(k, raising=False)
+    for env, want in ((None, "attention prologue off (OPGRAFT_ATTENTION_PROLOGUE=1 turns it on)"),
+                      ("1", "ready: q/k RMSNorm and rotary embedding in the attention kernel")):
+        if env is not None:
+            monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", env)
+        rc, out, err = in_process(capsys, "doctor")
+        lines = {line[:22].strip(): line[22:].strip() for line in out.splitlines() if len(line) > 22}
+        assert rc == 0 and lines["attention prologue"].startswith(want), (out, err)

@@ -103,10 +103,10 @@ def register() -> None:
 def seams():
     """The seams register() installs, in order: (name, module with install/uninstall/installed and
     optionally disabled() -> why not)."""
-    from . import attn_seam, linear_seam, moe_seam, norm_seam, route_seam
+    from . import attn_seam, linear_seam, moe_seam, norm_seam, rope_seam, route_seam
 
     return (("moe", moe_seam), ("moe routing", route_seam), ("attention", attn_seam), ("linear", linear_seam),
-            ("norm fusion", norm_seam))
+            ("norm fusion", norm_seam), ("attention prologue", rope_seam))
 
 
 def _version() -> str:
@@ -124,7 +124,7 @@ def _reset_for_tests() -> None:
     """Undoes register(): restores vLLM's methods and lets register() run again."""
     global _done, _summary
     with _lock:
-        for _, seam in seams():
+        for _, seam in reversed(seams()):  # last installed first: wrappers of one method unwind in order
             seam.uninstall()
         _done = False
         _summary = ""

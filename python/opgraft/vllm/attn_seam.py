@@ -176,6 +176,10 @@ def _build():
     from vllm.v1.attention.backends import flash_attn as fa
 
     writes = cache_write_enabled()
+    from .. import _lib
+    from . import rope_seam
+
+    rope_prologue = not rope_seam.disabled()
 
     def slot_mapping_of(layer):
         """The slot mapping vLLM's own KV write would use for this layer's call (None: no write)."""
@@ -217,11 +221,17 @@ def _build():
                     pass
                 left = _window_of(self, None)[0]
                 sinks_dtype = self.sinks.dtype if self.sinks is not None else None
-                ok, why = attention.prepare(self.num_heads, self.num_kv_heads, self.head_size, act_dtype,
-                                            torch.device("cuda", torch.cuda.current_device()), self.logits_soft_cap,
-                                            left, sinks_dtype, block_size, batches=sizes, update=self._og_writes)
+                device = torch.device("cuda", torch.cuda.current_device())
+                ok, why = attention.prepare(self.num_heads, self.num_kv_heads, self.head_size, act_dtype, device,
+                                            self.logits_soft_cap, left, sinks_dtype, block_size, batches=sizes,
+                                            update=self._og_writes)
                 if not ok:
                     self._og_reason = why
+                elif self._og_writes and rope_prologue:  # the layer's norm is not known here: both NeoX forms
+                    for norm in (True, False):
+                        attention.prepare(self.num_heads, self.num_kv_heads, self.head_size, act_dtype, device,
+                                          self.logits_soft_cap, left, sinks_dtype, block_size, batches=sizes,
+                                          update=True, qk_norm=norm, rope_style=_lib.ROPE_NEOX)
             except Exception as e:  # no NVRTC, a compile error: this layer stays FlashAttention's
                 self._og_reason = f"kernel error: {type(e).__name__}"
                 dispatch._warn_once(f"opgraft attention kernel could not be prepared, handing calls back: {e}")
@@ -255,6 +265,41 @@ def _build():
                                           int(md.max_seq_len), delegate, key=None if slots is None else key,
                                           value=None if slots is None else value, slot_mapping=slots)
             return dispatch.dispatch("attention", call)
+
+        def forward_prologue(self, layer, q, k, v, kv_cache, attn_metadata, output, pro):
+            """The call of opgraft::rope_attention (rope_seam): q [T, Hq*D] and k [T, Hk*D] before
+            vLLM's q/k norm and rotary embedding (pro). A decode batch our kernel takes gets them in
+            the kernel; any other call gets vLLM's norm and rotary embedding, then forward() (which
+            counts it)."""
+            T, D = q.shape[0], self.head_size
+            md = attn_metadata
+            slots = slot_mapping_of(layer) if self._og_writes else None
+            if (md is not None and md.max_query_len == 1 and slots is not None and not self._og_reason
+                    and not _call_reason(self, md, None, None, kv_cache)
+                    and dispatch.selected_variant("attention") == "opgraft"):
+                from ..ops import attention
+
+                kv = self._og_kv
+                if kv is None or kv[0] is not kv_cache:
+                    key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)
+                    self._og_kv = kv = (kv_cache, key_cache, value_cache)
+                query, key = q.view(T, -1, D), k.view(T, -1, D)
+                cache = (kv[1], kv[2], md.block_table, md.seq_lens)
+                opts = (self.scale, float(self.logits_soft_cap or 0.0), _window_of(self, md)[0], self.sinks)
+                try:
+                    plan = attention.plan_for(query, *cache, output, *opts, key=key, value=v, slot_mapping=slots,
+                                              pro=pro)
+                    if plan.handle is not None:
+                        attention.run(plan, output, query, *cache, *opts, int(md.max_seq_len), key, v, slots, pro)
+                        dispatch.stats_of("attention").take()
+                        return output
+                    dispatch._info_once(f"attention prologue handed back to vLLM's norm and rotary: {plan.reason}")
+                except Exception as e:
+                    dispatch._warn_once(f"attention prologue kernel failed, vLLM's norm and rotary instead: {e}")
+            from .rope_seam import vllm_prologue
+
+            qn, kn = vllm_prologue(q, k, pro, D)
+            return self.forward(layer, qn.view(T, -1, D), kn.view(T, -1, D), v, kv_cache, attn_metadata, output)
 
     class OpgraftFlashAttentionBackend(fa.FlashAttentionBackend):
         """FlashAttentionBackend whose impl runs decode-only batches on opgraft's kernel."""

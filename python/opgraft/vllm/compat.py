@@ -68,3 +68,11 @@ def remove_compile_factor(key: str, fn) -> None:
     table = _env_factor_table()
     if table is not None and table.get(key) is fn:
         del table[key]
+
+
+def restore(owner, name: str, marker: str) -> None:
+    """Puts back what a seam wrapped at owner.name (a class or module; None: never loaded, never
+    wrapped), if the wrapper there is the seam's: one whose attribute `marker` holds the original."""
+    current = owner.__dict__.get(name) if owner is not None else None
+    if current is not None and hasattr(current, marker):
+        setattr(owner, name, getattr(current, marker))

@@ -49,7 +49,7 @@ import threading
 
 from .. import dispatch
 from . import linear_seam
-from .compat import add_compile_factor, remove_compile_factor, switched_off
+from .compat import add_compile_factor, remove_compile_factor, restore, switched_off
 
 _PATCH_ATTR = "_opgraft_original_configure"
 COMPILE_FACTOR = "OPGRAFT_NORM_FUSION_SEAM"
@@ -389,14 +389,8 @@ def _loaded_class():
 
 
 def uninstall() -> None:
-    cls = _loaded_class()
-    current = cls.__dict__.get("configure") if cls is not None else None
-    if current is not None and hasattr(current, _PATCH_ATTR):
-        cls.configure = getattr(current, _PATCH_ATTR)
-    cfg = getattr(sys.modules.get("vllm.config"), "VllmConfig", None)
-    ranges = cfg.__dict__.get("_set_compile_ranges") if cfg is not None else None
-    if ranges is not None and hasattr(ranges, _PATCH_ATTR):
-        cfg._set_compile_ranges = getattr(ranges, _PATCH_ATTR)
+    restore(_loaded_class(), "configure", _PATCH_ATTR)
+    restore(getattr(sys.modules.get("vllm.config"), "VllmConfig", None), "_set_compile_ranges", _PATCH_ATTR)
     _remove_compile_factor()
 
 

@@ -42,7 +42,8 @@ def test_registration_points_flash_attn_at_our_subclass(clean):
     # Everything but the impl and who writes the cache is FlashAttention's own (cache shape and
     # layout, block sizes, dtypes, head sizes, capabilities); the impl overrides two methods.
     assert {k for k in vars(cls) if not k.startswith("_")} == {"get_impl_cls", "forward_includes_kv_cache_update"}
-    assert {k for k in vars(cls.get_impl_cls()) if not k.startswith("_")} == {"forward", "process_weights_after_loading"}
+    assert {k for k in vars(cls.get_impl_cls()) if not k.startswith("_")} == {"forward", "forward_prologue",
+                                                                         "process_weights_after_loading"}
     for h in (64, 96, 128, 256):
         assert cls.supports_head_size(h) == fa.FlashAttentionBackend.supports_head_size(h)
     assert fa.FlashAttentionBackend.forward_includes_kv_cache_update is False
@@ -348,3 +349,68 @@ def test_the_cache_write_kill_switch_keeps_vllms_write_op(writes, monkeypatch):
         assert [e[0] for e in writes.events] == ["attention"]  # vLLM's layer wrote before forward
     finally:
         attn_seam._classes.clear()
+
+
+# ---- the prologue: q and k before vLLM's q/k norm and rotary embedding (rope_seam's op) ----------
+
+
+def prologue_call():
+    from opgraft import _lib
+    from opgraft.ops.attention import QKPrologue
+
+    qkv = torch.randn((B + 1, (HQ + 2 * HK) * D)).to(torch.bfloat16)
+    q, k = qkv[:, :HQ * D], qkv[:, HQ * D:(HQ + HK) * D]
+    v = qkv[:, (HQ + HK) * D:].view(B + 1, HK, D)
+    w = torch.ones(D, dtype=torch.bfloat16)
+    pro = QKPrologue(w, w, 1e-6, torch.randn((64, D)).to(torch.bfloat16), torch.arange(B + 1), _lib.ROPE_NEOX)
+    kv = torch.randn((12, BS, HK, 2 * D)).to(torch.bfloat16).permute(0, 2, 1, 3)
+    return q, k, v, kv, torch.empty((B + 1, HQ, D), dtype=torch.bfloat16), pro
+
+
+@pytest.fixture
+def vllm_prologue(monkeypatch):
+    """rope_seam.vllm_prologue recorded: returns new q and k tensors it made."""
+    from opgraft.vllm import rope_seam
+
+    calls = []
+
+    def fake(q, k, pro, head_size):
+        calls.append((q, k, pro, head_size))
+        return q + 1, k + 1
+
+    monkeypatch.setattr(rope_seam, "vllm_prologue", fake)
+    return calls
+
+
+def test_a_prologue_call_it_cannot_take_gets_vllms_norm_and_rotary_then_forward(writes, vllm_prologue):
+    i = impl()
+    for md in (None, metadata(max_query_len=4), metadata()):  # profile run, prefill, decode on CPU (refused)
+        writes.events.clear(), vllm_prologue.clear(), dispatch.reset_stats()
+        q, k, v, kv, out, pro = prologue_call()
+        assert i.forward_prologue(layer_named(), q, k, v, kv, md, out, pro) == "vllm's output"
+        ((gq, gk, gpro, hs),) = vllm_prologue
+        assert gq is q and gk is k and gpro is pro and hs == D
+        (w, a) = writes.events  # then forward: vLLM's write of the normed, rotated key, then attention
+        assert torch.equal(w[2], (k + 1).view(B + 1, HK, D)) and w[3] is v and w[5] is writes.slots
+        assert torch.equal(a[2], (q + 1).view(B + 1, HQ, D)) and a[6] is md and a[7] is out
+        assert sum(dispatch.stats()["attention"]["delegated_by_reason"].values()) == 1  # counted once
+
+
+def test_a_prologue_call_our_kernel_takes(writes, vllm_prologue, monkeypatch):
+    from opgraft.ops import attention as ops
+
+    runs = []
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(ops, "plan_for", lambda *a, **k: SimpleNamespace(handle=1, reason=""))  # no C plan
+    monkeypatch.setattr(ops, "run", lambda *a: runs.append(a))
+    i = impl()
+    q, k, v, kv, out, pro = prologue_call()
+    md = metadata()
+    assert i.forward_prologue(layer_named(), q, k, v, kv, md, out, pro) is out
+    ((plan, o, query, kc, vc, bt, lens, scale, cap, left, sinks, hint, key, value, slots, p),) = runs
+    assert o is out and bt is md.block_table and lens is md.seq_lens and hint == md.max_seq_len
+    assert query.shape == (B + 1, HQ, D) and query.data_ptr() == q.data_ptr()  # raw, as a view
+    assert key.shape == (B + 1, HK, D) and key.data_ptr() == k.data_ptr() and value is v and p is pro
+    assert slots is writes.slots and not vllm_prologue and not writes.events
+    assert dispatch.stats()["attention"]["taken"] == 1

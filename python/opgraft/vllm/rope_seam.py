@@ -1,0 +1,334 @@
+"""Attention prologue seam: vLLM's q/k RMSNorm and rotary embedding done by opgraft's attention kernel.
+
+Why: in a decode step of Qwen3-style models every layer runs, between the qkv projection and
+attention, the q/k RMSNorm and the rotary embedding as two Inductor kernels of their own (about
+2.8 us a layer at batch 1 on an H200, bench/NOTES.md v42). Our decode kernel already loads the
+query and the new key and writes the key to the cache; with the prologue (ABI 11) it normalizes
+and rotates them in registers first, so those kernels go.
+
+Why not a post-grad pass: vLLM splits the Dynamo graph at its attention ops before Inductor sees
+it (vllm/compilation/backends.py, split_graph), so the norm and rotary embedding are compiled in the
+piece before the attention op and no Inductor pass sees both. The rewrite runs on the Dynamo
+graph, right before that split.
+
+What is patched (vLLM 0.26.0, the pinned release, and 0.33.0, the newest; both tested in CI):
+1. `vllm.compilation.backends.split_graph(graph, splitting_ops)` (a module function that
+   VllmBackend.__call__ looks up at call time): where vLLM splits at
+   vllm::unified_attention_with_output, the wrapper first rewrites each
+       q, k, v = split(qkv); q = view(rms_norm(view(q))); k = ... (the norm optional)
+       _C.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)   # in place
+       unified_attention_with_output(view(q), view(k), v, output, layer_name)
+   into opgraft::rope_attention(q, k, v, output, layer_name, positions, cos_sin_cache, head_size,
+   is_neox, q_norm_weight, k_norm_weight, eps) with the raw q and k (layer_name of vLLM's type,
+   LayerNameType, passed through), and splits at that op too.
+   Anything else (another user of the normed or rotated tensors, a KV-cache update op of its own,
+   output scales, a partial rotary dimension) is left as it is.
+2. `VllmConfig._set_compile_ranges` (called in VllmConfig.__post_init__): adds "+rotary_embedding"
+   to compilation_config.custom_ops unless the user wrote "-rotary_embedding", so the rotary
+   embedding is one op in the graph (vLLM does the same for its own q/k norm + rope fusion,
+   enable_qk_norm_rope_fusion; its native form is some twenty nodes a tensor).
+The op (registered here: it needs vLLM's forward context) finds the layer through vLLM's
+get_attention_context; OpgraftFlashAttentionImpl.forward_prologue runs our kernel with the
+prologue for decode batches it takes, and otherwise vLLM's norm and rotary embedding and then the
+layer's forward, which is stock vLLM's order. A layer of another backend gets the same.
+
+Off by default until a GPU has measured it: OPGRAFT_ATTENTION_PROLOGUE=1 turns it on (it needs the
+attention seam with its KV-cache write: OPGRAFT_ATTENTION and OPGRAFT_ATTENTION_CACHE_WRITE not
+0). A factor (OPGRAFT_ATTENTION_PROLOGUE_SEAM) joins vLLM's compile-cache key.
+Remove it: delete the ("attention prologue", rope_seam) entry of the seam list in
+opgraft/vllm/__init__.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+
+from .. import dispatch
+from . import attn_seam
+from .compat import add_compile_factor, remove_compile_factor, restore
+
+_PATCH_ATTR = "_opgraft_original_split_graph"
+_RANGES_ATTR = "_opgraft_rope_original_set_compile_ranges"
+COMPILE_FACTOR = "OPGRAFT_ATTENTION_PROLOGUE_SEAM"
+OP_NAME = "opgraft::rope_attention"
+_ATTN_OP = "vllm::unified_attention_with_output"
+_ROPE_OP = "_C::rotary_embedding"
+_NORM_OP = "vllm_ir::rms_norm"
+
+_lock = threading.Lock()
+_fused_total = 0
+
+
+def enabled() -> bool:
+    return os.environ.get("OPGRAFT_ATTENTION_PROLOGUE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def disabled() -> str:
+    """Why the seam must not be installed ("" if it may)."""
+    if not enabled():
+        return "attention prologue off (OPGRAFT_ATTENTION_PROLOGUE=1 turns it on)"
+    if not attn_seam.kernel_enabled():
+        return "attention prologue off with the attention kernel (OPGRAFT_ATTENTION=0)"
+    if not attn_seam.cache_write_enabled():
+        return "attention prologue off with the kernel's KV-cache write (OPGRAFT_ATTENTION_CACHE_WRITE=0)"
+    return ""
+
+
+def fused_total() -> int:
+    """Attention calls the rewrite has given the prologue in this process."""
+    with _lock:
+        return _fused_total
+
+
+# ---- the op ------------------------------------------------------------------------------------
+
+
+def vllm_prologue(q, k, pro, head_size: int):
+    """vLLM's q/k RMSNorm (its vllm_ir op) and rotary embedding (its _C op, in place) of the raw
+    q [T, Hq*D] and k [T, Hk*D]: new tensors, as vLLM's layer computes them."""
+    import torch
+
+    from .. import _lib
+
+    T = q.shape[0]
+    if pro.q_norm_weight is not None:
+        q = torch.ops.vllm_ir.rms_norm(q.reshape(T, -1, head_size), pro.q_norm_weight, pro.eps, None).reshape(T, -1)
+        k = torch.ops.vllm_ir.rms_norm(k.reshape(T, -1, head_size), pro.k_norm_weight, pro.eps, None).reshape(T, -1)
+    else:
+        q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
+    torch.ops._C.rotary_embedding(pro.positions, q, k, head_size, pro.cos_sin_cache, pro.rope_style == _lib.ROPE_NEOX)
+    return q, k
+
+
+def _rope_attention(q, k, v, output, layer_name, positions, cos_sin_cache, head_size: int, is_neox: bool,
+                    q_norm_weight, k_norm_weight, eps: float) -> None:
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    from .. import _lib
+    from ..ops.attention import QKPrologue
+
+    md, layer, kv_cache, _ = get_attention_context(_resolve_layer_name(layer_name))
+    pro = QKPrologue(q_norm_weight, k_norm_weight, eps, cos_sin_cache, positions,
+                     _lib.ROPE_NEOX if is_neox else _lib.ROPE_GPTJ)
+    fwd = getattr(layer.impl, "forward_prologue", None)
+    if fwd is not None:
+        fwd(layer, q, k, v, kv_cache, md, output, pro)
+        return
+    qn, kn = vllm_prologue(q, k, pro, head_size)
+    T = q.shape[0]
+    layer.impl.forward(layer, qn.view(T, -1, head_size), kn.view(T, -1, head_size), v, kv_cache, md, output=output)
+
+
+@functools.lru_cache(maxsize=1)
+def op():
+    """torch.ops.opgraft.rope_attention.default, registered on first use (it mutates output, as
+    vLLM's attention op does, and returns nothing)."""
+    import torch
+    from vllm.utils.torch_utils import LayerNameType  # vLLM's layer-name type: str, or LayerName (torch >= 2.11)
+
+    def rope_attention(q, k, v, output, layer_name, positions, cos_sin_cache, head_size, is_neox, q_norm_weight,
+                       k_norm_weight, eps):
+        _rope_attention(q, k, v, output, layer_name, positions, cos_sin_cache, head_size, is_neox, q_norm_weight,
+                        k_norm_weight, eps)
+
+    T, opt = torch.Tensor, torch.Tensor | None  # types, not strings: the schema is inferred from them
+    rope_attention.__annotations__ = dict(q=T, k=T, v=T, output=T, layer_name=LayerNameType, positions=T,
+                                          cos_sin_cache=T, head_size=int, is_neox=bool, q_norm_weight=opt,
+                                          k_norm_weight=opt, eps=float, **{"return": None})
+    custom = torch.library.custom_op(OP_NAME, mutates_args=("output",))(rope_attention)
+    custom.register_fake(lambda *args: None)
+    return torch.ops.opgraft.rope_attention.default
+
+
+# ---- the rewrite -------------------------------------------------------------------------------
+
+
+def _is(node, name: str) -> bool:
+    """Is node a call of the op `name` ("ns::op"), as a packet or its default overload?"""
+    import torch
+
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name == name
+    if isinstance(t, torch._ops.OpOverload):
+        return t.name() == name and t._overloadname == "default"
+    return False
+
+
+def _is_view(node) -> bool:
+    return node.op == "call_method" and node.target in ("view", "reshape") and not node.kwargs
+
+
+def _val(node):
+    import torch
+
+    v = node.meta.get("example_value", node.meta.get("val")) if hasattr(node, "meta") else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _raw(t, rope, attn_view):
+    """For a rotated tensor t (rope's q or k): (raw tensor, norm weight, eps, dead nodes) where t is
+    raw or view(rms_norm(view(raw), w, eps)), its only users rope and attn_view; else None."""
+    if set(t.users) != {rope, attn_view}:
+        return None
+    if not (_is_view(t) and isinstance(t.args[0], type(t)) and _is(t.args[0], _NORM_OP)):
+        return t, None, None, []
+    norm = t.args[0]
+    if set(norm.users) != {t} or norm.kwargs or len(norm.args) not in (3, 4) or \
+            (len(norm.args) == 4 and norm.args[3] is not None):
+        return None
+    head, w, eps = norm.args[:3]
+    if not (isinstance(head, type(t)) and _is_view(head) and set(head.users) == {norm}) or \
+            not isinstance(eps, float) or not isinstance(head.args[0], type(t)):
+        return None
+    return head.args[0], w, eps, [t, norm, head]
+
+
+def _match(node):
+    """The rewrite of an attention node, or None: (args of opgraft::rope_attention, dead nodes)."""
+    if not _is(node, _ATTN_OP):
+        return None
+    args = list(node.args) + [None] * (8 - len(node.args))
+    for i, name in enumerate(("query", "key", "value", "output", "layer_name", "output_scale",
+                              "output_block_scale", "kv_cache_dummy_dep")):
+        if name in node.kwargs:
+            args[i] = node.kwargs[name]
+    if len(node.args) > 8 or set(node.kwargs) - {"output_scale", "output_block_scale", "kv_cache_dummy_dep"} or \
+            any(a is not None for a in args[5:]):
+        return None
+    qv, kv, v, out, name = args[:5]  # name: vLLM's, as it is (a str, or a LayerName graph input)
+    Node = type(node)
+    if not all(isinstance(a, Node) for a in (qv, kv, v, out)) or not (_is_view(qv) and _is_view(kv)):
+        return None
+    qr, kr = qv.args[0], kv.args[0]
+    if not (isinstance(qr, Node) and isinstance(kr, Node)) or set(qv.users) != {node} or set(kv.users) != {node}:
+        return None
+    ropes = [u for u in qr.users if _is(u, _ROPE_OP)]
+    if len(ropes) != 1:
+        return None
+    rope = ropes[0]
+    if rope.kwargs or len(rope.args) != 6 or rope.args[1] is not qr or rope.args[2] is not kr or rope.users:
+        return None
+    positions, _, _, head_size, cache, neox = rope.args
+    if not (isinstance(positions, Node) and isinstance(cache, Node) and isinstance(head_size, int)
+            and isinstance(neox, bool)):
+        return None
+    qm, km = _raw(qr, rope, qv), _raw(kr, rope, kv)
+    if qm is None or km is None or (qm[1] is None) != (km[1] is None) or qm[2] != km[2]:
+        return None
+    q, k = qm[0], km[0]
+    qval, kval, cval = _val(q), _val(k), _val(cache)
+    if qval is None or kval is None or cval is None or qval.dim() != 2 or kval.dim() != 2 or \
+            cval.dim() != 2 or cval.shape[-1] != head_size:  # rotary_dim == head_size only
+        return None
+    eps = qm[2] if qm[2] is not None else 0.0
+    return ((q, k, v, out, name, positions, cache, head_size, neox, qm[1], km[1], eps),
+            [node, qv, kv, rope, *qm[3], *km[3]])
+
+
+def rewrite(gm) -> int:
+    """Rewrites every matching attention call of the Dynamo graph module gm; returns how many."""
+    graph = gm.graph
+    count = 0
+    target = None
+    for node in list(graph.nodes):
+        m = _match(node)
+        if m is None:
+            continue
+        target = target or op()
+        args, dead = m
+        with graph.inserting_before(node):
+            fused = graph.call_function(target, args)
+        fused.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        for d in dead:  # the attention call first, then what only it used
+            graph.erase_node(d)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def _make_split_graph(original):
+    def split_graph(graph, splitting_ops):
+        global _fused_total
+        ops = list(splitting_ops or [])
+        if any(s == _ATTN_OP or s == _ATTN_OP + ".default" for s in ops):  # vLLM splits at attention
+            try:
+                n = rewrite(graph)
+            except Exception as e:  # a graph this rewrite does not understand: vLLM's as it was
+                dispatch._warn_once(f"attention prologue rewrite skipped ({type(e).__name__}: {e})")
+                n = 0
+            with _lock:
+                _fused_total += n
+            dispatch.logger.debug("opgraft: %d attention call(s) take the q/k norm and rotary embedding", n)
+            ops.append(OP_NAME)
+        return original(graph, ops)
+
+    split_graph.__doc__ = (original.__doc__ or "") + "\n\n(wrapped by opgraft: see opgraft/vllm/rope_seam.py)"
+    setattr(split_graph, _PATCH_ATTR, original)
+    return split_graph
+
+
+def _make_set_compile_ranges(original):
+    def _set_compile_ranges(self):
+        original(self)
+        cc = self.compilation_config
+        if "-rotary_embedding" not in cc.custom_ops and "+rotary_embedding" not in cc.custom_ops:
+            cc.custom_ops.append("+rotary_embedding")
+
+    setattr(_set_compile_ranges, _RANGES_ATTR, original)
+    return _set_compile_ranges
+
+
+def _compile_factor() -> str:
+    from .. import __version__
+
+    return f"opgraft {__version__}, attention prologue on"
+
+
+def _backends():
+    return sys.modules.get("vllm.compilation.backends")
+
+
+def install() -> tuple[bool, str]:
+    """Patches split_graph and VllmConfig._set_compile_ranges once; returns (installed, message)."""
+    try:
+        import vllm.compilation.backends as backends
+        from vllm.config import VllmConfig
+    except Exception as e:
+        return False, f"cannot import vllm's compilation backend ({type(e).__name__}: {e})"
+    current = getattr(backends, "split_graph", None)
+    ranges = VllmConfig.__dict__.get("_set_compile_ranges")
+    if not callable(current) or not callable(ranges):
+        return False, "vllm's split_graph or VllmConfig._set_compile_ranges is not where opgraft expects it"
+    if hasattr(current, _PATCH_ATTR):
+        return True, "attention prologue seam already installed"
+    if not attn_seam.backend_registered():
+        return False, "the attention seam's backend is not registered (the prologue runs in its kernel)"
+    try:
+        op()
+        from vllm.model_executor.layers.attention.attention import get_attention_context  # noqa: F401
+    except Exception as e:
+        return False, f"the prologue op cannot be registered ({type(e).__name__}: {e})"
+    backends.split_graph = _make_split_graph(current)
+    VllmConfig._set_compile_ranges = _make_set_compile_ranges(ranges)
+    add_compile_factor(COMPILE_FACTOR, _compile_factor)
+    return True, "attention prologue seam installed (q/k norm and rotary embedding in the attention kernel)"
+
+
+def uninstall() -> None:
+    restore(_backends(), "split_graph", _PATCH_ATTR)
+    restore(getattr(sys.modules.get("vllm.config"), "VllmConfig", None), "_set_compile_ranges", _RANGES_ATTR)
+    remove_compile_factor(COMPILE_FACTOR, _compile_factor)
+
+
+def installed() -> bool:
+    backends = _backends()
+    return backends is not None and hasattr(getattr(backends, "split_graph", None), _PATCH_ATTR)

@@ -1,0 +1,268 @@
+"""The attention prologue seam against the real vLLM installed from PyPI (0.26 and, in CI, the
+newest): the rewrite of Dynamo graphs traced from vLLM's own RMSNorm and RotaryEmbedding (its
+custom-op form) and attention op call (what it rewrites, what it leaves alone, the same outputs on
+CPU through vLLM's norm and rotary embedding), vLLM's split_graph through the patch (our op splits
+the graph where vLLM's attention did), the custom_ops change, the opt-in switch and install.
+
+Without a GPU, vLLM's _C library is not loaded: a stand-in for _C::rotary_embedding with its
+schema (in place on query and key, vLLM's forward_static) is registered for the tests.
+"""
+
+import copy
+import os
+from types import SimpleNamespace
+
+import pytest
+
+if os.environ.get("OPGRAFT_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (CI installs vLLM: a failed import must fail, not skip)
+else:
+    pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+import vllm.compilation.backends as backends  # noqa: E402
+import vllm.ir.ops  # noqa: E402,F401  (registers torch.ops.vllm_ir)
+import vllm.model_executor.layers.attention.attention as attention_mod  # noqa: E402
+from opgraft.vllm import attn_seam, register, rope_seam  # noqa: E402
+from vllm.config import CompilationConfig, DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
+from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
+from vllm.utils.torch_utils import _encode_layer_name  # noqa: E402
+
+HQ, HK, D, T = 8, 2, 64, 3
+EPS = 1e-6
+LAYER = "model.layers.0.self_attn.attn"
+ATTN = "vllm::unified_attention_with_output"
+
+if not hasattr(torch.ops._C, "rotary_embedding"):
+    _lib = torch.library.Library("_C", "FRAGMENT")
+    _lib.define("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
+                "Tensor cos_sin_cache, bool is_neox) -> ()")
+
+    def _rope_cpu(positions, query, key, head_size, cos_sin_cache, is_neox):
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+        q, k = RotaryEmbedding.forward_static(positions, query, key, head_size, head_size, cos_sin_cache, is_neox)
+        query.copy_(q)
+        key.copy_(k)
+
+    _lib.impl("rotary_embedding", _rope_cpu, "CPU")
+    _lib.impl("rotary_embedding", lambda *a: None, "Meta")
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return VllmConfig(device_config=DeviceConfig(device="cpu"),
+                      compilation_config=CompilationConfig(custom_ops=["+rotary_embedding"]))
+
+
+@pytest.fixture(scope="module")
+def layers(cfg):
+    with set_current_vllm_config(cfg):
+        rope = get_rope(D, 4096, is_neox_style=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                        dtype=torch.bfloat16)
+        qn, kn = RMSNorm(D, eps=EPS), RMSNorm(D, eps=EPS)
+    g = torch.Generator().manual_seed(3)
+    for n in (qn, kn):
+        n.weight.data.copy_((1 + 0.5 * torch.rand(D, generator=g)).to(n.weight.dtype))
+    return SimpleNamespace(rope=rope, qn=qn, kn=kn)
+
+
+def qwen3_attention(layers, norm=True, extra_k_use=False, dummy_dep=False, hq=HQ):
+    """Qwen3Attention.forward from the qkv output to the attention op, as vLLM 0.26 runs it
+    (Attention.forward's views and op call included)."""
+    name = _encode_layer_name(LAYER)
+
+    def f(qkv, positions, output):
+        q, k, v = qkv.split([hq * D, HK * D, HK * D], dim=-1)
+        if norm:
+            qh = layers.qn(q.view(*q.shape[:-1], hq, D))
+            q = qh.view(q.shape)
+            kh = layers.kn(k.view(*k.shape[:-1], HK, D))
+            k = kh.view(k.shape)
+        q, k = layers.rope(positions, q, k)
+        o = output.view(-1, hq, D)
+        dep = torch.ops.vllm.unified_kv_cache_update(k.view(-1, HK, D), v.view(-1, HK, D), name) if dummy_dep else None
+        torch.ops.vllm.unified_attention_with_output(q.view(-1, hq, D), k.view(-1, HK, D), v.view(-1, HK, D), o, name,
+                                                     kv_cache_dummy_dep=dep)
+        return (output, k * 2) if extra_k_use else output
+
+    return f
+
+
+def trace(cfg, f):
+    """The Dynamo graph of f (what vLLM's backend receives), with the inputs it was called with
+    (vLLM's weights and buffers lifted among them)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        (outs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        vals = [o.meta["example_value"] for o in outs]
+        return lambda *args: tuple(torch.zeros(v.shape, dtype=v.dtype) for v in vals)  # traced, not run
+
+    torch._dynamo.reset()
+    with set_current_vllm_config(cfg):
+        torch.compile(f, backend=backend, fullgraph=True, dynamic=False)(*example_inputs())
+    return graphs[0]
+
+
+def example_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (HQ + 2 * HK) * D, generator=g).to(torch.bfloat16)
+    return qkv, torch.tensor([5, 0, 4000]), torch.zeros(T, HQ * D, dtype=torch.bfloat16)
+
+
+def graph_inputs(gm, ex, seed=0):
+    """The graph's inputs with fresh copies of the tensors, qkv drawn with seed."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    out = [x.clone() if isinstance(x, torch.Tensor) else x for x in ex]
+    out[names.index("l_qkv_")] = example_inputs(seed)[0]
+    return out
+
+
+class FakeImpl:
+    """Stands in for a layer's impl: writes out = q (its heads' first dims) + k and v (broadcast),
+    so that a changed q, k or v shows."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, layer, query, key, value, kv_cache, md, output=None, **kw):
+        self.calls += 1
+        G = query.shape[1] // key.shape[1]
+        output.copy_(query + key.repeat_interleave(G, dim=1) + value.repeat_interleave(G, dim=1))
+        return output
+
+
+class attention_context:
+    """vLLM's get_attention_context answering with a fake layer whose impl is `impl`."""
+
+    def __init__(self, forward):
+        self.layer = SimpleNamespace(impl=SimpleNamespace(forward=forward), layer_name=LAYER)
+
+    def __enter__(self):
+        self.saved = attention_mod.get_attention_context
+        attention_mod.get_attention_context = lambda name: (None, self.layer, None, None)
+        return self.layer
+
+    def __exit__(self, *exc):
+        attention_mod.get_attention_context = self.saved
+
+
+def targets(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def run(gm, impl, inputs):
+    """The graph's output buffer after a run with the layer's impl `impl`."""
+    with attention_context(impl.forward):
+        out = gm(*inputs)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_the_rewrite_gives_the_prologue_to_the_attention_call(cfg, layers, norm):
+    gm, ex = trace(cfg, qwen3_attention(layers, norm))
+    before = copy.deepcopy(gm)
+    assert "_C.rotary_embedding" in targets(gm) and "vllm.unified_attention_with_output" in targets(gm)
+    assert rope_seam.rewrite(gm) == 1
+    t = targets(gm)
+    assert "opgraft.rope_attention.default" in t
+    assert not any(x in t for x in ("_C.rotary_embedding", "vllm.unified_attention_with_output",
+                                    "vllm_ir.rms_norm.default"))
+    (fused,) = [n for n in gm.graph.nodes if str(n.target) == "opgraft.rope_attention.default"]
+    q, k, v, out, name, positions, cache, head_size, neox, qw, kw, eps = fused.args
+    assert str(q.target) == str(k.target) == "<built-in function getitem>"  # the raw split outputs
+    assert (head_size, neox) == (D, True) and (qw is None) == (not norm) and eps == (EPS if norm else 0.0)
+    # the same outputs: our op without a forward_prologue runs vLLM's norm and rotary embedding,
+    # then the layer's forward
+    want, got = FakeImpl(), FakeImpl()
+    a = run(before, want, graph_inputs(before, ex, 1))
+    b = run(gm, got, graph_inputs(gm, ex, 1))
+    assert want.calls == got.calls == 1
+    assert torch.equal(a, b) and bool(a.abs().sum() > 0)
+    assert not torch.equal(b, run(gm, FakeImpl(), graph_inputs(gm, ex, 2)))
+
+
+def test_the_layers_forward_prologue_gets_the_raw_tensors(cfg, layers):
+    gm, ex = trace(cfg, qwen3_attention(layers))
+    assert rope_seam.rewrite(gm) == 1
+    seen = []
+    layer = SimpleNamespace(impl=SimpleNamespace(forward_prologue=lambda *a: seen.append(a)), layer_name=LAYER)
+    inputs = graph_inputs(gm, ex)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    qkv, positions = inputs[names.index("l_qkv_")], inputs[names.index("l_positions_")]
+    saved = attention_mod.get_attention_context
+    attention_mod.get_attention_context = lambda name: ("md", layer, "kv", None)
+    try:
+        gm(*inputs)
+    finally:
+        attention_mod.get_attention_context = saved
+    ((lay, q, k, v, kv, md, o, pro),) = seen
+    assert lay is layer and kv == "kv" and md == "md"
+    assert torch.equal(q, qkv[:, :HQ * D]) and torch.equal(k, qkv[:, HQ * D:(HQ + HK) * D])
+    assert v.shape == (T, HK, D) and o.shape == (T, HQ, D)
+    assert pro.positions is positions and pro.cos_sin_cache.shape == (4096, D) and pro.rope_style == 1
+    assert torch.equal(pro.q_norm_weight, layers.qn.weight) and torch.equal(pro.k_norm_weight, layers.kn.weight)
+    assert pro.eps == EPS
+
+
+@pytest.mark.parametrize("kw", [dict(extra_k_use=True), dict(dummy_dep=True)])
+def test_what_it_leaves_alone(cfg, layers, kw):
+    # the rotated key used again after attention; vLLM's own KV-cache update op before attention
+    gm, _ = trace(cfg, qwen3_attention(layers, **kw))
+    assert rope_seam.rewrite(gm) == 0
+    assert "vllm.unified_attention_with_output" in targets(gm)
+
+
+def test_split_graph_splits_at_our_op_where_it_split_at_attention(cfg, layers, clean_plugin, monkeypatch):
+    monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
+    register()
+    assert rope_seam.installed() and attn_seam.backend_registered()
+    gm, _ = trace(cfg, qwen3_attention(layers))
+    split_gm, items = backends.split_graph(copy.deepcopy(gm), [ATTN])
+    splitting = [i for i in items if i.is_splitting_graph]
+    assert len(splitting) == 1
+    assert "opgraft.rope_attention.default" in targets(getattr(split_gm, splitting[0].submod_name))
+    before = rope_seam.fused_total()
+    _, items = backends.split_graph(copy.deepcopy(gm), [])  # vLLM does not split at attention: as it was
+    assert rope_seam.fused_total() == before and not any(i.is_splitting_graph for i in items)
+
+
+def test_custom_ops_get_vllms_rotary_embedding_op(clean_plugin, monkeypatch):
+    monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
+    register()
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    assert "+rotary_embedding" in cfg.compilation_config.custom_ops
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"),
+                     compilation_config=CompilationConfig(custom_ops=["-rotary_embedding"]))
+    assert "+rotary_embedding" not in cfg.compilation_config.custom_ops
+
+
+def test_off_by_default_and_with_the_attention_switches(clean_plugin, monkeypatch):
+    register()
+    assert not rope_seam.installed() and "OPGRAFT_ATTENTION_PROLOGUE=1" in rope_seam.disabled()
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    assert "+rotary_embedding" not in cfg.compilation_config.custom_ops
+    monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
+    for switch in ("OPGRAFT_ATTENTION", "OPGRAFT_ATTENTION_CACHE_WRITE"):
+        monkeypatch.setenv(switch, "0")
+        assert switch in rope_seam.disabled()
+        monkeypatch.delenv(switch)
+    assert rope_seam.disabled() == ""
+
+
+def test_install_and_uninstall(clean_plugin, monkeypatch):
+    from opgraft.vllm import _reset_for_tests
+
+    original = backends.split_graph
+    ranges = VllmConfig.__dict__["_set_compile_ranges"]
+    monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
+    register()
+    assert rope_seam.installed() and backends.split_graph is not original
+    assert rope_seam.install() == (True, "attention prologue seam already installed")
+    _reset_for_tests()
+    assert backends.split_graph is original and VllmConfig.__dict__["_set_compile_ranges"] is ranges
+    assert not rope_seam.installed()
