@@ -327,8 +327,8 @@ def test_args_of_a_call_with_q_k_norm_and_rotary_embedding():
 ])
 def test_c_oracle_with_the_prologue_matches_torch(kw):
     """The C oracle normalizes and rotates the query and the new key as the GPU check's torch code
-    (vLLM's ops, in fp32 rounded once) does: the stored keys within one rounding step, the output
-    within the dtype's tolerance of torch's fp64 attention on them."""
+    (vLLM's ops, in fp32 rounded once) does: the stored keys within the GPU check's tolerance, the
+    output within the dtype's tolerance of torch's fp64 attention on them."""
     norm, rope = kw.pop("norm", True), kw.pop("rope", _lib.ROPE_NEOX)
     p = problem(**kw)
     B = p.seq_lens.shape[0]
@@ -345,8 +345,8 @@ def test_c_oracle_with_the_prologue_matches_torch(kw):
     ulp = 2.0 ** (-7 if key.dtype == torch.bfloat16 else -10)
     for b, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            stored = p.key_cache[slot // bs, slot % bs].float()
-            assert bool(((stored - want_k[b].float()).abs() <= ulp * want_k[b].float().abs() + 1e-6).all()), b
+            stored, want = p.key_cache[slot // bs, slot % bs].float(), want_k[b].float()
+            assert bool(((stored - want).abs() <= 2 * ulp * want.abs().amax(-1, keepdim=True) + 1e-6).all()), b
             assert torch.equal(p.value_cache[slot // bs, slot % bs], value[b])
     q = attn_bench.qk_prologue_torch(p.query, pro.q_norm_weight, pro)
     want = attn_bench.reference(dataclasses.replace(p, query=q))
