@@ -298,7 +298,7 @@ def _build():
                     dispatch._warn_once(f"attention prologue kernel failed, vLLM's norm and rotary instead: {e}")
             from .rope_seam import vllm_prologue
 
-            qn, kn = vllm_prologue(q, k, pro, D)
+            qn, kn = vllm_prologue(q, k, pro, D, v)
             return self.forward(layer, qn.view(T, -1, D), kn.view(T, -1, D), v, kv_cache, attn_metadata, output)
 
     class OpgraftFlashAttentionBackend(fa.FlashAttentionBackend):

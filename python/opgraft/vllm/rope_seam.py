@@ -86,20 +86,40 @@ def fused_total() -> int:
 # ---- the op ------------------------------------------------------------------------------------
 
 
-def vllm_prologue(q, k, pro, head_size: int):
-    """vLLM's q/k RMSNorm (its vllm_ir op) and rotary embedding (its _C op, in place) of the raw
-    q [T, Hq*D] and k [T, Hk*D]: new tensors, as vLLM's layer computes them."""
+def _has_fused() -> bool:
+    import torch
+
+    return hasattr(torch.ops._C, "fused_qk_norm_rope")
+
+
+def vllm_prologue(q, k, pro, head_size: int, v=None):
+    """vLLM's q/k RMSNorm and rotary embedding of the raw q [T, Hq*D] and k [T, Hk*D] (v [T, Hk, D]
+    beside them): new tensors, the caller's untouched. With both parts, where vLLM's _C library has
+    it: one copy of q|k|v and vLLM's fused_qk_norm_rope on it (the kernel vLLM's own
+    enable_qk_norm_rope_fusion runs); otherwise its rms_norm op (vllm_ir) and its rotary_embedding op
+    (_C, in place on copies)."""
     import torch
 
     from .. import _lib
 
-    T = q.shape[0]
+    T, neox = q.shape[0], pro.rope_style == _lib.ROPE_NEOX
+    if pro.q_norm_weight is not None and v is not None and _has_fused():
+        try:
+            from vllm import _custom_ops
+
+            hq, hk = q.shape[1] // head_size, k.shape[1] // head_size
+            buf = torch.cat((q, k, v.reshape(T, -1)), dim=-1)
+            _custom_ops.fused_qk_norm_rope(buf, hq, hk, hk, head_size, pro.eps, pro.q_norm_weight, pro.k_norm_weight,
+                                           pro.cos_sin_cache, neox, pro.positions[:T])
+            return buf[:, :hq * head_size], buf[:, hq * head_size:(hq + hk) * head_size]
+        except Exception as e:  # not in this vLLM build, or a shape it refuses: the ops one by one
+            dispatch._warn_once(f"vLLM's fused_qk_norm_rope unavailable for the attention prologue's hand-back: {e}")
     if pro.q_norm_weight is not None:
         q = torch.ops.vllm_ir.rms_norm(q.reshape(T, -1, head_size), pro.q_norm_weight, pro.eps, None).reshape(T, -1)
         k = torch.ops.vllm_ir.rms_norm(k.reshape(T, -1, head_size), pro.k_norm_weight, pro.eps, None).reshape(T, -1)
     else:
         q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
-    torch.ops._C.rotary_embedding(pro.positions, q, k, head_size, pro.cos_sin_cache, pro.rope_style == _lib.ROPE_NEOX)
+    torch.ops._C.rotary_embedding(pro.positions, q, k, head_size, pro.cos_sin_cache, neox)
     return q, k
 
 
@@ -118,7 +138,7 @@ def _rope_attention(q, k, v, output, layer_name, positions, cos_sin_cache, head_
     if fwd is not None:
         fwd(layer, q, k, v, kv_cache, md, output, pro)
         return
-    qn, kn = vllm_prologue(q, k, pro, head_size)
+    qn, kn = vllm_prologue(q, k, pro, head_size, v)
     T = q.shape[0]
     layer.impl.forward(layer, qn.view(T, -1, head_size), kn.view(T, -1, head_size), v, kv_cache, md, output=output)
 

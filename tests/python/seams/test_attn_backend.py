@@ -374,8 +374,8 @@ def vllm_prologue(monkeypatch):
 
     calls = []
 
-    def fake(q, k, pro, head_size):
-        calls.append((q, k, pro, head_size))
+    def fake(q, k, pro, head_size, v=None):
+        calls.append((q, k, pro, head_size, v))
         return q + 1, k + 1
 
     monkeypatch.setattr(rope_seam, "vllm_prologue", fake)
@@ -388,8 +388,8 @@ def test_a_prologue_call_it_cannot_take_gets_vllms_norm_and_rotary_then_forward(
         writes.events.clear(), vllm_prologue.clear(), dispatch.reset_stats()
         q, k, v, kv, out, pro = prologue_call()
         assert i.forward_prologue(layer_named(), q, k, v, kv, md, out, pro) == "vllm's output"
-        ((gq, gk, gpro, hs),) = vllm_prologue
-        assert gq is q and gk is k and gpro is pro and hs == D
+        ((gq, gk, gpro, hs, gv),) = vllm_prologue
+        assert gq is q and gk is k and gpro is pro and hs == D and gv is v
         (w, a) = writes.events  # then forward: vLLM's write of the normed, rotated key, then attention
         assert torch.equal(w[2], (k + 1).view(B + 1, HK, D)) and w[3] is v and w[5] is writes.slots
         assert torch.equal(a[2], (q + 1).view(B + 1, HQ, D)) and a[6] is md and a[7] is out

@@ -50,6 +50,35 @@ if not hasattr(torch.ops._C, "rotary_embedding"):
     _lib.impl("rotary_embedding", lambda *a: None, "Meta")
 
 
+def _fused_qk_norm_rope_cpu(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
+                            cos_sin_cache, is_neox, position_ids, forced_token_heads_per_warp=-1):
+    """vLLM's fused_qk_norm_rope as its unfused ops compute it, in place on qkv (a CPU stand-in)."""
+    T = qkv.shape[0]
+    q, k = qkv[:, :num_heads_q * head_dim], qkv[:, num_heads_q * head_dim:(num_heads_q + num_heads_k) * head_dim]
+    qn = torch.ops.vllm_ir.rms_norm(q.reshape(T, -1, head_dim), q_weight, eps, None).reshape(T, -1)
+    kn = torch.ops.vllm_ir.rms_norm(k.reshape(T, -1, head_dim), k_weight, eps, None).reshape(T, -1)
+    torch.ops._C.rotary_embedding(position_ids, qn, kn, head_dim, cos_sin_cache, is_neox)
+    q.copy_(qn)
+    k.copy_(kn)
+
+
+@pytest.fixture
+def fused_op(monkeypatch):
+    """vLLM's fused_qk_norm_rope present (a CPU stand-in through vllm._custom_ops), its calls kept."""
+    from vllm import _custom_ops
+
+    calls = []
+
+    def fake(qkv, *args):
+        calls.append((qkv.shape, args))
+        _fused_qk_norm_rope_cpu(qkv, *args)
+
+    monkeypatch.setattr(_custom_ops, "fused_qk_norm_rope", fake)
+    if not hasattr(torch.ops._C, "fused_qk_norm_rope"):
+        monkeypatch.setattr(rope_seam, "_has_fused", lambda: True)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def cfg():
     return VllmConfig(device_config=DeviceConfig(device="cpu"),
@@ -266,3 +295,19 @@ def test_install_and_uninstall(clean_plugin, monkeypatch):
     _reset_for_tests()
     assert backends.split_graph is original and VllmConfig.__dict__["_set_compile_ranges"] is ranges
     assert not rope_seam.installed()
+
+
+def test_the_hand_back_uses_vllms_fused_qk_norm_rope_where_it_has_it(cfg, layers, fused_op):
+    """The op's hand-back (a layer without forward_prologue here) gives the same outputs through
+    vLLM's fused kernel on a copy of q|k|v as through its ops one by one."""
+    gm, ex = trace(cfg, qwen3_attention(layers))
+    before = copy.deepcopy(gm)
+    assert rope_seam.rewrite(gm) == 1
+    a = run(before, FakeImpl(), graph_inputs(before, ex, 1))
+    inputs = graph_inputs(gm, ex, 1)
+    b = run(gm, FakeImpl(), inputs)
+    assert torch.equal(a, b)
+    ((shape, args),) = fused_op
+    assert shape == (T, (HQ + 2 * HK) * D) and args[:4] == (HQ, HK, HK, D) and args[4] == EPS and args[8] is True
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert torch.equal(inputs[names.index("l_qkv_")], example_inputs(1)[0])  # the caller's qkv untouched
