@@ -286,6 +286,11 @@ def _worker_stats(worker=None) -> dict:
         out.update({op: ops.get(op) for op in ("moe", "attention", "linear")}, **ops)
     except Exception as e:
         out["moe_error"] = f"{type(e).__name__}: {e}"
+    # what the graph rewrites did in this process (None: the seam never loaded here)
+    for key, name in (("norm_fusion_fused", "opgraft.vllm.norm_seam"), ("attention_prologue_fused",
+                                                                        "opgraft.vllm.rope_seam")):
+        seam = sys.modules.get(name)
+        out[key] = seam.fused_total() if seam is not None else None
     return out
 
 

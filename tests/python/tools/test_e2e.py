@@ -205,6 +205,10 @@ def test_worker_stats_reports_the_plugin_and_counters(monkeypatch):
     monkeypatch.setitem(sys.modules, "opgraft.dispatch", dispatch)
     dispatch.stats_of("moe")  # the op's counters exist once its seam ran (not only after other tests)
     assert set(e2e._worker_stats()["moe"]) >= {"taken", "delegated"}
+    rope = importlib.import_module("opgraft.vllm.rope_seam")
+    assert e2e._worker_stats()["attention_prologue_fused"] == rope.fused_total()
+    monkeypatch.delitem(sys.modules, "opgraft.vllm.rope_seam")
+    assert e2e._worker_stats()["attention_prologue_fused"] is None
 
 
 def test_compare_of_a_missing_or_empty_folder(tmp_path, capsys):
