@@ -271,6 +271,15 @@ def test_custom_ops_get_vllms_rotary_embedding_op(clean_plugin, monkeypatch):
 
 
 def test_off_by_default_and_with_the_attention_switches(clean_plugin, monkeypatch):
+    from opgraft import dispatch
+
+    warned = []
+    monkeypatch.setattr(dispatch, "_warn_once", warned.append)
+    for value, on in (("1", True), ("ON", True), ("0", False), ("off", False), ("maybe", False)):
+        monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", value)
+        assert rope_seam.enabled() is on, value
+    assert warned == ["OPGRAFT_ATTENTION_PROLOGUE='maybe' is neither on (1) nor off (0): left off"]
+    monkeypatch.delenv("OPGRAFT_ATTENTION_PROLOGUE")
     register()
     assert not rope_seam.installed() and "OPGRAFT_ATTENTION_PROLOGUE=1" in rope_seam.disabled()
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
