@@ -156,8 +156,14 @@ def _new_consistent(key, value, slot_mapping, key_cache, batch, dev) -> bool:
 
 
 class Plan(_Plan):
-    __slots__ = ()
+    """args: with a prologue, the argument struct the plan was made from (its layout is the
+    plan's): a run copies it and sets the call's pointers (opgraft_attention_plan_run_args)."""
+    __slots__ = ("args",)
     destroy = "opgraft_attention_plan_destroy"
+
+    def __init__(self, handle, reason: str, workspace_bytes: int = 0, args=None):
+        super().__init__(handle, reason, workspace_bytes)
+        self.args = args
 
 
 _plans = PlanCache(1024)
@@ -229,7 +235,8 @@ def plan_for(query, key_cache, value_cache, block_table, seq_lens, out=None, sca
                     st = _lib.lib().opgraft_attention_plan_create(ctypes.byref(a), ctypes.byref(handle), reason,
                                                                   len(reason))
                 if st == _lib.OK:
-                    plan = Plan(handle.value, "", _lib.lib().opgraft_attention_plan_workspace_size(handle.value))
+                    plan = Plan(handle.value, "", _lib.lib().opgraft_attention_plan_workspace_size(handle.value),
+                                None if pro is None else a)
                     reserve_workspace(query.device, plan.workspace_bytes)
                 elif st == _lib.EUNSUPPORTED:
                     plan = Plan(None, reason.value.decode(errors="replace"))
@@ -372,6 +379,21 @@ def attention_decode_into(out, query, key_cache, value_cache, block_table, seq_l
                max_seq_len, key, value, slot_mapping, pro)
 
 
+def run_args(plan_args: _lib.AttentionArgs, query, key_cache, value_cache, block_table, seq_lens, out, sinks,
+             max_seq_len, key, value, slot_mapping, pro) -> _lib.AttentionArgs:
+    """attention_args of a call whose layout is the plan's, for a few µs rather than tens: a copy of
+    the struct the plan was made from with this call's pointers and counts."""
+    a = _lib.AttentionArgs.from_buffer_copy(plan_args)
+    a.q, a.k_cache, a.v_cache, a.out = query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr()
+    a.block_table, a.seq_lens = block_table.data_ptr(), seq_lens.data_ptr()
+    a.sinks = None if sinks is None else sinks.data_ptr()
+    a.batch, a.max_seq_len = seq_lens.shape[0], max(0, int(max_seq_len))
+    a.k_new, a.v_new, a.slot_mapping = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
+    a.slot_count = slot_mapping.shape[0]
+    _set_prologue(a, pro)
+    return a
+
+
 def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0, window_left=-1,
         sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None, pro=None):
     """Runs a plan made for these tensors' layout (plan_for) into out: one ctypes crossing."""
@@ -382,9 +404,9 @@ def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, s
         tail = (block_table.data_ptr(), seq_lens.data_ptr(), None if sinks is None else sinks.data_ptr(),
                 out.data_ptr(), None if ws is None else ws.data_ptr(), seq_lens.shape[0], max(0, int(max_seq_len)),
                 current_stream(query.device))
-        if pro is not None:  # the pointers through the argument struct (a CUDA-graph decode call pays it once)
-            a = attention_args(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left,
-                               sinks, max_seq_len, key=key, value=value, slot_mapping=slot_mapping, pro=pro)
+        if pro is not None:
+            a = run_args(plan.args, query, key_cache, value_cache, block_table, seq_lens, out, sinks, max_seq_len, key,
+                         value, slot_mapping, pro)
             st = _lib.lib().opgraft_attention_plan_run_args(plan.handle, ctypes.byref(a), tail[4], tail[7])
         elif key is None:
             st = _lib.lib().opgraft_attention_plan_run(plan.handle, query.data_ptr(), key_cache.data_ptr(),

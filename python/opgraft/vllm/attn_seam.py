@@ -256,10 +256,7 @@ def _build():
                 call = dispatch.AttentionCall(query, None, None, None, None, output, self.scale, 0.0, -1, None, 0,
                                               delegate, extra_reason=reason)
                 return dispatch.dispatch("attention", call)
-            kv = self._og_kv
-            if kv is None or kv[0] is not kv_cache:  # the same views as FlashAttentionImpl.forward's
-                key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-                self._og_kv = kv = (kv_cache, key_cache, value_cache)
+            kv = self._kv_views(kv_cache)
             call = dispatch.AttentionCall(query, kv[1], kv[2], md.block_table, md.seq_lens, output, self.scale,
                                           float(self.logits_soft_cap or 0.0), _window_of(self, md)[0], self.sinks,
                                           int(md.max_seq_len), delegate, key=None if slots is None else key,
@@ -279,10 +276,7 @@ def _build():
                     and dispatch.selected_variant("attention") == "opgraft"):
                 from ..ops import attention
 
-                kv = self._og_kv
-                if kv is None or kv[0] is not kv_cache:
-                    key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)
-                    self._og_kv = kv = (kv_cache, key_cache, value_cache)
+                kv = self._kv_views(kv_cache)
                 query, key = q.view(T, -1, D), k.view(T, -1, D)
                 cache = (kv[1], kv[2], md.block_table, md.seq_lens)
                 opts = (self.scale, float(self.logits_soft_cap or 0.0), _window_of(self, md)[0], self.sinks)
@@ -296,10 +290,18 @@ def _build():
                     dispatch._info_once(f"attention prologue handed back to vLLM's norm and rotary: {plan.reason}")
                 except Exception as e:
                     dispatch._warn_once(f"attention prologue kernel failed, vLLM's norm and rotary instead: {e}")
-            from .rope_seam import vllm_prologue
+            from .rope_seam import unfused
 
-            qn, kn = vllm_prologue(q, k, pro, D, v)
-            return self.forward(layer, qn.view(T, -1, D), kn.view(T, -1, D), v, kv_cache, attn_metadata, output)
+            return unfused(self, layer, q, k, v, kv_cache, attn_metadata, output, pro, D)
+
+        def _kv_views(self, kv_cache):
+            """(kv_cache, K view, V view): the views FlashAttentionImpl.forward splits, kept for the
+            last cache seen."""
+            kv = self._og_kv
+            if kv is None or kv[0] is not kv_cache:
+                key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+                self._og_kv = kv = (kv_cache, key_cache, value_cache)
+            return kv
 
     class OpgraftFlashAttentionBackend(fa.FlashAttentionBackend):
         """FlashAttentionBackend whose impl runs decode-only batches on opgraft's kernel."""

@@ -144,10 +144,15 @@ def _rope_attention(q, k, v, output, layer_name, positions, cos_sin_cache, head_
     fwd = getattr(layer.impl, "forward_prologue", None)
     if fwd is not None:
         fwd(layer, q, k, v, kv_cache, md, output, pro)
-        return
+    else:
+        unfused(layer.impl, layer, q, k, v, kv_cache, md, output, pro, head_size)
+
+
+def unfused(impl, layer, q, k, v, kv_cache, md, output, pro, head_size: int):
+    """vLLM's order: its norm and rotary embedding (vllm_prologue), then the impl's forward."""
     qn, kn = vllm_prologue(q, k, pro, head_size, v)
     T = q.shape[0]
-    layer.impl.forward(layer, qn.view(T, -1, head_size), kn.view(T, -1, head_size), v, kv_cache, md, output=output)
+    return impl.forward(layer, qn.view(T, -1, head_size), kn.view(T, -1, head_size), v, kv_cache, md, output)
 
 
 @functools.lru_cache(maxsize=1)

@@ -249,7 +249,7 @@ static int32_t run(const char *what, const opgraft_attention_plan *plan, const v
                    void *workspace, int64_t batch, int64_t max_seq_len, const opgraft_attention_args *pro,
                    void *stream) {
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "%s: no plan", what);
-  const int has_pro = plan->args.q_norm_weight || plan->args.rope_style;
+  const int has_pro = plan->cfg.qknorm || plan->cfg.rope;
   if (has_pro && !pro)
     return opgraft__fail(OPGRAFT_EINVAL, "%s: the plan was made with q/k norm or rotary embedding (run it with "
                                          "opgraft_attention_plan_run_args)", what);
@@ -257,9 +257,9 @@ static int32_t run(const char *what, const opgraft_attention_plan *plan, const v
     return opgraft__fail(OPGRAFT_EINVAL, "%s: the plan was made %s new keys (run it with %s)", what,
                          plan->args.k_new ? "with" : "without",
                          plan->args.k_new ? "opgraft_attention_plan_run_update" : "opgraft_attention_plan_run");
-  if (has_pro && ((plan->args.q_norm_weight && (!pro->q_norm_weight || !pro->k_norm_weight ||
+  if (has_pro && ((plan->cfg.qknorm && (!pro->q_norm_weight || !pro->k_norm_weight ||
                                                 misaligned(pro->q_norm_weight, 16) || misaligned(pro->k_norm_weight, 16))) ||
-                  (plan->args.rope_style && batch > 0 &&
+                  (plan->cfg.rope && batch > 0 &&
                    (!pro->cos_sin_cache || !pro->positions || misaligned(pro->cos_sin_cache, 16) ||
                     misaligned(pro->positions, 8)))))
     return opgraft__fail(OPGRAFT_EINVAL, "%s: q/k norm weights, cos/sin cache or positions NULL or misaligned", what);

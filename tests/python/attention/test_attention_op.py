@@ -354,3 +354,22 @@ def test_c_oracle_with_the_prologue_matches_torch(kw):
     if norm or rope:  # and the prologue changed something
         plain = attn_bench.reference(p)
         assert float((got - plain).norm() / plain.norm()) > 0.05
+
+
+def test_a_run_sets_the_plans_argument_struct_as_attention_args_would():
+    """run_args (the struct of a prologue plan's run: the plan's copied, the call's pointers set)
+    is byte for byte attention_args of the call."""
+    p = problem(sinks="fp32")
+    key, value, slots = new_rows(p, rows=4)
+    pro = prologue(p, rows=4)
+    out = torch.empty((4, 8, 64), dtype=torch.bfloat16)
+    args = lambda p, key, value, slots, out, pro, n: ops.attention_args(
+        p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, out, p.scale, p.softcap, p.window_left,
+        p.sinks, n, key=key, value=value, slot_mapping=slots, pro=pro)
+    planned = args(p, key, value, slots, out, pro, 0)
+    q = problem(sinks="fp32", seed=5)  # the same layout, other tensors
+    key2, value2, slots2 = new_rows(q, rows=4)
+    pro2, out2 = prologue(q, rows=4), torch.empty_like(out)
+    got = ops.run_args(planned, q.query, q.key_cache, q.value_cache, q.block_table, q.seq_lens, out2, q.sinks, 77,
+                       key2, value2, slots2, pro2)
+    assert bytes(got) == bytes(args(q, key2, value2, slots2, out2, pro2, 77)) != bytes(planned)
