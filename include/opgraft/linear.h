@@ -61,6 +61,11 @@ typedef struct opgraft_linear_args {
   void *residual_out;
   int64_t residual_out_stride[2]; /* [M, K]: likewise; may not overlap x or residual */
   const void *norm_weight;        /* [K] contiguous, 16-byte aligned */
+  /* The normalized rows, round(round(h * r) * norm_weight), written where set (ABI 12; NULL = not
+   * written; only with a residual): [M, K] of dtype, like residual_out, overlapping no other tensor
+   * of the call. A MoE layer's experts read them after its router gate. */
+  void *normed_out;
+  int64_t normed_out_stride[2];
 } opgraft_linear_args;
 
 /* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
@@ -90,12 +95,13 @@ OPGRAFT_EXTERN int32_t opgraft_linear_plan_run_fp8(const opgraft_linear_plan *pl
                                                    void *stream);
 
 /* The same for a plan made with a residual (add + RMSNorm before the projection): residual,
- * residual_out and norm_weight as described above; opgraft_linear_plan_run on such a plan, or this
- * one on a plan without a residual, gives OPGRAFT_EINVAL. */
+ * residual_out, norm_weight and normed_out as described above (normed_out set iff it was at
+ * creation); opgraft_linear_plan_run on such a plan, or this one on a plan without a residual,
+ * gives OPGRAFT_EINVAL. */
 OPGRAFT_EXTERN int32_t opgraft_linear_plan_run_norm(const opgraft_linear_plan *plan, const void *x,
                                                     const void *residual, const void *norm_weight,
                                                     const void *weight, const void *bias, void *out,
-                                                    void *residual_out, void *stream);
+                                                    void *residual_out, void *normed_out, void *stream);
 
 /* The argument-struct form through plans cached inside the library (a convenience for C callers;
  * the Python layer keeps its own plans). The first call for a layout compiles the kernel (NVRTC)

@@ -26,7 +26,8 @@
 // OG_NORM (linear_norm_gemv): vLLM's fused_add_rms_norm of x and a residual before the product.
 // After the wait every block normalizes the rows itself (h = x + residual in fp32, the rows' few
 // KB read from L2 by every block) into shared memory, from which the MMAs take x, so no kernel
-// boundary separates the norm from the projection; block 0 also writes residual_out.
+// boundary separates the norm from the projection; block 0 also writes residual_out, and the
+// normalized rows where normed_out is set (the MoE experts after a router gate read them).
 #include "og_common.cuh"
 #include "linear_params.h"
 
@@ -99,7 +100,7 @@ __device__ __forceinline__ void og_h8(const og_linear_params &p, int m, int i, f
 // rstd = rsqrt(mean_k h^2 + eps). The block's threads split each row's chunks and take all rows at
 // once (one round trip for every row's loads); the sums go through a shuffle tree, then the warps
 // in order (a fixed order); the second pass reads x and the residual again from L1. Block 0 also
-// writes residual_out. A block barrier: every thread of the block calls it.
+// writes residual_out and normed_out (if set). A block barrier: every thread of the block calls it.
 __device__ __forceinline__ void og_norm_stage(const og_linear_params &p, float (*s_part)[8], float *s_rstd) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float ss[8];
@@ -145,6 +146,7 @@ __device__ __forceinline__ void og_norm_stage(const og_linear_params &p, float (
         o.x = og_mul2(og_pack2(h[0] * r, h[1] * r), w.x), o.y = og_mul2(og_pack2(h[2] * r, h[3] * r), w.y);
         o.z = og_mul2(og_pack2(h[4] * r, h[5] * r), w.z), o.w = og_mul2(og_pack2(h[6] * r, h[7] * r), w.w);
         *(og_vec4 *)(og_xs + m * OG_XS_BYTES + 16 * i) = o;
+        if (blockIdx.x == 0 && p.ho) *(og_vec4 *)((char *)p.ho + 2 * (m * p.ho_stride + 8LL * i)) = o;
       }
     }
   }

@@ -18,10 +18,11 @@ typedef struct og_linear_params {
   /* FP8 weights: fp32 block scales [ceil(N / OG_BN), K / OG_BK] */
   const float *ws;
   long long ws_stride0, ws_stride1;
-  /* Add + RMSNorm before the projection (OG_NORM): residual and residual_out [M, K], norm weight [K] */
+  /* Add + RMSNorm before the projection (OG_NORM): residual and residual_out [M, K], norm weight [K],
+   * the normalized rows [M, K] or NULL */
   const void *r, *nw;
-  void *ro;
-  long long r_stride, ro_stride;
+  void *ro, *ho;
+  long long r_stride, ro_stride, ho_stride;
   float eps;
 } og_linear_params;
 

@@ -112,6 +112,9 @@ class LinearArgs(ctypes.Structure):
         ("residual_out", ctypes.c_void_p),
         ("residual_out_stride", _I64_2),
         ("norm_weight", ctypes.c_void_p),
+        # ABI 12: the add + RMSNorm form's normalized rows, written where set
+        ("normed_out", ctypes.c_void_p),
+        ("normed_out_stride", _I64_2),
     ]
 
 
@@ -270,7 +273,7 @@ _SIGNATURES = {
     "opgraft_linear_plan_destroy": (None, [_P]),
     "opgraft_linear_plan_run": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P]),
     "opgraft_linear_plan_run_fp8": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P]),
-    "opgraft_linear_plan_run_norm": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "opgraft_linear_plan_run_norm": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "opgraft_linear_run": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.c_void_p]),
     "opgraft_linear_reference": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.POINTER(ctypes.c_double)]),
     "opgraft_linear_compile_report": (

@@ -34,19 +34,27 @@ def linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 arch: int = 0, weight_scale: torch.Tensor | None = None, block: tuple[int, int] = (0, 0),
                 norm: tuple | None = None) -> _lib.LinearArgs:
     """The C argument struct for these tensors (FP8 weights: with their block scales and the block
-    shape; norm: (residual, norm_weight, eps[, residual_out]) of the add + RMSNorm form, without
-    residual_out the contiguous one the op allocates); dtype -1 when their shapes or devices do not
-    describe one linear call (the guard then refuses it)."""
+    shape; norm: (residual, norm_weight, eps[, residual_out[, normed_out]]) of the add + RMSNorm
+    form, residual_out None for the contiguous one the op allocates, normed_out (the normalized
+    rows) None for none, True for the contiguous one the op allocates, or a tensor like x); dtype
+    -1 when their shapes or devices do not describe one linear call (the guard then refuses it)."""
     a = _lib.LinearArgs()
     a.struct_size = ctypes.sizeof(_lib.LinearArgs)
     if norm is not None:
         residual, norm_weight, eps = norm[:3]
         r_out = norm[3] if len(norm) > 3 else None
+        h_out = norm[4] if len(norm) > 4 else None
         if not (residual.shape == x.shape and residual.device == x.device and norm_weight.dim() == 1
                 and x.dim() == 2 and norm_weight.shape[0] == x.shape[1] and norm_weight.is_contiguous()
-                and norm_weight.device == x.device and (r_out is None or r_out.shape == x.shape)):
+                and norm_weight.device == x.device and (r_out is None or r_out.shape == x.shape)
+                and (h_out is None or h_out is True or (h_out.shape == x.shape and h_out.dtype == x.dtype
+                                                        and h_out.device == x.device))):
             a.dtype = -1
             return a
+        if h_out is True:
+            a.normed_out, a.normed_out_stride = 16, (ctypes.c_int64 * 2)(x.shape[1], 1)
+        elif h_out is not None:
+            a.normed_out, a.normed_out_stride = h_out.data_ptr(), strides(h_out, 2)
         a.norm_dtype = dtype_code(residual) if residual.dtype == norm_weight.dtype else -1
         a.norm_eps = eps
         a.residual, a.residual_stride = residual.data_ptr(), strides(residual, 2)
@@ -100,7 +108,8 @@ def _layout_key(x, weight, bias, out, weight_scale=None, block=(0, 0), norm=None
             None if weight_scale is None else (weight_scale.shape, weight_scale.stride(), weight_scale.dtype, block),
             None if norm is None else (norm[0].shape, norm[0].stride(), norm[0].dtype, norm[1].shape,
                                        norm[1].stride(), norm[1].dtype, float(norm[2]),
-                                       None if len(norm) < 4 else (norm[3].shape, norm[3].stride())))
+                                       *((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t
+                                         for t in norm[3:])))
 
 
 def plan_for(x, weight, bias=None, out=None, weight_scale=None, block=(0, 0), norm=None) -> Plan:
@@ -347,35 +356,39 @@ def _aligned_norm(x, residual, norm_weight, weight, bias) -> bool:
     return _aligned(x, weight, bias) and not (residual.data_ptr() | norm_weight.data_ptr()) & 15
 
 
-def _run_norm(plan: Plan, x, residual, norm_weight, weight, bias, out, residual_out) -> int:
+def _run_norm(plan: Plan, x, residual, norm_weight, weight, bias, out, residual_out, normed_out=None) -> int:
     return _lib.lib().opgraft_linear_plan_run_norm(
         plan.handle, x.data_ptr(), residual.data_ptr(), norm_weight.data_ptr(), weight.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), residual_out.data_ptr(), current_stream(x.device))
+        None if bias is None else bias.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
+        None if normed_out is None else normed_out.data_ptr(), current_stream(x.device))
 
 
-def add_rms_norm_linear_into(out, residual_out, x, residual, norm_weight, eps, weight, bias=None):
-    """Runs the add + RMSNorm kernel into out ([M, N]) and residual_out ([M, K]). Raises
-    OpgraftError if the kernel cannot take the call."""
-    norm = (residual, norm_weight, eps, residual_out)
+def add_rms_norm_linear_into(out, residual_out, x, residual, norm_weight, eps, weight, bias=None, normed_out=None):
+    """Runs the add + RMSNorm kernel into out ([M, N]), residual_out ([M, K]) and, where given,
+    normed_out ([M, K], the normalized rows). Raises OpgraftError if the kernel cannot take the
+    call."""
+    norm = (residual, norm_weight, eps, residual_out, normed_out)
     _into(out, lambda: plan_for(x, weight, bias, out, norm=norm),
-          lambda: _aligned_norm(x, residual, norm_weight, weight, bias) and not residual_out.data_ptr() & 15,
-          _MISALIGNED_NORM, lambda p, o: _run_norm(p, x, residual, norm_weight, weight, bias, o, residual_out))
+          lambda: _aligned_norm(x, residual, norm_weight, weight, bias)
+          and not (residual_out.data_ptr() | (0 if normed_out is None else normed_out.data_ptr())) & 15,
+          _MISALIGNED_NORM,
+          lambda p, o: _run_norm(p, x, residual, norm_weight, weight, bias, o, residual_out, normed_out))
     return out, residual_out
 
 
-def _norm_linear_or_none(x, residual, norm_weight, eps, weight, bias):
-    """(out, residual_out) of our kernel where it takes the call, else None; counted as the linear
-    op's decisions."""
-    norm = (residual, norm_weight, eps)
-    r_out = []
+def norm_linear_or_none(x, residual, norm_weight, eps, weight, bias=None, normed: bool = False):
+    """(out, residual_out) of our kernel where it takes the call, else None; with normed, (out,
+    residual_out, normed rows). Counted as the linear op's decisions."""
+    outs = []
 
     def run(p, out):
-        r_out[:] = [torch.empty(x.shape, dtype=x.dtype, device=x.device)]
-        return _run_norm(p, x, residual, norm_weight, weight, bias, out, r_out[0])
+        outs[:] = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(1 + normed)]
+        return _run_norm(p, x, residual, norm_weight, weight, bias, out, *outs)
 
+    norm = (residual, norm_weight, eps, None, True) if normed else (residual, norm_weight, eps)
     out = _ours_or_none(x, weight, bias, "add + RMSNorm linear", lambda: plan_for(x, weight, bias, norm=norm),
                         lambda: _aligned_norm(x, residual, norm_weight, weight, bias), _MISALIGNED_NORM, run)
-    return None if out is None else (out, r_out[0])
+    return None if out is None else (out, *outs)
 
 
 def _add_rms_norm(x, residual, norm_weight, eps):
@@ -395,7 +408,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     call; otherwise vLLM's add + RMSNorm, then the linear op (our plain kernel or torch's)."""
     if x.dim() != 2:
         raise ValueError(f"opgraft::add_rms_norm_linear takes a 2-D x, got {x.dim()} dimensions")
-    out = _norm_linear_or_none(x, residual, norm_weight, eps, weight, bias)
+    out = norm_linear_or_none(x, residual, norm_weight, eps, weight, bias)
     if out is not None:
         return out
     n, r = _add_rms_norm(x, residual, norm_weight, eps)
@@ -429,7 +442,7 @@ def _(x, weight, bias=None):
 
 def linear_reference_cpu(x, weight, bias=None, weight_scale=None, block=(0, 0), norm=None) -> torch.Tensor:
     """The C fp64 oracle on CPU copies of the tensors (FP8 weights: with their block scales; norm:
-    the add + RMSNorm form's CPU (residual, norm_weight, eps, residual_out), residual_out
+    the add + RMSNorm form's CPU (residual, norm_weight, eps, residual_out[, normed_out]), those
     written); returns float64 [M, N]."""
     xc, wc = x.detach().cpu(), weight.detach().cpu()
     bc = bias.detach().cpu().contiguous() if bias is not None else None
@@ -443,11 +456,14 @@ def linear_reference_cpu(x, weight, bias=None, weight_scale=None, block=(0, 0), 
     return out
 
 
-def add_rms_norm_linear_reference_cpu(x, residual, norm_weight, eps, weight, bias=None):
-    """The C fp64 oracle of the add + RMSNorm form: (float64 [M, N], residual_out [M, K])."""
+def add_rms_norm_linear_reference_cpu(x, residual, norm_weight, eps, weight, bias=None, normed=False):
+    """The C fp64 oracle of the add + RMSNorm form: (float64 [M, N], residual_out [M, K]), with
+    normed also the normalized rows [M, K]."""
     rc, nc = residual.detach().cpu(), norm_weight.detach().cpu().contiguous()
     r_out = torch.empty(x.shape, dtype=x.dtype)
-    return linear_reference_cpu(x, weight, bias, norm=(rc, nc, eps, r_out)), r_out
+    h_out = torch.empty(x.shape, dtype=x.dtype) if normed else None
+    out = linear_reference_cpu(x, weight, bias, norm=(rc, nc, eps, r_out, h_out))
+    return (out, r_out, h_out) if normed else (out, r_out)
 
 
 def linear_fp8_reference_cpu(x, weight, weight_scale, block, bias=None) -> torch.Tensor:

@@ -77,8 +77,12 @@ int32_t opgraft__linear_check_static(const opgraft_linear_args *a, char *reason,
     if (OG_LINEAR_NORM_SMEM(M, K) > OG_LINEAR_NORM_MAX_SMEM)
       return OG_REASON("add + RMSNorm of %lld rows of %lld: %lld bytes of shared memory > %d", (long long)M,
                        (long long)K, (long long)OG_LINEAR_NORM_SMEM(M, K), OG_LINEAR_NORM_MAX_SMEM);
-  } else if (a->residual_out || a->norm_weight) {
-    return OG_REASON("residual_out or norm_weight given without a residual");
+    if (a->normed_out && (a->normed_out_stride[1] != 1 || (M > 1 && (a->normed_out_stride[0] < K ||
+                                                                       a->normed_out_stride[0] % 8))))
+      return OG_REASON("normed_out strides [%lld, %lld] (rows of at least in_features, a multiple of 8 elements; "
+                       "columns contiguous)", (long long)a->normed_out_stride[0], (long long)a->normed_out_stride[1]);
+  } else if (a->residual_out || a->norm_weight || a->normed_out) {
+    return OG_REASON("residual_out, norm_weight or normed_out given without a residual");
   }
   /* One row needs no row stride (a [1, K] view may carry any). */
   if (M > 1 && a->x_stride[0] < K)
@@ -96,8 +100,9 @@ int32_t opgraft__linear_check_pointers(const opgraft_linear_args *a, char *reaso
   if ((((uintptr_t)a->out | (uintptr_t)a->bias) & 1u)) return OG_REASON("out or bias misaligned");
   if (a->residual && a->rows > 0) {
     if (!a->residual_out || !a->norm_weight) return OG_REASON("residual_out or norm_weight is NULL");
-    if (((uintptr_t)a->residual | (uintptr_t)a->residual_out | (uintptr_t)a->norm_weight) & 15u)
-      return OG_REASON("residual, residual_out or norm_weight not 16-byte aligned");
+    if (((uintptr_t)a->residual | (uintptr_t)a->residual_out | (uintptr_t)a->norm_weight |
+         (uintptr_t)a->normed_out) & 15u)
+      return OG_REASON("residual, residual_out, norm_weight or normed_out not 16-byte aligned");
   }
   if (opgraft__linear_is_fp8(a) && a->rows > 0 && (!a->weight_scale || ((uintptr_t)a->weight_scale & 3u)))
     return OG_REASON("FP8 weight scales NULL or misaligned");

@@ -26,6 +26,7 @@ static void layout_of(const opgraft_linear_args *a, og_linear_params *q) {
   q->M = (int)a->rows, q->N = (int)a->out_features;
   q->ws_stride0 = a->weight_scale_stride[0], q->ws_stride1 = a->weight_scale_stride[1];
   q->r_stride = a->residual_stride[0], q->ro_stride = a->residual_out_stride[0], q->eps = a->norm_eps;
+  q->ho_stride = a->normed_out_stride[0];
 }
 
 int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_plan **out, char *reason,
@@ -57,6 +58,7 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
   p->args.out = NULL, p->args.gpu_name = NULL, p->args.weight_scale = NULL;
   p->args.residual = a->residual ? (const void *)1 : NULL; /* likewise */
   p->args.residual_out = NULL, p->args.norm_weight = NULL;
+  p->args.normed_out = a->normed_out ? (void *)1 : NULL; /* likewise */
   opgraft__linear_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
   og_opts o;
   char name[64];
@@ -102,7 +104,7 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_linear_plan *plan, og
 /* The norm form's pointers of a run (all NULL without a residual). */
 typedef struct og_norm_ptrs {
   const void *residual, *norm_weight;
-  void *residual_out;
+  void *residual_out, *normed_out;
 } og_norm_ptrs;
 
 static int32_t plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight, const void *weight_scale,
@@ -120,13 +122,14 @@ static int32_t plan_run(const opgraft_linear_plan *plan, const void *x, const vo
   if (opgraft__linear_is_fp8(&plan->args) && (!weight_scale || ((uintptr_t)weight_scale & 3u)))
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_fp8: weight_scale NULL or misaligned");
   if (plan->args.residual &&
-      (!nrm.residual || !nrm.norm_weight || !nrm.residual_out ||
-       (((uintptr_t)nrm.residual | (uintptr_t)nrm.norm_weight | (uintptr_t)nrm.residual_out) & 15u)))
-    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: residual, norm_weight or residual_out NULL or "
-                                         "not 16-byte aligned");
+      (!nrm.residual || !nrm.norm_weight || !nrm.residual_out || !nrm.normed_out != !plan->args.normed_out ||
+       (((uintptr_t)nrm.residual | (uintptr_t)nrm.norm_weight | (uintptr_t)nrm.residual_out |
+         (uintptr_t)nrm.normed_out) & 15u)))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: residual, norm_weight or residual_out NULL, "
+                                         "normed_out unlike the plan's, or one not 16-byte aligned");
   og_linear_params p = plan->proto;
   p.x = x, p.w = weight, p.bias = bias, p.y = out, p.ws = weight_scale;
-  p.r = nrm.residual, p.nw = nrm.norm_weight, p.ro = nrm.residual_out;
+  p.r = nrm.residual, p.nw = nrm.norm_weight, p.ro = nrm.residual_out, p.ho = nrm.normed_out;
   return launch(cu, plan, &p, (og_CUstream)stream);
 }
 
@@ -142,11 +145,11 @@ int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, 
 
 int32_t opgraft_linear_plan_run_norm(const opgraft_linear_plan *plan, const void *x, const void *residual,
                                      const void *norm_weight, const void *weight, const void *bias, void *out,
-                                     void *residual_out, void *stream) {
+                                     void *residual_out, void *normed_out, void *stream) {
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: no plan");
   if (!plan->args.residual)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: a plan without a residual");
-  return plan_run(plan, x, weight, NULL, bias, out, (og_norm_ptrs){residual, norm_weight, residual_out}, stream);
+  return plan_run(plan, x, weight, NULL, bias, out, (og_norm_ptrs){residual, norm_weight, residual_out, normed_out}, stream);
 }
 
 int32_t opgraft_linear_plan_run_fp8(const opgraft_linear_plan *plan, const void *x, const void *weight,
@@ -196,6 +199,6 @@ int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
   og_linear_params p = plan->proto;
   layout_of(a, &p); /* this entry point takes the strides from each call */
   p.x = a->x, p.w = a->weight, p.bias = a->bias, p.y = a->out, p.ws = a->weight_scale;
-  p.r = a->residual, p.nw = a->norm_weight, p.ro = a->residual_out;
+  p.r = a->residual, p.nw = a->norm_weight, p.ro = a->residual_out, p.ho = a->normed_out;
   return launch(cu, plan, &p, (og_CUstream)stream);
 }

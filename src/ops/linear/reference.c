@@ -13,7 +13,7 @@ static double load(int32_t dtype, const void *base, int64_t idx) {
 
 /* Row m of the add + RMSNorm form, in place on xin (x's row on entry): h = x + residual in fp64,
  * then the input the kernel multiplies, rounded to dtype where vLLM's function rounds
- * (include/opgraft/linear.h); residual_out's row, rounded, where it is set. */
+ * (include/opgraft/linear.h); residual_out's and normed_out's rows, rounded, where they are set. */
 static void norm_row(const opgraft_linear_args *a, int64_t m, double *xin) {
   const int64_t K = a->in_features;
   double ss = 0;
@@ -28,6 +28,9 @@ static void norm_row(const opgraft_linear_args *a, int64_t m, double *xin) {
   for (int64_t k = 0; k < K; ++k) {
     const double v = opgraft__half_to_double(a->dtype, opgraft__double_to_half(a->dtype, xin[k] * r));
     xin[k] = opgraft__half_to_double(a->dtype, opgraft__double_to_half(a->dtype, v * load(a->dtype, a->norm_weight, k)));
+    if (a->normed_out)
+      ((uint16_t *)a->normed_out)[m * a->normed_out_stride[0] + k * a->normed_out_stride[1]] =
+          opgraft__double_to_half(a->dtype, xin[k]);
   }
 }
 

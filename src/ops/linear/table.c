@@ -79,6 +79,8 @@ static void linear_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_linear_args, residual_out);
   OG_ABI_FIELD(b, opgraft_linear_args, residual_out_stride);
   OG_ABI_FIELD(b, opgraft_linear_args, norm_weight);
+  OG_ABI_FIELD(b, opgraft_linear_args, normed_out);
+  OG_ABI_FIELD(b, opgraft_linear_args, normed_out_stride);
   opgraft__abi_end(b);
 }
 

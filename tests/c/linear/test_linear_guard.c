@@ -479,6 +479,20 @@ static void n_row_stride(opgraft_linear_args *a) {
   a->residual_stride[0] = 2044;
 }
 static void n_misaligned(opgraft_linear_args *a) { a->norm_weight = (const void *)0x700008; }
+static void n_normed_misaligned(opgraft_linear_args *a) {
+  a->normed_out = (void *)0x800008, a->normed_out_stride[0] = 2048, a->normed_out_stride[1] = 1;
+}
+static void n_normed_stride(opgraft_linear_args *a) {
+  set_shape(a, 2, 5120, 2048);
+  a->normed_out = (void *)0x800000, a->normed_out_stride[0] = 2044, a->normed_out_stride[1] = 1;
+}
+static void n_normed_col(opgraft_linear_args *a) {
+  a->normed_out = (void *)0x800000, a->normed_out_stride[0] = 2048, a->normed_out_stride[1] = 2;
+}
+static void n_normed_alone(opgraft_linear_args *a) {
+  n_normed_col(a);
+  a->normed_out_stride[1] = 1, a->residual = NULL, a->residual_out = NULL, a->norm_weight = NULL;
+}
 static void n_null_out(opgraft_linear_args *a) { a->residual_out = NULL; }
 static void n_without_residual(opgraft_linear_args *a) { a->residual = NULL; }
 static void n_smem(opgraft_linear_args *a) {
@@ -492,7 +506,11 @@ static const refusal n_eps_nan_r = {n_eps_nan, "norm_eps nan outside 0..1"};
 static const refusal n_eps_neg_r = {n_eps_neg, "outside 0..1"};
 static const refusal n_col_stride_r = {n_col_stride, "residual's last dimension is not contiguous"};
 static const refusal n_row_stride_r = {n_row_stride, "residual row strides 2044 / 2048"};
-static const refusal n_misaligned_r = {n_misaligned, "residual, residual_out or norm_weight not 16-byte aligned"};
+static const refusal n_misaligned_r = {n_misaligned, "residual, residual_out, norm_weight or normed_out not 16-byte aligned"};
+static const refusal n_normed_misaligned_r = {n_normed_misaligned, "or normed_out not 16-byte aligned"};
+static const refusal n_normed_stride_r = {n_normed_stride, "normed_out strides [2044, 1]"};
+static const refusal n_normed_col_r = {n_normed_col, "normed_out strides [2048, 2]"};
+static const refusal n_normed_alone_r = {n_normed_alone, "residual_out, norm_weight or normed_out given without a residual"};
 static const refusal n_null_out_r = {n_null_out, "residual_out or norm_weight is NULL"};
 static const refusal n_without_residual_r = {n_without_residual, "given without a residual"};
 static const refusal n_smem_r = {n_smem, "add + RMSNorm of 8 rows of 8192: 131584 bytes of shared memory > 98304"};
@@ -516,6 +534,8 @@ static void test_norm_valid(void **state) {
   a = norm_args();
   a.norm_eps = 0.f;
   expect_ok(&a, "eps 0");
+  a.normed_out = (void *)0x800000, a.normed_out_stride[0] = 4096, a.normed_out_stride[1] = 1;
+  expect_ok(&a, "normed rows into a wider buffer");
   /* Its own kernel (name and option), the same tunables as the plain form. */
   char plain[512], fused[512];
   opgraft_linear_args p = valid_args();
@@ -586,6 +606,10 @@ int main(void) {
       NORM_REFUSAL(col_stride),
       NORM_REFUSAL(row_stride),
       NORM_REFUSAL(misaligned),
+      NORM_REFUSAL(normed_misaligned),
+      NORM_REFUSAL(normed_stride),
+      NORM_REFUSAL(normed_col),
+      NORM_REFUSAL(normed_alone),
       NORM_REFUSAL(null_out),
       NORM_REFUSAL(without_residual),
       NORM_REFUSAL(smem),

@@ -207,15 +207,18 @@ static void check_norm(int32_t dtype, int64_t M, int64_t N, int64_t K, int64_t r
   problem p = make(dtype, M, N, K, 8, 0, 0, 1);
   const int64_t rs = K + r_pad;
   uint16_t *res = calloc((size_t)(M * rs + 1), 2), *ro = calloc((size_t)(M * rs + 1), 2), *nw = calloc((size_t)K, 2);
+  uint16_t *ho = calloc((size_t)(M * rs + 1), 2);
   assert_non_null(res);
   assert_non_null(ro);
   assert_non_null(nw);
-  for (int64_t i = 0; i < M * rs; ++i) res[i] = rand_half(dtype), ro[i] = 0x1234;
+  assert_non_null(ho);
+  for (int64_t i = 0; i < M * rs; ++i) res[i] = rand_half(dtype), ro[i] = ho[i] = 0x1234;
   for (int64_t k = 0; k < K; ++k) nw[k] = rand_half(dtype);
   opgraft_linear_args a = args_of(&p);
   a.norm_dtype = dtype, a.norm_eps = eps, a.norm_weight = nw;
   a.residual = res, a.residual_stride[0] = rs, a.residual_stride[1] = 1;
   a.residual_out = ro, a.residual_out_stride[0] = rs, a.residual_out_stride[1] = 1;
+  a.normed_out = ho, a.normed_out_stride[0] = rs, a.normed_out_stride[1] = 1;
   double *y = malloc(sizeof(double) * (size_t)(M * N));
   long double *u = malloc(sizeof(long double) * (size_t)K);
   assert_non_null(y);
@@ -234,6 +237,9 @@ static void check_norm(int32_t dtype, int64_t M, int64_t N, int64_t K, int64_t r
     for (int64_t k = 0; k < K; ++k) {
       const double h = dec(dtype, p.x[m * p.xs + k]) + dec(dtype, res[m * rs + k]);
       u[k] = dec(dtype, nearest(dtype, dec(dtype, nearest(dtype, h * r)) * dec(dtype, nw[k])));
+      if (ho[m * rs + k] != nearest(dtype, (double)u[k]))
+        fail_msg("%s: normed_out[%lld][%lld] = 0x%04x, want 0x%04x", what, (long long)m, (long long)k,
+                 ho[m * rs + k], nearest(dtype, (double)u[k]));
     }
     for (int64_t n = 0; n < N; ++n) {
       long double want = dec(dtype, p.b[n]);
@@ -241,14 +247,24 @@ static void check_norm(int32_t dtype, int64_t M, int64_t N, int64_t K, int64_t r
       if (fabsl((long double)y[m * N + n] - want) > 1e-12L * (fabsl(want) + 1))
         fail_msg("%s: y[%lld][%lld] = %.17g, brute force %.17Lg", what, (long long)m, (long long)n, y[m * N + n], want);
     }
-    for (int64_t k = K; k < rs; ++k) assert_int_equal(ro[m * rs + k], 0x1234); /* padding untouched */
+    for (int64_t k = K; k < rs; ++k) { /* padding untouched */
+      assert_int_equal(ro[m * rs + k], 0x1234);
+      assert_int_equal(ho[m * rs + k], 0x1234);
+    }
   }
+  /* Without normed_out the same output. */
+  double *y2 = malloc(sizeof(double) * (size_t)(M * N));
+  assert_non_null(y2);
+  a.normed_out = NULL;
+  assert_int_equal(opgraft_linear_reference(&a, y2), OPGRAFT_OK);
+  assert_memory_equal(y, y2, sizeof(double) * (size_t)(M * N));
+  free(y2);
   /* A norm dtype unlike x's, or no norm weight: refused. */
   a.norm_dtype = dtype == OPGRAFT_DTYPE_BF16 ? OPGRAFT_DTYPE_FP16 : OPGRAFT_DTYPE_BF16;
   assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EUNSUPPORTED);
   a.norm_dtype = dtype, a.norm_weight = NULL;
   assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_EUNSUPPORTED);
-  free(u), free(y), free(nw), free(ro), free(res);
+  free(u), free(y), free(nw), free(ho), free(ro), free(res);
   release(&p);
 }
 

@@ -278,23 +278,27 @@ class _FakeKernel:
         monkeypatch.setattr(ops, "linear_into", self.into)
         monkeypatch.setattr(ops, "linear_or_torch", self.or_torch)
         monkeypatch.setattr(ops, "add_rms_norm_linear_into", self.norm_into)
-        monkeypatch.setattr(ops, "_norm_linear_or_none", self.norm_or_none)
+        monkeypatch.setattr(ops, "norm_linear_or_none", self.norm_or_none)
         real_plan_for = ops.plan_for
         monkeypatch.setattr(ops, "plan_for", lambda x, w, b=None, out=None, norm=None, **kw: (
             types.SimpleNamespace(handle=1, reason="") if norm is not None and self._ok(x, w, b) else real_plan_for(x, w, b, out, norm=norm, **kw)))
 
-    def norm_into(self, out, r_out, x, r, nw, eps, w, b=None):
+    def norm_into(self, out, r_out, x, r, nw, eps, w, b=None, normed_out=None):
         n, ro = ops.add_rms_norm_reference(x, r, nw, eps)
         r_out.copy_(ro)
+        if normed_out is not None:
+            normed_out.copy_(n)
         return self.into(out, n, w, b), r_out
 
-    def norm_or_none(self, x, r, nw, eps, w, b):
+    def norm_or_none(self, x, r, nw, eps, w, b=None, normed=False):
         if not self._ok(x, w, b):
             dispatch.stats_of("linear").delegate("fake: refused")
             return None
         dispatch.stats_of("linear").take()
         out, ro = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype), torch.empty_like(x)
-        return self.norm_into(out, ro, x, r, nw, eps, w, b)
+        hn = torch.empty_like(x) if normed else None
+        res = self.norm_into(out, ro, x, r, nw, eps, w, b, hn)
+        return (*res, hn) if normed else res
 
     @staticmethod
     def _ok(x, w, b):
