@@ -287,10 +287,11 @@ def _worker_stats(worker=None) -> dict:
     except Exception as e:
         out["moe_error"] = f"{type(e).__name__}: {e}"
     # what the graph rewrites did in this process (None: the seam never loaded here)
-    for key, name in (("norm_fusion_fused", "opgraft.vllm.norm_seam"), ("attention_prologue_fused",
-                                                                        "opgraft.vllm.rope_seam")):
+    for key, name, total in (("norm_fusion_fused", "opgraft.vllm.norm_seam", "fused_total"),
+                             ("norm_fusion_moe_fused", "opgraft.vllm.norm_seam", "fused_moe_total"),
+                             ("attention_prologue_fused", "opgraft.vllm.rope_seam", "fused_total")):
         seam = sys.modules.get(name)
-        out[key] = seam.fused_total() if seam is not None else None
+        out[key] = getattr(seam, total)() if seam is not None else None
     return out
 
 

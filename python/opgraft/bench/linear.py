@@ -275,9 +275,10 @@ class TuneFixture:
                            False)[0]
 
 
-# The projections a decoder layer feeds from add + RMSNorm: qkv (input_layernorm) and a dense MLP's
-# gate_up (post_attention_layernorm).
-NORM_FED = ("qkv", "gate_up")
+# The projections a decoder layer feeds from add + RMSNorm: qkv (input_layernorm), a dense MLP's
+# gate_up and a MoE layer's router gate (post_attention_layernorm; the router's form also writes
+# the normalized rows, which the experts read).
+NORM_FED = ("qkv", "gate_up", "router")
 NORM_EPS = 1e-6
 
 
@@ -293,8 +294,9 @@ def bench_norm_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device=
                      ceiling_tbps: float | None = None, reps: int = 30, between_mib: int = BETWEEN_MIB,
                      timing: str = "span", progress=None) -> list[dict]:
     """Rows for add + RMSNorm and then the projection, at each row count: our one kernel
-    (opgraft-norm) against the compiled norm's Triton kernel followed by our plain kernel
-    (norm+opgraft) or by torch.nn.functional.linear (norm+torch, stock vLLM's two kernels)."""
+    (opgraft-norm; for a router gate also writing the normalized rows, as the MoE form runs it)
+    against the compiled norm's Triton kernel followed by our plain kernel (norm+opgraft) or by
+    torch.nn.functional.linear (norm+torch, stock vLLM's two kernels)."""
     measure_whole_row_range()
     L = copies_for(shape)
     K = shape.in_features
@@ -306,6 +308,9 @@ def bench_norm_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device=
     base = {**run_facts(), "op": "linear", "model": shape.model, "proj": shape.proj, "N": shape.out_features,
             "K": K, "dtype": dtype, "copies": L, "between_mib": max(between_mib, 0), "norm": "add_rms_norm"}
     norm = _compiled_norm()
+    normed = shape.proj == "router"
+    if normed:
+        base["normed_out"] = True
     out_rows = []
     w64 = weights[0].double()
     for M in rows:
@@ -317,24 +322,29 @@ def bench_norm_shape(shape: LinearShape, rows=ROWS, dtype: str = "bf16", device=
         n0, r0 = ops.add_rms_norm_reference(xs[0], rs[0], norm_w, NORM_EPS)
         ref = n0.double() @ w64.T
         n_compiled = norm(xs[0], rs[0], norm_w, NORM_EPS)[0]  # the baselines' normalized input
-        nbytes = call_bytes(shape, M) + 3 * M * K * 2  # x and residual read, residual_out written
+        # x and residual read, residual_out (and the normalized rows) written
+        nbytes = call_bytes(shape, M) + (3 + normed) * M * K * 2
         outs = [torch.empty((M, shape.out_features), dtype=dt, device=device) for _ in range(L)]
         routs = [torch.empty((M, K), dtype=dt, device=device) for _ in range(L)]
+        houts = [torch.empty((M, K), dtype=dt, device=device) if normed else None for _ in range(L)]
         ok, reason = True, ""
         results = {}
+
+        def fused(i, _):
+            ops.add_rms_norm_linear_into(outs[i], routs[i], xs[i], rs[i], norm_w, NORM_EPS, weights[i], None, houts[i])
+
         try:
-            ops.add_rms_norm_linear_into(outs[0], routs[0], xs[0], rs[0], norm_w, NORM_EPS, weights[0])
+            fused(0, None)
         except _lib.OpgraftError as e:
             ok, reason = False, str(e)
         if ok:
             err = rel_err(outs[0], ref)
             first, rfirst = outs[0].clone(), routs[0].clone()
-            ops.add_rms_norm_linear_into(outs[0], routs[0], xs[0], rs[0], norm_w, NORM_EPS, weights[0])
+            fused(0, None)
             det = bool(torch.equal(first, outs[0]))
             extra = {"deterministic": det, "residual_out_exact": bool(torch.equal(rfirst, r0))}
-
-            def fused(i, _):
-                ops.add_rms_norm_linear_into(outs[i], routs[i], xs[i], rs[i], norm_w, NORM_EPS, weights[i])
+            if normed:
+                extra["normed_out_exact"] = bool(torch.equal(houts[0], n0))
 
             us, how = timed_calls(fused, schedule, between, reps, timing)
             results["opgraft-norm"] = (us, err, {**extra, **how})

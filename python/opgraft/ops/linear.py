@@ -391,7 +391,7 @@ def norm_linear_or_none(x, residual, norm_weight, eps, weight, bias=None, normed
     return None if out is None else (out, *outs)
 
 
-def _add_rms_norm(x, residual, norm_weight, eps):
+def add_rms_norm(x, residual, norm_weight, eps):
     """vLLM's own add + RMSNorm where vLLM is loaded (its IR op, whichever implementation vLLM
     selected), else the same function in torch."""
     ir = getattr(torch.ops, "vllm_ir", None)
@@ -411,7 +411,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     out = norm_linear_or_none(x, residual, norm_weight, eps, weight, bias)
     if out is not None:
         return out
-    n, r = _add_rms_norm(x, residual, norm_weight, eps)
+    n, r = add_rms_norm(x, residual, norm_weight, eps)
     return linear_or_torch(n, weight, bias), r
 
 

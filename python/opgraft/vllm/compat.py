@@ -13,6 +13,17 @@ def switched_off(name: str) -> bool:
     """Is the environment switch `name` set to one of OFF? (Unset or anything else: on.)"""
     return os.environ.get(name, "").strip().lower() in OFF
 
+
+def opted_in(name: str, warn) -> bool:
+    """Is the opt-in switch `name` on: 1 (or true, yes, on)? Unset or one of OFF: off; anything
+    else calls warn(message) and is off."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value not in ("", *OFF):
+        warn(f"{name}={value!r} is neither on (1) nor off (0): left off")
+    return False
+
 # The vLLM release opgraft is tested against: the newest that pins torch 2.11.0 (its wheel's
 # METADATA: Requires-Dist torch==2.11.0; built for CUDA 13.0).
 TESTED_VLLM = "0.26.0"

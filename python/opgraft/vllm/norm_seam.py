@@ -1,4 +1,5 @@
-"""Norm fusion seam: a post-grad pass that folds add + RMSNorm into the projection after it.
+"""Norm fusion seam: a post-grad pass that folds add + RMSNorm into the projection after it (and,
+opt-in, into a MoE layer's router gate).
 
 What is patched: `PostGradPassManager.configure(self, config)` in
 vllm/compilation/passes/pass_manager.py and `VllmConfig._set_compile_ranges(self)` in
@@ -33,6 +34,19 @@ left to vLLM. The pass's uuid (part of the pass manager's Inductor cache key) ha
 source; install() also adds a factor (OPGRAFT_NORM_FUSION_SEAM) to the environment factors of
 vLLM's compile cache, as the linear seam does.
 
+MoE layers (opt-in with OPGRAFT_NORM_FUSION_MOE=1 until a GPU has measured it): the norm before
+a Qwen3-MoE-style layer feeds vLLM's moe_forward(n, n, None, None, layer_name, 0) (the router
+gate runs inside the runner, eagerly, so no pass sees norm and gate together), which after
+functionalization is auto_functionalized(vllm.moe_forward.default, hidden_states=n, ...). The
+pass rewrites norm + that call to `(out, r) = opgraft.add_rms_norm_moe.default(x, residual,
+norm_weight, eps, layer_name)`. The op finds the runner as moe_forward does; our linear kernel's
+add + RMSNorm form computes the router logits and writes the normalized rows (block 0), and the
+runner's own _forward_impl runs on those rows with its gate replaced, for that call, by a module
+returning the logits made, so routing, experts and parallel steps stay vLLM's. Only graphs where
+every MoE runner of the model has its own unquantized router gate (no fused shared-expert gate)
+of the hidden states' dtype and whose range the gates' linear.norm_rows covers; the op hands a
+call its kernel does not take to vLLM's norm and moe_forward's own call.
+
 It needs the linear seam (the pattern is made of its op): install() refuses without it, and with
 OPGRAFT_LINEAR_VARIANT=passthrough (no linear op in the graph). OPGRAFT_NORM_FUSION=0 installs
 nothing.
@@ -49,7 +63,7 @@ import threading
 
 from .. import dispatch
 from . import linear_seam
-from .compat import add_compile_factor, remove_compile_factor, restore, switched_off
+from .compat import add_compile_factor, opted_in, remove_compile_factor, restore, switched_off
 
 _PATCH_ATTR = "_opgraft_original_configure"
 COMPILE_FACTOR = "OPGRAFT_NORM_FUSION_SEAM"
@@ -76,9 +90,9 @@ def fused_total() -> int:
 
 
 def _reset_fused_total() -> None:
-    global _fused_total
+    global _fused_total, _fused_moe_total
     with _lock:
-        _fused_total = 0
+        _fused_total = _fused_moe_total = 0
 
 
 def _target():
@@ -165,15 +179,21 @@ def _current_range_end() -> int | None:
         return None
 
 
-def _match(node, order, ops, max_tokens=None):
-    """The nodes to rewrite if `node` starts the pattern, else None. max_tokens: the most rows
-    the graph runs (its compile range), which the shape's linear.norm_rows must allow."""
-    norm_op, linear_op = ops
+def _val(n):
+    import torch
+
+    v = n.meta.get("val") if n is not None else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _norm_parts(node, norm_op):
+    """((x, residual, norm_weight, eps), getitem 0, getitem 1 or None) if node is the norm with
+    2-D x and residual of one shape, bf16/fp16, a norm weight [K] of their dtype and no
+    variance_size; else None."""
     if node.op != "call_function" or node.target is not norm_op or node.kwargs:
         return None
     import torch
     from torch.fx import Node
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     args = node.args[:4] if len(node.args) == 5 and node.args[4] is None else node.args
     if len(args) != 4:
@@ -187,64 +207,322 @@ def _match(node, order, ops, max_tokens=None):
         if u.op != "call_function" or i not in (0, 1) or i in gets:
             return None
         gets[i] = u
-    g0, g1 = gets.get(0), gets.get(1)
+    g0 = gets.get(0)
     if g0 is None or len(g0.users) != 1:
         return None
+    xv, rv, nv, out = _val(x), _val(res), _val(nw), node.meta.get("val")
+    if any(v is None for v in (xv, rv, nv)) or not (isinstance(out, (tuple, list)) and len(out) == 2):
+        return None
+    dt = xv.dtype
+    if dt not in (torch.bfloat16, torch.float16) or xv.dim() != 2 or not _same(xv.shape, rv.shape) or rv.dtype != dt:
+        return None
+    if nv.dim() != 1 or nv.dtype != dt or not _same(nv.shape, xv.shape[1:]):
+        return None
+    return (x, res, nw, float(eps)), g0, gets.get(1)
+
+
+def _same(a, b) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(a) == len(b) and all(statically_known_true(p == q) for p, q in zip(a, b))
+
+
+def _defined_before(order, node, *deps) -> bool:
+    return all(not isinstance(n, type(node)) or order.get(n, len(order)) < order[node] for n in deps)
+
+
+def _match(node, order, ops, max_tokens=None):
+    """The rewrite if `node` starts norm -> linear, else None: (args, getitem 1, the replaced
+    node, dead nodes). max_tokens: the most rows the graph runs (its compile range), which the
+    shape's linear.norm_rows must allow."""
+    norm_op, linear_op = ops
+    parts = _norm_parts(node, norm_op)
+    if parts is None:
+        return None
+    from torch.fx import Node
+
+    (x, res, nw, eps), g0, g1 = parts
     lin = next(iter(g0.users))
     if lin.op != "call_function" or lin.target is not linear_op or not 2 <= len(lin.args) <= 3 \
             or lin.args[0] is not g0 or set(lin.kwargs) - {"bias"} or (len(lin.args) == 3 and lin.kwargs):
         return None
     W = lin.args[1]
     bias = lin.args[2] if len(lin.args) == 3 else lin.kwargs.get("bias")
-    if not isinstance(W, Node) or not (bias is None or isinstance(bias, Node)):
+    if not isinstance(W, Node) or not (bias is None or isinstance(bias, Node)) or not _defined_before(order, node, W, bias):
         return None
-    if any(n is not None and order.get(n, len(order)) >= order[node] for n in (W, bias)):  # W, bias: defined before
-        return None
-
-    def val(n):
-        v = n.meta.get("val") if n is not None else None
-        return v if isinstance(v, torch.Tensor) else None
-
-    def same(a, b):
-        return len(a) == len(b) and all(statically_known_true(p == q) for p, q in zip(a, b))
-
-    xv, rv, nv, wv, bv = val(x), val(res), val(nw), val(W), val(bias)
-    out = node.meta.get("val")
-    if any(v is None for v in (xv, rv, nv, wv)) or (bias is not None and bv is None) or val(lin) is None \
-            or not (isinstance(out, (tuple, list)) and len(out) == 2):
-        return None
+    xv, wv, bv = _val(x), _val(W), _val(bias)
     dt = xv.dtype
-    if dt not in (torch.bfloat16, torch.float16) or xv.dim() != 2 or not same(xv.shape, rv.shape) or rv.dtype != dt:
+    if wv is None or (bias is not None and bv is None) or _val(lin) is None:
         return None
-    if nv.dim() != 1 or nv.dtype != dt or not same(nv.shape, xv.shape[1:]):
+    if wv.dim() != 2 or wv.dtype != dt or not _same(wv.shape[1:], xv.shape[1:]):
         return None
-    if wv.dim() != 2 or wv.dtype != dt or not same(wv.shape[1:], xv.shape[1:]):
-        return None
-    if bv is not None and (bv.dim() != 1 or bv.dtype != dt or not same(bv.shape, wv.shape[:1])):
+    if bv is not None and (bv.dim() != 1 or bv.dtype != dt or not _same(bv.shape, wv.shape[:1])):
         return None
     if max_tokens is not None:  # vLLM's weights have static shapes; a symbolic one is not fused
         N, K = wv.shape
         if not (isinstance(N, int) and isinstance(K, int)) or rows_allowed(N, K, dt) < max_tokens:
             return None
-    return (x, res, nw, float(eps), W, bias), g0, g1, lin
+    return (x, res, nw, eps, W, bias), g1, lin, [lin, g0, g1, node]
 
 
-def _rewrite(graph, node, fused_op, args, g0, g1, lin):
+def _rewrite(graph, node, fused_op, args, g1, replaced, dead):
+    """fused_op(args) in place of node, its output 0 in place of `replaced` and 1 of getitem 1;
+    then the dead nodes erased, users first."""
     with graph.inserting_after(node):
         fused = graph.call_function(fused_op, args)
     with graph.inserting_after(fused):
         y = graph.call_function(operator.getitem, (fused, 0))
-    y.meta["val"] = lin.meta["val"]
+    y.meta["val"] = replaced.meta["val"]
     fused.meta["val"] = (y.meta["val"], node.meta["val"][1] if g1 is None else g1.meta["val"])
-    lin.replace_all_uses_with(y)
+    replaced.replace_all_uses_with(y)
     if g1 is not None:
         with graph.inserting_after(y):
             r = graph.call_function(operator.getitem, (fused, 1))
         r.meta["val"] = g1.meta["val"]
         g1.replace_all_uses_with(r)
-    for dead in (lin, g0, g1, node):
-        if dead is not None:
-            graph.erase_node(dead)
+    for d in dead:
+        if d is not None:
+            graph.erase_node(d)
+
+
+# ---- add + RMSNorm into a MoE layer's router gate ---------------------------------------------
+
+MOE_OP_NAME = "opgraft::add_rms_norm_moe"
+_MOE_KWARGS = {"router_logits", "shared_experts_input", "input_ids", "layer_name", "hidden_dim_unpadded"}
+_fused_moe_total = 0
+_moe_refusals = set()
+
+
+def moe_enabled() -> bool:
+    """OPGRAFT_NORM_FUSION_MOE=1 (or true/yes/on): the pass also puts the add + RMSNorm before a
+    MoE layer into the layer's router gate. Off until a GPU has measured it; anything but on/off
+    warns once and stays off."""
+    return opted_in("OPGRAFT_NORM_FUSION_MOE", dispatch._warn_once)
+
+
+def fused_moe_total() -> int:
+    """Add + RMSNorm + MoE layer pairs the pass has fused in this process."""
+    with _lock:
+        return _fused_moe_total
+
+
+@functools.lru_cache(maxsize=1)
+def _linear_classes():
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    return LinearBase, UnquantizedLinearMethod
+
+
+def gate_reason(runner, dtype) -> str:
+    """Why the norm cannot go into this MoE runner's router gate ("" if it can): the runner must run
+    its gate itself, a vLLM linear layer with unquantized 2-D weights of the hidden states' dtype
+    (not fused with a shared expert's gate)."""
+    import torch
+
+    linear_base, unquantized = _linear_classes()
+    gate = getattr(runner, "gate", None)
+    if gate is None:
+        return "the MoE runner has no router gate of its own"
+    if getattr(runner, "_fse_fuse_gate", False):
+        return "router gate fused with a shared expert's gate"
+    if not isinstance(gate, linear_base) or type(getattr(gate, "quant_method", None)) is not unquantized:
+        return f"router gate {type(gate).__name__} is not an unquantized vLLM linear layer"
+    w = getattr(gate, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != dtype:
+        return "router gate weight is not 2-D in the hidden states' dtype"
+    return ""
+
+
+def _gate_bias(gate):
+    return None if getattr(gate, "skip_bias_add", False) else getattr(gate, "bias", None)
+
+
+def _moe_runners() -> list:
+    """The model's MoE runners (the layers of vLLM's moe_forward op), from the forward context a
+    compile runs in, or else the current config; [] where neither is there."""
+    try:
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
+    except Exception:
+        return []
+    layers = None
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if is_forward_context_available():
+            layers = get_forward_context().no_compile_layers
+    except Exception:
+        layers = None
+    if layers is None:
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+
+            cfg = get_current_vllm_config_or_none()
+            layers = cfg.compilation_config.static_forward_context if cfg is not None else None
+        except Exception:
+            layers = None
+    return [v for v in (layers or {}).values() if isinstance(v, MoERunnerInterface)]
+
+
+def moe_rows(dtype, K: int) -> tuple[int, str]:
+    """(rows, "") with rows the most at which every MoE layer of the model gets the add + RMSNorm
+    form on its router gate (the linear.norm_rows of its [E, K]), or (0, why not)."""
+    from ..ops.linear import MAX_ROWS
+
+    runners = _moe_runners()
+    if not runners:
+        return 0, "no MoE layers found"
+    rows = MAX_ROWS
+    for r in runners:
+        why = gate_reason(r, dtype)
+        if not why and r.gate.weight.shape[1] != K:
+            why = f"router gate of {r.gate.weight.shape[1]} inputs, hidden states of {K}"
+        if why:
+            return 0, f"{getattr(r, 'layer_name', type(r).__name__)}: {why}"
+        rows = min(rows, rows_allowed(r.gate.weight.shape[0], K, dtype))
+    return rows, "" if rows else "linear.norm_rows 0 for the router gate's shape"
+
+
+def _moe_rows_noted(dtype, K: int) -> int:
+    rows, why = moe_rows(dtype, K)
+    if why and why not in _moe_refusals:
+        _moe_refusals.add(why)
+        dispatch.logger.info("opgraft: the add + RMSNorm before MoE layers stays vLLM's: %s", why)
+    return rows
+
+
+def _moe_call(af, g0, moe_op):
+    """The layer name (a str, or the graph's LayerName node) if af is vLLM's
+    moe_forward(g0, g0, None, None, layer_name, 0) in its functionalized form (auto_functionalized,
+    vLLM's default, or its v2), else None."""
+    import torch
+
+    if af.op != "call_function" or len(af.args) != 1 or af.args[0] is not moe_op:
+        return None
+    kw = dict(af.kwargs)
+    if af.target is torch.ops.higher_order.auto_functionalized:
+        if kw.pop("hidden_states", None) is not g0:
+            return None
+    elif af.target is getattr(torch.ops.higher_order, "auto_functionalized_v2", None):
+        bases = kw.pop("_all_bases", None)
+        if kw.pop("_hidden_states_base_index", None) != 0 or not isinstance(bases, (list, tuple)) \
+                or len(bases) != 1 or bases[0] is not g0:
+            return None
+    else:
+        return None
+    if set(kw) != _MOE_KWARGS or kw["router_logits"] is not g0 or kw["shared_experts_input"] is not None \
+            or kw["input_ids"] is not None or kw["hidden_dim_unpadded"] != 0 or kw["layer_name"] is None:
+        return None
+    return kw["layer_name"]
+
+
+def _match_moe(node, order, ops, max_tokens=None, rows_of=None):
+    """The rewrite if `node` starts norm -> moe_forward (as _match's). rows_of(dtype, K): the most
+    rows at which the model's router gates take the form (moe_rows), which must cover max_tokens
+    (or 1 without a range)."""
+    norm_op, moe_op = ops
+    parts = _norm_parts(node, norm_op)
+    if parts is None:
+        return None
+    (x, res, nw, eps), g0, g1 = parts
+    af = next(iter(g0.users))
+    name = _moe_call(af, g0, moe_op)
+    if name is None or not _defined_before(order, node, name):
+        return None
+    outs, dead = [], []
+    for u in af.users:
+        i = u.args[1] if u.op == "call_function" and u.target is operator.getitem and len(u.args) == 2 else None
+        if i == 0 and not outs and _val(u) is not None:
+            outs.append(u)
+        elif i == 1 and not u.users:  # the mutated hidden states, unused
+            dead.append(u)
+        else:
+            return None
+    K = _val(nw).shape[0]  # a parameter's: static where x's may be symbolic
+    if not outs or not isinstance(K, int) or rows_of is None or rows_of(_val(x).dtype, K) < (max_tokens or 1):
+        return None
+    return (x, res, nw, eps, name), g1, outs[0], [outs[0], *dead, af, g0, g1, node]
+
+
+@functools.lru_cache(maxsize=1)
+def _router_logits_class():
+    import torch
+
+    class RouterLogits(torch.nn.Module):
+        """A runner's router gate for one call: its output, made already (with the norm)."""
+
+        def __init__(self, logits):
+            super().__init__()
+            self.logits = logits
+
+        def forward(self, hidden_states):
+            return self.logits, None
+
+    return RouterLogits
+
+
+def _experts_from_logits(runner, h, logits):
+    """The runner's own forward (vLLM's _forward_impl: routing, experts, its parallel steps) on the
+    normalized h, its router gate's output being logits."""
+    gate = runner.gate
+    runner.gate = _router_logits_class()(logits)
+    try:
+        return runner._forward_impl(h, h, None, None)
+    finally:
+        runner.gate = gate
+
+
+def _add_rms_norm_moe(x, residual, norm_weight, eps: float, layer_name):
+    """(moe_forward of vLLM's add + RMSNorm of x and residual, x + residual). Where the layer's
+    router gate takes it, one launch of our linear kernel does the norm and the gate and writes the
+    normalized rows, which the layer's experts then read; otherwise vLLM's norm, then the layer as
+    moe_forward runs it."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import get_layer_from_name
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    from ..ops import linear
+
+    runner = get_layer_from_name(_resolve_layer_name(layer_name))  # once a call: it may count layers
+    why = gate_reason(runner, x.dtype) if x.dim() == 2 else "hidden states not 2-D"
+    if not why:
+        gate = runner.gate
+        made = linear.norm_linear_or_none(x, residual, norm_weight, eps, gate.weight, _gate_bias(gate), normed=True)
+        if made is not None:
+            logits, r, h = made
+            return _experts_from_logits(runner, h, logits), r
+    else:
+        dispatch.stats_of("linear").delegate(f"router gate: {why}")
+    h, r = linear.add_rms_norm(x, residual, norm_weight, eps)
+    return runner._forward_impl(h, h, None, None), r
+
+
+@functools.lru_cache(maxsize=1)
+def moe_op():
+    """torch.ops.opgraft.add_rms_norm_moe.default, registered on first use (its layer name is of
+    vLLM's type: str, or LayerName with torch >= 2.11)."""
+    import torch
+    from vllm.utils.torch_utils import LayerNameType
+
+    def add_rms_norm_moe(x, residual, norm_weight, eps, layer_name):
+        return _add_rms_norm_moe(x, residual, norm_weight, eps, layer_name)
+
+    T = torch.Tensor  # types, not strings: the schema is inferred from them
+    add_rms_norm_moe.__annotations__ = dict(x=T, residual=T, norm_weight=T, eps=float, layer_name=LayerNameType,
+                                            **{"return": tuple[T, T]})
+    custom = torch.library.custom_op(MOE_OP_NAME, mutates_args=())(add_rms_norm_moe)
+    custom.register_fake(lambda x, residual, norm_weight, eps, layer_name: (torch.empty_like(x),
+                                                                            torch.empty_like(x)))
+    return torch.ops.opgraft.add_rms_norm_moe.default
+
+
+def _moe_forward():
+    """torch.ops.vllm.moe_forward.default, or None where vLLM has no such op."""
+    try:
+        import torch
+        from vllm.model_executor.layers.fused_moe.runner import moe_runner  # noqa: F401  (registers the op)
+
+        return torch.ops.vllm.moe_forward.default
+    except Exception:
+        return None
 
 
 def pass_class():
@@ -268,8 +546,13 @@ def _define_pass_class():
         def __init__(self, config):
             super().__init__(config)
             self.fused = 0  # in all graphs this instance has seen
+            self.fused_moe = 0
             self._ops = (torch.ops.vllm_ir.fused_add_rms_norm.default, torch.ops.opgraft.linear.default)
             self._fused_op = torch.ops.opgraft.add_rms_norm_linear.default
+            self.moe = moe_enabled() and _moe_forward() is not None
+            if self.moe:
+                self._moe_ops = (self._ops[0], _moe_forward())
+                self._moe_fused_op = moe_op()
 
         def is_applicable_for_range(self, compile_range) -> bool:
             # Only graphs of decode-sized batches: vLLM compiles a separate graph for more tokens
@@ -279,22 +562,29 @@ def _define_pass_class():
 
         @VllmInductorPass.time_and_log
         def __call__(self, graph):
-            global _fused_total
+            global _fused_total, _fused_moe_total
             order = {n: i for i, n in enumerate(graph.nodes)}
-            count = 0
+            count = moe_count = 0
             end = _current_range_end()
+            rows_of = functools.lru_cache(maxsize=None)(_moe_rows_noted) if self.moe else None
             for node in list(graph.nodes):
                 m = _match(node, order, self._ops, end)
                 if m is not None:
                     _rewrite(graph, node, self._fused_op, *m)
                     count += 1
+                elif self.moe and (m := _match_moe(node, order, self._moe_ops, end, rows_of)) is not None:
+                    _rewrite(graph, node, self._moe_fused_op, *m)
+                    moe_count += 1
             self.fused += count
+            self.fused_moe += moe_count
             with _lock:
                 _fused_total += count
-            dispatch.logger.debug("opgraft: fused %d add + RMSNorm + linear pair(s) in this graph", count)
+                _fused_moe_total += moe_count
+            dispatch.logger.debug("opgraft: fused %d add + RMSNorm + linear pair(s) and %d add + RMSNorm + MoE "
+                                  "pair(s) in this graph", count, moe_count)
 
         def uuid(self):
-            return _source_hash()
+            return _source_hash() + (" moe" if self.moe else "")
 
     return OpgraftNormLinearFusionPass
 
@@ -342,7 +632,7 @@ def _make_set_compile_ranges(original):
 def _compile_factor() -> str:
     from .. import __version__
 
-    return f"opgraft {__version__}, norm fusion on"
+    return f"opgraft {__version__}, norm fusion on{', MoE layers too' if moe_enabled() else ''}"
 
 
 def _add_compile_factor() -> None:

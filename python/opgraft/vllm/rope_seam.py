@@ -42,13 +42,12 @@ opgraft/vllm/__init__.py.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 
 from .. import dispatch
 from . import attn_seam
-from .compat import OFF, add_compile_factor, remove_compile_factor, restore
+from .compat import add_compile_factor, opted_in, remove_compile_factor, restore
 
 _PATCH_ATTR = "_opgraft_original_split_graph"
 _RANGES_ATTR = "_opgraft_rope_original_set_compile_ranges"
@@ -65,12 +64,7 @@ _fused_total = 0
 def enabled() -> bool:
     """OPGRAFT_ATTENTION_PROLOGUE=1 (or true/yes/on); unset or 0/false/no/off: off; anything else
     warns once and stays off."""
-    value = os.environ.get("OPGRAFT_ATTENTION_PROLOGUE", "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value not in ("", *OFF):
-        dispatch._warn_once(f"OPGRAFT_ATTENTION_PROLOGUE={value!r} is neither on (1) nor off (0): left off")
-    return False
+    return opted_in("OPGRAFT_ATTENTION_PROLOGUE", dispatch._warn_once)
 
 
 def disabled() -> str:

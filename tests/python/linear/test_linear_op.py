@@ -431,4 +431,10 @@ def test_norm_bench_rows_on_a_fake_kernel(monkeypatch):
     r = rows[0]
     assert r["norm"] == "add_rms_norm" and r["speedup"] == 2.0 and r["bytes"] == 2 * (40 * 64 + 64 + 40) + 3 * 64 * 2
     assert r["deterministic"] and r["residual_out_exact"] and r["rel_err"] < 1e-2 and r["guard"] == "take"
-    assert all(x["rel_err"] < 1e-2 for x in rows)
+    assert all(x["rel_err"] < 1e-2 for x in rows) and "normed_out" not in r
+    # A router gate's form also writes the normalized rows (the MoE layer's experts read them).
+    rows = linear_bench.bench_norm_shape(LinearShape("toy", "router", 8, 64), rows=(2,), device="cpu",
+                                         ceiling_tbps=4.5)
+    r = rows[0]
+    assert r["impl"] == "opgraft-norm" and r["normed_out"] and r["normed_out_exact"]
+    assert r["bytes"] == 2 * (8 * 64 + 2 * 64 + 2 * 8) + 4 * 2 * 64 * 2

@@ -209,6 +209,8 @@ def test_worker_stats_reports_the_plugin_and_counters(monkeypatch):
     assert e2e._worker_stats()["attention_prologue_fused"] == rope.fused_total()
     monkeypatch.delitem(sys.modules, "opgraft.vllm.rope_seam")
     assert e2e._worker_stats()["attention_prologue_fused"] is None
+    norm = importlib.import_module("opgraft.vllm.norm_seam")
+    assert e2e._worker_stats()["norm_fusion_moe_fused"] == norm.fused_moe_total()
 
 
 def test_compare_of_a_missing_or_empty_folder(tmp_path, capsys):
