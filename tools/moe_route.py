@@ -17,6 +17,10 @@ weights, the activations quantized before the span (vLLM's prepare step runs in 
 the gate on the bf16 hidden states; two more variants: "routed+quant" (that quantization inside the
 span, as the routing seam runs it where moe.fp8_quantize is 0) and "routed-x16" (the bf16 hidden states
 to the kernels, which quantize them; checked against the oracle of their own quantization).
+bf16 has two more, from the previous layer's output and the residual (vLLM's add + RMSNorm before
+the MoE layer in the span): "norm+routed" (the norm compiled by Inductor, as the compiled model
+runs it, then the gate and "routed") and "routed-norm" (the gate's kernel does the norm and writes
+the normalized rows the experts read: the norm fusion's MoE form, OPGRAFT_NORM_FUSION_MOE=1).
 --extra adds a variant that runs "routed" (with @x16: "routed-x16") with those tunables set,
 linear.* for the gate and moe.* for the experts: e.g. in0=moe.pdl_in:0, gate_up launched after the
 gate ends instead of as its programmatic dependent.
@@ -47,6 +51,7 @@ def main(argv=None) -> int:
         return 2
     torch = require_gpu("tools.moe_route")
     from opgraft import bench
+    from opgraft.bench import linear as linear_bench
     from opgraft.bench import moe as moe_bench
     from opgraft.ops import linear as linear_ops
     from opgraft.ops import moe as ops
@@ -76,7 +81,11 @@ def main(argv=None) -> int:
     routers = {"torch-topk": torch_topk}
     if fused_topk is not None:
         routers["vllm-topk"] = lambda x, logits: fused_topk(x, logits, k, True)[:2]
-    names = ["given"] + list(routers) + ["routed"] + (["routed+quant", "routed-x16"] if fp8 else [])
+    names = ["given"] + list(routers) + ["routed"] + (["routed+quant", "routed-x16"] if fp8 else
+                                                       ["norm+routed", "routed-norm"])
+    norm_w = (torch.rand(H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8)) + 0.5
+              ).to(torch.bfloat16)
+    compiled_norm = None if fp8 else linear_bench._compiled_norm()
     if args.variants:
         bad = [v for v in args.variants.split(",") if v not in names]
         if bad:
@@ -107,12 +116,23 @@ def main(argv=None) -> int:
         for i in range(n):
             linear_ops.linear_into(logits[i], xs[i], gate)
         given = [torch_topk(xs[i], logits[i]) for i in range(n)]
-        v = logits[0].double()
-        order = torch.sort(-v, dim=-1, stable=True).indices[:, :k]
-        p = torch.softmax(v, -1).gather(1, order)
-        pw, pid = (p / p.sum(-1, keepdim=True)).float(), order.to(torch.int32)
+
+        def routing(lg):
+            """The renormalized top-k of softmax(lg) in fp64 (ties to the lower expert)."""
+            v = lg.double()
+            order = torch.sort(-v, dim=-1, stable=True).indices[:, :k]
+            p = torch.softmax(v, -1).gather(1, order)
+            return (p / p.sum(-1, keepdim=True)).float(), order.to(torch.int32)
+
+        pw, pid = routing(logits[0])
         ref = (moe_bench.reference_fp8(xq[0][0], sc[0], w13, w2, pw, pid) if fp8
                else moe_bench.reference(xs[0], w13, w2, pw, pid))
+        # The norm variants: xs as the previous layer's output, a residual, the normalized rows
+        # made by the variant, the router logits of those rows.
+        res = [(4 * moe_bench.make_x(T, H, "bf16", "cuda", gen)) for _ in range(n)]
+        r_out, hn = ([torch.empty((T, H), dtype=torch.bfloat16, device="cuda") for _ in range(n)] for _ in range(2))
+        lgn = [torch.empty((T, E), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
+        h0 = linear_ops.add_rms_norm_reference(xs[0], res[0], norm_w, linear_bench.NORM_EPS)[0]
         if fp8:
             sx16 = moe_bench.fp8_scales("fp8-block", None, s13, s2)
             q16 = moe_bench.quantize_as_the_kernel(xs[0], moe_bench.FP8_BLOCK[1])
@@ -120,7 +140,7 @@ def main(argv=None) -> int:
         for name in names:
             kind, cfg = extra.get(name, (name, {}))
             with bench.tunables(cfg, forget):
-                if kind.startswith("routed"):
+                if "routed" in kind:
                     x0, f0 = (xs[0], sx16) if kind == "routed-x16" else (xq[0][0], sc[0])
                     plan = ops.plan_for_routed(x0, w13, w2, logits[0], k, True, outs[0], fp8=f0)
                     if plan.handle is None:  # the guard keeps vLLM's routing here
@@ -128,6 +148,16 @@ def main(argv=None) -> int:
                         continue
 
                 def call(i, _, kind=kind):
+                    if kind == "norm+routed":
+                        h = compiled_norm(xs[i], res[i], norm_w, linear_bench.NORM_EPS)[0]
+                        linear_ops.linear_into(lgn[i], h, gate)
+                        ops.moe_routed_into(outs[i], h, w13, w2, lgn[i], k, True, workspace=ws)
+                        return
+                    if kind == "routed-norm":
+                        linear_ops.add_rms_norm_linear_into(lgn[i], r_out[i], xs[i], res[i], norm_w,
+                                                            linear_bench.NORM_EPS, gate, None, hn[i])
+                        ops.moe_routed_into(outs[i], hn[i], w13, w2, lgn[i], k, True, workspace=ws)
+                        return
                     linear_ops.linear_into(logits[i], xs[i], gate)
                     if kind == "routed":
                         ops.moe_routed_into(outs[i], xq[i][0], w13, w2, logits[i], k, True, workspace=ws, fp8=sc[i])
@@ -137,6 +167,7 @@ def main(argv=None) -> int:
                                             fp8=moe_bench.fp8_scales("fp8-block", qs, s13, s2))
                     elif kind == "routed-x16":
                         ops.moe_routed_into(outs[i], xs[i], w13, w2, logits[i], k, True, workspace=ws, fp8=sx16)
+
                     else:
                         tw, ids = given[i] if kind == "given" else routers[kind](xs[i], logits[i])
                         ops.moe_experts_into(outs[i], xq[i][0], w13, w2, tw, ids, workspace=ws, fp8=sc[i])
@@ -144,6 +175,8 @@ def main(argv=None) -> int:
                 call(0, None)
                 torch.cuda.synchronize()
                 want = ref16 if kind == "routed-x16" else ref
+                if kind in ("norm+routed", "routed-norm"):  # from the normalized rows, routed by their logits
+                    want = moe_bench.reference(h0, w13, w2, *routing(lgn[0]))
                 err = bench.rel_err(outs[0], want)
                 us = bench.time_calls_span(call, [(i, None) for i in range(n)], between)
                 # the graph replays wrote outs[0] again (a PDL race would show here, not in the eager call)
