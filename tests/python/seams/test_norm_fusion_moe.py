@@ -170,6 +170,39 @@ def test_taken_calls_hand_the_runner_the_logits_made_with_the_norm(cfg, monkeypa
     assert all(torch.equal(a, b) for a, b in zip(ref, out))
 
 
+def test_vllms_own_forward_impl_routes_with_the_logits_made(cfg, monkeypatch):
+    """MoERunner._forward_impl as this vLLM has it (what follows the gate stubbed: dispatch, the
+    quant method, combine): the router logits it hands on are the ones the op made with the norm,
+    and the hidden states the normalized rows."""
+    import contextlib
+    import types
+
+    r = make_runner(cfg)
+    del r._forward_impl  # the class's own
+    r.routed_experts = types.SimpleNamespace(_ensure_moe_quant_config_init=lambda: None)
+    r._shared_experts = None
+    seen = {}
+
+    def apply(self, hidden_states, router_logits, shared_experts_input, input_ids=None, **kw):
+        seen.update(h=hidden_states, logits=router_logits)
+        return None, hidden_states * 3
+
+    monkeypatch.setattr(MoERunner, "_apply_quant_method", apply)
+    monkeypatch.setattr(MoERunner, "_sequence_parallel_context", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(MoERunner, "_maybe_dispatch", lambda self, h, logits: (h, logits))
+    monkeypatch.setattr(MoERunner, "_maybe_combine", lambda self, shared, h: h)
+    if hasattr(MoERunner, "_maybe_sync_shared_experts_stream"):  # vLLM 0.26
+        monkeypatch.setattr(MoERunner, "_maybe_sync_shared_experts_stream", lambda self, sei: None)
+    FakeKernel(monkeypatch)
+    x, res, w = inputs()
+    gate = r.gate
+    with set_current_vllm_config(cfg), set_forward_context(None, cfg), torch.inference_mode():
+        out, r2 = norm_seam.moe_op()(x, res, w, EPS, NAME)
+    h, r_ref = linear_op.add_rms_norm_reference(x, res, w, EPS)
+    assert torch.equal(seen["h"], h) and torch.equal(r2, r_ref) and torch.equal(out, h * 3)
+    assert torch.equal(seen["logits"], torch.nn.functional.linear(h, gate.weight)) and r.gate is gate
+
+
 def test_the_gate_is_put_back_when_the_layer_fails(cfg, monkeypatch):
     r = make_runner(cfg)
     gate = r.gate
