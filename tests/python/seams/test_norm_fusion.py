@@ -447,9 +447,13 @@ def test_doctor_reports_the_norm_fusion(clean, capsys, monkeypatch):
         assert cli.main(["doctor"]) == 0
         return [x[22:].strip() for x in capsys.readouterr().out.splitlines() if x.startswith("norm fusion")]
 
-    assert line() == ["ready: add + RMSNorm in the qkv projection's kernel, in graphs of up to linear.norm_rows tokens"]
+    monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE", raising=False)
+    assert line() == ["ready: add + RMSNorm in the qkv projection's kernel, in graphs of up to linear.norm_rows tokens",
+                      "off (OPGRAFT_NORM_FUSION_MOE=1 turns it on)"]
+    monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "1")
+    assert line()[1].startswith("ready: add + RMSNorm in a MoE layer's router gate")
     monkeypatch.setenv("OPGRAFT_NORM_FUSION", "0")
-    assert line() == ["norm fusion disabled by OPGRAFT_NORM_FUSION=0"]
+    assert line() == ["norm fusion disabled by OPGRAFT_NORM_FUSION=0"] * 2
     monkeypatch.delenv("OPGRAFT_NORM_FUSION")
     monkeypatch.setenv("OPGRAFT_LINEAR", "0")
-    assert line() == ["norm fusion off with the linear seam (OPGRAFT_LINEAR=0)"]
+    assert line() == ["norm fusion off with the linear seam (OPGRAFT_LINEAR=0)"] * 2
