@@ -31,6 +31,8 @@ import sys
 from opgraft._entry import check_outputs, require_gpu
 from tools import tunable_variants
 
+DEVICE = "cuda"  # a test runs the tool on the CPU with stand-ins for the kernels
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.moe_route")
@@ -60,14 +62,14 @@ def main(argv=None) -> int:
     shape = PRESETS[args.model]
     E, H, k = shape.num_experts, shape.hidden, shape.top_k
     moe_bench.measure_whole_token_range()
-    ceiling = bench.measure_read_ceiling("cuda")
-    between = bench.between_traffic(bench.BETWEEN_MIB, "cuda")
+    ceiling = bench.measure_read_ceiling(DEVICE)
+    between = bench.between_traffic(bench.BETWEEN_MIB, DEVICE)
     fp8 = args.dtype == "fp8-block"
     if fp8:
-        w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", "cuda")
+        w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", DEVICE)
     else:
-        w13, w2 = moe_bench.make_weights(shape, "bf16", "cuda")
-    gate = (torch.randn((E, H), device="cuda") * H ** -0.5).to(torch.bfloat16)
+        w13, w2 = moe_bench.make_weights(shape, "bf16", DEVICE)
+    gate = (torch.randn((E, H), device=DEVICE) * H ** -0.5).to(torch.bfloat16)
     try:
         from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
     except Exception as e:
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
         routers["vllm-topk"] = lambda x, logits: fused_topk(x, logits, k, True)[:2]
     names = ["given"] + list(routers) + ["routed"] + (["routed+quant", "routed-x16"] if fp8 else
                                                        ["norm+routed", "routed-norm"])
-    norm_w = (torch.rand(H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8)) + 0.5
+    norm_w = (torch.rand(H, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(8)) + 0.5
               ).to(torch.bfloat16)
     compiled_norm = None if fp8 else linear_bench._compiled_norm()
     if args.variants:
@@ -101,18 +103,18 @@ def main(argv=None) -> int:
     def forget():
         linear_ops.forget_plans()
         ops.forget_plans()
-    gen = torch.Generator(device="cuda").manual_seed(7)
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
     n = 16
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
-        xs = [moe_bench.make_x(T, H, "bf16", "cuda", gen) for _ in range(n)]
+        xs = [moe_bench.make_x(T, H, "bf16", DEVICE, gen) for _ in range(n)]
         # the experts' input: the hidden states, or their block-FP8 quantization with its scales
         xq = [moe_bench.quantize_activations_fp8(x, "fp8-block", moe_bench.FP8_BLOCK[1]) if fp8 else (x, None)
               for x in xs]
         sc = [moe_bench.fp8_scales("fp8-block", q[1], s13, s2) if fp8 else None for q in xq]
-        logits = [torch.empty((T, E), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
-        outs = [torch.empty((T, H), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
-        ws = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
+        logits = [torch.empty((T, E), dtype=torch.bfloat16, device=DEVICE) for _ in range(n)]
+        outs = [torch.empty((T, H), dtype=torch.bfloat16, device=DEVICE) for _ in range(n)]
+        ws = torch.empty(1 << 24, dtype=torch.uint8, device=DEVICE)
         for i in range(n):
             linear_ops.linear_into(logits[i], xs[i], gate)
         given = [torch_topk(xs[i], logits[i]) for i in range(n)]
@@ -129,9 +131,9 @@ def main(argv=None) -> int:
                else moe_bench.reference(xs[0], w13, w2, pw, pid))
         # The norm variants: xs as the previous layer's output, a residual, the normalized rows
         # made by the variant, the router logits of those rows.
-        res = [(4 * moe_bench.make_x(T, H, "bf16", "cuda", gen)) for _ in range(n)]
-        r_out, hn = ([torch.empty((T, H), dtype=torch.bfloat16, device="cuda") for _ in range(n)] for _ in range(2))
-        lgn = [torch.empty((T, E), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
+        res = [(4 * moe_bench.make_x(T, H, "bf16", DEVICE, gen)) for _ in range(n)]
+        r_out, hn = ([torch.empty((T, H), dtype=torch.bfloat16, device=DEVICE) for _ in range(n)] for _ in range(2))
+        lgn = [torch.empty((T, E), dtype=torch.bfloat16, device=DEVICE) for _ in range(n)]
         h0 = linear_ops.add_rms_norm_reference(xs[0], res[0], norm_w, linear_bench.NORM_EPS)[0]
         if fp8:
             sx16 = moe_bench.fp8_scales("fp8-block", None, s13, s2)
