@@ -95,14 +95,15 @@ def inputs(T=3, dtype=BF16, seed=1):
     return x, res, (torch.rand(H, generator=g) + 0.5).to(dtype)
 
 
-def compile_and_run(cfg, f, args, end=2):
-    """f compiled by Inductor for a range of 1..end tokens with the pass after vLLM's pre-grad
-    functionalization; returns (outputs, the pass, the post-grad graph's call targets)."""
+def compile_and_run(cfg, f, args, end=2, manager=None):
+    """f compiled by Inductor for a range of 1..end tokens with the pass (or vLLM's pass manager
+    holding it) after vLLM's pre-grad functionalization; returns (outputs, the pass or manager,
+    the post-grad graph's call targets)."""
     seen = []
 
     class Spy(norm_seam.pass_class()):
         def __call__(self, graph):
-            super().__call__(graph)
+            (manager or super().__call__)(graph)
             seen.append({str(n.target) for n in graph.nodes if n.op == "call_function"})
 
     torch._dynamo.reset()
@@ -141,6 +142,28 @@ def test_norm_and_moe_layer_are_fused_and_give_vllms_bits(cfg, layer_name):
     # No GPU: the kernel refuses and the op runs vLLM's norm, then the layer: the same bits.
     assert all(torch.equal(a, b) for a, b in zip(ref, out))
     assert r.gates_called == ["ReplicatedLinear", "ReplicatedLinear"]
+
+
+def test_the_pass_in_vllms_pass_manager(cfg, clean_plugin):
+    """register() puts the pass into vLLM's PostGradPassManager, which runs it before its IR
+    lowering and cleanups: the MoE form survives them."""
+    from opgraft.vllm import register
+    from vllm.compilation.passes.pass_manager import PostGradPassManager
+
+    r = make_runner(cfg)
+    register()
+    assert norm_seam.installed()
+    m = PostGradPassManager()
+    with set_current_vllm_config(cfg):
+        m.configure(cfg)
+    ours = [q for q in m.passes if isinstance(q, norm_seam.pass_class())]
+    assert len(ours) == 1 and ours[0].moe
+    m.fix_functionalization = lambda graph: None  # its rotary targets need vllm._C, absent on CPU
+    f, args = decoder_tail(NAME), inputs()
+    ref = eager(cfg, f, args)
+    out, _, targets = compile_and_run(cfg, f, args, manager=m)
+    assert FUSED in targets and ours[0].fused_moe == 1, targets
+    assert all(torch.equal(a, b) for a, b in zip(ref, out)) and r.gates_called == ["ReplicatedLinear"] * 2
 
 
 class FakeKernel:
