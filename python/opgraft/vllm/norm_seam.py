@@ -659,6 +659,8 @@ def install() -> tuple[bool, str]:
         return False, "the linear variant is passthrough (no linear op in the graph to fuse into)"
     try:
         pass_class()
+        if moe_enabled():  # registered with the seam: a graph loaded from vLLM's compile cache may call it
+            moe_op()
     except Exception as e:
         return False, f"the fusion pass cannot be built ({type(e).__name__}: {e})"
     from vllm.config import VllmConfig
@@ -670,7 +672,8 @@ def install() -> tuple[bool, str]:
     if not hasattr(ranges, _PATCH_ATTR):
         VllmConfig._set_compile_ranges = _make_set_compile_ranges(ranges)
     _add_compile_factor()
-    return True, "norm fusion seam installed (PostGradPassManager.configure adds the add + RMSNorm + linear pass)"
+    return True, ("norm fusion seam installed (PostGradPassManager.configure adds the add + RMSNorm + linear pass"
+                  f"{', MoE layers too' if moe_enabled() else ''})")
 
 
 def _loaded_class():

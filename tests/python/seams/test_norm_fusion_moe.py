@@ -308,6 +308,25 @@ def test_uuid_and_compile_factor_follow_the_switch(cfg, monkeypatch):
     assert "MoE" in norm_seam._compile_factor()
 
 
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_op_is_registered_with_the_seam(switch):
+    """A graph vLLM loads from its compile cache may call the op before any pass is built: the
+    seam registers it when it installs with the switch on (and only then)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPGRAFT_") and k != "VLLM_PLUGINS"}
+    env.update(OPGRAFT_FORCE_PLATFORM="1", OPGRAFT_NORM_FUSION_MOE=switch,
+               PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), env.get("PYTHONPATH", "")]))
+    probe = ("import torch\nfrom opgraft.vllm import norm_seam, register, summary\nregister()\n"
+             "print(norm_seam.installed(), hasattr(torch.ops.opgraft, 'add_rms_norm_moe'), 'MoE layers too' in summary())")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    installed, registered, said = r.stdout.split()[-3:]
+    assert installed == "True" and registered == said == str(switch == "1"), r.stdout
+
+
 def test_malformed_switch_warns_once_and_stays_off(monkeypatch):
     warned = []
     monkeypatch.setattr(dispatch, "_warn_once", warned.append)
