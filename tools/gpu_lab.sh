@@ -133,7 +133,7 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
     done
     python3 -m opgraft.cli bench attention --prologue --model Qwen3-30B-A3B --batch 1,8 --context 256,1024,8192 \
       --json "$OUT/attention_prologue.json" 2>&1 | tail -20
-    python3 -m opgraft.cli bench linear --norm --models Qwen3-30B-A3B --rows 1,2 --timing span \
+    python3 -m opgraft.cli bench linear --norm --models Qwen3-30B-A3B --rows 1,2,4,8 --timing span \
       --json "$OUT/linear_norm.json" 2>&1 | tail -12
     python3 -m tools.moe_route --tokens 1,2 --variants routed,norm+routed,routed-norm --json "$OUT/moe_route_norm.json" \
       2>&1 | tail -8
