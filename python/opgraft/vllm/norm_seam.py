@@ -44,8 +44,9 @@ add + RMSNorm form computes the router logits and writes the normalized rows (bl
 runner's own _forward_impl runs on those rows with its gate replaced, for that call, by a module
 returning the logits made, so routing, experts and parallel steps stay vLLM's. Only graphs where
 every MoE runner of the model has its own unquantized router gate (no fused shared-expert gate)
-of the hidden states' dtype and whose range the gates' linear.norm_rows covers; the op hands a
-call its kernel does not take to vLLM's norm and moe_forward's own call.
+of the hidden states' dtype and whose range the gates' linear.norm_rows covers (where those rows
+are more than the qkv's, _set_compile_ranges adds that endpoint too); the op hands a call its
+kernel does not take to vLLM's norm and moe_forward's own call.
 
 It needs the linear seam (the pattern is made of its op): install() refuses without it, and with
 OPGRAFT_LINEAR_VARIANT=passthrough (no linear op in the graph). OPGRAFT_NORM_FUSION=0 installs
@@ -612,18 +613,32 @@ def qkv_rows(vllm_config) -> int:
         return 0
 
 
+def router_rows(vllm_config) -> int:
+    """linear.norm_rows of the model's MoE router gate [experts, hidden] on this GPU, or 0 (no
+    experts, or the MoE form off)."""
+    try:
+        mc = vllm_config.model_config
+        E = int(mc.get_num_experts() or 0)
+        return rows_allowed(E, mc.get_hidden_size(), mc.dtype) if E > 0 and moe_enabled() else 0
+    except Exception:
+        return 0
+
+
 def _make_set_compile_ranges(original):
     def _set_compile_ranges(self):
         original(self)
         # A graph for 1..E tokens (E: the qkv projection's linear.norm_rows), where the pass fuses,
-        # and vLLM's own above E, as vLLM's rope + KV-cache fusion splits its ranges. Like vLLM's
-        # own check of user endpoints, none at 1 (a one-size range): E = 1 fuses nothing.
+        # and vLLM's own above E, as vLLM's rope + KV-cache fusion splits its ranges; with the MoE
+        # form, one more endpoint at the router gate's rows where they are more (its range fuses
+        # the router's norm only). Like vLLM's own check of user endpoints, none at 1 (a one-size
+        # range): E = 1 fuses nothing.
         cc = self.compilation_config
         end = self.scheduler_config.max_num_batched_tokens if self.scheduler_config is not None else None
-        e = qkv_rows(self) if self.model_config is not None else 0
+        ends = {qkv_rows(self), router_rows(self)} if self.model_config is not None else set()
         points = list(cc.compile_ranges_endpoints or [])
-        if e >= 2 and end is not None and e < end and e not in points:
-            cc.compile_ranges_endpoints = sorted(points + [e])
+        new = [e for e in ends if e >= 2 and end is not None and e < end and e not in points]
+        if new:
+            cc.compile_ranges_endpoints = sorted(points + new)
 
     setattr(_set_compile_ranges, _PATCH_ATTR, original)
     return _set_compile_ranges

@@ -425,6 +425,51 @@ def test_compile_ranges_get_the_qkv_endpoint(clean, rows):
     assert not hasattr(VllmConfig.__dict__["_set_compile_ranges"], norm_seam._PATCH_ATTR)
 
 
+def test_compile_ranges_get_the_router_endpoint_with_the_moe_form(clean, monkeypatch):
+    """With OPGRAFT_NORM_FUSION_MOE=1 a MoE model's router gate adds its own linear.norm_rows where
+    they are more than the qkv's: a graph where only the router's norm is fused."""
+    from types import SimpleNamespace
+
+    class Model:
+        dtype = BF16
+
+        def get_hidden_size(self):
+            return 2048
+
+        def get_num_attention_heads(self, pc):
+            return 32
+
+        def get_num_kv_heads(self, pc):
+            return 4
+
+        def get_head_size(self):
+            return 128
+
+        def get_num_experts(self):
+            return 128
+
+    rows = {(5120, 2048): 2, (128, 2048): 8}
+    monkeypatch.setattr(norm_seam, "rows_allowed", lambda N, K, dtype: rows.get((N, K), 0))
+
+    def original(self):
+        self.compilation_config.compile_ranges_endpoints = [8192]
+
+    patched = norm_seam._make_set_compile_ranges(original)
+
+    def endpoints():
+        c = SimpleNamespace(compilation_config=SimpleNamespace(compile_ranges_endpoints=None), model_config=Model(),
+                            parallel_config=None, scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
+        patched(c)
+        return c.compilation_config.compile_ranges_endpoints
+
+    monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE", raising=False)
+    assert endpoints() == [2, 8192]
+    monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "1")
+    assert endpoints() == [2, 8, 8192]
+    rows[(128, 2048)] = 2  # the same rows as the qkv's: one endpoint
+    assert endpoints() == [2, 8192]
+
+
 def test_rows_allowed_asks_the_linear_op(monkeypatch):
     """Without the fixture: the linear op's linear.norm_rows for the shape on this process's GPU
     (through vLLM's platform), 0 without one or for other dtypes."""
