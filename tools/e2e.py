@@ -16,7 +16,9 @@ vLLM a second time, so the parity table shows how far stock agrees with itself (
 weights greedy margins are small, and vLLM's batched decode is not run-to-run deterministic:
 a difference between stock and opgraft means little where stock differs from stock as much), and
 `opgraft-again` is opgraft a second time: host-bound times (the one-token run) differ by 20-40%
-between two processes of the same setting on a shared host, which only repeats show.
+between two processes of the same setting on a shared host, which only repeats show. Any
+other label after a setting's name runs that setting too, with the environment --env gives it
+(opgraft-prologue with MODE:OPGRAFT_ATTENTION_PROLOGUE=1: an opt-in beside opgraft in one study).
 Each runs in its own
 process because the plugin is installed when vLLM starts and CUDA graphs fix the kernels at
 capture time.
@@ -56,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -64,6 +67,15 @@ import tempfile
 import time
 
 MODES = ("disabled", "passthrough", "opgraft", "disabled-again", "opgraft-again")
+# A setting's name: one of the three settings, alone or with a label (disabled-again, opgraft-again,
+# opgraft-prologue): the same setting in a process of its own, with its own --env.
+_MODE_NAME = re.compile(r"(disabled|passthrough|opgraft)(-[a-z0-9]+)*")
+
+
+def base_mode(mode: str) -> str | None:
+    """The setting a mode name runs (disabled, passthrough or opgraft), None for another name."""
+    m = _MODE_NAME.fullmatch(mode)
+    return m.group(1) if m else None
 
 # Public config.json values (Hugging Face model cards: Qwen/Qwen3-30B-A3B,
 # mistralai/Mixtral-8x7B-v0.1). Only the architecture matters: weights are random.
@@ -132,12 +144,20 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+_MODES_SAID = f"{', '.join(MODES)}, or disabled, passthrough or opgraft with a label (opgraft-prologue)"
+
+
+def _mode(text: str) -> str:
+    if base_mode(text) is None:
+        raise argparse.ArgumentTypeError(f"modes are {_MODES_SAID}; got {text!r}")
+    return text
+
+
 def _modes(text: str) -> list[str]:
     vals = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in vals if m not in MODES]
-    if not vals or bad:
-        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}; got {text!r}")
-    return vals
+    if not vals or len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(f"modes are {_MODES_SAID}, each once; got {text!r}")
+    return [_mode(m) for m in vals]
 
 
 _VARIANT_KEYS = ("OPGRAFT_MOE_EXPERTS", "OPGRAFT_ATTENTION_VARIANT", "OPGRAFT_LINEAR_VARIANT")
@@ -148,10 +168,9 @@ def _setting_env(text: str) -> tuple[str, str, str]:
     """MODE:KEY=VALUE, an environment variable for one setting only (an A/B of a tunable)."""
     mode, sep, kv = text.partition(":")
     key, eq, value = kv.partition("=")
-    if not sep or not eq or mode not in MODES or not key or not (key[0].isalpha() or key[0] == "_") \
+    if not sep or not eq or base_mode(mode) is None or not key or not (key[0].isalpha() or key[0] == "_") \
             or not all(ch.isalnum() or ch == "_" for ch in key):
-        raise argparse.ArgumentTypeError(
-            f"--env takes MODE:KEY=VALUE with MODE one of {', '.join(MODES)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"--env takes MODE:KEY=VALUE with MODE one of {_MODES_SAID}; got {text!r}")
     if key in _MODE_KEYS:
         raise argparse.ArgumentTypeError(f"{key} is what the setting itself decides; got {text!r}")
     return mode, key, value
@@ -161,9 +180,9 @@ def _setting_backend(text: str) -> tuple[str, str]:
     """MODE:BACKEND, vLLM's moe_backend for one setting only (stock on another experts backend beside
     stock on vLLM's choice, in one study)."""
     mode, sep, backend = text.partition(":")
-    if not sep or mode not in MODES or not backend or not all(ch.isalnum() or ch == "_" for ch in backend):
+    if not sep or base_mode(mode) is None or not backend or not all(ch.isalnum() or ch == "_" for ch in backend):
         raise argparse.ArgumentTypeError(
-            f"--mode-moe-backend takes MODE:BACKEND with MODE one of {', '.join(MODES)}; got {text!r}")
+            f"--mode-moe-backend takes MODE:BACKEND with MODE one of {_MODES_SAID}; got {text!r}")
     return mode, backend
 
 
@@ -216,11 +235,12 @@ def mode_env(mode: str, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     for k in _MODE_KEYS:
         env.pop(k, None)
-    if mode in ("disabled", "disabled-again"):
+    base = base_mode(mode)
+    if base == "disabled":
         env["OPGRAFT_DISABLE"] = "1"
-    elif mode in ("passthrough", "opgraft", "opgraft-again"):  # every op's seam; each takes calls, or none
+    elif base in ("passthrough", "opgraft"):  # every op's seam; each takes calls, or none
         for k in _VARIANT_KEYS:
-            env[k] = mode.removesuffix("-again")
+            env[k] = base
     else:
         raise ValueError(f"unknown mode {mode!r}")
     # collective_rpc sends our stats function to the worker by pickling it.
@@ -675,9 +695,16 @@ def _rank0_profile(batch_result: dict) -> dict | None:
     return (batch_result.get("profile") or [None])[0]
 
 
-def compare(out_dir: str, modes=MODES) -> dict:
+def _modes_in(out_dir: str) -> list[str]:
+    """The settings a study's folder holds results of: MODES' order, then labelled ones by name."""
+    names = {f[4:-5] for f in os.listdir(out_dir) if f.startswith("e2e-") and f.endswith(".json")}
+    names = {m for m in names if base_mode(m) is not None}
+    return [m for m in MODES if m in names] + sorted(names - set(MODES))
+
+
+def compare(out_dir: str, modes=None) -> dict:
     runs = {}
-    for m in modes:
+    for m in modes if modes is not None else _modes_in(out_dir):
         p = os.path.join(out_dir, f"e2e-{m}.json")
         if os.path.isfile(p):
             with open(p) as f:
@@ -705,11 +732,11 @@ def compare(out_dir: str, modes=MODES) -> dict:
                "workers": {m: r.get("workers") or r.get("workers_error") for m, r in runs.items()}}
     with open(os.path.join(out_dir, "e2e-summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"{'mode':<12} {'B':>3} {'ITL ms (median)':>16} {'min..max':>16} {'floor':>7} {'tok/s':>9} {'vs off':>7}")
+    print(f"{'mode':<18} {'B':>3} {'ITL ms (median)':>16} {'min..max':>16} {'floor':>7} {'tok/s':>9} {'vs off':>7}")
     for r in rows:
         vs = f"{r['itl_vs_disabled']:.3f}" if "itl_vs_disabled" in r else "-"
         floor = f"{r['itl_ms_floor']:.3f}" if r.get("itl_ms_floor") is not None else "-"
-        print(f"{r['mode']:<12} {r['batch']:>3} {r['itl_ms']:>16.3f} "
+        print(f"{r['mode']:<18} {r['batch']:>3} {r['itl_ms']:>16.3f} "
               f"{r['itl_ms_min']:>7.3f}..{r['itl_ms_max']:<7.3f} {floor:>7} {r['decode_tok_s']:>9.1f} {vs:>7}")
     for m, r in runs.items():
         if r.get("moe_backend", "auto") != "auto":
@@ -942,12 +969,12 @@ def main(argv=None) -> int:
 
     r = sub.add_parser("run", help="one setting, in this process", **with_defaults)
     common(r)
-    r.add_argument("--mode", choices=MODES, required=True, help="the setting to run")
+    r.add_argument("--mode", type=_mode, required=True, help=f"the setting to run: {_MODES_SAID}")
     r.add_argument("--json", default=None, help="write the setting's results to this file (default: none)")
     s = sub.add_parser("study", help="every setting, each in its own process, then the comparison", **with_defaults)
     common(s)
     s.add_argument("--modes", type=_modes, default="disabled,opgraft,passthrough",
-                   help=f"comma-separated settings, of {', '.join(MODES)}")
+                   help=f"comma-separated settings, of {_MODES_SAID}")
     s.add_argument("--env", type=_setting_env, action="append", default=[], metavar="MODE:KEY=VALUE",
                    help="an environment variable for one setting only, e.g. "
                         "opgraft-again:OPGRAFT_TUNE_MOE_FP8_QUANTIZE=0 (a tunable's A/B in one study); repeatable")

@@ -22,6 +22,25 @@ def test_mode_env_sets_exactly_one_switch():
     assert o["KEEP"] == "1" and base["OPGRAFT_DISABLE"] == "1"  # the caller's dict is untouched
     with pytest.raises(ValueError):
         e2e.mode_env("fast", base)
+    # a labelled setting: the setting its name starts with
+    assert e2e.mode_env("opgraft-prologue", base) == o and e2e.mode_env("disabled-flashinfer", base)["OPGRAFT_DISABLE"] == "1"
+    for bad in ("opgraft-", "opgraftx", "opgraft-Prologue", "opgraft_prologue", "-opgraft"):
+        with pytest.raises(ValueError):
+            e2e.mode_env(bad, base)
+
+
+def test_labelled_settings_parse_and_compare_in_order(tmp_path):
+    import argparse
+
+    assert e2e._modes("disabled,opgraft,opgraft-prologue,opgraft-norm-moe") == [
+        "disabled", "opgraft", "opgraft-prologue", "opgraft-norm-moe"]
+    for bad in ("opgraft,opgraft", "fast", "opgraft-", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            e2e._modes(bad)
+    assert e2e._setting_env("opgraft-both:OPGRAFT_NORM_FUSION_MOE=1") == ("opgraft-both", "OPGRAFT_NORM_FUSION_MOE", "1")
+    for name in ("opgraft-prologue", "disabled", "opgraft", "e2e-summary", "notes"):
+        (tmp_path / f"e2e-{name}.json").write_text("{}")
+    assert e2e._modes_in(str(tmp_path)) == ["disabled", "opgraft", "opgraft-prologue"]
 
 
 def test_builtin_configs_match_the_moe_presets():
