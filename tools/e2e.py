@@ -702,6 +702,11 @@ def _modes_in(out_dir: str) -> list[str]:
     return [m for m in MODES if m in names] + sorted(names - set(MODES))
 
 
+# The graph rewrites a worker reports (_worker_stats): counter, what the table calls it.
+_REWRITES = (("norm_fusion_fused", "norm+linear"), ("norm_fusion_moe_fused", "norm+MoE"),
+             ("attention_prologue_fused", "attention prologue"))
+
+
 def compare(out_dir: str, modes=None) -> dict:
     runs = {}
     for m in modes if modes is not None else _modes_in(out_dir):
@@ -749,6 +754,10 @@ def compare(out_dir: str, modes=None) -> dict:
                   f"max|dlogprob| {v['max_abs_logprob_diff_on_common_prefix']:.4g}")
     for m, w in summary["workers"].items():
         print(f"workers {m}: {json.dumps(w)[:400]}")
+        if isinstance(w, list) and w and all(isinstance(x, dict) for x in w):  # each rank's rewrites, in full
+            said = [f"{name} {[x.get(key) for x in w]}" for key, name in _REWRITES if any(x.get(key) for x in w)]
+            if said:
+                print(f"graph rewrites {m} (a rank each): {', '.join(said)}")
     for m, r in runs.items():  # --profile-steps: rank 0's GPU time per decode step against the ITL
         for key, br in sorted(r.get("batches", {}).items(), key=lambda kv: int(kv[0])):
             prof = _rank0_profile(br)

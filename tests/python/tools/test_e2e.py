@@ -118,6 +118,16 @@ def test_compare_writes_summary_with_ratios(tmp_path, capsys):
     assert s["parity_vs_disabled"]["disabled-again"]["1"]["same_position_fraction"] == 0.5
     assert json.loads((tmp_path / "e2e-summary.json").read_text())["rows"] == s["rows"]
     assert "opgraft" in capsys.readouterr().out
+    # a labelled setting, and what the graph rewrites did in each of its workers, in full
+    r = _run("opgraft-both", [[1, 2]], [[-1.0, -1.0]], [1.4])
+    r["workers"] = [{"pid": 1, "linear": {"taken": 9} | {f"k{i}": i for i in range(60)}, "norm_fusion_fused": 2,
+                     "norm_fusion_moe_fused": 1, "attention_prologue_fused": None}] * 2
+    (tmp_path / "e2e-opgraft-both.json").write_text(json.dumps(r))
+    s = e2e.compare(str(tmp_path))
+    assert [x["mode"] for x in s["rows"]][-1] == "opgraft-both"
+    out = capsys.readouterr().out
+    assert "graph rewrites opgraft-both (a rank each): norm+linear [2, 2], norm+MoE [1, 1]" in out
+    assert "graph rewrites opgraft:" not in out and "attention prologue [" not in out
 
 
 def _setting_with_a_child(pidfile) -> str:
