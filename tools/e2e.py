@@ -290,6 +290,12 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
+# The graph rewrites a worker reports: its key, the seam module and counter, the table's name.
+_REWRITES = (("norm_fusion_fused", "opgraft.vllm.norm_seam", "fused_total", "norm+linear"),
+             ("norm_fusion_moe_fused", "opgraft.vllm.norm_seam", "fused_moe_total", "norm+MoE"),
+             ("attention_prologue_fused", "opgraft.vllm.rope_seam", "fused_total", "attention prologue"))
+
+
 def _worker_stats(worker=None) -> dict:
     """Runs in vLLM's worker process (collective_rpc): the plugin's state there."""
     out = {"pid": os.getpid()}
@@ -307,9 +313,7 @@ def _worker_stats(worker=None) -> dict:
     except Exception as e:
         out["moe_error"] = f"{type(e).__name__}: {e}"
     # what the graph rewrites did in this process (None: the seam never loaded here)
-    for key, name, total in (("norm_fusion_fused", "opgraft.vllm.norm_seam", "fused_total"),
-                             ("norm_fusion_moe_fused", "opgraft.vllm.norm_seam", "fused_moe_total"),
-                             ("attention_prologue_fused", "opgraft.vllm.rope_seam", "fused_total")):
+    for key, name, total, _ in _REWRITES:
         seam = sys.modules.get(name)
         out[key] = getattr(seam, total)() if seam is not None else None
     return out
@@ -702,11 +706,6 @@ def _modes_in(out_dir: str) -> list[str]:
     return [m for m in MODES if m in names] + sorted(names - set(MODES))
 
 
-# The graph rewrites a worker reports (_worker_stats): counter, what the table calls it.
-_REWRITES = (("norm_fusion_fused", "norm+linear"), ("norm_fusion_moe_fused", "norm+MoE"),
-             ("attention_prologue_fused", "attention prologue"))
-
-
 def compare(out_dir: str, modes=None) -> dict:
     runs = {}
     for m in modes if modes is not None else _modes_in(out_dir):
@@ -755,7 +754,8 @@ def compare(out_dir: str, modes=None) -> dict:
     for m, w in summary["workers"].items():
         print(f"workers {m}: {json.dumps(w)[:400]}")
         if isinstance(w, list) and w and all(isinstance(x, dict) for x in w):  # each rank's rewrites, in full
-            said = [f"{name} {[x.get(key) for x in w]}" for key, name in _REWRITES if any(x.get(key) for x in w)]
+            said = [f"{label} {[x.get(key) for x in w]}" for key, _, _, label in _REWRITES
+                    if any(x.get(key) for x in w)]
             if said:
                 print(f"graph rewrites {m} (a rank each): {', '.join(said)}")
     for m, r in runs.items():  # --profile-steps: rank 0's GPU time per decode step against the ITL

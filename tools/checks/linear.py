@@ -307,7 +307,7 @@ def _norm_reference(x, r, nw, w, b):
     return _reference(n, w, b), ro
 
 
-def _within_a_rounding(got, want) -> bool:
+def _within_two_roundings(got, want) -> bool:
     """Every element of got within two rounding steps (of its dtype) of want: the kernel's fp32
     sum of squares may round h * rstd the other way near a tie, and the product with the norm
     weight is rounded again."""
@@ -359,7 +359,7 @@ def _run_norm(c: dict, device) -> dict:
             res["residual_out_exact"] = res.get("residual_out_exact", True) and bool(torch.equal(ro, want))
             if normed:
                 n, _ = ops.add_rms_norm_reference(xb, rbuf, nw, NORM_EPS)
-                res["normed_out_ok"] = res.get("normed_out_ok", True) and _within_a_rounding(hn, n)
+                res["normed_out_ok"] = res.get("normed_out_ok", True) and _within_two_roundings(hn, n)
             return yref
 
         res = _run_graph(res, x, w, tol, gen, call, reference)
@@ -383,7 +383,7 @@ def _run_norm(c: dict, device) -> dict:
         if normed:  # against vLLM's norm in torch, and the oracle's rows
             n, _ = ops.add_rms_norm_reference(x, r, nw, NORM_EPS)
             res["normed_out_exact"] = bool(torch.equal(hn, n))
-            res["normed_out_ok"] = _within_a_rounding(hn, n) and _within_a_rounding(hn.cpu(), chn)
+            res["normed_out_ok"] = _within_two_roundings(hn, n) and _within_two_roundings(hn.cpu(), chn)
             ok = ok and res["normed_out_ok"]
         res["passed"] = bool(res["passed"] and ok)
     return res

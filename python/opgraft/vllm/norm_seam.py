@@ -438,8 +438,8 @@ def _match_moe(node, order, ops, max_tokens=None, rows_of=None):
             dead.append(u)
         else:
             return None
-    K = _val(nw).shape[0]  # a parameter's: static where x's may be symbolic
-    if not outs or not isinstance(K, int) or rows_of is None or rows_of(_val(x).dtype, K) < (max_tokens or 1):
+    dt, K = _val(x).dtype, _val(nw).shape[0]  # K a parameter's: static where x's may be symbolic
+    if not outs or not isinstance(K, int) or rows_of is None or rows_of(dt, K) < (max_tokens or 1):
         return None
     return (x, res, nw, eps, name), g1, outs[0], [outs[0], *dead, af, g0, g1, node]
 

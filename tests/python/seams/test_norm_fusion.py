@@ -376,12 +376,40 @@ def test_only_graphs_of_the_rows_the_shape_allows(clean, cfg, rows):
         assert rows.asked == [(48, 64, BF16)]
 
 
-def test_compile_ranges_get_the_qkv_endpoint(clean, rows):
-    """install() wraps VllmConfig._set_compile_ranges: after vLLM's endpoints it adds the qkv
-    projection's linear.norm_rows (a graph for 1..E tokens, fused; vLLM's own above)."""
+class Qwen3MoeModel:
+    """The parts of vLLM's ModelConfig the seam's compile ranges read (Qwen3-30B-A3B's)."""
+    dtype = BF16
+
+    def get_hidden_size(self):
+        return 2048
+
+    def get_num_attention_heads(self, pc):
+        return 32
+
+    def get_num_kv_heads(self, pc):
+        return 4
+
+    def get_head_size(self):
+        return 128
+
+    def get_num_experts(self):
+        return 128
+
+
+def ranges_config(model=Qwen3MoeModel(), max_tokens=8192):
+    """What VllmConfig._set_compile_ranges reads of a config, before vLLM's endpoints."""
     from types import SimpleNamespace
 
+    return SimpleNamespace(compilation_config=SimpleNamespace(compile_ranges_endpoints=None), model_config=model,
+                           parallel_config=None, scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens))
+
+
+def test_compile_ranges_get_the_qkv_endpoint(clean, rows, monkeypatch):
+    """install() wraps VllmConfig._set_compile_ranges: after vLLM's endpoints it adds the qkv
+    projection's linear.norm_rows (a graph for 1..E tokens, fused; vLLM's own above)."""
     from vllm.config import VllmConfig
+
+    monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE", raising=False)  # the router's rows are not asked
 
     calls = []
 
@@ -391,32 +419,14 @@ def test_compile_ranges_get_the_qkv_endpoint(clean, rows):
 
     patched = norm_seam._make_set_compile_ranges(original)
 
-    class Model:
-        dtype = BF16
-
-        def get_hidden_size(self):
-            return 2048
-
-        def get_num_attention_heads(self, pc):
-            return 32
-
-        def get_num_kv_heads(self, pc):
-            return 4
-
-        def get_head_size(self):
-            return 128
-
-    def config(model=Model(), max_tokens=8192):
-        return SimpleNamespace(compilation_config=SimpleNamespace(compile_ranges_endpoints=None), model_config=model,
-                               parallel_config=None, scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens))
-
     rows.value = 2
-    c = config()
+    c = ranges_config()
     patched(c)
     assert c.compilation_config.compile_ranges_endpoints == [2, 8192] and rows.asked[-1] == (5120, 2048, BF16)
-    for value, model, max_tokens in ((0, Model(), 8192), (1, Model(), 8192), (2, None, 8192), (2, Model(), 2)):
+    for value, model, max_tokens in ((0, Qwen3MoeModel(), 8192), (1, Qwen3MoeModel(), 8192), (2, None, 8192),
+                                      (2, Qwen3MoeModel(), 2)):
         rows.value = value
-        c = config(model, max_tokens)
+        c = ranges_config(model, max_tokens)
         patched(c)
         assert c.compilation_config.compile_ranges_endpoints == [8192], (value, model, max_tokens)
     register()
@@ -428,26 +438,6 @@ def test_compile_ranges_get_the_qkv_endpoint(clean, rows):
 def test_compile_ranges_get_the_router_endpoint_with_the_moe_form(clean, monkeypatch):
     """With OPGRAFT_NORM_FUSION_MOE=1 a MoE model's router gate adds its own linear.norm_rows where
     they are more than the qkv's: a graph where only the router's norm is fused."""
-    from types import SimpleNamespace
-
-    class Model:
-        dtype = BF16
-
-        def get_hidden_size(self):
-            return 2048
-
-        def get_num_attention_heads(self, pc):
-            return 32
-
-        def get_num_kv_heads(self, pc):
-            return 4
-
-        def get_head_size(self):
-            return 128
-
-        def get_num_experts(self):
-            return 128
-
     rows = {(5120, 2048): 2, (128, 2048): 8}
     monkeypatch.setattr(norm_seam, "rows_allowed", lambda N, K, dtype: rows.get((N, K), 0))
 
@@ -457,8 +447,7 @@ def test_compile_ranges_get_the_router_endpoint_with_the_moe_form(clean, monkeyp
     patched = norm_seam._make_set_compile_ranges(original)
 
     def endpoints():
-        c = SimpleNamespace(compilation_config=SimpleNamespace(compile_ranges_endpoints=None), model_config=Model(),
-                            parallel_config=None, scheduler_config=SimpleNamespace(max_num_batched_tokens=8192))
+        c = ranges_config()
         patched(c)
         return c.compilation_config.compile_ranges_endpoints
 
