@@ -4,7 +4,7 @@
 # compute-sanitizer on a few of them, then the timings that need no vLLM. Results land in $OUT.
 #
 #   OUT=DIR bash tools/gpu_lab.sh [STEP ...]      steps: build warm check sanitize host before moe fp8 linear attention
-#                                                        fusions
+#                                                        fusions fusions-sanitize
 #
 # With no steps, all of them but warm (which compiles every op's variants for both archs in
 # parallel; the checks and benches compile what they use on demand). BEFORE_TREE (default .before) is an older tree's python/, src/,
@@ -120,17 +120,10 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
     python3 -m opgraft.cli bench attention --impls opgraft --json "$OUT/attention_bench.json" 2>&1 | tail -20
     note "attention benched"
     ;;
-  fusions)  # the kernel-boundary fusions not measured yet (NOTES v43, v44): checks, sanitizers, benches
+  fusions)  # the kernel-boundary fusions not measured yet (NOTES v43, v44): checks, benches
     python3 -m tools.gpucheck --quick --ops attention --only prologue --out "$OUT/fusions" >"$OUT/check-prologue.log" 2>&1
     python3 -m tools.gpucheck --quick --ops linear --only normed --out "$OUT/fusions" >"$OUT/check-normed.log" 2>&1
     note "prologue: $(grep 'cases pass' "$OUT/check-prologue.log"); normed rows: $(grep 'cases pass' "$OUT/check-normed.log")"
-    for spec in "memcheck:attention:prologue: ragged" "racecheck:attention:prologue: ragged" \
-                "memcheck:linear:norm normed: M=2" "racecheck:linear:norm normed: M=2"; do
-      tool=${spec%%:*} rest=${spec#*:} op=${rest%%:*} only=${rest#*:}
-      timeout 150 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m tools.gpucheck --quick --ops "$op" \
-        --only "$only" --out /tmp/og-san >"$OUT/$tool-$op-fusion.log" 2>&1
-      note "$tool $op ($only): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool-$op-fusion.log" | tail -1) $(grep -cE '^  PASS' "$OUT/$tool-$op-fusion.log") pass"
-    done
     python3 -m opgraft.cli bench attention --prologue --model Qwen3-30B-A3B --batch 1,8 --context 256,1024,8192 \
       --json "$OUT/attention_prologue.json" 2>&1 | tail -20
     python3 -m opgraft.cli bench linear --norm --models Qwen3-30B-A3B --rows 1,2,4,8 --timing span \
@@ -138,6 +131,15 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
     python3 -m tools.moe_route --tokens 1,2 --variants routed,norm+routed,routed-norm --json "$OUT/moe_route_norm.json" \
       2>&1 | tail -8
     note "fusions benched"
+    ;;
+  fusions-sanitize)  # compute-sanitizer on the fusions' cases (a call of its own: up to 150 s a tool)
+    for spec in "memcheck:attention:prologue: ragged" "racecheck:attention:prologue: ragged" \
+                "memcheck:linear:norm normed: M=2" "racecheck:linear:norm normed: M=2"; do
+      tool=${spec%%:*} rest=${spec#*:} op=${rest%%:*} only=${rest#*:}
+      timeout 150 compute-sanitizer --tool "$tool" --print-limit 20 python3 -m tools.gpucheck --quick --ops "$op" \
+        --only "$only" --out /tmp/og-san >"$OUT/$tool-$op-fusion.log" 2>&1
+      note "$tool $op ($only): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool-$op-fusion.log" | tail -1) $(grep -cE '^  PASS' "$OUT/$tool-$op-fusion.log") pass"
+    done
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
