@@ -407,6 +407,16 @@ IMPLS = ("opgraft", *BASELINES)
 PROLOGUE_IMPLS = ("opgraft-fused", "norm-rope+opgraft", "vllm-qk-norm-rope+opgraft")
 
 
+def vllm_fused_qk_norm_rope():
+    """vLLM's q/k norm + rope CUDA op through its Python wrapper, whose import loads vllm._C (the op
+    is not registered under torch.ops._C before that); None where vLLM is not importable."""
+    try:
+        from vllm._custom_ops import fused_qk_norm_rope
+    except Exception:
+        return None
+    return fused_qk_norm_rope
+
+
 def _compiled_prologue():
     """vLLM's q/k RMSNorm and rotary embedding as its compiled model runs them: the functions
     traced by Inductor (Dynamo's caches reset first)."""
@@ -474,13 +484,13 @@ def bench_prologue_point(shape: AttnShape, batch: int, context: int, dtype: str 
                 ops.attention_decode_into(out, qn, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale,
                                           key=kn, value=v0, slot_mapping=slots)
         elif impl == "vllm-qk-norm-rope+opgraft":
-            op = getattr(getattr(torch.ops, "_C", None), "fused_qk_norm_rope", None)
+            op = vllm_fused_qk_norm_rope()
             if op is None:
-                why = "torch.ops._C.fused_qk_norm_rope is not loaded (vLLM's _C)"
+                why = "vllm._custom_ops.fused_qk_norm_rope is not importable (vLLM and its _C)"
             else:
                 def fn(out, i):
                     op(bufs[i], Hq, Hk, Hk, D, pro.eps, pro.q_norm_weight, pro.k_norm_weight, pro.cos_sin_cache, True,
-                       pro.positions, -1)
+                       pro.positions)
                     q, k, v = buf_views[i]
                     ops.attention_decode_into(out, q, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale,
                                               key=k, value=v, slot_mapping=slots)

@@ -320,3 +320,19 @@ def test_the_hand_back_uses_vllms_fused_qk_norm_rope_where_it_has_it(cfg, layers
     assert shape == (T, (HQ + 2 * HK) * D) and args[:4] == (HQ, HK, HK, D) and args[4] == EPS and args[8] is True
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     assert torch.equal(inputs[names.index("l_qkv_")], example_inputs(1)[0])  # the caller's qkv untouched
+
+
+def test_the_prologue_bench_times_vllms_own_wrapper(fused_op):
+    """opgraft bench attention --prologue's vLLM baseline is vLLM's fused_qk_norm_rope wrapper, whose
+    import loads vllm._C (the op is not under torch.ops._C before that), called as rope_seam calls it."""
+    from opgraft.bench import attention as attn_bench
+    from vllm import _custom_ops
+
+    op = attn_bench.vllm_fused_qk_norm_rope()
+    assert op is _custom_ops.fused_qk_norm_rope
+    qkv = torch.randn(T, (HQ + 2 * HK) * D)
+    w = torch.ones(D)
+    cache = torch.randn(16, D)
+    op(qkv, HQ, HK, HK, D, EPS, w, w, cache, True, torch.zeros(T, dtype=torch.long))
+    ((shape, args),) = fused_op
+    assert shape == qkv.shape and args[:4] == (HQ, HK, HK, D) and len(args) == 10
