@@ -2,38 +2,18 @@
  * compiles with NVRTC for sm_80 and sm_90 without register spills, in each entry point (fan-in 16,
  * and fan-in 32 where the configuration has it: sm_90's rule): each head size and group
  * size, both dtypes, every option's code path (soft cap, window, sinks, the cache write) and each tunable's other
- * values (the block size is a run-time value: it does not change the code). Configurations are resolved first, identical option sets compiled once,
- * on several threads through the kernel cache ($OPGRAFT_TEST_KERNEL_CACHE keeps cubins and their
- * resource reports across runs; without it, a fresh directory). $OPGRAFT_TEST_JOBS overrides the
- * thread count. */
-#include "og_test.h"
+ * values (the block size is a run-time value: it does not change the code). Configurations are
+ * resolved first, then compiled as og_compile_jobs.h does. */
+#include "og_compile_jobs.h"
 #include "attention/attention.h"
 #include "../../../kernels/attention/attn_params.h"
 
-typedef struct job {
-  char what[200];
-  int32_t dtype, arch;
-  og_opts opts;
-  int32_t status;
-  int nfn;                    /* entry points: fan-in 16's, and fan-in 32's with attention.fan32 */
-  opgraft_kernel_info info[2]; /* in that order */
-  char error[512];
-  int dup_of;
-} job;
-
-enum { MAX_JOBS = 2048 };
-static job jobs[MAX_JOBS];
-static int n_jobs, n_unique;
-static int have_nvrtc;
-static char nvrtc_error[256];
-static _Atomic int next_job;
 static const int32_t archs[] = {80, 90};
 
 /* Options of a call: 0 none, else a mask of SOFTCAP 1, WINDOW 2, SINKS32 4, SINKS16 8, UPDATE 16
  * (the call's new keys and values written by the kernel), and with UPDATE QKNORM 32, NEOX 64 and
  * GPTJ 128 (q/k norm, rotary embedding). */
 static void add_job(int32_t dtype, int64_t D, int64_t G, int64_t bs, int options, int32_t arch, const char *setting) {
-  if (n_jobs >= MAX_JOBS) fail_msg("more than %d compile jobs", MAX_JOBS);
   opgraft_attention_args a;
   memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;
@@ -59,26 +39,18 @@ static void add_job(int32_t dtype, int64_t D, int64_t G, int64_t bs, int options
     a.rope_rows = 4096, a.positions_dtype = OPGRAFT_DTYPE_INT64;
   }
   a.arch = arch;
-  job *j = &jobs[n_jobs];
-  memset(j, 0, sizeof *j);
-  snprintf(j->what, sizeof j->what, "%s D=%lld G=%lld bs=%lld options=%d sm_%d%s%s", dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16",
-           (long long)D, (long long)G, (long long)bs, options, arch, setting ? " with " : "", setting ? setting : "");
-  j->dtype = dtype, j->arch = arch, j->dup_of = -1;
+  og_job *j = og_job_new("%s D=%lld G=%lld bs=%lld options=%d sm_%d%s%s", dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16",
+                         (long long)D, (long long)G, (long long)bs, options, arch, setting ? " with " : "",
+                         setting ? setting : "");
+  j->source = OG_ATTN_SOURCE, j->arch = arch;
   char reason[256];
   if (opgraft__attn_check_static(&a, reason, sizeof reason)) fail_msg("%s: refused: %s", j->what, reason);
   og_attn_cfg cfg;
   opgraft__attn_config(&a, arch, NULL, &cfg);
   if (opgraft__attn_options(&a, &cfg, &j->opts) != OPGRAFT_OK) fail_msg("%s: %s", j->what, opgraft_last_error());
-  j->nfn = cfg.fan32 ? 2 : 1;
-  for (int i = 0; i < n_jobs && j->dup_of < 0; ++i) {
-    const job *o = &jobs[i];
-    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n) continue;
-    int same = 1;
-    for (int k = 0; k < o->opts.n && same; ++k) same = strcmp(o->opts.ptr[k], j->opts.ptr[k]) == 0;
-    if (same) j->dup_of = i;
-  }
-  n_unique += j->dup_of < 0;
-  ++n_jobs;
+  j->nfn = cfg.fan32 ? 2 : 1; /* fan-in 16's entry point, and fan-in 32's with attention.fan32 */
+  for (int f = 0; f < j->nfn; ++f) opgraft__attn_fn_name(dtype, f ? OG_ATTN_FAN_MAX_LOG2 : OG_ATTN_FAN_LOG2, j->fn[f]);
+  og_job_done(j);
 }
 
 typedef struct variant {
@@ -89,62 +61,18 @@ typedef struct variant {
 
 /* The jobs of one setting (NULL: the shipped tables) over variants x both archs. */
 static void add_setting(const char *const *env, const variant *v, int nv) {
-  char setting[200] = "";
-  for (int e = 0; env && env[e]; e += 2) {
-    setenv(env[e], env[e + 1], 1);
-    snprintf(setting + strlen(setting), sizeof setting - strlen(setting), "%s%s=%s", e ? " " : "", env[e], env[e + 1]);
-  }
-  opgraft_tune_reload();
+  char setting[200];
+  og_setting_apply(env, setting, sizeof setting);
   for (int i = 0; i < nv; ++i)
     for (int a = 0; a < 2; ++a) add_job(v[i].dtype, v[i].D, v[i].G, v[i].bs, v[i].options, archs[a], env ? setting : NULL);
-  for (int e = 0; env && env[e]; e += 2) unsetenv(env[e]);
-  opgraft_tune_reload();
+  og_setting_clear(env);
 }
-
-static void run_job(job *j) {
-  og_cubin c;
-  j->status = opgraft__cubin_cached(OG_ATTN_SOURCE, j->opts.ptr, j->opts.n, j->arch, &c);
-  if (j->status) {
-    opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
-    return;
-  }
-  for (int f = 0; f < j->nfn && !j->status; ++f) {
-    char name[64];
-    opgraft__attn_fn_name(j->dtype, f ? OG_ATTN_FAN_MAX_LOG2 : OG_ATTN_FAN_LOG2, name);
-    j->status = opgraft__parse_resources(c.log, name, &j->info[f]);
-  }
-  if (j->status) opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
-  opgraft__cubin_free(&c);
-}
-
-static void *worker(void *arg) {
-  for (int i; (i = next_job++) < n_jobs;)
-    if (jobs[i].dup_of < 0) run_job(&jobs[i]);
-  return arg;
-}
-
-static char tmp[512];
 
 #define BF OPGRAFT_DTYPE_BF16
 #define FP OPGRAFT_DTYPE_FP16
 
 static int setup(void **state) {
-  const char *keep = getenv("OPGRAFT_TEST_KERNEL_CACHE");
-  tmp[0] = 0;
-  if (keep && *keep) {
-    setenv("OPGRAFT_CACHE_DIR", keep, 1);
-  } else {
-    og_tmpdir(tmp, sizeof tmp);
-    setenv("OPGRAFT_CACHE_DIR", tmp, 1);
-  }
-  og_unsetenv_prefix("OPGRAFT_TUNE_");
-  opgraft_tune_reload();
-  opgraft_runtime_info info;
-  assert_int_equal(opgraft_runtime_query(&info), OPGRAFT_OK);
-  have_nvrtc = info.nvrtc_version > 0;
-  opgraft__copy(nvrtc_error, sizeof nvrtc_error, info.nvrtc_error);
-  if (!have_nvrtc) return 0;
-  n_jobs = n_unique = 0;
+  if (!og_jobs_setup()) return 0;
   /* The shipped configuration: every head size and group size in bf16, block 16. */
   static const variant shipped[] = {
       {BF, 64, 1, 16, 0},  {BF, 64, 2, 16, 0},  {BF, 64, 4, 16, 0},  {BF, 64, 8, 16, 0},  {BF, 64, 16, 16, 0},
@@ -207,89 +135,29 @@ static int setup(void **state) {
               nsome);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", "OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, some,
               nsome);
-  long threads = sysconf(_SC_NPROCESSORS_ONLN);
-  const char *env = getenv("OPGRAFT_TEST_JOBS");
-  if (env && atoi(env) > 0) threads = atoi(env);
-  if (threads < 1) threads = 1;
-  if (threads > 16) threads = 16;
-  pthread_t th[16];
-  next_job = 0;
-  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_create(&th[i], NULL, worker, NULL), 0);
-  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_join(th[i], NULL), 0);
-  print_message("%d attention configurations, %d distinct compiles\n", n_jobs, n_unique);
+  og_jobs_compile("attention");
   return 0;
 }
-
-static int teardown(void **state) {
-  if (tmp[0]) og_rm_rf(tmp);
-  unsetenv("OPGRAFT_CACHE_DIR");
-  return 0;
-}
-
-static void need_nvrtc(void) {
-  if (have_nvrtc) return;
-  if (og_allow_no_nvrtc()) {
-    print_message("skipping: NVRTC cannot be loaded (%s) and OPGRAFT_TEST_ALLOW_NO_NVRTC=1\n", nvrtc_error);
-    skip();
-  }
-  fail_msg("NVRTC cannot be loaded: %s (set OPGRAFT_TEST_ALLOW_NO_NVRTC=1 to skip the compile tests)", nvrtc_error);
-}
-
-static const job *result_of(const job *j) { return j->dup_of >= 0 ? &jobs[j->dup_of] : j; }
 
 static void test_every_variant_compiles(void **state) {
-  need_nvrtc();
-  assert_true(n_unique > 60 && n_unique <= n_jobs);
-  int bad = 0;
+  og_need_nvrtc();
+  assert_true(og_nunique > 60 && og_nunique <= og_njobs);
+  og_jobs_check_compiled();
   int fan32 = 0;
-  for (int i = 0; i < n_jobs; ++i) {
-    const job *r = result_of(&jobs[i]);
-    if (r->status != OPGRAFT_OK) {
-      print_error("%s: %s: %.400s\n", jobs[i].what, opgraft_status_name(r->status), r->error);
-      ++bad;
-      continue;
-    }
-    fan32 += r->nfn == 2;
-    if (jobs[i].arch == 90 && r->nfn != 2) { /* sm_90's rule has fan-in 32 everywhere the jobs go */
-      print_error("%s: no fan-in 32 entry point\n", jobs[i].what);
-      ++bad;
-    }
-    for (int f = 0; f < r->nfn; ++f) {
-      char name[64];
-      opgraft__attn_fn_name(jobs[i].dtype, f ? OG_ATTN_FAN_MAX_LOG2 : OG_ATTN_FAN_LOG2, name);
-      if (strcmp(r->info[f].name, name) != 0 || r->info[f].registers <= 0) {
-        print_error("%s: kernel \"%s\" with %d registers, expected %s\n", jobs[i].what, r->info[f].name,
-                    r->info[f].registers, name);
-        ++bad;
-      }
-    }
+  for (int i = 0; i < og_njobs; ++i) {
+    fan32 += og_jobs[i].nfn == 2;
+    if (og_jobs[i].arch == 90 && og_jobs[i].nfn != 2) /* sm_90's rule has fan-in 32 everywhere the jobs go */
+      fail_msg("%s: no fan-in 32 entry point", og_jobs[i].what);
   }
-  if (bad) fail_msg("%d problems over %d kernel variants", bad, n_jobs);
-  assert_true(fan32 > 0 && fan32 < n_jobs);
+  assert_true(fan32 > 0 && fan32 < og_njobs);
 }
 
-static void test_no_spills(void **state) {
-  need_nvrtc();
-  int bad = 0;
-  for (int i = 0; i < n_jobs; ++i) {
-    const job *r = result_of(&jobs[i]);
-    if (r->status != OPGRAFT_OK) continue; /* reported by test_every_variant_compiles */
-    for (int f = 0; f < r->nfn; ++f) {
-      const opgraft_kernel_info *ki = &r->info[f];
-      if (ki->spill_store_bytes > 0 || ki->spill_load_bytes > 0 || ki->stack_bytes > 0) {
-        print_error("%s, %s: spills: %d bytes stored, %d loaded, %d registers, %d bytes stack\n", jobs[i].what,
-                    ki->name, ki->spill_store_bytes, ki->spill_load_bytes, ki->registers, ki->stack_bytes);
-        ++bad;
-      }
-    }
-  }
-  if (bad) fail_msg("%d kernels spill registers", bad);
-}
+static void test_no_spills(void **state) { og_jobs_check_no_spills(); }
 
 static void test_report_matches_the_jobs(void **state) {
   /* opgraft_attention_compile_report (the public entry point) agrees with the job list's compile:
-   * jobs[1] is bf16 D=64 G=1 block 16 on sm_90. */
-  need_nvrtc();
+   * og_jobs[1] is bf16 D=64 G=1 block 16 on sm_90. */
+  og_need_nvrtc();
   opgraft_attention_args a;
   memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;
@@ -302,10 +170,10 @@ static void test_report_matches_the_jobs(void **state) {
   int32_t count = 0;
   assert_int_equal(opgraft_attention_compile_report(&a, 90, ki, 2, &count), OPGRAFT_OK);
   assert_int_equal(count, 2); /* fan-in 16's kernel, then fan-in 32's */
-  assert_non_null(strstr(jobs[1].what, "bf16 D=64 G=1 bs=16 options=0 sm_90"));
+  assert_non_null(strstr(og_jobs[1].what, "bf16 D=64 G=1 bs=16 options=0 sm_90"));
   assert_string_equal(ki[0].name, "attention_decode_bf16");
   assert_string_equal(ki[1].name, "attention_decode_fan32_bf16");
-  for (int f = 0; f < 2; ++f) assert_int_equal(ki[f].registers, result_of(&jobs[1])->info[f].registers);
+  for (int f = 0; f < 2; ++f) assert_int_equal(ki[f].registers, og_job_result(1)->info[f].registers);
   assert_int_equal(opgraft_attention_compile_report(&a, 90, ki, 1, &count), OPGRAFT_OK); /* room for one */
   assert_int_equal(count, 2);
   assert_string_equal(ki[0].name, "attention_decode_bf16");
@@ -314,12 +182,12 @@ static void test_report_matches_the_jobs(void **state) {
   assert_string_equal(ki[0].name, "attention_decode_bf16");
   /* The main variants' resources, for the record (and the Qwen3-30B-A3B D128 G8, D64 G8 and D128
    * G4 variants' at both fan-ins). */
-  for (int i = 0; i < n_jobs; ++i) {
-    const job *r = result_of(&jobs[i]);
-    if ((strstr(jobs[i].what, "G=8 bs=16 options=0") || strstr(jobs[i].what, "bf16 D=128 G=4 bs=16 options=0")) &&
-        !strstr(jobs[i].what, " with "))
+  for (int i = 0; i < og_njobs; ++i) {
+    const og_job *r = og_job_result(i);
+    const char *what = og_jobs[i].what;
+    if ((strstr(what, "G=8 bs=16 options=0") || strstr(what, "bf16 D=128 G=4 bs=16 options=0")) && !strstr(what, " with "))
       for (int f = 0; f < r->nfn; ++f)
-        print_message("  %s, %s: %d registers, %d bytes static shared\n", jobs[i].what, r->info[f].name,
+        print_message("  %s, %s: %d registers, %d bytes static shared\n", what, r->info[f].name,
                       r->info[f].registers, r->info[f].shared_bytes);
   }
 }
@@ -345,5 +213,5 @@ int main(void) {
       cmocka_unit_test(test_no_spills),
       cmocka_unit_test(test_report_matches_the_jobs),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return cmocka_run_group_tests(tests, setup, og_jobs_teardown);
 }

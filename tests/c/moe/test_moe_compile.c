@@ -1,13 +1,8 @@
 /* Every MoE kernel variant that a shipped or tunable configuration can select compiles with NVRTC
  * without register spills. The configurations are resolved first (the shipped tables and rules,
- * then each tunable's other values), identical option sets are compiled once, and the compiles
- * run on several threads through the kernel cache: $OPGRAFT_TEST_KERNEL_CACHE keeps the cubins
- * and their resource reports across runs (keyed by the sources, options, arch and NVRTC
- * version, so a changed kernel is compiled again); without it, a fresh directory.
- * $OPGRAFT_TEST_JOBS overrides the thread count. */
-#include <time.h>
-
-#include "og_test.h"
+ * then each tunable's other values), then compiled as og_compile_jobs.h does (the kernel cache is
+ * keyed by the sources, options, arch and NVRTC version, so a changed kernel is compiled again). */
+#include "og_compile_jobs.h"
 #include "moe/moe.h"
 
 typedef struct shape {
@@ -43,25 +38,8 @@ static const quant Q_NONE = {OPGRAFT_MOE_SCALE_NONE, 0}, Q_B128 = {OPGRAFT_MOE_S
                    Q_B64 = {OPGRAFT_MOE_SCALE_BLOCK, 64}, Q_B32 = {OPGRAFT_MOE_SCALE_BLOCK, 32},
                    Q_TENSOR = {OPGRAFT_MOE_SCALE_TENSOR, 0};
 
-/* One compile: a configuration of one shape. */
-typedef struct job {
-  char what[200];
-  int32_t dtype, arch, fused;
-  opgraft_moe_args args; /* what names the kernels (opgraft__moe_fn_names) */
-  int nkernels;
-  og_opts opts;
-  int32_t status, ninfo;
-  opgraft_kernel_info info[3];
-  char error[512];
-  int dup_of; /* -1, or the job with the same options and arch */
-} job;
-
-enum { MAX_JOBS = 2048 };
-static job jobs[MAX_JOBS];
-static int n_jobs, n_unique;
-static int have_nvrtc;
-static char nvrtc_error[256];
-static _Atomic int next_job;
+/* Each job's weight dtype, indexed as og_jobs. */
+static int32_t job_weight_dtype[OG_JOB_MAX];
 /* The routing of the jobs added (opgraft_moe_routing; routed jobs take no expert map). */
 static int32_t job_routing;
 /* FP8 jobs added with 16-bit hidden states that gate_up quantizes (hidden_dtype = dtype). */
@@ -69,7 +47,6 @@ static int job_hidden16;
 
 /* Adds the configuration that the current tunables give (shape s, T tokens, dtype, weights, arch). */
 static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, const char *setting) {
-  if (n_jobs >= MAX_JOBS) fail_msg("more than %d compile jobs", MAX_JOBS);
   opgraft_moe_args a;
   memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;
@@ -93,49 +70,36 @@ static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, con
     else
       snprintf(wq, sizeof wq, " fp8 per-tensor%s", job_hidden16 ? ", 16-bit x" : "");
   }
-  job *j = &jobs[n_jobs];
-  memset(j, 0, sizeof *j);
-  snprintf(j->what, sizeof j->what, "%s (E=%lld H=%lld I=%lld k=%lld) %s%s T=%d sm_%d%s%s", shapes[s].name,
-           (long long)shapes[s].E, (long long)shapes[s].H, (long long)shapes[s].I, (long long)shapes[s].k,
-           dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", wq, T, arch, setting ? " with " : "", setting ? setting : "");
+  og_job *j = og_job_new("%s (E=%lld H=%lld I=%lld k=%lld) %s%s T=%d sm_%d%s%s", shapes[s].name,
+                         (long long)shapes[s].E, (long long)shapes[s].H, (long long)shapes[s].I, (long long)shapes[s].k,
+                         dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", wq, T, arch, setting ? " with " : "",
+                         setting ? setting : "");
   if (job_routing)
     snprintf(j->what + strlen(j->what), sizeof j->what - strlen(j->what), " routed %s",
              job_routing == OPGRAFT_MOE_ROUTING_SOFTMAX ? "softmax" : "softmax-renorm");
-  j->dtype = dtype, j->arch = arch, j->dup_of = -1, j->args = a;
+  job_weight_dtype[og_njobs] = a.weight_dtype;
+  j->source = opgraft__moe_source(&a), j->arch = arch;
   og_moe_cfg cfg;
   opgraft__moe_config(&a, arch, NULL, &cfg);
-  j->fused = cfg.fused;
-  j->nkernels = opgraft__moe_nkernels(&a, &cfg);
+  j->nfn = opgraft__moe_nkernels(&a, &cfg);
+  char names[OG_MOE_KERNELS][64];
+  opgraft__moe_fn_names(&a, names);
+  for (int k = 0; k < j->nfn; ++k) memcpy(j->fn[k], names[k], sizeof j->fn[k]);
   if (opgraft__moe_options(&a, &cfg, &j->opts) != OPGRAFT_OK) fail_msg("%s: %s", j->what, opgraft_last_error());
-  for (int i = 0; i < n_jobs && j->dup_of < 0; ++i) {
-    const job *o = &jobs[i];
-    if (o->dup_of >= 0 || o->arch != arch || o->opts.n != j->opts.n || o->fused != j->fused ||
-        o->args.weight_dtype != a.weight_dtype)
-      continue;
-    int same = 1;
-    for (int k = 0; k < o->opts.n && same; ++k) same = strcmp(o->opts.ptr[k], j->opts.ptr[k]) == 0;
-    if (same) j->dup_of = i;
-  }
-  n_unique += j->dup_of < 0;
-  ++n_jobs;
+  og_job_done(j);
 }
 
 /* The jobs of one setting (NULL: the shipped tables) over shapes ids[] x tokens[] x both archs
  * (sm_80 and sm_90; FP8 weights: sm_89 and sm_90). */
 static void add_setting_q(const char *const *env, const int *ids, int nids, const int32_t *tokens, int ntokens,
                           int32_t dtype, quant qz) {
-  char setting[200] = "";
-  for (int e = 0; env && env[e]; e += 2) {
-    setenv(env[e], env[e + 1], 1);
-    snprintf(setting + strlen(setting), sizeof setting - strlen(setting), "%s%s=%s", e ? " " : "", env[e], env[e + 1]);
-  }
-  opgraft_tune_reload();
+  char setting[200];
+  og_setting_apply(env, setting, sizeof setting);
   const int32_t *ar = qz.layout == OPGRAFT_MOE_SCALE_NONE ? archs : fp8_archs;
   for (int s = 0; s < nids; ++s)
     for (int t = 0; t < ntokens; ++t)
       for (int a = 0; a < 2; ++a) add_job(ids[s], tokens[t], dtype, qz, ar[a], env ? setting : NULL);
-  for (int e = 0; env && env[e]; e += 2) unsetenv(env[e]);
-  opgraft_tune_reload();
+  og_setting_clear(env);
 }
 
 static void add_setting(const char *const *env, const int *ids, int nids, const int32_t *tokens, int ntokens,
@@ -143,76 +107,11 @@ static void add_setting(const char *const *env, const int *ids, int nids, const 
   add_setting_q(env, ids, nids, tokens, ntokens, dtype, Q_NONE);
 }
 
-static void run_job(job *j) {
-  og_cubin c;
-  j->status = opgraft__cubin_cached(opgraft__moe_source(&j->args), j->opts.ptr, j->opts.n, j->arch, &c);
-  if (j->status) {
-    opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
-    return;
-  }
-  char names[OG_MOE_KERNELS][64];
-  opgraft__moe_fn_names(&j->args, names);
-  j->ninfo = j->nkernels;
-  for (int k = 0; k < j->ninfo && !j->status; ++k) j->status = opgraft__parse_resources(c.log, names[k], &j->info[k]);
-  if (j->status) opgraft__copy(j->error, sizeof j->error, opgraft_last_error());
-  opgraft__cubin_free(&c);
-}
-
-/* Progress for a cold cache (minutes): a line at most every 10 s, none when the cache is warm. */
-static _Atomic int n_done;
-static pthread_mutex_t progress_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct timespec t_start, t_last;
-
-static double seconds_since(const struct timespec *t) {
-  struct timespec now;
-  clock_gettime(CLOCK_MONOTONIC, &now);
-  return (double)(now.tv_sec - t->tv_sec) + (double)(now.tv_nsec - t->tv_nsec) * 1e-9;
-}
-
-static void progress(void) {
-  const int done = ++n_done;
-  pthread_mutex_lock(&progress_lock);
-  if (seconds_since(&t_last) >= 10.0) {
-    clock_gettime(CLOCK_MONOTONIC, &t_last);
-    print_message("compiled %d of %d distinct MoE variants (%.0f s)\n", done, n_unique, seconds_since(&t_start));
-    fflush(stdout);
-  }
-  pthread_mutex_unlock(&progress_lock);
-}
-
-static void *worker(void *arg) {
-  for (int i; (i = next_job++) < n_jobs;)
-    if (jobs[i].dup_of < 0) {
-      run_job(&jobs[i]);
-      progress();
-    }
-  return arg;
-}
-
-static char tmp[512];
-
 static int setup(void **state) {
-  const char *keep = getenv("OPGRAFT_TEST_KERNEL_CACHE");
-  tmp[0] = 0;
-  if (keep && *keep) {
-    setenv("OPGRAFT_CACHE_DIR", keep, 1);
-  } else {
-    og_tmpdir(tmp, sizeof tmp);
-    setenv("OPGRAFT_CACHE_DIR", tmp, 1);
-  }
-  og_unsetenv_prefix("OPGRAFT_TUNE_"); /* the shipped tunables decide the configurations */
-  unsetenv("OPGRAFT_TRACE");
-  opgraft_tune_reload();
-  opgraft_runtime_info info;
-  assert_int_equal(opgraft_runtime_query(&info), OPGRAFT_OK);
-  have_nvrtc = info.nvrtc_version > 0;
-  opgraft__copy(nvrtc_error, sizeof nvrtc_error, info.nvrtc_error);
-  if (!have_nvrtc) return 0;
-
+  if (!og_jobs_setup()) return 0;
   static const int all[] = {Q30, Q235, MIX, DSV3, KIMI, ODD, EP2, EP64};
   static const int q30_ep2[] = {Q30, EP2}, q30_mix[] = {Q30, MIX}, five[] = {Q30, Q235, MIX, KIMI, ODD};
   static const int32_t t1_8[] = {1, 8}, t1[] = {1}, t4[] = {4}, t16[] = {16}, t16_33[] = {16, 33}, t1_9_33[] = {1, 9, 33};
-  n_jobs = n_unique = 0;
   /* The shipped configurations: every shape and token count in bf16; fp16 (the same code but for
    * its conversions) at one, two and five token tiles. */
   add_setting(NULL, all, N_SHAPES, token_counts, N_TOKENS, OPGRAFT_DTYPE_BF16);
@@ -336,89 +235,24 @@ static int setup(void **state) {
     add_setting_q((const char *[]){"OPGRAFT_TRACE", "1", NULL}, (const int[]){Q30, ODD}, 2, t1_8, 2,
                   OPGRAFT_DTYPE_BF16, both[b]);
   }
-  long threads = sysconf(_SC_NPROCESSORS_ONLN);
-  const char *env = getenv("OPGRAFT_TEST_JOBS");
-  if (env && atoi(env) > 0) threads = atoi(env);
-  if (threads < 1) threads = 1;
-  if (threads > 16) threads = 16;
-  pthread_t th[16];
-  next_job = 0;
-  n_done = 0;
-  clock_gettime(CLOCK_MONOTONIC, &t_start);
-  t_last = t_start;
-  print_message("%d MoE configurations, %d distinct compiles on %ld threads (kernel cache %s)\n", n_jobs, n_unique,
-                threads, getenv("OPGRAFT_CACHE_DIR"));
-  fflush(stdout);
-  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_create(&th[i], NULL, worker, NULL), 0);
-  for (long i = 0; i < threads; ++i) assert_int_equal(pthread_join(th[i], NULL), 0);
-  print_message("%d distinct MoE variants compiled or read from the cache in %.1f s\n", n_unique, seconds_since(&t_start));
+  og_jobs_compile("MoE");
   return 0;
 }
-
-static int teardown(void **state) {
-  if (tmp[0]) og_rm_rf(tmp);
-  unsetenv("OPGRAFT_CACHE_DIR");
-  return 0;
-}
-
-static void need_nvrtc(void) {
-  if (have_nvrtc) return;
-  if (og_allow_no_nvrtc()) {
-    print_message("skipping: NVRTC cannot be loaded (%s) and OPGRAFT_TEST_ALLOW_NO_NVRTC=1\n", nvrtc_error);
-    skip();
-  }
-  fail_msg("NVRTC cannot be loaded: %s (set OPGRAFT_TEST_ALLOW_NO_NVRTC=1 to skip the compile tests)", nvrtc_error);
-}
-
-static const job *result_of(const job *j) { return j->dup_of >= 0 ? &jobs[j->dup_of] : j; }
 
 static void test_every_variant_compiles(void **state) {
-  need_nvrtc();
-  assert_true(n_unique > 50 && n_unique <= n_jobs);
+  og_need_nvrtc();
+  assert_true(og_nunique > 50 && og_nunique <= og_njobs);
   int fp8 = 0;
-  for (int i = 0; i < n_jobs; ++i) fp8 += jobs[i].args.weight_dtype == OPGRAFT_DTYPE_FP8_E4M3 && jobs[i].dup_of < 0;
+  for (int i = 0; i < og_njobs; ++i) fp8 += job_weight_dtype[i] == OPGRAFT_DTYPE_FP8_E4M3 && og_jobs[i].dup_of < 0;
   assert_true(fp8 > 100);
-  int bad = 0;
-  for (int i = 0; i < n_jobs; ++i) {
-    const job *r = result_of(&jobs[i]);
-    if (r->status != OPGRAFT_OK) {
-      print_error("%s: %s: %.400s\n", jobs[i].what, opgraft_status_name(r->status), r->error);
-      ++bad;
-      continue;
-    }
-    char names[OG_MOE_KERNELS][64];
-    opgraft__moe_fn_names(&jobs[i].args, names);
-    for (int k = 0; k < r->ninfo; ++k)
-      if (strcmp(r->info[k].name, names[k]) != 0 || r->info[k].registers <= 0) {
-        print_error("%s: kernel %d is \"%s\" with %d registers, expected %s with some\n", jobs[i].what, k,
-                    r->info[k].name, r->info[k].registers, names[k]);
-        ++bad;
-      }
-  }
-  if (bad) fail_msg("%d problems over %d kernel variants", bad, n_jobs);
+  og_jobs_check_compiled();
 }
 
-static void test_no_spills(void **state) {
-  need_nvrtc();
-  int bad = 0;
-  for (int i = 0; i < n_jobs; ++i) {
-    const job *r = result_of(&jobs[i]);
-    if (r->status != OPGRAFT_OK) continue; /* reported by test_every_variant_compiles */
-    for (int k = 0; k < r->ninfo; ++k) {
-      const opgraft_kernel_info *ki = &r->info[k];
-      if (ki->spill_store_bytes > 0 || ki->spill_load_bytes > 0) {
-        print_error("%s: %s spills: %d bytes stored, %d bytes loaded, %d registers, %d bytes stack\n", jobs[i].what,
-                    ki->name, ki->spill_store_bytes, ki->spill_load_bytes, ki->registers, ki->stack_bytes);
-        ++bad;
-      }
-    }
-  }
-  if (bad) fail_msg("%d kernels spill registers", bad);
-}
+static void test_no_spills(void **state) { og_jobs_check_no_spills(); }
 
 static void test_report_matches_the_jobs(void **state) {
   /* opgraft_moe_compile_report (the public entry point) agrees with the job list's compile. */
-  need_nvrtc();
+  og_need_nvrtc();
   opgraft_moe_args a;
   memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;
@@ -431,9 +265,9 @@ static void test_report_matches_the_jobs(void **state) {
   int32_t count = 0;
   assert_int_equal(opgraft_moe_compile_report(&a, 90, ki, 3, &count), OPGRAFT_OK);
   assert_int_equal(count, 2);
-  const job *r = result_of(&jobs[1]); /* Qwen3-30B-A3B bf16 T=1 sm_90 */
-  assert_non_null(strstr(jobs[1].what, "Qwen3-30B-A3B (") );
-  assert_non_null(strstr(jobs[1].what, "T=1 sm_90"));
+  const og_job *r = og_job_result(1); /* Qwen3-30B-A3B bf16 T=1 sm_90 */
+  assert_non_null(strstr(og_jobs[1].what, "Qwen3-30B-A3B ("));
+  assert_non_null(strstr(og_jobs[1].what, "T=1 sm_90"));
   assert_string_equal(ki[0].name, r->info[0].name);
   assert_int_equal(ki[0].registers, r->info[0].registers);
   assert_int_equal(ki[1].registers, r->info[1].registers);
@@ -471,5 +305,5 @@ int main(void) {
       cmocka_unit_test(test_no_spills),
       cmocka_unit_test(test_report_matches_the_jobs),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return cmocka_run_group_tests(tests, setup, og_jobs_teardown);
 }
