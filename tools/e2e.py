@@ -18,8 +18,9 @@ a difference between stock and opgraft means little where stock differs from sto
 `opgraft-again` is opgraft a second time: host-bound times (the one-token run) differ by 20-40%
 between two processes of the same setting on a shared host, which only repeats show. Any
 other label after a setting's name runs that setting too, with the environment --env gives it
-(opgraft-prologue with MODE:OPGRAFT_ATTENTION_PROLOGUE=1: an opt-in beside opgraft in one study).
-Each runs in its own
+(opgraft-prologue with MODE:OPGRAFT_ATTENTION_PROLOGUE=1: an opt-in beside opgraft in one study);
+the comparison then sets each labelled setting against the one it labels too (its ITL ratio,
+parity and profile difference: what its switches alone change). Each runs in its own
 process because the plugin is installed when vLLM starts and CUDA graphs fix the kernels at
 capture time.
 
@@ -727,10 +728,19 @@ def compare(out_dir: str, modes=None) -> dict:
                 row["itl_vs_disabled"] = br["itl_ms"]["median"] / bi
             rows.append(row)
     par = {m: parity(base, r) for m, r in runs.items() if base and m != "disabled"}
+    # A labelled setting (opgraft-both) against the setting it labels (opgraft), run in the same
+    # study: what its switches alone change.
+    vs_base = {}
+    for m, r in runs.items():
+        b = base_mode(m)
+        if b != m and b in runs:
+            itl = {key: br["itl_ms"]["median"] / runs[b]["batches"][key]["itl_ms"]["median"]
+                   for key, br in r.get("batches", {}).items() if key in runs[b].get("batches", {})}
+            vs_base[m] = {"base": b, "itl_ratio": itl, "parity": parity(runs[b], r)}
     meta = {k: v for k, v in (base or next(iter(runs.values()), {})).items()
             if k in ("model", "tp", "expert_parallel", "vllm", "torch", "gpu", "commit", "date",
                      "input_len", "output_len", "init_std")}
-    summary = {"meta": meta, "rows": rows, "parity_vs_disabled": par,
+    summary = {"meta": meta, "rows": rows, "parity_vs_disabled": par, "vs_base": vs_base,
                "status": {m: r.get("status") for m, r in runs.items()},
                "startup_s": {m: r.get("startup_s") for m, r in runs.items()},
                "workers": {m: r.get("workers") or r.get("workers_error") for m, r in runs.items()}}
@@ -751,6 +761,12 @@ def compare(out_dir: str, modes=None) -> dict:
                   f"same-position {v['same_position_fraction']:.4f} "
                   f"common-prefix {v['common_prefix_fraction']:.4f} "
                   f"max|dlogprob| {v['max_abs_logprob_diff_on_common_prefix']:.4g}")
+    for m, v in vs_base.items():
+        for key, p in sorted(v["parity"].items(), key=lambda kv: int(kv[0])):
+            ratio = v["itl_ratio"].get(key)
+            print(f"{m} vs {v['base']}, B={key}: ITL x{ratio:.3f}, identical={p['identical']} "
+                  f"same-position {p['same_position_fraction']:.4f} "
+                  f"max|dlogprob| {p['max_abs_logprob_diff_on_common_prefix']:.4g}")
     for m, w in summary["workers"].items():
         print(f"workers {m}: {json.dumps(w)[:400]}")
         if isinstance(w, list) and w and all(isinstance(x, dict) for x in w):  # each rank's rewrites, in full
@@ -774,6 +790,15 @@ def compare(out_dir: str, modes=None) -> dict:
             if pre:
                 print(f"profile {m} B={key}: GPU {pre['gpu_us_per_step'] / 1e3:.3f} ms in the prefill alone, "
                       f"{pre['kernels_per_step']} kernels (one-token run {min(br.get('t_1_s') or [0]) * 1e3:.1f} ms)")
+            lb = runs.get(base_mode(m)) if base_mode(m) != m else None
+            lprof = _rank0_profile((lb or {}).get("batches", {}).get(key, {}))
+            if lprof and "error" not in lprof:
+                d = profile_diff(lprof, prof)
+                print(f"profile {m} vs {base_mode(m)} B={key}: GPU {d['gpu_delta_us']:+.1f} us per step, "
+                      f"kernels {d['kernels_delta']:+.1f} per step")
+                for k in d["kernels"][:8]:
+                    print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
+                          f"{k['base_launches']:.0f} -> {k['launches']:.0f}x)  {k['kernel'][:80]}")
             bprof = _rank0_profile((base or {}).get("batches", {}).get(key, {}))
             if m != "disabled" and bprof and "error" not in bprof:
                 for what, b_, o_ in (("step", bprof, prof), ("prefill", bprof.get("prefill"), pre)):

@@ -128,6 +128,12 @@ def test_compare_writes_summary_with_ratios(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "graph rewrites opgraft-both (a rank each): norm+linear [2, 2], norm+MoE [1, 1]" in out
     assert "graph rewrites opgraft:" not in out and "attention prologue [" not in out
+    # ... and against the setting it labels, run in the same study
+    assert set(s["vs_base"]) == {"opgraft-both", "disabled-again"}
+    v = s["vs_base"]["opgraft-both"]
+    assert v["base"] == "opgraft" and v["itl_ratio"]["1"] == pytest.approx(1.4 / 1.5)
+    assert v["parity"]["1"]["identical"] and v["parity"]["1"]["max_abs_logprob_diff_on_common_prefix"] == pytest.approx(0.01)
+    assert "opgraft-both vs opgraft, B=1: ITL x0.933, identical=True same-position 1.0000" in out
 
 
 def _setting_with_a_child(pidfile) -> str:
@@ -448,8 +454,12 @@ def test_compare_prints_the_profile_difference(tmp_path, capsys):
     (tmp_path / "e2e-opgraft.json").write_text(json.dumps(
         run("opgraft", {"moe_down_bf16": [48, 3500.0]}, {"nvjet_gemm": [144, 1000.0]}, [0.11],
             {"aten::mm": [144, 1000.0, 1000.0], "opgraft::linear": [144, 3000.0, 4000.0]})))
+    (tmp_path / "e2e-opgraft-both.json").write_text(json.dumps(
+        run("opgraft-both", {"moe_down_bf16": [48, 3400.0]}, {"nvjet_gemm": [144, 1000.0]}, [0.11], {})))
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
+    assert "profile opgraft-both vs opgraft B=8: GPU -100.0 us per step, kernels +0.0 per step" in out
+    assert "profile opgraft vs opgraft" not in out and "profile disabled vs" not in out
     assert "profile opgraft vs disabled B=8: GPU +500.0 us per step, kernels -48.0 per step" in out
     assert "profile opgraft B=8: GPU 1.000 ms in the prefill alone, 144 kernels (one-token run 110.0 ms)" in out
     assert "profile opgraft vs disabled B=8: GPU +100.0 us per prefill, kernels +0.0 per prefill" in out
