@@ -707,6 +707,14 @@ def _modes_in(out_dir: str) -> list[str]:
     return [m for m in MODES if m in names] + sorted(names - set(MODES))
 
 
+def _print_profile_diff(title: str, what: str, base: dict, prof: dict) -> None:
+    d = profile_diff(base, prof)
+    print(f"{title}: GPU {d['gpu_delta_us']:+.1f} us per {what}, kernels {d['kernels_delta']:+.1f} per {what}")
+    for k in d["kernels"][:8]:
+        print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
+              f"{k['base_launches']:.0f} -> {k['launches']:.0f}x)  {k['kernel'][:80]}")
+
+
 def compare(out_dir: str, modes=None) -> dict:
     runs = {}
     for m in modes if modes is not None else _modes_in(out_dir):
@@ -793,23 +801,12 @@ def compare(out_dir: str, modes=None) -> dict:
             lb = runs.get(base_mode(m)) if base_mode(m) != m else None
             lprof = _rank0_profile((lb or {}).get("batches", {}).get(key, {}))
             if lprof and "error" not in lprof:
-                d = profile_diff(lprof, prof)
-                print(f"profile {m} vs {base_mode(m)} B={key}: GPU {d['gpu_delta_us']:+.1f} us per step, "
-                      f"kernels {d['kernels_delta']:+.1f} per step")
-                for k in d["kernels"][:8]:
-                    print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
-                          f"{k['base_launches']:.0f} -> {k['launches']:.0f}x)  {k['kernel'][:80]}")
+                _print_profile_diff(f"profile {m} vs {base_mode(m)} B={key}", "step", lprof, prof)
             bprof = _rank0_profile((base or {}).get("batches", {}).get(key, {}))
             if m != "disabled" and bprof and "error" not in bprof:
                 for what, b_, o_ in (("step", bprof, prof), ("prefill", bprof.get("prefill"), pre)):
-                    if not (b_ and o_):
-                        continue
-                    d = profile_diff(b_, o_)
-                    print(f"profile {m} vs disabled B={key}: GPU {d['gpu_delta_us']:+.1f} us per {what}, "
-                          f"kernels {d['kernels_delta']:+.1f} per {what}")
-                    for k in d["kernels"][:8]:
-                        print(f"    {k['delta_us']:+9.1f} us  ({k['base_us']:.1f} -> {k['us']:.1f}, "
-                              f"{k['base_launches']:.0f} -> {k['launches']:.0f}x)  {k['kernel'][:80]}")
+                    if b_ and o_:
+                        _print_profile_diff(f"profile {m} vs disabled B={key}", what, b_, o_)
                 bh, oh = (bprof.get("prefill") or {}).get("host"), (pre or {}).get("host")
                 if bh and oh:
                     d = host_diff(bh, oh)
