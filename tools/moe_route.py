@@ -85,9 +85,6 @@ def main(argv=None) -> int:
         routers["vllm-topk"] = lambda x, logits: fused_topk(x, logits, k, True)[:2]
     names = ["given"] + list(routers) + ["routed"] + (["routed+quant", "routed-x16"] if fp8 else
                                                        ["norm+routed", "routed-norm"])
-    norm_w = (torch.rand(H, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(8)) + 0.5
-              ).to(torch.bfloat16)
-    compiled_norm = None if fp8 else linear_bench._compiled_norm()
     if args.variants:
         bad = [v for v in args.variants.split(",") if v not in names]
         if bad:
@@ -98,6 +95,11 @@ def main(argv=None) -> int:
     if any(extra[e][0] == "routed-x16" for e in extra) and not fp8:
         print("tools.moe_route: error: @x16 needs --dtype fp8-block", file=sys.stderr)
         return 2
+    norm = bool({"norm+routed", "routed-norm"} & set(names))  # the add + RMSNorm variants' inputs
+    if norm:
+        norm_w = (torch.rand(H, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(8)) + 0.5
+                  ).to(torch.bfloat16)
+        compiled_norm = linear_bench._compiled_norm()
     names += [e for e in extra if e not in names]
 
     def forget():
@@ -129,12 +131,13 @@ def main(argv=None) -> int:
         pw, pid = routing(logits[0])
         ref = (moe_bench.reference_fp8(xq[0][0], sc[0], w13, w2, pw, pid) if fp8
                else moe_bench.reference(xs[0], w13, w2, pw, pid))
-        # The norm variants: xs as the previous layer's output, a residual, the normalized rows
-        # made by the variant, the router logits of those rows.
-        res = [(4 * moe_bench.make_x(T, H, "bf16", DEVICE, gen)) for _ in range(n)]
-        r_out, hn = ([torch.empty((T, H), dtype=torch.bfloat16, device=DEVICE) for _ in range(n)] for _ in range(2))
-        lgn = [torch.empty((T, E), dtype=torch.bfloat16, device=DEVICE) for _ in range(n)]
-        h0 = linear_ops.add_rms_norm_reference(xs[0], res[0], norm_w, linear_bench.NORM_EPS)[0]
+        if norm:  # xs as the previous layer's output, a residual, the normalized rows the variant
+            # makes, the router logits of those rows
+            res = [(4 * moe_bench.make_x(T, H, "bf16", DEVICE, gen)) for _ in range(n)]
+            r_out, hn = ([torch.empty((T, H), dtype=torch.bfloat16, device=DEVICE) for _ in range(n)]
+                         for _ in range(2))
+            lgn = [torch.empty((T, E), dtype=torch.bfloat16, device=DEVICE) for _ in range(n)]
+            h0 = linear_ops.add_rms_norm_reference(xs[0], res[0], norm_w, linear_bench.NORM_EPS)[0]
         if fp8:
             sx16 = moe_bench.fp8_scales("fp8-block", None, s13, s2)
             q16 = moe_bench.quantize_as_the_kernel(xs[0], moe_bench.FP8_BLOCK[1])
@@ -169,7 +172,6 @@ def main(argv=None) -> int:
                                             fp8=moe_bench.fp8_scales("fp8-block", qs, s13, s2))
                     elif kind == "routed-x16":
                         ops.moe_routed_into(outs[i], xs[i], w13, w2, logits[i], k, True, workspace=ws, fp8=sx16)
-
                     else:
                         tw, ids = given[i] if kind == "given" else routers[kind](xs[i], logits[i])
                         ops.moe_experts_into(outs[i], xq[i][0], w13, w2, tw, ids, workspace=ws, fp8=sc[i])

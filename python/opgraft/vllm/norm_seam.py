@@ -188,9 +188,9 @@ def _val(n):
 
 
 def _norm_parts(node, norm_op):
-    """((x, residual, norm_weight, eps), getitem 0, getitem 1 or None) if node is the norm with
-    2-D x and residual of one shape, bf16/fp16, a norm weight [K] of their dtype and no
-    variance_size; else None."""
+    """((x, residual, norm_weight, eps), getitem 0, getitem 1 or None, the one user of getitem 0)
+    if node is the norm with 2-D x and residual of one shape, bf16/fp16, a norm weight [K] of their
+    dtype and no variance_size, whose normalized rows feed one node; else None."""
     if node.op != "call_function" or node.target is not norm_op or node.kwargs:
         return None
     import torch
@@ -219,7 +219,7 @@ def _norm_parts(node, norm_op):
         return None
     if nv.dim() != 1 or nv.dtype != dt or not _same(nv.shape, xv.shape[1:]):
         return None
-    return (x, res, nw, float(eps)), g0, gets.get(1)
+    return (x, res, nw, float(eps)), g0, gets.get(1), next(iter(g0.users))
 
 
 def _same(a, b) -> bool:
@@ -242,8 +242,7 @@ def _match(node, order, ops, max_tokens=None):
         return None
     from torch.fx import Node
 
-    (x, res, nw, eps), g0, g1 = parts
-    lin = next(iter(g0.users))
+    (x, res, nw, eps), g0, g1, lin = parts
     if lin.op != "call_function" or lin.target is not linear_op or not 2 <= len(lin.args) <= 3 \
             or lin.args[0] is not g0 or set(lin.kwargs) - {"bias"} or (len(lin.args) == 3 and lin.kwargs):
         return None
@@ -424,8 +423,7 @@ def _match_moe(node, order, ops, max_tokens=None, rows_of=None):
     parts = _norm_parts(node, norm_op)
     if parts is None:
         return None
-    (x, res, nw, eps), g0, g1 = parts
-    af = next(iter(g0.users))
+    (x, res, nw, eps), g0, g1, af = parts
     name = _moe_call(af, g0, moe_op)
     if name is None or not _defined_before(order, node, name):
         return None
