@@ -110,8 +110,16 @@
 #define OG_ROPE 0
 #endif
 #define OG_QKPRO (OG_QKNORM || OG_ROPE)
-#if OG_QKPRO && !OG_UPDATE
+// OG_QK_ONLY: the module holds only attention_qk_prologue_* (the q/k norm and rotary embedding
+// alone, for the rows the decode kernel does not take), no decode entry point.
+#ifndef OG_QK_ONLY
+#define OG_QK_ONLY 0
+#endif
+#if OG_QKPRO && !OG_UPDATE && !OG_QK_ONLY
 #error "q/k norm and rotary embedding need the call's new keys (OG_UPDATE)"
+#endif
+#if OG_QK_ONLY && (!OG_QKPRO || OG_UPDATE)
+#error "OG_QK_ONLY needs q/k norm or rotary embedding, and no decode options"
 #endif
 #define OG_CHUNK 16  // partials a combine loads at once (a thread's loads in flight)
 
@@ -867,6 +875,7 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   }
 }
 
+#if !OG_QK_ONLY
 // The entry points: fan-in 16, and with OG_FAN32 fan-in 32 for the launches the host gives it
 // (opgraft__attn_fan_of). Each is its own function, so fan-in 16's code is as it was before
 // fan-in 32 existed.
@@ -877,5 +886,32 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS) OG_SUFFIX(att
 extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS)
     OG_SUFFIX(attention_decode_fan32)(const og_attn_params p) {
   og_attention<OG_ATTN_FAN_MAX_LOG2>(p);
+}
+#endif
+#else
+// The prologue alone, out of place: row t's query heads (q) and key heads (k_new) normalized and
+// rotated as in the decode kernel (the same bits), into out and k_out, for the token rows the
+// decode kernel does not take (a prefill's, which vLLM would give its own norm and rotary kernels).
+// One block a row: its threads walk the row's (heads + kv heads) * D/8 pieces a warp at a time,
+// so a head's pieces sit in D/8 consecutive lanes and a thread's dims never change (the block is
+// a multiple of D/8 threads); lanes past the end load zeros for the shuffles and store nothing.
+#define OG_QK_THREADS 256
+extern "C" __global__ void __launch_bounds__(OG_QK_THREADS) OG_SUFFIX(attention_qk_prologue)(const og_attn_params p) {
+  const long long t = blockIdx.x;
+  const int lane = threadIdx.x & 31, hq = p.pro_heads, total = (hq + p.pro_kv_heads) * (OG_D / 8);
+  og_qk_consts qk;
+  og_qk_load(p, OG_ROPE ? __ldg(p.positions + t) : 0, qk);
+  for (int i = threadIdx.x; i - lane < total; i += OG_QK_THREADS) {
+    const int h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+    const bool isq = h < hq, live = i < total;
+    const og_u16 *src = isq ? (const og_u16 *)p.q + t * p.q_st + (long long)h * p.q_sh
+                            : (const og_u16 *)p.k_new + t * p.kn_st + (long long)(h - hq) * p.kn_sh;
+    og_vec4 v = live ? og_load_activation<false>(src + d) : og_zero4();
+    const og_vec4 w = OG_QKNORM ? (isq ? qk.qw : qk.kw) : v;  // a copy: a reference to either member
+    v = og_qk_piece(p, v, w, qk);                              // would put both on the stack
+    og_u16 *dst = isq ? (og_u16 *)p.out + t * p.o_st + (long long)h * p.o_sh
+                      : (og_u16 *)p.k_out + t * p.ko_st + (long long)(h - hq) * p.ko_sh;
+    if (live) *(og_vec4 *)(dst + d) = v;
+  }
 }
 #endif

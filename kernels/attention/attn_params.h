@@ -40,6 +40,11 @@ typedef struct og_attn_params {
   float cap_log2;  /* OG_SOFTCAP: softcap * log2(e) */
   float qk_eps;    /* OG_QKNORM: the RMSNorm's epsilon */
   int rope_rows;   /* OG_ROPE: rows of cos_sin; a position outside [0, rope_rows) is not rotated */
+  /* OG_QK_ONLY: a row's query heads and key heads (q, k_new), and where the keys go (out takes the
+   * queries through o_st, o_sh) */
+  int pro_heads, pro_kv_heads;
+  void *k_out;
+  long long ko_st, ko_sh;
 } og_attn_params;
 
 /* A query row in shared memory, in elements: 64 bytes of padding spread the banks. */

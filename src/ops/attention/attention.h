@@ -30,6 +30,9 @@ void opgraft__attn_shape_key(const opgraft_attention_args *a, char *buf, size_t 
 int32_t opgraft__attn_check_static(const opgraft_attention_args *a, char *reason, size_t reason_len);
 /* Its part for the q/k norm and rotary embedding (ABI 11). */
 int32_t opgraft__attn_check_prologue(const opgraft_attention_args *a, char *reason, size_t reason_len);
+/* The checks of opgraft_attention_prologue_run's arguments (the prologue alone). */
+int32_t opgraft__attn_check_prologue_alone(const opgraft_attention_args *a, const int64_t k_out_stride[2], char *reason,
+                                           size_t reason_len);
 /* Alignment and NULL checks of the pointers a call carries. */
 int32_t opgraft__attn_check_pointers(const opgraft_attention_args *a, char *reason, size_t reason_len);
 /* The checks that need the device; arch_out and gpu receive the device. */
@@ -57,6 +60,9 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
 int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg *c, og_opts *o);
 /* The kernel entry point of a dtype at a fan-in (log2; 5: attention_decode_fan32_*, else 16's). */
 void opgraft__attn_fn_name(int32_t dtype, int fan_log2, char name[64]);
+/* The prologue-alone kernel's compile options (OG_QK_ONLY) and entry point. */
+int32_t opgraft__attn_prologue_options(const opgraft_attention_args *a, og_opts *o);
+void opgraft__attn_prologue_fn_name(int32_t dtype, char name[64]);
 /* The shape checks a compile-only call needs (no device). */
 int32_t opgraft__attn_compile_check(const opgraft_attention_args *a, const char *what);
 /* Bytes of workspace for a launch of at most max_slots blocks in split calls, up to max_splits

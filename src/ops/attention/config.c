@@ -90,6 +90,20 @@ void opgraft__attn_fn_name(int32_t dtype, int fan_log2, char name[64]) {
            dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
 }
 
+int32_t opgraft__attn_prologue_options(const opgraft_attention_args *a, og_opts *o) {
+  memset(o, 0, sizeof *o);
+  opgraft__opt(o, "-DOG_QK_ONLY=1");
+  opgraft__opt(o, "-DOG_DTYPE=%d", a->dtype == OPGRAFT_DTYPE_BF16 ? 1 : 2);
+  opgraft__opt(o, "-DOG_D=%lld", (long long)a->head_size);
+  opgraft__opt(o, "-DOG_QKNORM=%d", a->q_norm_weight != NULL);
+  opgraft__opt(o, "-DOG_ROPE=%d", a->rope_style);
+  return opgraft__opts_check(o, "attention prologue");
+}
+
+void opgraft__attn_prologue_fn_name(int32_t dtype, char name[64]) {
+  snprintf(name, 64, "attention_qk_prologue_%s", dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
+}
+
 static size_t round256(size_t n) { return (n + 255u) & ~(size_t)255u; }
 
 /* The workspace: [counters][partial maxima and sums][partial outputs], each region at a fixed

@@ -125,6 +125,30 @@ int32_t opgraft__attn_check_prologue(const opgraft_attention_args *a, char *reas
   return OPGRAFT_OK;
 }
 
+/* The prologue alone (opgraft_attention_prologue_run): only the fields it reads. */
+int32_t opgraft__attn_check_prologue_alone(const opgraft_attention_args *a, const int64_t k_out_stride[2], char *reason,
+                                           size_t reason_len) {
+  if (!a) return OG_REASON("no arguments");
+  if (a->struct_size < sizeof(opgraft_attention_args))
+    return OG_REASON("opgraft_attention_args.struct_size %u < %zu: caller built against an older ABI", a->struct_size,
+                     sizeof(opgraft_attention_args));
+  if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
+    return OG_REASON("dtype %s (the kernel takes bf16 and fp16)", opgraft__attn_dtype_name(a->dtype));
+  const int64_t D = a->head_size;
+  if (D != 64 && D != 128 && D != 256) return OG_REASON("head size %lld (64, 128 or 256 supported)", (long long)D);
+  if (a->num_heads < 1 || a->num_kv_heads < 1 || a->num_heads + a->num_kv_heads > 65536)
+    return OG_REASON("%lld query heads and %lld kv heads", (long long)a->num_heads, (long long)a->num_kv_heads);
+  if (a->batch < 0 || a->batch > INT32_MAX) return OG_REASON("%lld rows (0..%d supported)", (long long)a->batch, INT32_MAX);
+  if (!a->q_norm_weight && !a->k_norm_weight && a->rope_style == OPGRAFT_ROPE_NONE)
+    return OG_REASON("neither q/k norm nor rotary embedding: nothing to do");
+  if (!k_out_stride) return OG_REASON("no output key strides");
+  if (a->q_stride[2] != 1 || a->out_stride[2] != 1) return OG_REASON("a head's dims are not contiguous");
+  if (!mult8(a->q_stride[0]) || !mult8(a->q_stride[1]) || !mult8(a->out_stride[0]) || !mult8(a->out_stride[1]) ||
+      !mult8(a->k_new_stride[0]) || !mult8(a->k_new_stride[1]) || !mult8(k_out_stride[0]) || !mult8(k_out_stride[1]))
+    return OG_REASON("query, key or output strides are not multiples of 16 bytes");
+  return opgraft__attn_check_prologue(a, reason, reason_len);
+}
+
 static int aligned(const void *p, unsigned n) { return ((uintptr_t)p & (n - 1u)) == 0; }
 
 int32_t opgraft__attn_check_pointers(const opgraft_attention_args *a, char *reason, size_t reason_len) {

@@ -332,6 +332,51 @@ int32_t opgraft_attention_plan_run_args(const opgraft_attention_plan *plan, cons
              a->max_seq_len, a, stream);
 }
 
+/* ---- the prologue alone ---- */
+
+int32_t opgraft_attention_prologue_run(const opgraft_attention_args *a, void *k_out, const int64_t k_out_stride[2],
+                                       void *stream) {
+  char reason[256];
+  int32_t st = opgraft__attn_check_prologue_alone(a, k_out_stride, reason, sizeof reason);
+  if (st) return opgraft__fail(st, "attention prologue not supported: %s", reason);
+  if (a->batch == 0) return OPGRAFT_OK;
+  const int norm = a->q_norm_weight != NULL, rope = a->rope_style != OPGRAFT_ROPE_NONE;
+  if (!a->q || !a->out || !a->k_new || !k_out || misaligned(a->q, 16) || misaligned(a->out, 16) ||
+      misaligned(a->k_new, 16) || misaligned(k_out, 16) ||
+      (norm && (misaligned(a->q_norm_weight, 16) || misaligned(a->k_norm_weight, 16))) ||
+      (rope && (!a->cos_sin_cache || !a->positions || misaligned(a->cos_sin_cache, 16) || misaligned(a->positions, 8))))
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_attention_prologue_run: a NULL or misaligned pointer");
+  const og_cuda_api *cu;
+  og_CUcontext ctx = NULL;
+  if ((st = opgraft__current_ctx(&cu, &ctx))) return st;
+  int32_t arch = 0;
+  if ((st = opgraft__current_device(NULL, &arch, NULL, 0))) return st;
+  if (arch < OG_ATTN_MIN_ARCH)
+    return opgraft__fail(OPGRAFT_EUNSUPPORTED, "attention prologue not supported: sm_%d is older than sm_%d", arch,
+                         OG_ATTN_MIN_ARCH);
+  og_opts o;
+  char name[64];
+  const char *np[1] = {name};
+  og_CUfunction fn = NULL;
+  opgraft__attn_prologue_fn_name(a->dtype, name);
+  if ((st = opgraft__attn_prologue_options(a, &o)) ||
+      (st = opgraft__get_functions(OG_ATTN_SOURCE, o.ptr, o.n, arch, np, 1, &fn)))
+    return st;
+  og_attn_params p;
+  memset(&p, 0, sizeof p);
+  p.q = a->q, p.out = a->out, p.k_new = a->k_new, p.k_out = k_out;
+  p.q_st = a->q_stride[0], p.q_sh = a->q_stride[1], p.o_st = a->out_stride[0], p.o_sh = a->out_stride[1];
+  p.kn_st = a->k_new_stride[0], p.kn_sh = a->k_new_stride[1], p.ko_st = k_out_stride[0], p.ko_sh = k_out_stride[1];
+  p.pro_heads = (int)a->num_heads, p.pro_kv_heads = (int)a->num_kv_heads;
+  p.q_norm_w = a->q_norm_weight, p.k_norm_w = a->k_norm_weight, p.qk_eps = (float)a->qk_norm_eps;
+  p.cos_sin = a->cos_sin_cache, p.cs_stride = a->cos_sin_stride, p.rope_rows = (int)a->rope_rows;
+  p.positions = (const long long *)a->positions;
+  void *params[] = {&p};
+  return opgraft__cu_check(cu->cuLaunchKernel(fn, (unsigned)a->batch, 1, 1, 256, 1, 1, 0, (og_CUstream)stream, params,
+                                              NULL),
+                           "launch attention_qk_prologue");
+}
+
 /* ---- the argument-struct entry point, through plans cached here ---- */
 
 OG_PLAN_CACHE(plans, 64);

@@ -3,7 +3,8 @@
  * and fan-in 32 where the configuration has it: sm_90's rule): each head size and group
  * size, both dtypes, every option's code path (soft cap, window, sinks, the cache write) and each tunable's other
  * values (the block size is a run-time value: it does not change the code). Configurations are
- * resolved first, then compiled as og_compile_jobs.h does. */
+ * resolved first, then compiled as og_compile_jobs.h does. The prologue-alone kernel (OG_QK_ONLY)
+ * likewise, in each head size, dtype and norm / rotary combination. */
 #include "og_compile_jobs.h"
 #include "attention/attention.h"
 #include "../../../kernels/attention/attn_params.h"
@@ -51,6 +52,41 @@ static void add_job(int32_t dtype, int64_t D, int64_t G, int64_t bs, int options
   j->nfn = cfg.fan32 ? 2 : 1; /* fan-in 16's entry point, and fan-in 32's with attention.fan32 */
   for (int f = 0; f < j->nfn; ++f) opgraft__attn_fn_name(dtype, f ? OG_ATTN_FAN_MAX_LOG2 : OG_ATTN_FAN_LOG2, j->fn[f]);
   og_job_done(j);
+}
+
+/* The prologue alone (OG_QK_ONLY, opgraft_attention_prologue_run): every head size, dtype and
+ * combination of the q/k norm and the rotary embedding's styles. */
+static void add_prologue_jobs(void) {
+  for (int D = 64; D <= 256; D *= 2)
+    for (int dt = 0; dt < 2; ++dt)
+      for (int norm = 0; norm < 2; ++norm)
+        for (int rope = OPGRAFT_ROPE_NONE; rope <= OPGRAFT_ROPE_GPTJ; ++rope)
+          for (int ar = 0; ar < 2 && (norm || rope); ++ar) {
+            const int32_t dtype = dt ? OPGRAFT_DTYPE_FP16 : OPGRAFT_DTYPE_BF16;
+            opgraft_attention_args a;
+            memset(&a, 0, sizeof a);
+            a.struct_size = sizeof a;
+            a.dtype = dtype, a.batch = 128, a.num_heads = 32, a.num_kv_heads = 4, a.head_size = D;
+            a.q_stride[0] = a.out_stride[0] = 40 * D, a.q_stride[1] = a.out_stride[1] = D;
+            a.q_stride[2] = a.out_stride[2] = 1;
+            a.k_new = (const void *)0x1000, a.k_new_stride[0] = 40 * D, a.k_new_stride[1] = D;
+            if (norm) a.q_norm_weight = a.k_norm_weight = (const void *)0x1000, a.qk_norm_dtype = dtype, a.qk_norm_eps = 1e-6;
+            if (rope) {
+              a.rope_style = rope, a.cos_sin_cache = a.positions = (const void *)0x1000, a.cos_sin_dtype = dtype;
+              a.cos_sin_stride = D, a.rope_rows = 4096, a.positions_dtype = OPGRAFT_DTYPE_INT64;
+            }
+            const int64_t ko[2] = {4 * D, D};
+            og_job *j = og_job_new("prologue alone %s D=%d norm=%d rope=%d sm_%d", dt ? "fp16" : "bf16", D, norm, rope,
+                                   archs[ar]);
+            j->source = OG_ATTN_SOURCE, j->arch = archs[ar];
+            char reason[256];
+            if (opgraft__attn_check_prologue_alone(&a, ko, reason, sizeof reason))
+              fail_msg("%s: refused: %s", j->what, reason);
+            if (opgraft__attn_prologue_options(&a, &j->opts) != OPGRAFT_OK) fail_msg("%s: %s", j->what, opgraft_last_error());
+            j->nfn = 1;
+            opgraft__attn_prologue_fn_name(dtype, j->fn[0]);
+            og_job_done(j);
+          }
 }
 
 typedef struct variant {
@@ -135,6 +171,7 @@ static int setup(void **state) {
               nsome);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", "OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, some,
               nsome);
+  add_prologue_jobs();
   og_jobs_compile("attention");
   return 0;
 }
@@ -146,7 +183,8 @@ static void test_every_variant_compiles(void **state) {
   int fan32 = 0;
   for (int i = 0; i < og_njobs; ++i) {
     fan32 += og_jobs[i].nfn == 2;
-    if (og_jobs[i].arch == 90 && og_jobs[i].nfn != 2) /* sm_90's rule has fan-in 32 everywhere the jobs go */
+    const int decode = strncmp(og_jobs[i].fn[0], "attention_decode", 16) == 0; /* not the prologue alone */
+    if (decode && og_jobs[i].arch == 90 && og_jobs[i].nfn != 2) /* sm_90's rule has fan-in 32 everywhere the jobs go */
       fail_msg("%s: no fan-in 32 entry point", og_jobs[i].what);
   }
   assert_true(fan32 > 0 && fan32 < og_njobs);

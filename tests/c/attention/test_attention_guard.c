@@ -702,6 +702,79 @@ static void test_combine_tree(void **state) {
       }
 }
 
+/* The prologue alone (opgraft_attention_prologue_run) on a prefill of Qwen3's qkv output: 1000
+ * token rows, q and k views of the [rows, (32 + 2 * 4) * 128] projection, out and k_out contiguous;
+ * the cache fields are left zero (ignored). */
+static opgraft_attention_args prologue_args(void) {
+  opgraft_attention_args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  a.dtype = OPGRAFT_DTYPE_BF16;
+  a.batch = 1000, a.num_heads = 32, a.num_kv_heads = 4, a.head_size = 128;
+  a.q = (const void *)0x100000, a.q_stride[0] = 40 * 128, a.q_stride[1] = 128, a.q_stride[2] = 1;
+  a.out = (void *)0x400000, a.out_stride[0] = 32 * 128, a.out_stride[1] = 128, a.out_stride[2] = 1;
+  set_prologue(&a);
+  a.k_new_stride[0] = 40 * 128;
+  return a;
+}
+
+static void expect_prologue_refusal(const opgraft_attention_args *a, const int64_t *ko, const char *needle) {
+  char reason[256] = "";
+  assert_int_equal(opgraft__attn_check_prologue_alone(a, ko, reason, sizeof reason), OPGRAFT_EUNSUPPORTED);
+  if (!strstr(reason, needle)) fail_msg("reason \"%s\" lacks \"%s\"", reason, needle);
+  assert_int_equal(opgraft_attention_prologue_run(a, (void *)0xb00000, ko, NULL), OPGRAFT_EUNSUPPORTED);
+  if (!strstr(opgraft_last_error(), needle)) fail_msg("last error \"%s\" lacks \"%s\"", opgraft_last_error(), needle);
+}
+
+static void test_prologue_alone(void **state) {
+  const int64_t ko[2] = {4 * 128, 128}, ko_odd[2] = {4 * 128 + 4, 128};
+  char reason[256] = "unset";
+  opgraft_attention_args a = prologue_args();
+  assert_int_equal(opgraft__attn_check_prologue_alone(&a, ko, reason, sizeof reason), OPGRAFT_OK);
+  a.q_norm_weight = a.k_norm_weight = NULL; /* the rotary embedding alone, GPT-J, fp16, head 64 */
+  a.rope_style = OPGRAFT_ROPE_GPTJ, a.dtype = a.cos_sin_dtype = OPGRAFT_DTYPE_FP16, a.head_size = 64;
+  assert_int_equal(opgraft__attn_check_prologue_alone(&a, ko, reason, sizeof reason), OPGRAFT_OK);
+  a = prologue_args(), a.rope_style = OPGRAFT_ROPE_NONE; /* the norm alone */
+  assert_int_equal(opgraft__attn_check_prologue_alone(&a, ko, reason, sizeof reason), OPGRAFT_OK);
+  a.batch = 0; /* nothing to run: no GPU needed */
+  assert_int_equal(opgraft_attention_prologue_run(&a, (void *)0xb00000, ko, NULL), OPGRAFT_OK);
+
+  a = prologue_args(), a.struct_size -= 8;
+  expect_prologue_refusal(&a, ko, "older ABI");
+  a = prologue_args(), a.dtype = OPGRAFT_DTYPE_FP32;
+  expect_prologue_refusal(&a, ko, "dtype fp32");
+  a = prologue_args(), a.head_size = 96;
+  expect_prologue_refusal(&a, ko, "head size 96");
+  a = prologue_args(), a.num_kv_heads = 0;
+  expect_prologue_refusal(&a, ko, "kv heads");
+  a = prologue_args(), a.batch = -1;
+  expect_prologue_refusal(&a, ko, "rows");
+  a = prologue_args(), a.q_norm_weight = a.k_norm_weight = NULL, a.rope_style = OPGRAFT_ROPE_NONE;
+  expect_prologue_refusal(&a, ko, "nothing to do");
+  a = prologue_args(), a.k_norm_weight = NULL;
+  expect_prologue_refusal(&a, ko, "a q norm weight without a k norm weight");
+  a = prologue_args();
+  expect_prologue_refusal(&a, NULL, "no output key strides");
+  expect_prologue_refusal(&a, ko_odd, "not multiples of 16 bytes");
+  a.q_stride[2] = 2;
+  expect_prologue_refusal(&a, ko, "not contiguous");
+  a = prologue_args(), a.k_new = NULL;
+  expect_prologue_refusal(&a, ko, "without the call's new keys");
+  a = prologue_args(), a.qk_norm_dtype = OPGRAFT_DTYPE_FP16;
+  expect_prologue_refusal(&a, ko, "q/k norm weight dtype fp16");
+  a = prologue_args(), a.positions_dtype = OPGRAFT_DTYPE_INT32;
+  expect_prologue_refusal(&a, ko, "positions dtype int32");
+  a = prologue_args(), a.cos_sin_stride = 64;
+  expect_prologue_refusal(&a, ko, "cos/sin cache row stride 64");
+  /* Pointers the guard does not look at: a NULL or misaligned one is a bad call, not a refusal. */
+  a = prologue_args(), a.q = NULL;
+  assert_int_equal(opgraft_attention_prologue_run(&a, (void *)0xb00000, ko, NULL), OPGRAFT_EINVAL);
+  a = prologue_args(), a.positions = (const void *)0xa00004;
+  assert_int_equal(opgraft_attention_prologue_run(&a, (void *)0xb00000, ko, NULL), OPGRAFT_EINVAL);
+  a = prologue_args();
+  assert_int_equal(opgraft_attention_prologue_run(&a, NULL, ko, NULL), OPGRAFT_EINVAL);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_valid, reset_tunables),
@@ -715,6 +788,7 @@ int main(void) {
       cmocka_unit_test(test_combine_tree),
       cmocka_unit_test(test_fan_of),
       cmocka_unit_test(test_cluster_of),
+      cmocka_unit_test(test_prologue_alone),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
