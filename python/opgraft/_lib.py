@@ -297,6 +297,8 @@ _SIGNATURES = {
     "opgraft_attention_workspace_size": (
         ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.POINTER(ctypes.c_size_t)]),
     "opgraft_attention_run": (ctypes.c_int32, [ctypes.POINTER(AttentionArgs), _P, ctypes.c_size_t, _P]),
+    "opgraft_attention_prologue_run": (
+        ctypes.c_int32, [ctypes.POINTER(AttentionArgs), _P, ctypes.POINTER(ctypes.c_int64), _P]),
     "opgraft_attention_reference": (ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.POINTER(ctypes.c_double)]),
     "opgraft_attention_describe": (
         ctypes.c_int32, [ctypes.POINTER(AttentionArgs), ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]),

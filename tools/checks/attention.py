@@ -10,7 +10,9 @@ hand the kernel each row's last key and value as new ones (views of a fused qkv 
 rows NaN, a padded row with a slot of its own): the cache afterwards must equal the intended one
 bit for bit, and the output the oracle's on it. Prologue cases add vLLM's q/k RMSNorm and rotary
 embedding (positions L-1; in a batch the first row's outside the cos/sin cache): the expected query and keys
-are torch's (bench.attention.qk_prologue_torch), the stored keys within one rounding step of them."""
+are torch's (bench.attention.qk_prologue_torch), the stored keys within one rounding step of them.
+Prologue-alone cases (ops.attention.qk_prologue, a prefill's rows) want torch's within two units of
+the last place, bit-identical reruns and the input untouched."""
 
 from __future__ import annotations
 
@@ -188,12 +190,63 @@ def cases() -> list[dict]:
               128, graph=True, write_q=True, qk_norm=True, rope=1,
               tunables={"attention.pdl": 1, "attention.trigger": 1}),
     ]
+    c += [_alone("prologue alone: Qwen3 heads, one row", 1, 32, 4, 128),
+          _alone("prologue alone: Qwen3 heads, a 128-token prefill", 128, 32, 4, 128),
+          _alone("prologue alone: Qwen3 heads, 1000 rows, positions outside the cache", 1000, 32, 4, 128),
+          _alone("prologue alone: 64 / 8 heads, NeoX alone", 300, 64, 8, 128, norm=False),
+          _alone("prologue alone: head 256, q/k norm alone, fp16", 77, 16, 2, 256, dtype="fp16", rope=0),
+          _alone("prologue alone: head 64, GPT-J, 5 / 1 heads (a part warp)", 33, 5, 1, 64, rope=2),
+          _alone("prologue alone: head 64, q/k norm + GPT-J, 3 / 1 heads", 17, 3, 1, 64, rope=2)]
     return c
 
 
+def _alone(name, rows, hq, hk, d, dtype="bf16", norm=True, rope=1):
+    """A case of the prologue alone (ops.attention.qk_prologue): the q and k views of a fused qkv
+    projection of `rows` tokens at random positions (a few outside the cos/sin cache)."""
+    return dict(name=name, alone=True, rows=rows, hq=hq, hk=hk, d=d, dtype=dtype, qk_norm=norm, rope=rope,
+                tunables=None)
+
+
 def run_case(c: dict, device="cuda") -> dict:
+    if c.get("alone"):
+        return _run_alone(c, device)
     with bench.tunables(c["tunables"], ops.forget_plans):
         return _run_case(c, device)
+
+
+def _within_rounding(got, want, dtype: str) -> float:
+    """The largest |got - want| in units of the last place of want (two roundings apart at most:
+    the kernel's fp32 sum of squares may round x * rsqrt the other way near a tie)."""
+    _, e = torch.frexp(want.float())
+    ulp = torch.ldexp(torch.ones_like(want, dtype=torch.float), e - (8 if dtype == "bf16" else 11))
+    return float(((got.float() - want.float()).abs() / ulp).max())
+
+
+def _run_alone(c: dict, device) -> dict:
+    T, Hq, Hk, D = c["rows"], c["hq"], c["hk"], c["d"]
+    dt = attn_bench.TORCH_DTYPES[c["dtype"]]
+    g = torch.Generator(device=device).manual_seed(T + Hq)
+    qkv = torch.randn((T, (Hq + 2 * Hk) * D), generator=g, device=device).to(dt)
+    q, k = qkv[:, :Hq * D].view(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
+    pro = attn_bench.make_prologue(dt, D, T, device, c["qk_norm"], c["rope"], rope_rows=4096)
+    pro.positions.copy_(torch.randint(0, 4096, (T,), generator=g, device=device))
+    if T > 2:
+        pro.positions[0], pro.positions[1] = -1, 4096  # not rotated (the kernel's rule)
+    res = {k: v for k, v in c.items()}
+    try:
+        qo, ko = ops.qk_prologue(q, k, pro)
+        q2, k2 = ops.qk_prologue(q, k, pro)
+    except Exception as e:
+        return dict(res, supported=False, reason=str(e)[:200], passed=False)
+    torch.cuda.synchronize()
+    qt, kt = attn_bench.qk_prologue_torch(q, pro.q_norm_weight, pro), attn_bench.qk_prologue_torch(k, pro.k_norm_weight, pro)
+    ulps = max(_within_rounding(qo, qt, c["dtype"]), _within_rounding(ko, kt, c["dtype"]))
+    det = torch.equal(qo, q2) and torch.equal(ko, k2)
+    err = max(bench.rel_err(qo, qt), bench.rel_err(ko, kt))
+    untouched = torch.equal(qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D), k)
+    res.update(supported=True, rel_err=err, max_ulps=ulps, deterministic=det, input_untouched=untouched,
+               passed=bool(ulps <= 2 and det and untouched and err <= bench.TOLERANCE[c["dtype"]]))
+    return res
 
 
 def _check_out(p, out, lens, tol, query=None) -> dict:

@@ -425,6 +425,34 @@ def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, s
     return out
 
 
+def qk_prologue(query: torch.Tensor, key: torch.Tensor, pro: QKPrologue) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prologue alone (the library's opgraft_attention_prologue_run): query [rows, heads, D] and
+    key [rows, kv_heads, D] normalized and rotated as the decode kernel does it, row r at position
+    pro.positions[r], into new contiguous tensors. For the rows the decode kernel does not take (a
+    prefill's). Raises OpgraftError where the library refuses the call (the message says why)."""
+    rows, dev = query.shape[0], query.device
+    if (query.dim() != 3 or key.dim() != 3 or key.shape[0] != rows or key.shape[2] != query.shape[2]
+            or key.dtype != query.dtype or key.device != dev or not _pro_consistent(pro, query, key, rows, dev)):
+        raise _lib.OpgraftError(_lib.EINVAL, "query, key and prologue tensors do not describe one call")
+    if not query.is_cuda:
+        raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensors are not on a CUDA device")
+    q_out, k_out = torch.empty_like(query, memory_format=torch.contiguous_format), torch.empty_like(
+        key, memory_format=torch.contiguous_format)
+    a = _lib.AttentionArgs()
+    a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
+    a.dtype, a.batch = dtype_code(query), rows
+    a.num_heads, a.num_kv_heads, a.head_size = query.shape[1], key.shape[1], query.shape[2]
+    if key.stride(2) != 1:
+        raise _lib.OpgraftError(_lib.EUNSUPPORTED, "a key head's dims are not contiguous")
+    a.q, a.out, a.k_new = query.data_ptr(), q_out.data_ptr(), key.data_ptr()
+    a.q_stride, a.out_stride = strides(query, 3), strides(q_out, 3)
+    a.k_new_stride[0], a.k_new_stride[1] = key.stride(0), key.stride(1)
+    _set_prologue(a, pro)
+    ko = (ctypes.c_int64 * 2)(*k_out.stride()[:2])
+    _lib.check(_lib.lib().opgraft_attention_prologue_run(ctypes.byref(a), k_out.data_ptr(), ko, current_stream(dev)))
+    return q_out, k_out
+
+
 @torch.library.custom_op("opgraft::paged_decode_attention", mutates_args=())
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, softcap: float = 0.0,

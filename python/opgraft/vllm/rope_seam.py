@@ -29,8 +29,11 @@ What is patched (vLLM 0.26.0, the pinned release, and 0.33.0, the newest; both t
    enable_qk_norm_rope_fusion; its native form is some twenty nodes a tensor).
 The op (registered here: it needs vLLM's forward context) finds the layer through vLLM's
 get_attention_context; OpgraftFlashAttentionImpl.forward_prologue runs our kernel with the
-prologue for decode batches it takes, and otherwise vLLM's norm and rotary embedding and then the
-layer's forward, which is stock vLLM's order. A layer of another backend gets the same.
+prologue for decode batches it takes, and otherwise the norm and rotary embedding and then the
+layer's forward, which is stock vLLM's order. A layer of another backend gets the same. That norm
+and rotary embedding (every prefill's: the rewrite holds in every compile range) is our kernel
+alone (ABI 13, one pass) where the library takes it, else vLLM's ops: a copy of q|k|v and its
+fused_qk_norm_rope cost a prefill 2-2.6% of its GPU time against Inductor's two kernels (v45).
 
 Off by default until a GPU has measured it: OPGRAFT_ATTENTION_PROLOGUE=1 turns it on (it needs the
 attention seam with its KV-cache write: OPGRAFT_ATTENTION and OPGRAFT_ATTENTION_CACHE_WRITE not
@@ -142,9 +145,28 @@ def _rope_attention(q, k, v, output, layer_name, positions, cos_sin_cache, head_
         unfused(layer.impl, layer, q, k, v, kv_cache, md, output, pro, head_size)
 
 
+def prologue(q, k, pro, head_size: int, v=None):
+    """The norm and rotary embedding of the rows the decode kernel does not take (a prefill's): our
+    kernel alone (ops.attention.qk_prologue: one pass, the decode kernel's bits) on CUDA tensors,
+    else, or where the library refuses the call, vLLM's (vllm_prologue). New tensors [T, heads*D]."""
+    if q.is_cuda:
+        from .. import _lib
+        from ..ops.attention import qk_prologue
+
+        T = q.shape[0]
+        try:
+            qn, kn = qk_prologue(q.view(T, -1, head_size), k.view(T, -1, head_size), pro)
+            return qn.view(T, -1), kn.view(T, -1)
+        except _lib.OpgraftError as e:
+            dispatch._info_once(f"attention prologue alone handed back to vLLM's norm and rotary: {e}")
+        except Exception as e:
+            dispatch._warn_once(f"attention prologue alone failed, vLLM's norm and rotary instead: {e}")
+    return vllm_prologue(q, k, pro, head_size, v)
+
+
 def unfused(impl, layer, q, k, v, kv_cache, md, output, pro, head_size: int):
-    """vLLM's order: its norm and rotary embedding (vllm_prologue), then the impl's forward."""
-    qn, kn = vllm_prologue(q, k, pro, head_size, v)
+    """vLLM's order: the norm and rotary embedding (prologue), then the impl's forward."""
+    qn, kn = prologue(q, k, pro, head_size, v)
     T = q.shape[0]
     return impl.forward(layer, qn.view(T, -1, head_size), kn.view(T, -1, head_size), v, kv_cache, md, output)
 

@@ -9,7 +9,7 @@ from tools.checks import attention as check  # noqa: E402
 
 
 def test_every_axis_value_is_covered():
-    cases = check.cases()
+    cases = [c for c in check.cases() if not c.get("alone")]
     names = [c["name"] for c in cases]
     assert len(names) == len(set(names))
     batches = {len(c["lens"]) for c in cases}
@@ -44,3 +44,12 @@ def test_a_prologue_case_runs_up_to_the_guard_on_cpu():
     assert r["supported"] is False and r["reason"] == "tensors are not on a CUDA device" and r["passed"] is False
     assert any(c["qk_norm"] and c["rope"] == 1 and c["graph"] for c in check.cases())
     assert any(c["rope"] == 2 for c in check.cases()) and any(c["qk_norm"] and not c["rope"] for c in check.cases())
+
+
+def test_prologue_alone_cases_cover_its_variants_and_run_up_to_the_guard_on_cpu():
+    alone = [c for c in check.cases() if c.get("alone")]
+    assert {c["d"] for c in alone} == {64, 128, 256} and {c["rope"] for c in alone} == {0, 1, 2}
+    assert any(not c["qk_norm"] for c in alone) and any(c["dtype"] == "fp16" for c in alone)
+    assert any((c["hq"] + c["hk"]) * c["d"] // 8 % 32 for c in alone)  # a warp only partly in the row
+    r = check.run_case(check._alone("tiny alone", 5, 8, 2, 64), "cpu")
+    assert r["supported"] is False and "not on a CUDA device" in r["reason"] and r["passed"] is False

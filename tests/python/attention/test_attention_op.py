@@ -373,3 +373,20 @@ def test_a_run_sets_the_plans_argument_struct_as_attention_args_would():
     got = ops.run_args(planned, q.query, q.key_cache, q.value_cache, q.block_table, q.seq_lens, out2, q.sinks, 77,
                        key2, value2, slots2, pro2)
     assert bytes(got) == bytes(args(q, key2, value2, slots2, out2, pro2, 77)) != bytes(planned)
+
+
+def test_the_prologue_alone_refuses_inconsistent_and_cpu_tensors():
+    """ops.attention.qk_prologue (the library's opgraft_attention_prologue_run, whose guard
+    test_attention_guard.c checks): tensors that do not describe one call, and CPU tensors, are
+    refused before the library is called (a GPU would read host pointers)."""
+    D, rows = 128, 5
+    qkv = torch.randn((rows, (32 + 2 * 4) * D)).to(torch.bfloat16)
+    q, k = qkv[:, :32 * D].view(rows, 32, D), qkv[:, 32 * D:36 * D].view(rows, 4, D)
+    pro = attn_bench.make_prologue(torch.bfloat16, D, rows, "cpu")
+    for bad in ((q, k[:3], pro), (q, k.half(), pro), (q, k, pro._replace(positions=pro.positions[:2])),
+                (q, k, pro._replace(q_norm_weight=pro.q_norm_weight[:64]))):
+        with pytest.raises(_lib.OpgraftError, match="do not describe one call"):
+            ops.qk_prologue(*bad)
+    with pytest.raises(_lib.OpgraftError, match="not on a CUDA device") as e:
+        ops.qk_prologue(q, k, pro)
+    assert e.value.status == _lib.EUNSUPPORTED

@@ -322,6 +322,51 @@ def test_the_hand_back_uses_vllms_fused_qk_norm_rope_where_it_has_it(cfg, layers
     assert torch.equal(inputs[names.index("l_qkv_")], example_inputs(1)[0])  # the caller's qkv untouched
 
 
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on a CUDA device (the hand-back's choice between ours and vLLM's)."""
+    is_cuda = True
+
+
+def test_the_hand_back_runs_our_prologue_alone_on_cuda_tensors(monkeypatch, fused_op):
+    """rope_seam.prologue: CUDA tensors go to ops.attention.qk_prologue as [T, heads, D] views of the
+    raw q and k; where the library refuses (or fails) vLLM's ops run instead; CPU tensors go to
+    vLLM's at once."""
+    from opgraft import _lib
+    from opgraft.ops import attention as ops
+
+    qkv = torch.randn((T, (HQ + 2 * HK) * D)).to(torch.bfloat16)
+    q, k, v = qkv[:, :HQ * D], qkv[:, HQ * D:(HQ + HK) * D], qkv[:, (HQ + HK) * D:].view(T, HK, D)
+    w = torch.ones(D, dtype=torch.bfloat16)
+    pro = ops.QKPrologue(w, w, EPS, torch.randn((64, D)).to(torch.bfloat16), torch.arange(T), _lib.ROPE_NEOX)
+    seen = []
+
+    def ours(query, key, p):
+        seen.append((query, key, p))
+        return query.float() + 1, key.float() + 1
+
+    monkeypatch.setattr(ops, "qk_prologue", ours)
+    gq, gk = q.as_subclass(_OnGpu), k.as_subclass(_OnGpu)
+    qn, kn = rope_seam.prologue(gq, gk, pro, D, v)
+    ((query, key, p),) = seen
+    assert query.shape == (T, HQ, D) and query.data_ptr() == q.data_ptr() and key.shape == (T, HK, D)
+    assert key.data_ptr() == k.data_ptr() and p is pro and not fused_op
+    assert qn.shape == (T, HQ * D) and torch.equal(qn, q.float() + 1) and torch.equal(kn, k.float() + 1)
+
+    def refuses(query, key, p):
+        raise _lib.OpgraftError(_lib.EUNSUPPORTED, "head size 96")
+
+    for stand_in in (refuses, lambda *a: 1 / 0):
+        monkeypatch.setattr(ops, "qk_prologue", stand_in)
+        fused_op.clear()
+        qn, kn = rope_seam.prologue(gq, gk, pro, D, v)
+        assert len(fused_op) == 1 and qn.shape == (T, HQ * D)  # vLLM's fused kernel on a copy
+    seen.clear()
+    monkeypatch.setattr(ops, "qk_prologue", ours)
+    fused_op.clear()
+    rope_seam.prologue(q, k, pro, D, v)
+    assert not seen and len(fused_op) == 1
+
+
 def test_the_prologue_bench_times_vllms_own_wrapper(fused_op):
     """opgraft bench attention --prologue's vLLM baseline is vLLM's fused_qk_norm_rope wrapper, whose
     import loads vllm._C (the op is not under torch.ops._C before that), called as rope_seam calls it."""
