@@ -4,7 +4,7 @@
 # compute-sanitizer on a few of them, then the timings that need no vLLM. Results land in $OUT.
 #
 #   OUT=DIR bash tools/gpu_lab.sh [STEP ...]      steps: build warm check sanitize host before moe fp8 linear attention
-#                                                        fusions fusions-sanitize
+#                                                        fusions fusions-sanitize prologue
 #
 # With no steps, all of them but warm (which compiles every op's variants for both archs in
 # parallel; the checks and benches compile what they use on demand). BEFORE_TREE (default .before) is an older tree's python/, src/,
@@ -140,6 +140,15 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
         --only "$only" --out /tmp/og-san >"$OUT/$tool-$op-fusion.log" 2>&1
       note "$tool $op ($only): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool-$op-fusion.log" | tail -1) $(grep -cE '^  PASS' "$OUT/$tool-$op-fusion.log") pass"
     done
+    ;;
+  prologue)  # the attention prologue alone (NOTES v46): its cases, the decode prologue's, its bench, memcheck
+    python3 -m tools.gpucheck --quick --ops attention --only prologue --out "$OUT/prologue" >"$OUT/check-prologue.log" 2>&1
+    note "prologue (decode and alone): $(grep 'cases pass' "$OUT/check-prologue.log")"
+    python3 -m opgraft.cli bench attention --prologue-rows 1,128,512,1024,4096 --model Qwen3-30B-A3B \
+      --json "$OUT/attention_prologue_alone.json" 2>&1 | tail -18
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m tools.gpucheck --quick --ops attention \
+      --only "prologue alone: head 64, GPT-J, 5" --out /tmp/og-san >"$OUT/memcheck-prologue-alone.log" 2>&1
+    note "memcheck prologue alone: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-prologue-alone.log" | tail -1)"
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac

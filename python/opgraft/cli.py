@@ -558,6 +558,10 @@ def cmd_bench_attention(args) -> int:
     if not _check_outputs({"--json": args.json}):
         return 2
     ok, why = _gpu_status()
+    if not ok and args.prologue_rows:
+        print(f"no GPU here ({why}): the prologue-alone bench times kernels and has nothing to run without one "
+              f"(its kernel's NVRTC compile is checked by the C tests).", file=sys.stderr)
+        return 0
     if not ok:
         return _cpu_bench_attention(args, why)
     from .bench import attention as ab
@@ -567,6 +571,8 @@ def cmd_bench_attention(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.prologue_rows:
+        return _bench_prologue_alone(args, points, presets, ab)
     known = ab.PROLOGUE_IMPLS if args.prologue else ab.IMPLS
     impls = known if args.impls is None else tuple(args.impls.split(","))
     unknown = [i for i in impls if i not in known]
@@ -579,6 +585,27 @@ def cmd_bench_attention(args) -> int:
             rows += ab.bench_rows(ceiling, [point], args.dtype, args.reps, args.between_mib, args.hint, impls,
                                   progress=lambda m: print(m, file=sys.stderr, flush=True), shapes=presets,
                                   prologue=args.prologue)
+
+    rows, rc = _gpu_bench(run, ab.format_table)
+    failed = _write_rows(args.json, rows)
+    return rc or failed
+
+
+def _bench_prologue_alone(args, points, presets, ab) -> int:
+    """opgraft bench attention --prologue-rows: the q/k norm + rotary alone on each model's rows."""
+    known = ab.PROLOGUE_ALONE_IMPLS
+    impls = known if args.impls is None else tuple(args.impls.split(","))
+    unknown = [i for i in impls if i not in known]
+    if unknown:
+        print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(known)})", file=sys.stderr)
+        return 2
+    models = list(dict.fromkeys(name for name, _, _ in points))
+
+    def run(ceiling, rows):
+        for name in models:
+            for n in args.prologue_rows:
+                rows += ab.bench_prologue_alone(presets[name], n, args.dtype, ceiling, args.reps, args.between_mib,
+                                                impls, progress=lambda m: print(m, file=sys.stderr, flush=True))
 
     rows, rc = _gpu_bench(run, ab.format_table)
     failed = _write_rows(args.json, rows)
@@ -1069,6 +1096,11 @@ def main(argv=None) -> int:
                     help="q/k RMSNorm + rotary embedding + KV-cache write + attention from the qkv output: our "
                          "kernel doing all of it against the compiled norm and rotary (or vLLM's fused_qk_norm_rope) "
                          "followed by our kernel")
+    ba.add_argument("--prologue-rows", type=lambda t: _parse_ints(t, "--prologue-rows", 1, 1 << 20), default=None,
+                    metavar="T,...",
+                    help="instead: the q/k norm + rotary alone on T token rows (a prefill's): our kernel against "
+                         "Inductor's compiled norm and rotary and vLLM's copy + fused_qk_norm_rope (--impls "
+                         "opgraft-prologue,inductor-norm-rope,vllm-cat-fused)")
     ba.add_argument("--json", nargs="?", const="-", default=None, help="write JSON rows (to FILE, or stdout)")
     ba.set_defaults(fn=cmd_bench_attention)
     profile_ops = sub.add_parser("profile", help="time split and roofline verdict per token count").add_subparsers(

@@ -404,6 +404,32 @@ def test_bench_attention_prologue(monkeypatch, capsys):
     assert rc == 2 and "unknown --impls vllm-fa3" in err
 
 
+def test_bench_attention_prologue_rows(monkeypatch, capsys):
+    """--prologue-rows: without a GPU it says there is nothing to run (exit 0); with one, the
+    prologue-alone rows of each model and row count, with their own implementations."""
+    r = run("bench", "attention", "--prologue-rows", "128")
+    assert r.returncode == 0 and "prologue-alone bench" in r.stderr, r.stderr
+    r = run("bench", "attention", "--prologue-rows", "0")
+    assert r.returncode == 2 and "--prologue-rows" in r.stderr
+    pytest.importorskip("torch")
+    from opgraft import bench, cli
+    from opgraft.bench import attention as attn_bench
+
+    monkeypatch.setattr(cli, "_gpu_status", lambda: (True, ""))
+    monkeypatch.setattr(bench, "measure_read_ceiling", lambda device: 4.5)
+    seen = []
+
+    def alone(shape, rows, dtype, ceiling, reps, between, impls, progress=None):
+        seen.append((shape.name, rows, impls))
+        return []
+
+    monkeypatch.setattr(attn_bench, "bench_prologue_alone", alone)
+    assert cli.main(["bench", "attention", "--prologue-rows", "128,1024", "--model", "Qwen3-30B-A3B"]) == 0
+    assert seen == [("Qwen3-30B-A3B", n, attn_bench.PROLOGUE_ALONE_IMPLS) for n in (128, 1024)]
+    rc, _, err = in_process(capsys, "bench", "attention", "--prologue-rows", "8", "--impls", "opgraft-fused")
+    assert rc == 2 and "unknown --impls opgraft-fused" in err
+
+
 def test_doctor_says_what_happens_to_block_fp8_layers(capsys, monkeypatch):
     pytest.importorskip("vllm")
     for k in ("OPGRAFT_DISABLE", "OPGRAFT_LINEAR", "OPGRAFT_LINEAR_FP8"):

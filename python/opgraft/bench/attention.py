@@ -523,6 +523,76 @@ def bench_prologue_point(shape: AttnShape, batch: int, context: int, dtype: str 
     return rows
 
 
+PROLOGUE_ALONE_IMPLS = ("opgraft-prologue", "inductor-norm-rope", "vllm-cat-fused")
+
+
+def bench_prologue_alone(shape: AttnShape, rows: int, dtype: str = "bf16", ceiling_tbps: float | None = None,
+                         reps: int = 20, between_mib: int = BETWEEN_MIB, impls=PROLOGUE_ALONE_IMPLS,
+                         progress=None) -> list[dict]:
+    """Rows for the q/k RMSNorm and rotary embedding alone on `rows` token rows (a prefill's, from
+    the qkv projection's output, Qwen3's norm and NeoX at random positions): our kernel
+    (opgraft-prologue, ops.attention.qk_prologue) against what a stock prefill runs (the
+    functions compiled by Inductor, inductor-norm-rope, the baseline) and what the prologue seam's
+    hand-back ran before ABI 13 (a copy of q|k|v and vLLM's fused_qk_norm_rope on it,
+    vllm-cat-fused). Bytes: q and k read once and written once. `batch` holds the rows, `context` 0."""
+    if progress:
+        progress(f"{shape.name} q/k norm + rotary alone on {rows} rows")
+    dt = TORCH_DTYPES[dtype]
+    Hq, Hk, D = shape.heads_q, shape.heads_kv, shape.head_size
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    qkv = torch.randn((rows, (Hq + 2 * Hk) * D), generator=g, device="cuda").to(dt)
+    q, k, v = qkv[:, :Hq * D], qkv[:, Hq * D:(Hq + Hk) * D], qkv[:, (Hq + Hk) * D:]
+    q3, k3 = q.view(rows, Hq, D), k.view(rows, Hk, D)
+    pro = make_prologue(dt, D, rows, "cuda")
+    pro.positions.copy_(torch.randint(0, pro.cos_sin_cache.shape[0], (rows,), generator=g, device="cuda"))
+    want = (qk_prologue_torch(q3, pro.q_norm_weight, pro), qk_prologue_torch(k3, pro.k_norm_weight, pro))
+    nbytes = 2 * rows * (Hq + Hk) * D * qkv.element_size()
+    between = between_traffic(between_mib, "cuda")
+    base = {**run_facts(), "op": "attention", "model": shape.name, "dtype": dtype, "batch": rows, "context": 0,
+            "heads_q": Hq, "heads_kv": Hk, "head_size": D, "between_mib": max(between_mib, 0),
+            "prologue": "qk_norm+neox alone", "baseline": "inductor-norm-rope"}
+    out = []
+    for impl in impls:
+        row = dict(base, impl=impl)
+        fn, why = None, ""
+        if impl == "opgraft-prologue":
+            def fn():
+                return ops.qk_prologue(q3, k3, pro)
+        elif impl == "inductor-norm-rope":
+            compiled = _compiled_prologue()
+
+            def fn():
+                return compiled(q3, k3, pro)
+        elif impl == "vllm-cat-fused":
+            op = vllm_fused_qk_norm_rope()
+            if op is None:
+                why = "vllm._custom_ops.fused_qk_norm_rope is not importable (vLLM and its _C)"
+            else:
+                def fn():
+                    buf = torch.cat((q, k, v), dim=-1)
+                    op(buf, Hq, Hk, Hk, D, pro.eps, pro.q_norm_weight, pro.k_norm_weight, pro.cos_sin_cache, True,
+                       pro.positions)
+                    return buf[:, :Hq * D].view(rows, Hq, D), buf[:, Hq * D:(Hq + Hk) * D].view(rows, Hk, D)
+        else:
+            why = f"unknown implementation {impl}"
+        if fn is None:
+            out.append(dict(row, median_us=None, missing=why))
+            continue
+        try:
+            got = fn()
+            again = fn()
+            torch.cuda.synchronize()
+            err = max(rel_err(got[0], want[0]), rel_err(got[1], want[1]))
+            det = bool(torch.equal(got[0], again[0]) and torch.equal(got[1], again[1]))
+            us, how = timed_calls(lambda i, _w: fn(), [(0, None), (1, None)], between, reps, "span")
+        except Exception as e:  # report, do not hide: the row says why it is missing
+            out.append(dict(row, median_us=None, missing=f"{type(e).__name__}: {str(e)[:120]}"))
+            continue
+        out.append(dict(row, **speed(nbytes, us, ceiling_tbps), rel_err=float(f"{err:.3g}"), tolerance=TOLERANCE[dtype],
+                        deterministic=det, **how))
+    return out
+
+
 def bench_rows(ceiling_tbps: float, points=DEFAULT_POINTS, dtype: str = "bf16", reps: int = 20,
                between_mib: int = BETWEEN_MIB, hint: int = 0, impls=IMPLS, progress=print,
                shapes=PRESETS, prologue: bool = False) -> list[dict]:
