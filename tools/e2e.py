@@ -738,13 +738,27 @@ def compare(out_dir: str, modes=None) -> dict:
     par = {m: parity(base, r) for m, r in runs.items() if base and m != "disabled"}
     # A labelled setting (opgraft-both) against the setting it labels (opgraft), run in the same
     # study: what its switches alone change.
+    # reps_apart: every rep of one on the faster side of every rep of the other (with 3 reps each,
+    # 1 chance in 10 of that for settings that do not differ); first token and prefill GPU time
+    # (the profile's) where both have them, since a switch may move them while the ITL gains.
     vs_base = {}
     for m, r in runs.items():
         b = base_mode(m)
         if b != m and b in runs:
-            itl = {key: br["itl_ms"]["median"] / runs[b]["batches"][key]["itl_ms"]["median"]
-                   for key, br in r.get("batches", {}).items() if key in runs[b].get("batches", {})}
-            vs_base[m] = {"base": b, "itl_ratio": itl, "parity": parity(runs[b], r)}
+            both = [(key, br, runs[b]["batches"][key]) for key, br in r.get("batches", {}).items()
+                    if key in runs[b].get("batches", {})]
+            v = {"base": b, "itl_ratio": {}, "reps_apart": {}, "t1_ratio": {}, "prefill_gpu_ratio": {},
+                 "parity": parity(runs[b], r)}
+            for key, br, bb in both:
+                x, y = br["itl_ms"], bb["itl_ms"]
+                v["itl_ratio"][key] = x["median"] / y["median"]
+                v["reps_apart"][key] = x["max"] < y["min"] or x["min"] > y["max"]
+                if br.get("t_1_s") and bb.get("t_1_s"):
+                    v["t1_ratio"][key] = statistics.median(br["t_1_s"]) / statistics.median(bb["t_1_s"])
+                pa, pb = ((_rank0_profile(z) or {}).get("prefill") or {} for z in (br, bb))
+                if pa.get("gpu_us_per_step") and pb.get("gpu_us_per_step"):
+                    v["prefill_gpu_ratio"][key] = pa["gpu_us_per_step"] / pb["gpu_us_per_step"]
+            vs_base[m] = v
     meta = {k: v for k, v in (base or next(iter(runs.values()), {})).items()
             if k in ("model", "tp", "expert_parallel", "vllm", "torch", "gpu", "commit", "date",
                      "input_len", "output_len", "init_std")}
@@ -772,7 +786,11 @@ def compare(out_dir: str, modes=None) -> dict:
     for m, v in vs_base.items():
         for key, p in sorted(v["parity"].items(), key=lambda kv: int(kv[0])):
             ratio = v["itl_ratio"].get(key)
-            print(f"{m} vs {v['base']}, B={key}: ITL x{ratio:.3f}, identical={p['identical']} "
+            apart = "reps apart" if v["reps_apart"].get(key) else "inside the reps' spread"
+            more = "".join(f", {label} x{v[f][key]:.3f}" for f, label in (("t1_ratio", "first token"),
+                                                                             ("prefill_gpu_ratio", "prefill GPU"))
+                           if key in v[f])
+            print(f"{m} vs {v['base']}, B={key}: ITL x{ratio:.3f} ({apart}){more}, identical={p['identical']} "
                   f"same-position {p['same_position_fraction']:.4f} "
                   f"max|dlogprob| {p['max_abs_logprob_diff_on_common_prefix']:.4g}")
     for m, w in summary["workers"].items():

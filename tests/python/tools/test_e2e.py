@@ -133,7 +133,21 @@ def test_compare_writes_summary_with_ratios(tmp_path, capsys):
     v = s["vs_base"]["opgraft-both"]
     assert v["base"] == "opgraft" and v["itl_ratio"]["1"] == pytest.approx(1.4 / 1.5)
     assert v["parity"]["1"]["identical"] and v["parity"]["1"]["max_abs_logprob_diff_on_common_prefix"] == pytest.approx(0.01)
-    assert "opgraft-both vs opgraft, B=1: ITL x0.933, identical=True same-position 1.0000" in out
+    assert "opgraft-both vs opgraft, B=1: ITL x0.933 (inside the reps' spread), identical=True same-position 1.0000" in out
+    assert v["reps_apart"] == {"1": False} and v["t1_ratio"] == {} and v["prefill_gpu_ratio"] == {}
+    # reps that do not overlap, and the first token and prefill GPU time where both have them
+    r = _run("opgraft-both", [[1, 2]], [[-1.0, -1.0]], [1.2, 1.3, 1.35])
+    prof = lambda us: [{"gpu_us_per_step": 1000.0, "kernels_per_step": 1, "kernels": [],
+                        "prefill": {"gpu_us_per_step": us, "kernels_per_step": 1, "kernels": []}}]
+    r["batches"]["1"].update(t_1_s=[0.09, 0.1, 0.2], profile=prof(990.0))
+    (tmp_path / "e2e-opgraft-both.json").write_text(json.dumps(r))
+    o = json.loads((tmp_path / "e2e-opgraft.json").read_text())
+    o["batches"]["1"].update(t_1_s=[0.08, 0.08], profile=prof(900.0))
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(o))
+    v = e2e.compare(str(tmp_path))["vs_base"]["opgraft-both"]
+    assert v["reps_apart"] == {"1": True} and v["t1_ratio"]["1"] == pytest.approx(0.1 / 0.08)
+    assert v["prefill_gpu_ratio"]["1"] == pytest.approx(1.1)
+    assert "ITL x0.867 (reps apart), first token x1.250, prefill GPU x1.100, identical=True" in capsys.readouterr().out
 
 
 def _setting_with_a_child(pidfile) -> str:
