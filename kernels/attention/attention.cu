@@ -892,26 +892,43 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS)
 // The prologue alone, out of place: row t's query heads (q) and key heads (k_new) normalized and
 // rotated as in the decode kernel (the same bits), into out and k_out, for the token rows the
 // decode kernel does not take (a prefill's, which vLLM would give its own norm and rotary kernels).
-// One block a row: its threads walk the row's (heads + kv heads) * D/8 pieces a warp at a time,
-// so a head's pieces sit in D/8 consecutive lanes and a thread's dims never change (the block is
-// a multiple of D/8 threads); lanes past the end load zeros for the shuffles and store nothing.
+// One block a row: its threads take the row's (heads + kv heads) * D/8 16-byte pieces a warp at a
+// time, so a head's pieces sit in D/8 consecutive lanes and a thread's dims never change (the
+// block is a multiple of D/8 threads); OG_QK_UNROLL pieces a thread are loaded before any is
+// computed (one round trip for up to 1024 pieces, e.g. Qwen3-30B-A3B's 576). Lanes past the end
+// load zeros for the shuffles and store nothing; warps wholly past it skip the piece. Launch
+// bounds with a minimum of one block: with the thread count alone ptxas held the fp16 NeoX form
+// to 64 registers and spilled (54-72 without a cap: 3-4 blocks an SM, 12-16 KB in flight each).
 #define OG_QK_THREADS 256
-extern "C" __global__ void __launch_bounds__(OG_QK_THREADS) OG_SUFFIX(attention_qk_prologue)(const og_attn_params p) {
+#define OG_QK_UNROLL 4
+extern "C" __global__ void __launch_bounds__(OG_QK_THREADS, 1) OG_SUFFIX(attention_qk_prologue)(const og_attn_params p) {
   const long long t = blockIdx.x;
   const int lane = threadIdx.x & 31, hq = p.pro_heads, total = (hq + p.pro_kv_heads) * (OG_D / 8);
   og_qk_consts qk;
   og_qk_load(p, OG_ROPE ? __ldg(p.positions + t) : 0, qk);
-  for (int i = threadIdx.x; i - lane < total; i += OG_QK_THREADS) {
-    const int h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
-    const bool isq = h < hq, live = i < total;
-    const og_u16 *src = isq ? (const og_u16 *)p.q + t * p.q_st + (long long)h * p.q_sh
-                            : (const og_u16 *)p.k_new + t * p.kn_st + (long long)(h - hq) * p.kn_sh;
-    og_vec4 v = live ? og_load_activation<false>(src + d) : og_zero4();
-    const og_vec4 w = OG_QKNORM ? (isq ? qk.qw : qk.kw) : v;  // a copy: a reference to either member
-    v = og_qk_piece(p, v, w, qk);                              // would put both on the stack
-    og_u16 *dst = isq ? (og_u16 *)p.out + t * p.o_st + (long long)h * p.o_sh
-                      : (og_u16 *)p.k_out + t * p.ko_st + (long long)(h - hq) * p.ko_sh;
-    if (live) *(og_vec4 *)(dst + d) = v;
+  auto row = [&](int h, bool isq) -> long long {  // a head's first element in q / k_new, or out / k_out
+    return isq ? t * p.q_st + (long long)h * p.q_sh : t * p.kn_st + (long long)(h - hq) * p.kn_sh;
+  };
+  for (int base = threadIdx.x; base - lane < total; base += OG_QK_THREADS * OG_QK_UNROLL) {
+    og_vec4 v[OG_QK_UNROLL];
+#pragma unroll
+    for (int r = 0; r < OG_QK_UNROLL; ++r) {
+      const int i = base + r * OG_QK_THREADS, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+      const bool isq = h < hq;
+      v[r] = i < total ? og_load_activation<false>((const og_u16 *)(isq ? p.q : p.k_new) + row(h, isq) + d)
+                       : og_zero4();
+    }
+#pragma unroll
+    for (int r = 0; r < OG_QK_UNROLL; ++r) {
+      const int i = base + r * OG_QK_THREADS, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
+      if (i - lane >= total) continue;  // the whole warp
+      const bool isq = h < hq;
+      const og_vec4 w = OG_QKNORM ? (isq ? qk.qw : qk.kw) : v[r];  // a copy: a reference to either member
+      const og_vec4 o = og_qk_piece(p, v[r], w, qk);              // would put both on the stack
+      og_u16 *dst = isq ? (og_u16 *)p.out + t * p.o_st + (long long)h * p.o_sh
+                        : (og_u16 *)p.k_out + t * p.ko_st + (long long)(h - hq) * p.ko_sh;
+      if (i < total) *(og_vec4 *)(dst + d) = o;
+    }
   }
 }
 #endif
