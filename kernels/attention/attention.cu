@@ -899,7 +899,7 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS)
 // load zeros for the shuffles and store nothing; warps wholly past it skip the piece. Launch
 // bounds with a minimum of one block: with the thread count alone ptxas held the fp16 NeoX form
 // to 64 registers and spilled (54-72 without a cap: 3-4 blocks an SM, 12-16 KB in flight each).
-#define OG_QK_THREADS 256
+#define OG_QK_THREADS OG_ATTN_QK_THREADS
 #define OG_QK_UNROLL 4
 extern "C" __global__ void __launch_bounds__(OG_QK_THREADS, 1) OG_SUFFIX(attention_qk_prologue)(const og_attn_params p) {
   const long long t = blockIdx.x;

@@ -47,6 +47,9 @@ typedef struct og_attn_params {
   long long ko_st, ko_sh;
 } og_attn_params;
 
+/* Threads a block of the prologue-alone kernel (OG_QK_ONLY) has: a multiple of every D / 8. */
+#define OG_ATTN_QK_THREADS 256
+
 /* A query row in shared memory, in elements: 64 bytes of padding spread the banks. */
 #define OG_ATTN_QROW(D) ((D) + 32)
 /* The split combine's fan-in (log2): a node of the combine tree merges 16 partials at most, or 32

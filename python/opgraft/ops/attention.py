@@ -436,14 +436,14 @@ def qk_prologue(query: torch.Tensor, key: torch.Tensor, pro: QKPrologue) -> tupl
         raise _lib.OpgraftError(_lib.EINVAL, "query, key and prologue tensors do not describe one call")
     if not query.is_cuda:
         raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensors are not on a CUDA device")
+    if key.stride(2) != 1:  # the struct has no key dims' stride; the guard checks the query's
+        raise _lib.OpgraftError(_lib.EUNSUPPORTED, "a key head's dims are not contiguous")
     q_out, k_out = torch.empty_like(query, memory_format=torch.contiguous_format), torch.empty_like(
         key, memory_format=torch.contiguous_format)
     a = _lib.AttentionArgs()
     a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
     a.dtype, a.batch = dtype_code(query), rows
     a.num_heads, a.num_kv_heads, a.head_size = query.shape[1], key.shape[1], query.shape[2]
-    if key.stride(2) != 1:
-        raise _lib.OpgraftError(_lib.EUNSUPPORTED, "a key head's dims are not contiguous")
     a.q, a.out, a.k_new = query.data_ptr(), q_out.data_ptr(), key.data_ptr()
     a.q_stride, a.out_stride = strides(query, 3), strides(q_out, 3)
     a.k_new_stride[0], a.k_new_stride[1] = key.stride(0), key.stride(1)

@@ -372,8 +372,8 @@ int32_t opgraft_attention_prologue_run(const opgraft_attention_args *a, void *k_
   p.cos_sin = a->cos_sin_cache, p.cs_stride = a->cos_sin_stride, p.rope_rows = (int)a->rope_rows;
   p.positions = (const long long *)a->positions;
   void *params[] = {&p};
-  return opgraft__cu_check(cu->cuLaunchKernel(fn, (unsigned)a->batch, 1, 1, 256, 1, 1, 0, (og_CUstream)stream, params,
-                                              NULL),
+  return opgraft__cu_check(cu->cuLaunchKernel(fn, (unsigned)a->batch, 1, 1, OG_ATTN_QK_THREADS, 1, 1, 0,
+                                              (og_CUstream)stream, params, NULL),
                            "launch attention_qk_prologue");
 }
 
