@@ -906,7 +906,7 @@ extern "C" __global__ void __launch_bounds__(OG_QK_THREADS, 1) OG_SUFFIX(attenti
   const int lane = threadIdx.x & 31, hq = p.pro_heads, total = (hq + p.pro_kv_heads) * (OG_D / 8);
   og_qk_consts qk;
   og_qk_load(p, OG_ROPE ? __ldg(p.positions + t) : 0, qk);
-  auto row = [&](int h, bool isq) -> long long {  // a head's first element in q / k_new, or out / k_out
+  auto row = [&](int h, bool isq) -> long long {  // where head h starts in q, or (h >= hq) in k_new
     return isq ? t * p.q_st + (long long)h * p.q_sh : t * p.kn_st + (long long)(h - hq) * p.kn_sh;
   };
   for (int base = threadIdx.x; base - lane < total; base += OG_QK_THREADS * OG_QK_UNROLL) {
