@@ -571,14 +571,14 @@ def cmd_bench_attention(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.prologue_rows:
-        return _bench_prologue_alone(args, points, presets, ab)
-    known = ab.PROLOGUE_IMPLS if args.prologue else ab.IMPLS
+    known = (ab.PROLOGUE_ALONE_IMPLS if args.prologue_rows else ab.PROLOGUE_IMPLS if args.prologue else ab.IMPLS)
     impls = known if args.impls is None else tuple(args.impls.split(","))
     unknown = [i for i in impls if i not in known]
     if unknown:
         print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(known)})", file=sys.stderr)
         return 2
+    if args.prologue_rows:
+        return _bench_prologue_alone(args, points, presets, impls, ab)
 
     def run(ceiling, rows):
         for point in points:
@@ -591,14 +591,8 @@ def cmd_bench_attention(args) -> int:
     return rc or failed
 
 
-def _bench_prologue_alone(args, points, presets, ab) -> int:
+def _bench_prologue_alone(args, points, presets, impls, ab) -> int:
     """opgraft bench attention --prologue-rows: the q/k norm + rotary alone on each model's rows."""
-    known = ab.PROLOGUE_ALONE_IMPLS
-    impls = known if args.impls is None else tuple(args.impls.split(","))
-    unknown = [i for i in impls if i not in known]
-    if unknown:
-        print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(known)})", file=sys.stderr)
-        return 2
     models = list(dict.fromkeys(name for name, _, _ in points))
 
     def run(ceiling, rows):

@@ -162,6 +162,18 @@ def make_prologue(heads_dtype, head_size: int, rows: int, device, norm: bool = T
                           torch.zeros((rows,), dtype=torch.int64, device=device), rope)
 
 
+def prologue_rows(rows: int, heads_q: int, heads_kv: int, head_size: int, dtype, device, seed: int,
+                  norm: bool = True, rope: int = 1, rope_rows: int = 40960):
+    """A prefill's qkv projection output [rows, (heads_q + 2 heads_kv) * head_size] (random, seeded)
+    and the QKPrologue of its rows at random positions in [0, rope_rows): what the prologue alone
+    takes, its q and k being views of the qkv rows."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn((rows, (heads_q + 2 * heads_kv) * head_size), generator=g, device=device).to(dtype)
+    pro = make_prologue(dtype, head_size, rows, device, norm, rope, rope_rows=rope_rows)
+    pro.positions.copy_(torch.randint(0, rope_rows, (rows,), generator=g, device=device))
+    return qkv, pro
+
+
 def qk_prologue_torch(x: torch.Tensor, weight, pro: ops.QKPrologue) -> torch.Tensor:
     """vLLM's RMSNorm over each head (vllm.ir's rms_norm) and rotary embedding
     (RotaryEmbedding.forward_static, in fp32 and rounded once, as Inductor compiles it) of a query
@@ -537,14 +549,10 @@ def bench_prologue_alone(shape: AttnShape, rows: int, dtype: str = "bf16", ceili
     vllm-cat-fused). Bytes: q and k read once and written once. `batch` holds the rows, `context` 0."""
     if progress:
         progress(f"{shape.name} q/k norm + rotary alone on {rows} rows")
-    dt = TORCH_DTYPES[dtype]
     Hq, Hk, D = shape.heads_q, shape.heads_kv, shape.head_size
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    qkv = torch.randn((rows, (Hq + 2 * Hk) * D), generator=g, device="cuda").to(dt)
+    qkv, pro = prologue_rows(rows, Hq, Hk, D, TORCH_DTYPES[dtype], "cuda", seed=rows)
     q, k, v = qkv[:, :Hq * D], qkv[:, Hq * D:(Hq + Hk) * D], qkv[:, (Hq + Hk) * D:]
     q3, k3 = q.view(rows, Hq, D), k.view(rows, Hk, D)
-    pro = make_prologue(dt, D, rows, "cuda")
-    pro.positions.copy_(torch.randint(0, pro.cos_sin_cache.shape[0], (rows,), generator=g, device="cuda"))
     want = (qk_prologue_torch(q3, pro.q_norm_weight, pro), qk_prologue_torch(k3, pro.k_norm_weight, pro))
     nbytes = 2 * rows * (Hq + Hk) * D * qkv.element_size()
     between = between_traffic(between_mib, "cuda")
