@@ -446,8 +446,9 @@ def test_doctor_says_whether_the_attention_prologue_is_on(capsys, monkeypatch):
     pytest.importorskip("vllm")
     for k in ("OPGRAFT_DISABLE", "OPGRAFT_ATTENTION", "OPGRAFT_ATTENTION_CACHE_WRITE", "OPGRAFT_ATTENTION_PROLOGUE"):
         monkeypatch.delenv(k, raising=False)
-    for env, want in ((None, "attention prologue off (OPGRAFT_ATTENTION_PROLOGUE=1 turns it on)"),
-                      ("1", "ready: q/k RMSNorm and rotary embedding in the attention kernel")):
+    for env, want in ((None, "ready: q/k RMSNorm and rotary embedding in the attention kernel (with the MoE norm form)"),
+                      ("0", "attention prologue off (OPGRAFT_ATTENTION_PROLOGUE=0)"),
+                      ("1", "ready: q/k RMSNorm and rotary embedding in the attention kernel (every model")):
         if env is not None:
             monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", env)
         rc, out, err = in_process(capsys, "doctor")

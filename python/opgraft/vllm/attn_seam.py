@@ -179,7 +179,7 @@ def _build():
     from .. import _lib
     from . import rope_seam
 
-    rope_prologue = not rope_seam.disabled()
+    rope_prologue = not rope_seam.disabled()  # and, per model, rope_seam.wanted
 
     def slot_mapping_of(layer):
         """The slot mapping vLLM's own KV write would use for this layer's call (None: no write)."""
@@ -208,6 +208,7 @@ def _build():
                 from ..ops import attention
 
                 block_size, sizes = 16, (1, 2, 4, 8, 16, 24, 32)  # vLLM's first capture sizes, if it has none
+                prologue = False
                 try:
                     from vllm.config import get_current_vllm_config_or_none
 
@@ -217,6 +218,7 @@ def _build():
                     captured = getattr(cfg.compilation_config, "cudagraph_capture_sizes", None) if cfg else None
                     if captured:
                         sizes = tuple(int(b) for b in captured if 0 < int(b) <= attention.MAX_BATCH)
+                    prologue = rope_prologue and cfg is not None and rope_seam.wanted(cfg)
                 except Exception:
                     pass
                 left = _window_of(self, None)[0]
@@ -227,7 +229,7 @@ def _build():
                                             update=self._og_writes)
                 if not ok:
                     self._og_reason = why
-                elif self._og_writes and rope_prologue:  # the layer's norm is not known here: both NeoX forms
+                elif self._og_writes and prologue:  # the layer's norm is not known here: both NeoX forms
                     for norm in (True, False):
                         attention.prepare(self.num_heads, self.num_kv_heads, self.head_size, act_dtype, device,
                                           self.logits_soft_cap, left, sinks_dtype, block_size, batches=sizes,

@@ -14,15 +14,18 @@ def switched_off(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in OFF
 
 
-def opted_in(name: str, warn) -> bool:
-    """Is the opt-in switch `name` on: 1 (or true, yes, on)? Unset or one of OFF: off; anything
-    else calls warn(message) and is off."""
+def switch(name: str, warn) -> bool | None:
+    """A switch with a default: True for 1 (or true, yes, on), False for one of OFF, None when unset
+    (the caller's default). Anything else calls warn(message) and is None too."""
     value = os.environ.get(name, "").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
-    if value not in ("", *OFF):
-        warn(f"{name}={value!r} is neither on (1) nor off (0): left off")
-    return False
+    if value in OFF:
+        return False
+    if value:
+        warn(f"{name}={value!r} is neither on (1) nor off (0): left at its default")
+    return None
+
 
 # The vLLM release opgraft is tested against: the newest that pins torch 2.11.0 (its wheel's
 # METADATA: Requires-Dist torch==2.11.0; built for CUDA 13.0).

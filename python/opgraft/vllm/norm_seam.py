@@ -34,7 +34,9 @@ left to vLLM. The pass's uuid (part of the pass manager's Inductor cache key) ha
 source; install() also adds a factor (OPGRAFT_NORM_FUSION_SEAM) to the environment factors of
 vLLM's compile cache, as the linear seam does.
 
-MoE layers (opt-in with OPGRAFT_NORM_FUSION_MOE=1 until a GPU has measured it): the norm before
+MoE layers (by default in unquantized bf16/fp16 MoE models, moe_default; OPGRAFT_NORM_FUSION_MOE=1
+every model, 0 none. Alone it measured no faster; with the attention prologue, which goes on by
+default with it, batch-1 ITL fell 3-6% on Qwen3-30B-A3B: bench/NOTES.md v46): the norm before
 a Qwen3-MoE-style layer feeds vLLM's moe_forward(n, n, None, None, layer_name, 0) (the router
 gate runs inside the runner, eagerly, so no pass sees norm and gate together), which after
 functionalization is auto_functionalized(vllm.moe_forward.default, hidden_states=n, ...). The
@@ -64,7 +66,7 @@ import threading
 
 from .. import dispatch
 from . import linear_seam
-from .compat import add_compile_factor, opted_in, remove_compile_factor, restore, switched_off
+from .compat import add_compile_factor, remove_compile_factor, restore, switch, switched_off
 
 _PATCH_ATTR = "_opgraft_original_configure"
 COMPILE_FACTOR = "OPGRAFT_NORM_FUSION_SEAM"
@@ -291,13 +293,40 @@ MOE_OP_NAME = "opgraft::add_rms_norm_moe"
 _MOE_KWARGS = {"router_logits", "shared_experts_input", "input_ids", "layer_name", "hidden_dim_unpadded"}
 _fused_moe_total = 0
 _moe_refusals = set()
+_moe_form = False
 
 
-def moe_enabled() -> bool:
-    """OPGRAFT_NORM_FUSION_MOE=1 (or true/yes/on): the pass also puts the add + RMSNorm before a
-    MoE layer into the layer's router gate. Off until a GPU has measured it; anything but on/off
-    warns once and stays off."""
-    return opted_in("OPGRAFT_NORM_FUSION_MOE", dispatch._warn_once)
+def moe_switch() -> bool | None:
+    """OPGRAFT_NORM_FUSION_MOE: True (1), False (0), None (unset or malformed, which warns once:
+    moe_default decides)."""
+    return switch("OPGRAFT_NORM_FUSION_MOE", dispatch._warn_once)
+
+
+def moe_default(vllm_config) -> bool:
+    """The MoE form's default for a model: on for an unquantized bf16/fp16 MoE model, the case a GPU
+    has measured (quantized models route and quantize through other seams: not measured with it)."""
+    import torch
+
+    mc = getattr(vllm_config, "model_config", None)
+    try:
+        return (mc is not None and int(mc.get_num_experts() or 0) > 0 and getattr(mc, "quantization", None) is None
+                and mc.dtype in (torch.bfloat16, torch.float16))
+    except Exception:
+        return False
+
+
+def moe_enabled(vllm_config=None) -> bool:
+    """Does the pass also put the add + RMSNorm before a MoE layer into the layer's router gate, for
+    this config: the switch where it is set, else moe_default (without a config: off)."""
+    on = moe_switch()
+    return on if on is not None else vllm_config is not None and moe_default(vllm_config)
+
+
+def moe_form_on() -> bool:
+    """Did the newest pass built in this process take the MoE form? vLLM builds the pass manager's
+    passes (VllmBackend.configure_post_pass) right before it splits that backend's graph, where the
+    attention prologue seam asks."""
+    return _moe_form
 
 
 def fused_moe_total() -> int:
@@ -543,12 +572,14 @@ def _define_pass_class():
         """fused_add_rms_norm -> getitem 0 -> opgraft.linear  ==>  opgraft.add_rms_norm_linear."""
 
         def __init__(self, config):
+            global _moe_form
             super().__init__(config)
             self.fused = 0  # in all graphs this instance has seen
             self.fused_moe = 0
             self._ops = (torch.ops.vllm_ir.fused_add_rms_norm.default, torch.ops.opgraft.linear.default)
             self._fused_op = torch.ops.opgraft.add_rms_norm_linear.default
-            self.moe = moe_enabled() and _moe_forward() is not None
+            self.moe = moe_enabled(config) and _moe_forward() is not None
+            _moe_form = self.moe
             if self.moe:
                 self._moe_ops = (self._ops[0], _moe_forward())
                 self._moe_fused_op = moe_op()
@@ -617,7 +648,7 @@ def router_rows(vllm_config) -> int:
     try:
         mc = vllm_config.model_config
         E = int(mc.get_num_experts() or 0)
-        return rows_allowed(E, mc.get_hidden_size(), mc.dtype) if E > 0 and moe_enabled() else 0
+        return rows_allowed(E, mc.get_hidden_size(), mc.dtype) if E > 0 and moe_enabled(vllm_config) else 0
     except Exception:
         return 0
 
@@ -645,7 +676,11 @@ def _make_set_compile_ranges(original):
 def _compile_factor() -> str:
     from .. import __version__
 
-    return f"opgraft {__version__}, norm fusion on{', MoE layers too' if moe_enabled() else ''}"
+    return f"opgraft {__version__}, norm fusion on{_moe_said()}"
+
+
+def _moe_said() -> str:
+    return {True: ", MoE layers too", False: "", None: ", MoE layers by default"}[moe_switch()]
 
 
 def _add_compile_factor() -> None:
@@ -672,7 +707,7 @@ def install() -> tuple[bool, str]:
         return False, "the linear variant is passthrough (no linear op in the graph to fuse into)"
     try:
         pass_class()
-        if moe_enabled():  # registered with the seam: a graph loaded from vLLM's compile cache may call it
+        if moe_switch() is not False:  # registered with the seam: a graph loaded from vLLM's compile cache may call it
             moe_op()
     except Exception as e:
         return False, f"the fusion pass cannot be built ({type(e).__name__}: {e})"
@@ -686,7 +721,7 @@ def install() -> tuple[bool, str]:
         VllmConfig._set_compile_ranges = _make_set_compile_ranges(ranges)
     _add_compile_factor()
     return True, ("norm fusion seam installed (PostGradPassManager.configure adds the add + RMSNorm + linear pass"
-                  f"{', MoE layers too' if moe_enabled() else ''})")
+                  f"{_moe_said()})")
 
 
 def _loaded_class():

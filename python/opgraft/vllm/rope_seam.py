@@ -35,9 +35,12 @@ and rotary embedding (every prefill's: the rewrite holds in every compile range)
 alone (ABI 13, one pass) where the library takes it, else vLLM's ops: a copy of q|k|v and its
 fused_qk_norm_rope cost a prefill 2-2.6% of its GPU time against Inductor's two kernels (v45).
 
-Off by default until a GPU has measured it: OPGRAFT_ATTENTION_PROLOGUE=1 turns it on (it needs the
-attention seam with its KV-cache write: OPGRAFT_ATTENTION and OPGRAFT_ATTENTION_CACHE_WRITE not
-0). A factor (OPGRAFT_ATTENTION_PROLOGUE_SEAM) joins vLLM's compile-cache key.
+When: by default together with the norm fusion's MoE form (norm_seam.moe_default: unquantized MoE
+models), in graphs with MoE layers. The pair measured batch-1 ITL 3-6% below opgraft without it on
+Qwen3-30B-A3B, either part alone no faster (the prologue alone up to 5% slower at batch 1):
+bench/NOTES.md v46. OPGRAFT_ATTENTION_PROLOGUE=1 takes every model, 0 none. It needs the attention
+seam with its KV-cache write (OPGRAFT_ATTENTION and OPGRAFT_ATTENTION_CACHE_WRITE not 0). A factor
+(OPGRAFT_ATTENTION_PROLOGUE_SEAM) joins vLLM's compile-cache key.
 Remove it: delete the ("attention prologue", rope_seam) entry of the seam list in
 opgraft/vllm/__init__.py.
 """
@@ -50,7 +53,7 @@ import threading
 
 from .. import dispatch
 from . import attn_seam
-from .compat import add_compile_factor, opted_in, remove_compile_factor, restore
+from .compat import add_compile_factor, remove_compile_factor, restore, switch
 
 _PATCH_ATTR = "_opgraft_original_split_graph"
 _RANGES_ATTR = "_opgraft_rope_original_set_compile_ranges"
@@ -59,21 +62,54 @@ OP_NAME = "opgraft::rope_attention"
 _ATTN_OP = "vllm::unified_attention_with_output"
 _ROPE_OP = "_C::rotary_embedding"
 _NORM_OP = "vllm_ir::rms_norm"
+_MOE_OP = "vllm::moe_forward"
 
 _lock = threading.Lock()
 _fused_total = 0
 
 
+def switch_state() -> bool | None:
+    """OPGRAFT_ATTENTION_PROLOGUE: True (1: every model), False (0: none), None (unset or malformed,
+    which warns once: with the norm fusion's MoE form)."""
+    return switch("OPGRAFT_ATTENTION_PROLOGUE", dispatch._warn_once)
+
+
 def enabled() -> bool:
-    """OPGRAFT_ATTENTION_PROLOGUE=1 (or true/yes/on); unset or 0/false/no/off: off; anything else
-    warns once and stays off."""
-    return opted_in("OPGRAFT_ATTENTION_PROLOGUE", dispatch._warn_once)
+    """May the seam be installed (the switch is not 0)?"""
+    return switch_state() is not False
+
+
+def wanted(vllm_config) -> bool:
+    """Does this config's model get the prologue: the switch where it is set, else where the norm
+    fusion's MoE form is on for a model with experts (the pair measured, NOTES v46)."""
+    on = switch_state()
+    if on is not None:
+        return on
+    from . import norm_seam
+
+    mc = getattr(vllm_config, "model_config", None)
+    try:
+        experts = mc is not None and int(mc.get_num_experts() or 0) > 0
+    except Exception:
+        experts = False
+    return experts and norm_seam.installed() and norm_seam.moe_enabled(vllm_config)
+
+
+def _graph_wanted(graph) -> bool:
+    """In this graph (where vLLM splits at attention): the switch where it is set, else where the
+    pass built for this graph took the MoE form and the graph has a MoE layer."""
+    on = switch_state()
+    if on is not None:
+        return on
+    from . import norm_seam
+
+    return norm_seam.moe_form_on() and any(_is(n, _MOE_OP) for n in graph.graph.nodes)
 
 
 def disabled() -> str:
     """Why the seam must not be installed ("" if it may)."""
     if not enabled():
-        return "attention prologue off (OPGRAFT_ATTENTION_PROLOGUE=1 turns it on)"
+        return "attention prologue off (OPGRAFT_ATTENTION_PROLOGUE=0)"
     if not attn_seam.kernel_enabled():
         return "attention prologue off with the attention kernel (OPGRAFT_ATTENTION=0)"
     if not attn_seam.cache_write_enabled():
@@ -307,7 +343,7 @@ def _make_split_graph(original):
     def split_graph(graph, splitting_ops):
         global _fused_total
         ops = list(splitting_ops or [])
-        if any(s == _ATTN_OP or s == _ATTN_OP + ".default" for s in ops):  # vLLM splits at attention
+        if any(s == _ATTN_OP or s == _ATTN_OP + ".default" for s in ops) and _graph_wanted(graph):
             try:
                 n = rewrite(graph)
             except Exception as e:  # a graph this rewrite does not understand: vLLM's as it was
@@ -328,7 +364,7 @@ def _make_set_compile_ranges(original):
     def _set_compile_ranges(self):
         original(self)
         cc = self.compilation_config
-        if "-rotary_embedding" not in cc.custom_ops and "+rotary_embedding" not in cc.custom_ops:
+        if "-rotary_embedding" not in cc.custom_ops and "+rotary_embedding" not in cc.custom_ops and wanted(self):
             cc.custom_ops.append("+rotary_embedding")
 
     setattr(_set_compile_ranges, _RANGES_ATTR, original)
@@ -338,7 +374,7 @@ def _make_set_compile_ranges(original):
 def _compile_factor() -> str:
     from .. import __version__
 
-    return f"opgraft {__version__}, attention prologue on"
+    return f"opgraft {__version__}, attention prologue {({True: 'on', None: 'with the MoE norm form'})[switch_state()]}"
 
 
 def _backends():

@@ -270,18 +270,18 @@ def test_custom_ops_get_vllms_rotary_embedding_op(clean_plugin, monkeypatch):
     assert "+rotary_embedding" not in cfg.compilation_config.custom_ops
 
 
-def test_off_by_default_and_with_the_attention_switches(clean_plugin, monkeypatch):
+def test_the_switch_and_the_attention_switches(clean_plugin, monkeypatch):
     from opgraft import dispatch
 
     warned = []
     monkeypatch.setattr(dispatch, "_warn_once", warned.append)
-    for value, on in (("1", True), ("ON", True), ("0", False), ("off", False), ("maybe", False)):
+    for value, state in (("1", True), ("ON", True), ("0", False), ("off", False), ("maybe", None)):
         monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", value)
-        assert rope_seam.enabled() is on, value
-    assert warned == ["OPGRAFT_ATTENTION_PROLOGUE='maybe' is neither on (1) nor off (0): left off"]
-    monkeypatch.delenv("OPGRAFT_ATTENTION_PROLOGUE")
+        assert rope_seam.switch_state() is state and rope_seam.enabled() is (state is not False), value
+    assert set(warned) == {"OPGRAFT_ATTENTION_PROLOGUE='maybe' is neither on (1) nor off (0): left at its default"}
+    monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "0")
     register()
-    assert not rope_seam.installed() and "OPGRAFT_ATTENTION_PROLOGUE=1" in rope_seam.disabled()
+    assert not rope_seam.installed() and rope_seam.disabled() == "attention prologue off (OPGRAFT_ATTENTION_PROLOGUE=0)"
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
     assert "+rotary_embedding" not in cfg.compilation_config.custom_ops
     monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
@@ -290,6 +290,68 @@ def test_off_by_default_and_with_the_attention_switches(clean_plugin, monkeypatc
         assert switch in rope_seam.disabled()
         monkeypatch.delenv(switch)
     assert rope_seam.disabled() == ""
+
+
+class _Model:
+    """The parts of vLLM's ModelConfig the defaults read."""
+
+    def __init__(self, experts=128, quantization=None, dtype=torch.bfloat16):
+        self.experts, self.quantization, self.dtype = experts, quantization, dtype
+
+    def get_num_experts(self):
+        return self.experts
+
+    def get_hidden_size(self):
+        return 2048
+
+
+def test_by_default_with_the_moe_norm_form_on_moe_models(clean_plugin, monkeypatch):
+    """Unset: installed; a model gets it where the norm fusion's MoE form is on for it (an
+    unquantized MoE model, or OPGRAFT_NORM_FUSION_MOE=1 with experts); 1: every model."""
+    from opgraft.vllm import norm_seam
+
+    monkeypatch.delenv("OPGRAFT_ATTENTION_PROLOGUE", raising=False)
+    monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE", raising=False)
+    register()
+    assert rope_seam.installed() and norm_seam.installed()
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))  # no model
+    assert "+rotary_embedding" not in cfg.compilation_config.custom_ops and not rope_seam.wanted(cfg)
+    of = lambda model: SimpleNamespace(model_config=model)
+    assert rope_seam.wanted(of(_Model()))
+    for model in (_Model(experts=0), _Model(quantization="fp8"), _Model(dtype=torch.float32), None):
+        assert not rope_seam.wanted(of(model))
+    monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "1")
+    assert rope_seam.wanted(of(_Model(quantization="fp8"))) and not rope_seam.wanted(of(_Model(experts=0)))
+    monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "0")
+    assert not rope_seam.wanted(of(_Model()))
+    monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
+    assert rope_seam.wanted(of(_Model(experts=0))) and rope_seam.wanted(cfg)
+
+
+def test_split_graph_by_default_only_in_moe_graphs_with_the_norm_form(cfg, layers, clean_plugin, monkeypatch):
+    """Unset, vLLM's split_graph rewrites a graph only where the pass vLLM built for it (right
+    before the split) took the MoE form and the graph has a MoE layer."""
+    from opgraft.vllm import norm_seam
+
+    monkeypatch.delenv("OPGRAFT_ATTENTION_PROLOGUE", raising=False)
+    register()
+    gm, _ = trace(cfg, qwen3_attention(layers))
+    moe_gm = copy.deepcopy(gm)
+    out = next(n for n in moe_gm.graph.nodes if n.op == "output")
+    with moe_gm.graph.inserting_before(out):  # a MoE layer's call (split, never run)
+        moe_gm.graph.call_function(norm_seam._moe_forward(), tuple(n for n in moe_gm.graph.nodes if n.op == "placeholder")[:1])
+    moe_gm.recompile()
+
+    def rewrote(g):
+        before = rope_seam.fused_total()
+        backends.split_graph(copy.deepcopy(g), [ATTN])
+        return rope_seam.fused_total() - before
+
+    for form, graph, want in ((True, moe_gm, 1), (True, gm, 0), (False, moe_gm, 0)):
+        monkeypatch.setattr(norm_seam, "_moe_form", form)
+        assert rewrote(graph) == want, (form, graph is gm)
+    monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
+    assert rewrote(gm) == 1
 
 
 def test_install_and_uninstall(clean_plugin, monkeypatch):
