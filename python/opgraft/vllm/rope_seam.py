@@ -207,10 +207,16 @@ def unfused(impl, layer, q, k, v, kv_cache, md, output, pro, head_size: int):
     return impl.forward(layer, qn.view(T, -1, head_size), kn.view(T, -1, head_size), v, kv_cache, md, output)
 
 
+_op_lib = None  # the torch.library.Library the op lives in: the op lives as long as it
+
+
 @functools.lru_cache(maxsize=1)
 def op():
     """torch.ops.opgraft.rope_attention.default, registered on first use (it mutates output, as
-    vLLM's attention op does, and returns nothing)."""
+    vLLM's attention op does, and returns nothing). Defined through a Library fragment, as vLLM's
+    direct_register_custom_op does, not torch.library.custom_op: every prefill calls it eagerly, and
+    a call costs 2.7 us of host time that way against 8.7-14.5 (CPU, bench/NOTES.md v47)."""
+    global _op_lib
     import torch
     from vllm.utils.torch_utils import LayerNameType  # vLLM's layer-name type: str, or LayerName (torch >= 2.11)
 
@@ -223,8 +229,11 @@ def op():
     rope_attention.__annotations__ = dict(q=T, k=T, v=T, output=T, layer_name=LayerNameType, positions=T,
                                           cos_sin_cache=T, head_size=int, is_neox=bool, q_norm_weight=opt,
                                           k_norm_weight=opt, eps=float, **{"return": None})
-    custom = torch.library.custom_op(OP_NAME, mutates_args=("output",))(rope_attention)
-    custom.register_fake(lambda *args: None)
+    ns, name = OP_NAME.split("::")
+    _op_lib = torch.library.Library(ns, "FRAGMENT")
+    _op_lib.define(name + torch.library.infer_schema(rope_attention, mutates_args=("output",)))
+    _op_lib.impl(name, rope_attention, "CompositeExplicitAutograd")  # any device: the layer's forward decides
+    torch.library.register_fake(OP_NAME, lambda *args: None, lib=_op_lib)
     return torch.ops.opgraft.rope_attention.default
 
 
