@@ -18,7 +18,7 @@ a difference between stock and opgraft means little where stock differs from sto
 `opgraft-again` is opgraft a second time: host-bound times (the one-token run) differ by 20-40%
 between two processes of the same setting on a shared host, which only repeats show. Any
 other label after a setting's name runs that setting too, with the environment --env gives it
-(opgraft-prologue with MODE:OPGRAFT_ATTENTION_PROLOGUE=1: an opt-in beside opgraft in one study);
+(opgraft-pairoff with MODE:OPGRAFT_ATTENTION_PROLOGUE=0: a switch beside opgraft in one study);
 the comparison then sets each labelled setting against the one it labels too (its ITL ratio,
 parity and profile difference: what its switches alone change). Each runs in its own
 process because the plugin is installed when vLLM starts and CUDA graphs fix the kernels at

@@ -20,7 +20,7 @@ to the kernels, which quantize them; checked against the oracle of their own qua
 bf16 has two more, from the previous layer's output and the residual (vLLM's add + RMSNorm before
 the MoE layer in the span): "norm+routed" (the norm compiled by Inductor, as the compiled model
 runs it, then the gate and "routed") and "routed-norm" (the gate's kernel does the norm and writes
-the normalized rows the experts read: the norm fusion's MoE form, OPGRAFT_NORM_FUSION_MOE=1).
+the normalized rows the experts read: the norm fusion's MoE form).
 --extra adds a variant that runs "routed" (with @x16: "routed-x16") with those tunables set,
 linear.* for the gate and moe.* for the experts: e.g. in0=moe.pdl_in:0, gate_up launched after the
 gate ends instead of as its programmatic dependent.

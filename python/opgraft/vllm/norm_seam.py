@@ -1,5 +1,5 @@
 """Norm fusion seam: a post-grad pass that folds add + RMSNorm into the projection after it (and,
-opt-in, into a MoE layer's router gate).
+in unquantized MoE models, into a MoE layer's router gate).
 
 What is patched: `PostGradPassManager.configure(self, config)` in
 vllm/compilation/passes/pass_manager.py and `VllmConfig._set_compile_ranges(self)` in

@@ -2,7 +2,7 @@
 newest): the rewrite of Dynamo graphs traced from vLLM's own RMSNorm and RotaryEmbedding (its
 custom-op form) and attention op call (what it rewrites, what it leaves alone, the same outputs on
 CPU through vLLM's norm and rotary embedding), vLLM's split_graph through the patch (our op splits
-the graph where vLLM's attention did), the custom_ops change, the opt-in switch and install.
+the graph where vLLM's attention did), the custom_ops change, the switch and its default, and install.
 
 Without a GPU, vLLM's _C library is not loaded: a stand-in for _C::rotary_embedding with its
 schema (in place on query and key, vLLM's forward_static) is registered for the tests.
