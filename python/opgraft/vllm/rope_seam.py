@@ -232,7 +232,8 @@ def op():
     ns, name = OP_NAME.split("::")
     _op_lib = torch.library.Library(ns, "FRAGMENT")
     _op_lib.define(name + torch.library.infer_schema(rope_attention, mutates_args=("output",)))
-    _op_lib.impl(name, rope_attention, "CompositeExplicitAutograd")  # any device: the layer's forward decides
+    for key in ("CUDA", "CPU"):  # as the linear op's (ops/linear.py)
+        _op_lib.impl(name, rope_attention, key)
     torch.library.register_fake(OP_NAME, lambda *args: None, lib=_op_lib)
     return torch.ops.opgraft.rope_attention.default
 
