@@ -328,6 +328,16 @@ def test_by_default_with_the_moe_norm_form_on_moe_models(clean_plugin, monkeypat
     assert rope_seam.wanted(of(_Model(experts=0))) and rope_seam.wanted(cfg)
 
 
+def test_vllm_builds_the_passes_before_it_splits():
+    """The default asks the pass vLLM built for the backend being compiled (norm_seam.moe_form_on):
+    that holds while VllmBackend.__call__ configures its pass manager before it splits the graph."""
+    import inspect
+
+    src = inspect.getsource(backends.VllmBackend.__call__)
+    assert "self.configure_post_pass()" in src and "split_graph(" in src
+    assert src.index("self.configure_post_pass()") < src.index("split_graph(")
+
+
 def test_split_graph_by_default_only_in_moe_graphs_with_the_norm_form(cfg, layers, clean_plugin, monkeypatch):
     """Unset, vLLM's split_graph rewrites a graph only where the pass vLLM built for it (right
     before the split) took the MoE form and the graph has a MoE layer."""
