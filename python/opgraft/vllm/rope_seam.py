@@ -414,7 +414,8 @@ def install() -> tuple[bool, str]:
     backends.split_graph = _make_split_graph(current)
     VllmConfig._set_compile_ranges = _make_set_compile_ranges(ranges)
     add_compile_factor(COMPILE_FACTOR, _compile_factor)
-    return True, "attention prologue seam installed (q/k norm and rotary embedding in the attention kernel)"
+    return True, ("attention prologue seam installed (q/k norm and rotary embedding in the attention kernel, "
+                  + ("every model)" if switch_state() else "with the MoE norm form)"))
 
 
 def uninstall() -> None:

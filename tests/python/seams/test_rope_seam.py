@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 import vllm.compilation.backends as backends  # noqa: E402
 import vllm.ir.ops  # noqa: E402,F401  (registers torch.ops.vllm_ir)
 import vllm.model_executor.layers.attention.attention as attention_mod  # noqa: E402
-from opgraft.vllm import attn_seam, register, rope_seam  # noqa: E402
+from opgraft.vllm import attn_seam, register, rope_seam, summary  # noqa: E402
 from vllm.config import CompilationConfig, DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
@@ -249,7 +249,7 @@ def test_what_it_leaves_alone(cfg, layers, kw):
 def test_split_graph_splits_at_our_op_where_it_split_at_attention(cfg, layers, clean_plugin, monkeypatch):
     monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
     register()
-    assert rope_seam.installed() and attn_seam.backend_registered()
+    assert rope_seam.installed() and attn_seam.backend_registered() and "attention kernel, every model)" in summary()
     gm, _ = trace(cfg, qwen3_attention(layers))
     split_gm, items = backends.split_graph(copy.deepcopy(gm), [ATTN])
     splitting = [i for i in items if i.is_splitting_graph]
@@ -314,6 +314,8 @@ def test_by_default_with_the_moe_norm_form_on_moe_models(clean_plugin, monkeypat
     monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE", raising=False)
     register()
     assert rope_seam.installed() and norm_seam.installed()
+    assert "attention prologue seam installed (q/k norm and rotary embedding in the attention kernel, with the MoE " \
+           "norm form)" in summary()
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))  # no model
     assert "+rotary_embedding" not in cfg.compilation_config.custom_ops and not rope_seam.wanted(cfg)
     of = lambda model: SimpleNamespace(model_config=model)
