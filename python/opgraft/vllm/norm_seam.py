@@ -323,10 +323,20 @@ def moe_enabled(vllm_config=None) -> bool:
 
 
 def moe_form_on() -> bool:
-    """Did the newest pass built in this process take the MoE form? vLLM builds the pass manager's
-    passes (VllmBackend.configure_post_pass) right before it splits that backend's graph, where the
-    attention prologue seam asks."""
+    """Does the newest pass built in this process put the norm into every MoE layer's router gate
+    (the MoE form on, and each layer of the model taking it: moe_rows)? vLLM builds the pass
+    manager's passes (VllmBackend.configure_post_pass) right before it splits that backend's graph,
+    where the attention prologue seam asks."""
     return _moe_form
+
+
+def _model_takes_form(config) -> bool:
+    """Does every MoE layer of config's model take the MoE form at one row at least (moe_rows)?"""
+    try:
+        mc = config.model_config
+        return _moe_rows_noted(mc.dtype, mc.get_hidden_size(), config) > 0
+    except Exception:
+        return False
 
 
 def fused_moe_total() -> int:
@@ -366,9 +376,9 @@ def _gate_bias(gate):
     return None if getattr(gate, "skip_bias_add", False) else getattr(gate, "bias", None)
 
 
-def _moe_runners() -> list:
+def _moe_runners(config=None) -> list:
     """The model's MoE runners (the layers of vLLM's moe_forward op), from the forward context a
-    compile runs in, or else the current config; [] where neither is there."""
+    compile runs in, or else config's (default: the current config's); [] where neither is there."""
     try:
         from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
     except Exception:
@@ -385,19 +395,20 @@ def _moe_runners() -> list:
         try:
             from vllm.config import get_current_vllm_config_or_none
 
-            cfg = get_current_vllm_config_or_none()
+            cfg = config if config is not None else get_current_vllm_config_or_none()
             layers = cfg.compilation_config.static_forward_context if cfg is not None else None
         except Exception:
             layers = None
     return [v for v in (layers or {}).values() if isinstance(v, MoERunnerInterface)]
 
 
-def moe_rows(dtype, K: int) -> tuple[int, str]:
+def moe_rows(dtype, K: int, config=None) -> tuple[int, str]:
     """(rows, "") with rows the most at which every MoE layer of the model gets the add + RMSNorm
-    form on its router gate (the linear.norm_rows of its [E, K]), or (0, why not)."""
+    form on its router gate (the linear.norm_rows of its [E, K]), or (0, why not). config: where
+    to find the layers outside a forward context (default: the current config)."""
     from ..ops.linear import MAX_ROWS
 
-    runners = _moe_runners()
+    runners = _moe_runners(config)
     if not runners:
         return 0, "no MoE layers found"
     rows = MAX_ROWS
@@ -411,8 +422,8 @@ def moe_rows(dtype, K: int) -> tuple[int, str]:
     return rows, "" if rows else "linear.norm_rows 0 for the router gate's shape"
 
 
-def _moe_rows_noted(dtype, K: int) -> int:
-    rows, why = moe_rows(dtype, K)
+def _moe_rows_noted(dtype, K: int, config=None) -> int:
+    rows, why = moe_rows(dtype, K, config)
     if why and why not in _moe_refusals:
         _moe_refusals.add(why)
         dispatch.logger.info("opgraft: the add + RMSNorm before MoE layers stays vLLM's: %s", why)
@@ -579,7 +590,7 @@ def _define_pass_class():
             self._ops = (torch.ops.vllm_ir.fused_add_rms_norm.default, torch.ops.opgraft.linear.default)
             self._fused_op = torch.ops.opgraft.add_rms_norm_linear.default
             self.moe = moe_enabled(config) and _moe_forward() is not None
-            _moe_form = self.moe
+            _moe_form = self.moe and _model_takes_form(config)
             if self.moe:
                 self._moe_ops = (self._ops[0], _moe_forward())
                 self._moe_fused_op = moe_op()

@@ -97,7 +97,8 @@ def wanted(vllm_config) -> bool:
 
 def _graph_wanted(graph) -> bool:
     """In this graph (where vLLM splits at attention): the switch where it is set, else where the
-    pass built for this graph took the MoE form and the graph has a MoE layer."""
+    pass built for this graph puts the norm into every MoE layer's router gate and the graph has a
+    MoE layer."""
     on = switch_state()
     if on is not None:
         return on

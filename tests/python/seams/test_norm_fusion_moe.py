@@ -298,6 +298,31 @@ def test_no_moe_layers_found_fuses_nothing(cfg):
         assert "not 2-D in the hidden states' dtype" in norm_seam.moe_rows(torch.float16, H)[1]
 
 
+def test_the_pass_says_whether_every_moe_layer_takes_the_form(cfg, monkeypatch):
+    """What the attention prologue's default asks (moe_form_on): the MoE form on for the config and
+    every MoE layer of its model taking it, the layers found through the config outside a forward
+    context."""
+    from types import SimpleNamespace
+
+    def model(dtype=BF16):
+        return SimpleNamespace(model_config=SimpleNamespace(dtype=dtype, get_hidden_size=lambda: H),
+                               compilation_config=cfg.compilation_config)
+
+    assert not norm_seam._model_takes_form(model())  # no MoE layers
+    make_runner(cfg)
+    assert norm_seam._model_takes_form(model()) and not norm_seam._model_takes_form(model(torch.float16))
+    cfg.compilation_config.static_forward_context[NAME]._fse_fuse_gate = True
+    assert not norm_seam._model_takes_form(model())
+    assert not norm_seam._model_takes_form(cfg)  # no model config
+    asked = []
+    monkeypatch.setattr(norm_seam, "_model_takes_form", lambda c: asked.append(c) or True)
+    norm_seam.pass_class()(cfg)
+    assert norm_seam.moe_form_on() and asked == [cfg]
+    monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "0")
+    norm_seam.pass_class()(cfg)
+    assert not norm_seam.moe_form_on()
+
+
 def test_uuid_and_compile_factor_follow_the_switch(cfg, monkeypatch):
     on = norm_seam.pass_class()(cfg)
     monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "0")
