@@ -57,6 +57,8 @@ on an H200 (bench/NOTES.md v38); a later setting with the caches filled took 113
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -971,6 +973,10 @@ def study(args) -> int:
         why = setting_failure(rc, path, log)
         if why:
             failed[m] = why
+        # The summary of what has finished, quietly, after each setting: a call cut off by its
+        # time limit during the next one still leaves e2e-summary.json.
+        with contextlib.redirect_stdout(io.StringIO()):
+            compare(args.out_dir, args.modes[:args.modes.index(m) + 1])
     compare(args.out_dir, args.modes)
     for m, why in failed.items():
         print(f"opgraft e2e: setting {m} failed: {why}", file=sys.stderr, flush=True)

@@ -539,15 +539,23 @@ def test_study_where_every_setting_failed_says_nothing_to_compare(tmp_path, monk
     assert "2 of 2 settings failed: nothing to compare" in err
 
 
-def test_study_that_ran_every_setting_succeeds(tmp_path, monkeypatch):
+def test_study_that_ran_every_setting_succeeds(tmp_path, monkeypatch, capsys):
+    """Each setting's rows are in e2e-summary.json as soon as it finished (a call cut off during the
+    next setting keeps them), without a table printed for each."""
+    seen = []
+
     def done(cmd, env, out, timeout):
+        summary = tmp_path / "e2e-summary.json"
+        seen.append([r["mode"] for r in json.loads(summary.read_text())["rows"]] if summary.exists() else None)
         with open(cmd[cmd.index("--json") + 1], "w") as f:
-            json.dump({"status": "done", "batches": {}}, f)
+            json.dump(_run(cmd[cmd.index("--mode") + 1], [[1, 2]], [[-1.0, -1.0]], [1.0]), f)
         return 0
 
     monkeypatch.setattr(e2e, "run_group", done)
     monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
-    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 0
+    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft", "opgraft-both"])) == 0
+    assert seen == [None, ["disabled"], ["disabled", "opgraft"]]
+    assert capsys.readouterr().out.count("ITL ms (median)") == 1
 
 
 def test_model_config_that_is_not_utf8(tmp_path):
