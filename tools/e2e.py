@@ -945,7 +945,7 @@ def study(args) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.log_dir or args.out_dir, exist_ok=True)
     failed = {}
-    for m in args.modes:
+    for i, m in enumerate(args.modes):
         path = os.path.join(args.out_dir, f"e2e-{m}.json")
         cmd = [sys.executable, "-m", "tools.e2e", "run", "--mode", m, "--model", args.model,
                "--json", path, "--batches", ",".join(map(str, args.batches)),
@@ -973,10 +973,9 @@ def study(args) -> int:
         why = setting_failure(rc, path, log)
         if why:
             failed[m] = why
-        # The summary of what has finished, quietly, after each setting: a call cut off by its
-        # time limit during the next one still leaves e2e-summary.json.
-        with contextlib.redirect_stdout(io.StringIO()):
-            compare(args.out_dir, args.modes[:args.modes.index(m) + 1])
+        if i + 1 < len(args.modes):  # the summary so far, quietly: a call cut off during the next
+            with contextlib.redirect_stdout(io.StringIO()):  # setting still leaves e2e-summary.json
+                compare(args.out_dir, args.modes[:i + 1])
     compare(args.out_dir, args.modes)
     for m, why in failed.items():
         print(f"opgraft e2e: setting {m} failed: {why}", file=sys.stderr, flush=True)

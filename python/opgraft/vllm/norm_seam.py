@@ -302,17 +302,22 @@ def moe_switch() -> bool | None:
     return switch("OPGRAFT_NORM_FUSION_MOE", dispatch._warn_once)
 
 
+def num_experts(vllm_config) -> int:
+    """The experts of vllm_config's model (0: not a MoE model, or no model config)."""
+    try:
+        return int(vllm_config.model_config.get_num_experts() or 0)
+    except Exception:
+        return 0
+
+
 def moe_default(vllm_config) -> bool:
     """The MoE form's default for a model: on for an unquantized bf16/fp16 MoE model, the case a GPU
     has measured (quantized models route and quantize through other seams: not measured with it)."""
     import torch
 
     mc = getattr(vllm_config, "model_config", None)
-    try:
-        return (mc is not None and int(mc.get_num_experts() or 0) > 0 and getattr(mc, "quantization", None) is None
-                and mc.dtype in (torch.bfloat16, torch.float16))
-    except Exception:
-        return False
+    return (num_experts(vllm_config) > 0 and getattr(mc, "quantization", None) is None
+            and getattr(mc, "dtype", None) in (torch.bfloat16, torch.float16))
 
 
 def moe_enabled(vllm_config=None) -> bool:
@@ -657,8 +662,7 @@ def router_rows(vllm_config) -> int:
     """linear.norm_rows of the model's MoE router gate [experts, hidden] on this GPU, or 0 (no
     experts, or the MoE form off)."""
     try:
-        mc = vllm_config.model_config
-        E = int(mc.get_num_experts() or 0)
+        mc, E = vllm_config.model_config, num_experts(vllm_config)
         return rows_allowed(E, mc.get_hidden_size(), mc.dtype) if E > 0 and moe_enabled(vllm_config) else 0
     except Exception:
         return 0

@@ -87,12 +87,7 @@ def wanted(vllm_config) -> bool:
         return on
     from . import norm_seam
 
-    mc = getattr(vllm_config, "model_config", None)
-    try:
-        experts = mc is not None and int(mc.get_num_experts() or 0) > 0
-    except Exception:
-        experts = False
-    return experts and norm_seam.installed() and norm_seam.moe_enabled(vllm_config)
+    return norm_seam.num_experts(vllm_config) > 0 and norm_seam.installed() and norm_seam.moe_enabled(vllm_config)
 
 
 def _graph_wanted(graph) -> bool:

@@ -28,11 +28,18 @@ void opgraft__attn_shape_key(const opgraft_attention_args *a, char *buf, size_t 
 
 static int mult8(int64_t v) { return v >= 0 && v % 8 == 0; }
 
-int32_t opgraft__attn_check_static(const opgraft_attention_args *a, char *reason, size_t reason_len) {
+/* The arguments are there and of this ABI's size: every entry point's first check. */
+static int32_t check_header(const opgraft_attention_args *a, char *reason, size_t reason_len) {
   if (!a) return OG_REASON("no arguments");
   if (a->struct_size < sizeof(opgraft_attention_args))
     return OG_REASON("opgraft_attention_args.struct_size %u < %zu: caller built against an older ABI", a->struct_size,
                      sizeof(opgraft_attention_args));
+  return OPGRAFT_OK;
+}
+
+int32_t opgraft__attn_check_static(const opgraft_attention_args *a, char *reason, size_t reason_len) {
+  const int32_t st = check_header(a, reason, reason_len);
+  if (st) return st;
   if (a->flags & OPGRAFT_ATTN_MLA) return OG_REASON("MLA (latent attention) is not supported");
   if (a->flags & OPGRAFT_ATTN_ENCODER) return OG_REASON("encoder or cross attention is not supported");
   if (a->flags & OPGRAFT_ATTN_ALIBI) return OG_REASON("ALiBi is not supported");
@@ -128,10 +135,8 @@ int32_t opgraft__attn_check_prologue(const opgraft_attention_args *a, char *reas
 /* The prologue alone (opgraft_attention_prologue_run): only the fields it reads. */
 int32_t opgraft__attn_check_prologue_alone(const opgraft_attention_args *a, const int64_t k_out_stride[2], char *reason,
                                            size_t reason_len) {
-  if (!a) return OG_REASON("no arguments");
-  if (a->struct_size < sizeof(opgraft_attention_args))
-    return OG_REASON("opgraft_attention_args.struct_size %u < %zu: caller built against an older ABI", a->struct_size,
-                     sizeof(opgraft_attention_args));
+  const int32_t st = check_header(a, reason, reason_len);
+  if (st) return st;
   if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
     return OG_REASON("dtype %s (the kernel takes bf16 and fp16)", opgraft__attn_dtype_name(a->dtype));
   const int64_t D = a->head_size;
