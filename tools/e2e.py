@@ -525,13 +525,20 @@ def profile_diff(base: dict, other: dict, top: int = 10) -> dict:
             "kernels": rows[:top]}
 
 
+SERVE_CAPTURE_MAX = 512  # vLLM 0.26 and 0.33: min(2 * max_num_seqs, 512), serve's max_num_seqs >= 256
+
+
 def compilation_config(capture: list[int] | None, tp: int, env) -> dict:
     """vLLM's compilation_config for a setting. With tensor parallelism on a host that turns NVLink
     multicast off (NCCL_NVLS_ENABLE=0), vLLM's all-reduce + RMSNorm fusion is off too: it runs
     FlashInfer's all-reduce, whose backend vLLM picks by itself and which on an H200 pair picked
     a multicast one ("mnnvl") and failed with an illegal address. Same for every setting. capture
-    None: vLLM's own capture sizes (up to 512 by default)."""
-    cfg: dict = {} if capture is None else {"cudagraph_capture_sizes": capture}
+    None: the list vLLM builds for `vllm serve` (1, 2, 4, then 8 to 512): vLLM caps its largest
+    size at twice max_num_seqs, which the study sets to its largest batch, so the cap is given
+    (512, vLLM's own for serve's max_num_seqs) and a prompt of up to 512 tokens replays graphs
+    as it would in a server."""
+    cfg: dict = {"max_cudagraph_capture_size": SERVE_CAPTURE_MAX} if capture is None else \
+        {"cudagraph_capture_sizes": capture}
     if tp > 1 and _multicast_off(env):
         cfg["pass_config"] = {"fuse_allreduce_rms": False}
     return cfg

@@ -434,8 +434,15 @@ def test_compilation_config_turns_the_allreduce_fusion_off_only_for_tp_without_m
     assert cfg["pass_config"] == {"fuse_allreduce_rms": False}
 
 
-def test_capture_vllm_leaves_the_capture_sizes_to_vllm():
-    assert e2e.compilation_config(None, 1, {}) == {}
+def test_capture_vllm_leaves_the_capture_sizes_to_vllm_at_serves_cap():
+    # vLLM builds the list; the cap is serve's, not twice the study's max_num_seqs
+    assert e2e.compilation_config(None, 1, {}) == {"max_cudagraph_capture_size": 512}
+
+
+def test_capture_vllm_config_is_one_vllm_takes():
+    config = pytest.importorskip("vllm.config")
+    cfg = config.CompilationConfig(**e2e.compilation_config(None, 1, {}))
+    assert cfg.max_cudagraph_capture_size == 512 and cfg.cudagraph_capture_sizes is None
 
 
 def test_itl_floor_ignores_a_stalled_run():
