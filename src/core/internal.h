@@ -168,6 +168,10 @@ extern const og_source opgraft__sources[];
 extern const int opgraft__num_sources;
 /* By path ("<op>/<op>.cu"). */
 const og_source *opgraft__find_source(const char *path);
+/* The hash (hex) of the embedded files the cubin of the source at path depends on (common/ and
+ * the source's own folder): computed each call by the first, once per source by the second. */
+void opgraft__hash_sources(const char *path, char hex[33]);
+void opgraft__source_hash(const char *path, char hex[33]);
 
 typedef struct og_cubin {
   char *data;

@@ -326,8 +326,7 @@ static int depends_on(const char *path, const og_source *s) {
   return dl && strncmp(s->path, path, dl) == 0 && s->path[dl] == '/';
 }
 
-/* The cache key names everything the cubin depends on. */
-static char *make_key(const char *name, const char *const *opts, int nopts, int32_t arch) {
+void opgraft__hash_sources(const char *name, char hex[33]) {
   og_hash h;
   opgraft__hash_init(&h);
   for (int i = 0; i < opgraft__num_sources; ++i) {
@@ -335,8 +334,40 @@ static char *make_key(const char *name, const char *const *opts, int nopts, int3
     opgraft__hash_update(&h, opgraft__sources[i].path, strlen(opgraft__sources[i].path) + 1);
     opgraft__hash_update(&h, opgraft__sources[i].text, strlen(opgraft__sources[i].text) + 1);
   }
+  opgraft__hash_hex(&h, hex);
+}
+
+/* opgraft__hash_sources once per embedded source: the sources never change in a process, and
+ * hashing an op's ~65 KB byte by byte took ~70 us, on every call of an entry point that looks its
+ * function up each time (bench/NOTES.md v48). */
+enum { OG_HASHED_MAX = 64 };
+static pthread_mutex_t src_hash_lock = PTHREAD_MUTEX_INITIALIZER;
+static char src_hash[OG_HASHED_MAX][33];
+static unsigned char src_hashed[OG_HASHED_MAX];
+
+void opgraft__source_hash(const char *name, char hex[33]) {
+  const og_source *s = opgraft__find_source(name);
+  const long i = s ? (long)(s - opgraft__sources) : -1;
+  if (i < 0 || i >= OG_HASHED_MAX) {
+    opgraft__hash_sources(name, hex);
+    return;
+  }
+  pthread_mutex_lock(&src_hash_lock);
+  const int have = src_hashed[i];
+  if (have) memcpy(hex, src_hash[i], 33);
+  pthread_mutex_unlock(&src_hash_lock);
+  if (have) return;
+  opgraft__hash_sources(name, hex);
+  pthread_mutex_lock(&src_hash_lock);
+  memcpy(src_hash[i], hex, 33);
+  src_hashed[i] = 1;
+  pthread_mutex_unlock(&src_hash_lock);
+}
+
+/* The cache key names everything the cubin depends on. */
+static char *make_key(const char *name, const char *const *opts, int nopts, int32_t arch) {
   char src_hex[33];
-  opgraft__hash_hex(&h, src_hex);
+  opgraft__source_hash(name, src_hex);
   size_t len = 256 + strlen(name);
   for (int i = 0; i < nopts; ++i) len += strlen(opts[i]) + 1;
   char *key = malloc(len);

@@ -46,6 +46,29 @@ static void test_source_names(void **state) {
   assert_non_null(opgraft__find_source("common/og_common.cuh"));
 }
 
+static void test_source_hash_once_is_the_hash(void **state) {
+  /* The per-source cached hash (the cubin key's) equals the hash of the files, first call and
+   * later ones; an op's folder changes it, and a path that is no embedded source is hashed each
+   * time rather than cached under another's slot. */
+  (void)state;
+  char want[33], got[33], again[33];
+  for (int i = 0; i < opgraft__num_sources; ++i) {
+    const char *path = opgraft__sources[i].path;
+    opgraft__hash_sources(path, want);
+    opgraft__source_hash(path, got);
+    opgraft__source_hash(path, again);
+    assert_string_equal(got, want);
+    assert_string_equal(again, want);
+  }
+  char attn[33], lin[33];
+  opgraft__source_hash("attention/attention.cu", attn);
+  opgraft__source_hash("linear/linear.cu", lin);
+  assert_string_not_equal(attn, lin);
+  opgraft__hash_sources("no/such.cu", want);
+  opgraft__source_hash("no/such.cu", got);
+  assert_string_equal(got, want);
+}
+
 static void test_real_log_parses(void **state) {
   /* The resource report of an actual compile parses. */
   need_nvrtc();
@@ -135,6 +158,7 @@ static void test_parse_rejects_garbage(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_source_names),
+      cmocka_unit_test(test_source_hash_once_is_the_hash),
       cmocka_unit_test(test_parse_canned_log),
       cmocka_unit_test(test_parse_rejects_garbage),
       cmocka_unit_test(test_real_log_parses),
