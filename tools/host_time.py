@@ -2,6 +2,10 @@
 the launcher cost on the CPU for each call (GPU only; a development tool).
 
     PYTHONPATH=python python -m tools.host_time [--model Qwen3-30B-A3B] [--tokens 1,8] [--calls 2000] [--json F]
+    PYTHONPATH=python python -m tools.host_time --op prologue [--model Qwen3-30B-A3B] [--tokens 1,128]
+
+--op prologue: the attention prologue alone (ops.attention.qk_prologue: the model's q/k RMSNorm
+and NeoX rotary embedding of that many rows), the call every eager prefill makes once a layer.
 
 Two paths: the op called directly (ops.moe.moe_experts_into), and the dispatch path a vLLM call
 takes after the seam (an ExpertsCall through dispatch, stats included). The calls are enqueued
@@ -52,6 +56,62 @@ def measure(fn, calls: int, sync) -> float:
     return statistics.median(per)
 
 
+def prologue_rows(args, shape, torch) -> list[dict]:
+    """Host µs per call of the attention prologue alone at each row count (an attention preset's
+    heads; q/k RMSNorm and NeoX rotary embedding)."""
+    from opgraft import _lib
+    from opgraft.ops.attention import QKPrologue, qk_prologue
+
+    a = shape
+    dev, D = "cuda", a.head_size
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.ones(D, device=dev, dtype=torch.bfloat16)
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
+    ang = torch.arange(4096, device=dev, dtype=torch.float32)[:, None] * inv[None, :]
+    cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1).to(torch.bfloat16)
+    rows = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        qkv = torch.randn((T, (a.heads_q + 2 * a.heads_kv) * D), device=dev, generator=g).to(torch.bfloat16)
+        q = qkv[:, :a.heads_q * D].view(T, a.heads_q, D)
+        k = qkv[:, a.heads_q * D:(a.heads_q + a.heads_kv) * D].view(T, a.heads_kv, D)
+        pos = torch.arange(T, device=dev, dtype=torch.int64)
+        pro = QKPrologue(w, w, 1e-6, cos_sin, pos, _lib.ROPE_NEOX)
+        for name, fn in (("prologue", lambda: qk_prologue(q, k, pro)), ("library", _library_call(q, k, pro, torch))):
+            fn()
+            torch.cuda.synchronize()
+            us = measure(fn, args.calls, torch.cuda.synchronize)
+            rows.append({"label": args.label, "model": shape.name, "tokens": T, "path": name,
+                         "host_us_per_call": round(us, 2), "calls": args.calls, "torch": torch.__version__,
+                         "gpu": torch.cuda.get_device_name(0)})
+            print(f"{args.label:<8} {shape.name} T={T:<3} {name:<9} {us:7.2f} us per call (host)", flush=True)
+    return rows
+
+
+def _library_call(q, k, pro, torch):
+    """The library's entry alone (opgraft_attention_prologue_run), its arguments built once: what of
+    the prologue's host time is C (the guard, the function lookup, the launch)."""
+    import ctypes
+
+    from opgraft import _lib
+    from opgraft.ops import attention as A
+    from opgraft.ops import current_stream
+
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    a = _lib.AttentionArgs()
+    a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
+    a.dtype, a.batch = A.dtype_code(q), q.shape[0]
+    a.num_heads, a.num_kv_heads, a.head_size = q.shape[1], k.shape[1], q.shape[2]
+    a.q, a.out, a.k_new = q.data_ptr(), q_out.data_ptr(), k.data_ptr()
+    a.q_stride, a.out_stride = A.strides(q, 3), A.strides(q_out, 3)
+    a.k_new_stride[0], a.k_new_stride[1] = k.stride(0), k.stride(1)
+    A._set_prologue(a, pro)
+    ko = (ctypes.c_int64 * 2)(*k_out.stride()[:2])
+    run, ref, stream, kp = _lib.lib().opgraft_attention_prologue_run, ctypes.byref(a), current_stream(q.device), \
+        k_out.data_ptr()
+    return lambda: _lib.check(run(ref, kp, ko, stream))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.host_time")
     ap.add_argument("--model", default="Qwen3-30B-A3B", help="a preset (default: %(default)s)")
@@ -59,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000, help="timed calls per path (default: %(default)s)")
     ap.add_argument("--label", default="", help="a name for the tree measured (e.g. before, after)")
     ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument("--op", choices=["moe", "prologue"], default="moe", help="the call timed (default: %(default)s)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -68,11 +129,20 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: no CUDA GPU here", file=sys.stderr)
         return 2
-    from opgraft.presets import resolve
+    from opgraft.presets import ATTENTION_PRESETS, resolve
 
-    moe_into, run, ExpertsCall = _load()
+    if args.op == "prologue":
+        if args.model not in ATTENTION_PRESETS:
+            print(f"error: --op prologue takes the attention presets: {', '.join(ATTENTION_PRESETS)}", file=sys.stderr)
+            return 2
+        rows = prologue_rows(args, ATTENTION_PRESETS[args.model], torch)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
+        return 0
     shape = resolve(args.model)
     dev = "cuda"
+    moe_into, run, ExpertsCall = _load()
     g = torch.Generator(device=dev).manual_seed(0)
     E, H, I, k = shape.num_experts, shape.hidden, shape.inter, shape.top_k
     w13 = torch.randn((E, 2 * I, H), device=dev, generator=g).to(torch.bfloat16)
