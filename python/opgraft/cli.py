@@ -972,16 +972,15 @@ def cmd_doctor(args) -> int:
         ncls, nwhy = (None, "") if noff else norm_seam._target()
         say("norm fusion", noff or ("ready: add + RMSNorm in the qkv projection's kernel, in graphs of up to "
                                     "linear.norm_rows tokens" if ncls else f"unavailable: {nwhy}"))
-        moe_on = norm_seam.moe_switch()
-        say("norm fusion, MoE", noff or ("off (OPGRAFT_NORM_FUSION_MOE=0)" if moe_on is False else
-                                         "ready: add + RMSNorm in a MoE layer's router gate, which also writes the "
-                                         "normalized rows (" + ("every model, OPGRAFT_NORM_FUSION_MOE=1)" if moe_on
-                                                                else "unquantized MoE models)")))
+        say("norm fusion, MoE", noff or ("ready: add + RMSNorm in a MoE layer's router gate, which also writes the "
+                                         "normalized rows (OPGRAFT_NORM_FUSION_MOE=1)" if norm_seam.moe_enabled()
+                                         else "off (OPGRAFT_NORM_FUSION_MOE=1 turns it on)"))
         from .vllm import rope_seam
 
         say("attention prologue", rope_seam.disabled() or "ready: q/k RMSNorm and rotary embedding in the attention "
             "kernel (" + ("every model, OPGRAFT_ATTENTION_PROLOGUE=1)" if rope_seam.switch_state()
-                          else "with the MoE norm form)"))
+                          else "with the MoE norm form)" if norm_seam.moe_enabled()
+                          else "with the MoE norm form, off: OPGRAFT_NORM_FUSION_MOE=1 turns both on)"))
     print("\n".join(out))
     if args.model:
         try:

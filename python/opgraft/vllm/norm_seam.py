@@ -34,9 +34,10 @@ left to vLLM. The pass's uuid (part of the pass manager's Inductor cache key) ha
 source; install() also adds a factor (OPGRAFT_NORM_FUSION_SEAM) to the environment factors of
 vLLM's compile cache, as the linear seam does.
 
-MoE layers (by default in unquantized bf16/fp16 MoE models, moe_default; OPGRAFT_NORM_FUSION_MOE=1
-every model, 0 none. Alone it measured no faster; with the attention prologue, which goes on by
-default with it, batch-1 ITL fell 3-6% on Qwen3-30B-A3B: bench/NOTES.md v46): the norm before
+MoE layers (OPGRAFT_NORM_FUSION_MOE=1; off unless set. Alone it measured no faster; with the
+attention prologue, which follows it, batch-1 ITL fell 3-6% on Qwen3-30B-A3B (bench/NOTES.md v46),
+but the pair doubled a batch-1 first token under vLLM's serve capture sizes (v48), so it waits for
+that to be measured no worse than stock): the norm before
 a Qwen3-MoE-style layer feeds vLLM's moe_forward(n, n, None, None, layer_name, 0) (the router
 gate runs inside the runner, eagerly, so no pass sees norm and gate together), which after
 functionalization is auto_functionalized(vllm.moe_forward.default, hidden_states=n, ...). The
@@ -297,8 +298,7 @@ _moe_form = False
 
 
 def moe_switch() -> bool | None:
-    """OPGRAFT_NORM_FUSION_MOE: True (1), False (0), None (unset or malformed, which warns once:
-    moe_default decides)."""
+    """OPGRAFT_NORM_FUSION_MOE: True (1), False (0), None (unset or malformed, which warns once)."""
     return switch("OPGRAFT_NORM_FUSION_MOE", dispatch._warn_once)
 
 
@@ -310,21 +310,12 @@ def num_experts(vllm_config) -> int:
         return 0
 
 
-def moe_default(vllm_config) -> bool:
-    """The MoE form's default for a model: on for an unquantized bf16/fp16 MoE model, the case a GPU
-    has measured (quantized models route and quantize through other seams: not measured with it)."""
-    import torch
-
-    mc = getattr(vllm_config, "model_config", None)
-    return (num_experts(vllm_config) > 0 and getattr(mc, "quantization", None) is None
-            and getattr(mc, "dtype", None) in (torch.bfloat16, torch.float16))
-
-
-def moe_enabled(vllm_config=None) -> bool:
-    """Does the pass also put the add + RMSNorm before a MoE layer into the layer's router gate, for
-    this config: the switch where it is set, else moe_default (without a config: off)."""
-    on = moe_switch()
-    return on if on is not None else vllm_config is not None and moe_default(vllm_config)
+def moe_enabled() -> bool:
+    """Does the pass also put the add + RMSNorm before a MoE layer into the layer's router gate: only
+    with OPGRAFT_NORM_FUSION_MOE=1 (v47's default for unquantized MoE models was taken back in v48:
+    with the attention prologue that follows it, a batch-1 first token took 30-31 ms against 16-17
+    without the pair, H100, vLLM's serve capture sizes)."""
+    return moe_switch() is True
 
 
 def moe_form_on() -> bool:
@@ -594,7 +585,7 @@ def _define_pass_class():
             self.fused_moe = 0
             self._ops = (torch.ops.vllm_ir.fused_add_rms_norm.default, torch.ops.opgraft.linear.default)
             self._fused_op = torch.ops.opgraft.add_rms_norm_linear.default
-            self.moe = moe_enabled(config) and _moe_forward() is not None
+            self.moe = moe_enabled() and _moe_forward() is not None
             _moe_form = self.moe and _model_takes_form(config)
             if self.moe:
                 self._moe_ops = (self._ops[0], _moe_forward())
@@ -663,7 +654,7 @@ def router_rows(vllm_config) -> int:
     experts, or the MoE form off)."""
     try:
         mc, E = vllm_config.model_config, num_experts(vllm_config)
-        return rows_allowed(E, mc.get_hidden_size(), mc.dtype) if E > 0 and moe_enabled(vllm_config) else 0
+        return rows_allowed(E, mc.get_hidden_size(), mc.dtype) if E > 0 and moe_enabled() else 0
     except Exception:
         return 0
 
@@ -695,7 +686,7 @@ def _compile_factor() -> str:
 
 
 def _moe_said() -> str:
-    return {True: ", MoE layers too", False: "", None: ", MoE layers by default"}[moe_switch()]
+    return ", MoE layers too" if moe_enabled() else ""
 
 
 def _add_compile_factor() -> None:
@@ -722,7 +713,7 @@ def install() -> tuple[bool, str]:
         return False, "the linear variant is passthrough (no linear op in the graph to fuse into)"
     try:
         pass_class()
-        if moe_switch() is not False:  # registered with the seam: a graph loaded from vLLM's compile cache may call it
+        if moe_enabled():  # registered with the seam: a graph loaded from vLLM's compile cache may call it
             moe_op()
     except Exception as e:
         return False, f"the fusion pass cannot be built ({type(e).__name__}: {e})"

@@ -35,10 +35,13 @@ and rotary embedding (every prefill's: the rewrite holds in every compile range)
 alone (ABI 13, one pass) where the library takes it, else vLLM's ops: a copy of q|k|v and its
 fused_qk_norm_rope cost a prefill 2-2.6% of its GPU time against Inductor's two kernels (v45).
 
-When: by default together with the norm fusion's MoE form (norm_seam.moe_default: unquantized MoE
-models), in graphs with MoE layers. The pair measured batch-1 ITL 3-6% below opgraft without it on
+When: unset, together with the norm fusion's MoE form (OPGRAFT_NORM_FUSION_MOE=1), in graphs with
+MoE layers; so off by default. The pair measured batch-1 ITL 3-6% below opgraft without it on
 Qwen3-30B-A3B, either part alone no faster (the prologue alone up to 5% slower at batch 1):
-bench/NOTES.md v46. OPGRAFT_ATTENTION_PROLOGUE=1 takes every model, 0 none. It needs the attention
+bench/NOTES.md v46; but its first token at batch 1 was twice opgraft's without it under vLLM's
+serve capture sizes (v48: the prefill's norm and rotary leave vLLM's graphs for this op, whose
+host path per layer costs more than Inductor's kernels in a replayed graph).
+OPGRAFT_ATTENTION_PROLOGUE=1 takes every model, 0 none. It needs the attention
 seam with its KV-cache write (OPGRAFT_ATTENTION and OPGRAFT_ATTENTION_CACHE_WRITE not 0). A factor
 (OPGRAFT_ATTENTION_PROLOGUE_SEAM) joins vLLM's compile-cache key.
 Remove it: delete the ("attention prologue", rope_seam) entry of the seam list in
@@ -81,13 +84,13 @@ def enabled() -> bool:
 
 def wanted(vllm_config) -> bool:
     """Does this config's model get the prologue: the switch where it is set, else where the norm
-    fusion's MoE form is on for a model with experts (the pair measured, NOTES v46)."""
+    fusion's MoE form is on (OPGRAFT_NORM_FUSION_MOE=1) for a model with experts (the pair, NOTES v46)."""
     on = switch_state()
     if on is not None:
         return on
     from . import norm_seam
 
-    return norm_seam.num_experts(vllm_config) > 0 and norm_seam.installed() and norm_seam.moe_enabled(vllm_config)
+    return norm_seam.num_experts(vllm_config) > 0 and norm_seam.installed() and norm_seam.moe_enabled()
 
 
 def _graph_wanted(graph) -> bool:
@@ -410,8 +413,11 @@ def install() -> tuple[bool, str]:
     backends.split_graph = _make_split_graph(current)
     VllmConfig._set_compile_ranges = _make_set_compile_ranges(ranges)
     add_compile_factor(COMPILE_FACTOR, _compile_factor)
+    from . import norm_seam
+
     return True, ("attention prologue seam installed (q/k norm and rotary embedding in the attention kernel, "
-                  + ("every model)" if switch_state() else "with the MoE norm form)"))
+                  + ("every model)" if switch_state() else "with the MoE norm form)" if norm_seam.moe_enabled()
+                     else "with the MoE norm form, off)"))
 
 
 def uninstall() -> None:

@@ -295,8 +295,8 @@ def test_the_switch_and_the_attention_switches(clean_plugin, monkeypatch):
 class _Model:
     """The parts of vLLM's ModelConfig the defaults read."""
 
-    def __init__(self, experts=128, quantization=None, dtype=torch.bfloat16):
-        self.experts, self.quantization, self.dtype = experts, quantization, dtype
+    def __init__(self, experts=128, quantization=None):
+        self.experts, self.quantization = experts, quantization
 
     def get_num_experts(self):
         return self.experts
@@ -306,8 +306,8 @@ class _Model:
 
 
 def test_by_default_with_the_moe_norm_form_on_moe_models(clean_plugin, monkeypatch):
-    """Unset: installed; a model gets it where the norm fusion's MoE form is on for it (an
-    unquantized MoE model, or OPGRAFT_NORM_FUSION_MOE=1 with experts); 1: every model."""
+    """Unset: installed; a model gets it where the norm fusion's MoE form is on for it
+    (OPGRAFT_NORM_FUSION_MOE=1, a model with experts), so none by default; 1: every model."""
     from opgraft.vllm import norm_seam
 
     monkeypatch.delenv("OPGRAFT_ATTENTION_PROLOGUE", raising=False)
@@ -315,15 +315,15 @@ def test_by_default_with_the_moe_norm_form_on_moe_models(clean_plugin, monkeypat
     register()
     assert rope_seam.installed() and norm_seam.installed()
     assert "attention prologue seam installed (q/k norm and rotary embedding in the attention kernel, with the MoE " \
-           "norm form)" in summary()
+           "norm form, off)" in summary()
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))  # no model
     assert "+rotary_embedding" not in cfg.compilation_config.custom_ops and not rope_seam.wanted(cfg)
     of = lambda model: SimpleNamespace(model_config=model)
-    assert rope_seam.wanted(of(_Model()))
-    for model in (_Model(experts=0), _Model(quantization="fp8"), _Model(dtype=torch.float32), None):
+    for model in (_Model(), _Model(experts=0), _Model(quantization="fp8"), None):
         assert not rope_seam.wanted(of(model))
     monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "1")
-    assert rope_seam.wanted(of(_Model(quantization="fp8"))) and not rope_seam.wanted(of(_Model(experts=0)))
+    assert rope_seam.wanted(of(_Model())) and rope_seam.wanted(of(_Model(quantization="fp8")))
+    assert not rope_seam.wanted(of(_Model(experts=0)))
     monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "0")
     assert not rope_seam.wanted(of(_Model()))
     monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
