@@ -525,7 +525,9 @@ def profile_diff(base: dict, other: dict, top: int = 10) -> dict:
             "kernels": rows[:top]}
 
 
-SERVE_CAPTURE_MAX = 512  # vLLM 0.26 and 0.33: min(2 * max_num_seqs, 512), serve's max_num_seqs >= 256
+# vLLM 0.26 and 0.33 on Hopper: min(2 * max_num_seqs, 512) with serve's max_num_seqs of 256 or more
+# (0.33 caps at 1024 on sm_100)
+SERVE_CAPTURE_MAX = 512
 
 
 def compilation_config(capture: list[int] | None, tp: int, env) -> dict:
