@@ -56,14 +56,51 @@ def measure(fn, calls: int, sync) -> float:
     return statistics.median(per)
 
 
+def _row(args, name: str, T: int, path: str, us: float, torch) -> dict:
+    print(f"{args.label:<8} {name} T={T:<3} {path:<9} {us:7.2f} us per call (host)", flush=True)
+    return {"label": args.label, "model": name, "tokens": T, "path": path, "host_us_per_call": round(us, 2),
+            "calls": args.calls, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
+
+
+def moe_rows(args, shape, torch) -> list[dict]:
+    """Host µs per MoE call: the op called directly, and through dispatch."""
+    moe_into, run, ExpertsCall = _load()
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    E, H, I, k = shape.num_experts, shape.hidden, shape.inter, shape.top_k
+    w13 = torch.randn((E, 2 * I, H), device=dev, generator=g).to(torch.bfloat16)
+    w2 = torch.randn((E, H, I), device=dev, generator=g).to(torch.bfloat16)
+    rows = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
+        ids = torch.rand((T, E), device=dev, generator=g).topk(k, dim=1).indices.to(torch.int32)
+        tw = torch.softmax(torch.randn((T, k), device=dev, generator=g), dim=1)
+        out = torch.empty_like(x)
+        ws = torch.empty(1 << 24, dtype=torch.uint8, device=dev)
+        direct = lambda: moe_into(out, x, w13, w2, tw, ids, workspace=ws)  # noqa: E731
+
+        def via_dispatch():
+            run(ExpertsCall(hidden_states=x, w13=w13, w2=w2, topk_weights=tw, topk_ids=ids, activation="silu",
+                            apply_router_weight_on_input=False, expert_map=None, delegate=lambda: None,
+                            output=out, workspace=ws))
+
+        for fn in (direct, via_dispatch):  # warm up: plans, compiles, caches
+            fn()
+        torch.cuda.synchronize()
+        for path, fn in (("op", direct), ("dispatch", via_dispatch)):
+            rows.append(_row(args, shape.name, T, path, measure(fn, args.calls, torch.cuda.synchronize), torch))
+        torch.cuda.synchronize()
+    return rows
+
+
 def prologue_rows(args, shape, torch) -> list[dict]:
     """Host µs per call of the attention prologue alone at each row count (an attention preset's
-    heads; q/k RMSNorm and NeoX rotary embedding)."""
+    heads; q/k RMSNorm and NeoX rotary embedding): ops.attention.qk_prologue, and the library's
+    entry alone."""
     from opgraft import _lib
     from opgraft.ops.attention import QKPrologue, qk_prologue
 
-    a = shape
-    dev, D = "cuda", a.head_size
+    dev, D, Hq, Hk = "cuda", shape.head_size, shape.heads_q, shape.heads_kv
     g = torch.Generator(device=dev).manual_seed(0)
     w = torch.ones(D, device=dev, dtype=torch.bfloat16)
     inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
@@ -71,19 +108,13 @@ def prologue_rows(args, shape, torch) -> list[dict]:
     cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1).to(torch.bfloat16)
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
-        qkv = torch.randn((T, (a.heads_q + 2 * a.heads_kv) * D), device=dev, generator=g).to(torch.bfloat16)
-        q = qkv[:, :a.heads_q * D].view(T, a.heads_q, D)
-        k = qkv[:, a.heads_q * D:(a.heads_q + a.heads_kv) * D].view(T, a.heads_kv, D)
-        pos = torch.arange(T, device=dev, dtype=torch.int64)
-        pro = QKPrologue(w, w, 1e-6, cos_sin, pos, _lib.ROPE_NEOX)
-        for name, fn in (("prologue", lambda: qk_prologue(q, k, pro)), ("library", _library_call(q, k, pro, torch))):
+        qkv = torch.randn((T, (Hq + 2 * Hk) * D), device=dev, generator=g).to(torch.bfloat16)
+        q, k = qkv[:, :Hq * D].view(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
+        pro = QKPrologue(w, w, 1e-6, cos_sin, torch.arange(T, device=dev, dtype=torch.int64), _lib.ROPE_NEOX)
+        for path, fn in (("prologue", lambda: qk_prologue(q, k, pro)), ("library", _library_call(q, k, pro, torch))):
             fn()
             torch.cuda.synchronize()
-            us = measure(fn, args.calls, torch.cuda.synchronize)
-            rows.append({"label": args.label, "model": shape.name, "tokens": T, "path": name,
-                         "host_us_per_call": round(us, 2), "calls": args.calls, "torch": torch.__version__,
-                         "gpu": torch.cuda.get_device_name(0)})
-            print(f"{args.label:<8} {shape.name} T={T:<3} {name:<9} {us:7.2f} us per call (host)", flush=True)
+            rows.append(_row(args, shape.name, T, path, measure(fn, args.calls, torch.cuda.synchronize), torch))
     return rows
 
 
@@ -136,41 +167,8 @@ def main(argv=None) -> int:
             print(f"error: --op prologue takes the attention presets: {', '.join(ATTENTION_PRESETS)}", file=sys.stderr)
             return 2
         rows = prologue_rows(args, ATTENTION_PRESETS[args.model], torch)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"rows": rows}, f, indent=1)
-        return 0
-    shape = resolve(args.model)
-    dev = "cuda"
-    moe_into, run, ExpertsCall = _load()
-    g = torch.Generator(device=dev).manual_seed(0)
-    E, H, I, k = shape.num_experts, shape.hidden, shape.inter, shape.top_k
-    w13 = torch.randn((E, 2 * I, H), device=dev, generator=g).to(torch.bfloat16)
-    w2 = torch.randn((E, H, I), device=dev, generator=g).to(torch.bfloat16)
-    rows = []
-    for T in [int(t) for t in args.tokens.split(",")]:
-        x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
-        ids = torch.rand((T, E), device=dev, generator=g).topk(k, dim=1).indices.to(torch.int32)
-        tw = torch.softmax(torch.randn((T, k), device=dev, generator=g), dim=1)
-        out = torch.empty_like(x)
-        ws = torch.empty(1 << 24, dtype=torch.uint8, device=dev)
-        direct = lambda: moe_into(out, x, w13, w2, tw, ids, workspace=ws)  # noqa: E731
-
-        def via_dispatch():
-            run(ExpertsCall(hidden_states=x, w13=w13, w2=w2, topk_weights=tw, topk_ids=ids, activation="silu",
-                            apply_router_weight_on_input=False, expert_map=None, delegate=lambda: None,
-                            output=out, workspace=ws))
-
-        for fn in (direct, via_dispatch):  # warm up: plans, compiles, caches
-            fn()
-        torch.cuda.synchronize()
-        for name, fn in (("op", direct), ("dispatch", via_dispatch)):
-            us = measure(fn, args.calls, torch.cuda.synchronize)
-            rows.append({"label": args.label, "model": shape.name, "tokens": T, "path": name,
-                         "host_us_per_call": round(us, 2), "calls": args.calls, "torch": torch.__version__,
-                         "gpu": torch.cuda.get_device_name(0)})
-            print(f"{args.label:<8} {shape.name} T={T:<3} {name:<9} {us:7.2f} us per call (host)", flush=True)
-        torch.cuda.synchronize()
+    else:
+        rows = moe_rows(args, resolve(args.model), torch)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
