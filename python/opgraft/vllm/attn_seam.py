@@ -292,9 +292,7 @@ def _build():
                     dispatch._info_once(f"attention prologue handed back to vLLM's norm and rotary: {plan.reason}")
                 except Exception as e:
                     dispatch._warn_once(f"attention prologue kernel failed, vLLM's norm and rotary instead: {e}")
-            from .rope_seam import unfused
-
-            return unfused(self, layer, q, k, v, kv_cache, attn_metadata, output, pro, D)
+            return rope_seam.unfused(self, layer, q, k, v, kv_cache, attn_metadata, output, pro, D)
 
         def _kv_views(self, kv_cache):
             """(kv_cache, K view, V view): the views FlashAttentionImpl.forward splits, kept for the

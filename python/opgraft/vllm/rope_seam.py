@@ -54,7 +54,7 @@ import functools
 import sys
 import threading
 
-from .. import dispatch
+from .. import _lib, dispatch
 from . import attn_seam
 from .compat import add_compile_factor, remove_compile_factor, restore, switch
 
@@ -139,8 +139,6 @@ def vllm_prologue(q, k, pro, head_size: int, v=None):
     (_C, in place on copies)."""
     import torch
 
-    from .. import _lib
-
     T, neox = q.shape[0], pro.rope_style == _lib.ROPE_NEOX
     if pro.q_norm_weight is not None and v is not None and _has_fused():
         try:
@@ -162,17 +160,24 @@ def vllm_prologue(q, k, pro, head_size: int, v=None):
     return q, k
 
 
+@functools.lru_cache(maxsize=1)
+def _modules():
+    """vLLM's attention module and torch utils, and our attention op's module, imported once: the op
+    runs once a layer in every prefill, where an import statement costs microseconds a call."""
+    import vllm.model_executor.layers.attention.attention as vllm_attention
+    from vllm.utils import torch_utils
+
+    from ..ops import attention as ours
+
+    return vllm_attention, torch_utils, ours
+
+
 def _rope_attention(q, k, v, output, layer_name, positions, cos_sin_cache, head_size: int, is_neox: bool,
                     q_norm_weight, k_norm_weight, eps: float) -> None:
-    from vllm.model_executor.layers.attention.attention import get_attention_context
-    from vllm.utils.torch_utils import _resolve_layer_name
-
-    from .. import _lib
-    from ..ops.attention import QKPrologue
-
-    md, layer, kv_cache, _ = get_attention_context(_resolve_layer_name(layer_name))
-    pro = QKPrologue(q_norm_weight, k_norm_weight, eps, cos_sin_cache, positions,
-                     _lib.ROPE_NEOX if is_neox else _lib.ROPE_GPTJ)
+    vllm_attention, torch_utils, ours = _modules()
+    md, layer, kv_cache, _ = vllm_attention.get_attention_context(torch_utils._resolve_layer_name(layer_name))
+    pro = ours.QKPrologue(q_norm_weight, k_norm_weight, eps, cos_sin_cache, positions,
+                          _lib.ROPE_NEOX if is_neox else _lib.ROPE_GPTJ)
     fwd = getattr(layer.impl, "forward_prologue", None)
     if fwd is not None:
         fwd(layer, q, k, v, kv_cache, md, output, pro)
@@ -185,12 +190,9 @@ def prologue(q, k, pro, head_size: int, v=None):
     kernel alone (ops.attention.qk_prologue: one pass, the decode kernel's bits) on CUDA tensors,
     else, or where the library refuses the call, vLLM's (vllm_prologue). New tensors [T, heads*D]."""
     if q.is_cuda:
-        from .. import _lib
-        from ..ops.attention import qk_prologue
-
         T = q.shape[0]
         try:
-            qn, kn = qk_prologue(q.view(T, -1, head_size), k.view(T, -1, head_size), pro)
+            qn, kn = _modules()[2].qk_prologue(q.view(T, -1, head_size), k.view(T, -1, head_size), pro)
             return qn.view(T, -1), kn.view(T, -1)
         except _lib.OpgraftError as e:
             dispatch._info_once(f"attention prologue alone handed back to vLLM's norm and rotary: {e}")
