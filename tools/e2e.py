@@ -741,6 +741,7 @@ def compare(out_dir: str, modes=None) -> dict:
                    "itl_ms_floor": br.get("itl_ms_floor"),
                    "itl_ms_min": br["itl_ms"]["min"], "itl_ms_max": br["itl_ms"]["max"],
                    "decode_tok_s": br["decode_tok_s"]["median"], "reps": br["itl_ms"]["n"],
+                   "first_token_ms": statistics.median(br["t_1_s"]) * 1e3 if br.get("t_1_s") else None,
                    "moe_backend": r.get("moe_backend", "auto")}
             if base and key in base.get("batches", {}):
                 bi = base["batches"][key]["itl_ms"]["median"]
@@ -779,12 +780,14 @@ def compare(out_dir: str, modes=None) -> dict:
                "workers": {m: r.get("workers") or r.get("workers_error") for m, r in runs.items()}}
     with open(os.path.join(out_dir, "e2e-summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"{'mode':<18} {'B':>3} {'ITL ms (median)':>16} {'min..max':>16} {'floor':>7} {'tok/s':>9} {'vs off':>7}")
+    print(f"{'mode':<18} {'B':>3} {'ITL ms (median)':>16} {'min..max':>16} {'floor':>7} {'tok/s':>9} {'vs off':>7} "
+          f"{'1st tok ms':>10}")
     for r in rows:
         vs = f"{r['itl_vs_disabled']:.3f}" if "itl_vs_disabled" in r else "-"
         floor = f"{r['itl_ms_floor']:.3f}" if r.get("itl_ms_floor") is not None else "-"
+        t1 = f"{r['first_token_ms']:.1f}" if r.get("first_token_ms") is not None else "-"
         print(f"{r['mode']:<18} {r['batch']:>3} {r['itl_ms']:>16.3f} "
-              f"{r['itl_ms_min']:>7.3f}..{r['itl_ms_max']:<7.3f} {floor:>7} {r['decode_tok_s']:>9.1f} {vs:>7}")
+              f"{r['itl_ms_min']:>7.3f}..{r['itl_ms_max']:<7.3f} {floor:>7} {r['decode_tok_s']:>9.1f} {vs:>7} {t1:>10}")
     for m, r in runs.items():
         if r.get("moe_backend", "auto") != "auto":
             print(f"moe_backend {m}: {r['moe_backend']}")

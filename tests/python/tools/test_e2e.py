@@ -113,19 +113,25 @@ def test_compare_writes_summary_with_ratios(tmp_path, capsys):
     rows = {r["mode"]: r for r in s["rows"]}
     assert rows["opgraft"]["itl_vs_disabled"] == pytest.approx(0.75)
     assert rows["disabled"]["itl_ms_min"] == 1.8 and rows["disabled"]["itl_ms_max"] == 2.2
+    assert rows["opgraft"]["first_token_ms"] is None  # no one-token runs in these rows
     assert s["parity_vs_disabled"]["passthrough"]["1"]["identical"] is True
     # stock against itself: the yardstick for the other settings' parity
     assert s["parity_vs_disabled"]["disabled-again"]["1"]["same_position_fraction"] == 0.5
     assert json.loads((tmp_path / "e2e-summary.json").read_text())["rows"] == s["rows"]
     assert "opgraft" in capsys.readouterr().out
-    # a labelled setting, and what the graph rewrites did in each of its workers, in full
+    # a labelled setting, and what the graph rewrites did in each of its workers, in full; the
+    # median of its one-token runs as the first token
     r = _run("opgraft-both", [[1, 2]], [[-1.0, -1.0]], [1.4])
+    r["batches"]["1"]["t_1_s"] = [0.030, 0.017, 0.016]
     r["workers"] = [{"pid": 1, "linear": {"taken": 9} | {f"k{i}": i for i in range(60)}, "norm_fusion_fused": 2,
                      "norm_fusion_moe_fused": 1, "attention_prologue_fused": None}] * 2
     (tmp_path / "e2e-opgraft-both.json").write_text(json.dumps(r))
     s = e2e.compare(str(tmp_path))
     assert [x["mode"] for x in s["rows"]][-1] == "opgraft-both"
+    assert s["rows"][-1]["first_token_ms"] == pytest.approx(17.0)
     out = capsys.readouterr().out
+    assert "1st tok ms" in out and any(line.startswith("opgraft-both") and line.endswith(" 17.0")
+                                       for line in out.splitlines())
     assert "graph rewrites opgraft-both (a rank each): norm+linear [2, 2], norm+MoE [1, 1]" in out
     assert "graph rewrites opgraft:" not in out and "attention prologue [" not in out
     # ... and against the setting it labels, run in the same study
