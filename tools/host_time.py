@@ -95,22 +95,16 @@ def moe_rows(args, shape, torch) -> list[dict]:
 
 def prologue_rows(args, shape, torch) -> list[dict]:
     """Host µs per call of the attention prologue alone at each row count (an attention preset's
-    heads; q/k RMSNorm and NeoX rotary embedding): ops.attention.qk_prologue, and the library's
-    entry alone."""
-    from opgraft import _lib
-    from opgraft.ops.attention import QKPrologue, qk_prologue
+    heads; the bench's q/k RMSNorm and NeoX rotary embedding): ops.attention.qk_prologue, and the
+    library's entry alone."""
+    from opgraft.bench.attention import prologue_rows as inputs
+    from opgraft.ops.attention import qk_prologue
 
-    dev, D, Hq, Hk = "cuda", shape.head_size, shape.heads_q, shape.heads_kv
-    g = torch.Generator(device=dev).manual_seed(0)
-    w = torch.ones(D, device=dev, dtype=torch.bfloat16)
-    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
-    ang = torch.arange(4096, device=dev, dtype=torch.float32)[:, None] * inv[None, :]
-    cos_sin = torch.cat((ang.cos(), ang.sin()), dim=-1).to(torch.bfloat16)
+    Hq, Hk, D = shape.heads_q, shape.heads_kv, shape.head_size
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
-        qkv = torch.randn((T, (Hq + 2 * Hk) * D), device=dev, generator=g).to(torch.bfloat16)
+        qkv, pro = inputs(T, Hq, Hk, D, torch.bfloat16, "cuda", seed=T)
         q, k = qkv[:, :Hq * D].view(T, Hq, D), qkv[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
-        pro = QKPrologue(w, w, 1e-6, cos_sin, torch.arange(T, device=dev, dtype=torch.int64), _lib.ROPE_NEOX)
         for path, fn in (("prologue", lambda: qk_prologue(q, k, pro)), ("library", _library_call(q, k, pro, torch))):
             fn()
             torch.cuda.synchronize()
@@ -124,20 +118,12 @@ def _library_call(q, k, pro, torch):
     import ctypes
 
     from opgraft import _lib
-    from opgraft.ops import attention as A
     from opgraft.ops import current_stream
+    from opgraft.ops.attention import prologue_args
 
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-    a = _lib.AttentionArgs()
-    a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
-    a.dtype, a.batch = A.dtype_code(q), q.shape[0]
-    a.num_heads, a.num_kv_heads, a.head_size = q.shape[1], k.shape[1], q.shape[2]
-    a.q, a.out, a.k_new = q.data_ptr(), q_out.data_ptr(), k.data_ptr()
-    a.q_stride, a.out_stride = A.strides(q, 3), A.strides(q_out, 3)
-    a.k_new_stride[0], a.k_new_stride[1] = k.stride(0), k.stride(1)
-    A._set_prologue(a, pro)
-    ko = (ctypes.c_int64 * 2)(*k_out.stride()[:2])
+    a, ko = prologue_args(q, k, q_out, k_out, pro)
     run, ref, stream, kp = _lib.lib().opgraft_attention_prologue_run, ctypes.byref(a), current_stream(q.device), \
         k_out.data_ptr()
     return lambda: _lib.check(run(ref, kp, ko, stream))

@@ -440,17 +440,23 @@ def qk_prologue(query: torch.Tensor, key: torch.Tensor, pro: QKPrologue) -> tupl
         raise _lib.OpgraftError(_lib.EUNSUPPORTED, "a key head's dims are not contiguous")
     q_out, k_out = torch.empty_like(query, memory_format=torch.contiguous_format), torch.empty_like(
         key, memory_format=torch.contiguous_format)
+    a, ko = prologue_args(query, key, q_out, k_out, pro)
+    _lib.check(_lib.lib().opgraft_attention_prologue_run(ctypes.byref(a), k_out.data_ptr(), ko, current_stream(dev)))
+    return q_out, k_out
+
+
+def prologue_args(query, key, q_out, k_out, pro: QKPrologue):
+    """The library's arguments for the prologue alone of query and key into q_out and k_out: the
+    struct, and k_out's strides (int64[2])."""
     a = _lib.AttentionArgs()
     a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
-    a.dtype, a.batch = dtype_code(query), rows
+    a.dtype, a.batch = dtype_code(query), query.shape[0]
     a.num_heads, a.num_kv_heads, a.head_size = query.shape[1], key.shape[1], query.shape[2]
     a.q, a.out, a.k_new = query.data_ptr(), q_out.data_ptr(), key.data_ptr()
     a.q_stride, a.out_stride = strides(query, 3), strides(q_out, 3)
     a.k_new_stride[0], a.k_new_stride[1] = key.stride(0), key.stride(1)
     _set_prologue(a, pro)
-    ko = (ctypes.c_int64 * 2)(*k_out.stride()[:2])
-    _lib.check(_lib.lib().opgraft_attention_prologue_run(ctypes.byref(a), k_out.data_ptr(), ko, current_stream(dev)))
-    return q_out, k_out
+    return a, (ctypes.c_int64 * 2)(*k_out.stride()[:2])
 
 
 @torch.library.custom_op("opgraft::paged_decode_attention", mutates_args=())
