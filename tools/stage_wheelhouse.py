@@ -13,6 +13,7 @@ Subcommands::
     build  resolve, download the chosen wheels with pip, pack + split -> DIR/parts/, manifest.json
     plan   the same resolution, printed (names, versions, sizes, part count); nothing downloaded
     pack   pack + split an existing folder of wheels (no resolution)
+    resplit  cut staged parts into parts of another size (every part and the tar checked)
 
 How it resolves. pip's own resolver cannot be told "the target already has torch": it would
 download torch, triton and the CUDA wheels again. So the resolution is done here, with the
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import email.parser
 import fnmatch
 import hashlib
@@ -1481,6 +1483,55 @@ def cmd_pack(args) -> int:
     return 0
 
 
+def cmd_resplit(args) -> int:
+    """Cuts a staged tar into parts of another size (a transfer's room shrank: what it carries
+    besides the part grew), from the parts alone; every part and the whole tar are checked
+    against the manifest on the way, and the wheels are not needed."""
+    src = os.path.abspath(args.parts)
+    out = os.path.abspath(args.out)
+    parts_dir = os.path.join(out, "parts")
+    if os.path.realpath(parts_dir) == os.path.realpath(src):
+        raise ValueError("--out %s would write its parts over the parts being read" % out)
+    with open(os.path.join(src, MANIFEST_NAME), encoding="utf-8") as fh:
+        manifest = json.load(fh)
+    old = manifest.get("parts") or []
+    missing = [p["file"] for p in old if not os.path.isfile(os.path.join(src, p["file"]))]
+    if not old or missing:
+        raise RuntimeError("%s: parts missing: %s" % (src, " ".join(missing) or "(none listed)"))
+    os.makedirs(parts_dir, exist_ok=True)
+    for stale in os.listdir(parts_dir):
+        if stale.startswith(PART_PREFIX):
+            os.remove(os.path.join(parts_dir, stale))
+    writer = SplitWriter(parts_dir, args.part_size)
+    try:
+        for p in old:
+            h = hashlib.sha256()
+            with open(os.path.join(src, p["file"]), "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+                    writer.write(block)
+            if h.hexdigest() != p["sha256"]:
+                raise RuntimeError("%s: sha256 differs from the manifest's" % p["file"])
+        writer.close()
+        if (writer.total, writer.sha.hexdigest()) != (manifest["tar"]["size"], manifest["tar"]["sha256"]):
+            raise RuntimeError("the parts make a tar of %d bytes, sha256 %s; the manifest says %d, %s"
+                               % (writer.total, writer.sha.hexdigest(), manifest["tar"]["size"],
+                                  manifest["tar"]["sha256"]))
+    except BaseException:
+        writer.close()
+        for p in writer.parts:  # no half-written set of parts left behind
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(parts_dir, p["file"]))
+        raise
+    manifest.update(part_size=args.part_size, parts=writer.parts,
+                    resplit={"from_part_size": manifest.get("part_size"), "from_parts": len(old),
+                             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    write_manifest(out, parts_dir, manifest)
+    print("%d parts of at most %s in %s (from %d), tar sha256 %s" % (
+        len(writer.parts), human(args.part_size), parts_dir, len(old), writer.sha.hexdigest()))
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1522,6 +1573,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="drop files matching MEMBER_GLOB from package NAME's wheel (and from its "
                         "RECORD), with the reason recorded in the manifest (repeatable)")
     k.set_defaults(func=cmd_pack)
+
+    r = sub.add_parser("resplit", help="cut staged parts into parts of another size (no wheels "
+                                       "needed; every part and the tar checked)")
+    r.add_argument("--parts", required=True, help="folder with the parts and their manifest.json")
+    r.add_argument("--out", required=True, help="output folder (parts/, manifest.json)")
+    r.add_argument("--part-size", type=parse_size, required=True, help="largest new part, K/M/G binary")
+    r.set_defaults(func=cmd_resplit)
 
     args = ap.parse_args(argv)
     if not getattr(args, "func", None):

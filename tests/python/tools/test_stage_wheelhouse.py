@@ -430,6 +430,58 @@ def test_pack_cli_strip_is_recorded_and_checksums_match(tmp_path):
     assert m["wheels"][0]["sha256"] == _sha(path)  # the manifest describes the stripped wheel
 
 
+def test_resplit_cuts_the_same_tar_into_other_parts(wheels, tmp_path):
+    d, _ = wheels
+    parts = _pack_cli(d, tmp_path / "out")
+    m = json.loads((parts / "manifest.json").read_text())
+    rc = sw.main(["resplit", "--parts", str(parts), "--out", str(tmp_path / "re"), "--part-size", "700"])
+    assert rc == 0
+    new = tmp_path / "re" / "parts"
+    m2 = json.loads((new / "manifest.json").read_text())
+    assert (new / "unstage_wheelhouse.sh").is_file()
+    assert m2["tar"] == m["tar"] and m2["wheels"] == m["wheels"] and m2["part_size"] == 700
+    assert m2["resplit"]["from_part_size"] == 1024 and m2["resplit"]["from_parts"] == len(m["parts"])
+    assert len(m2["parts"]) == -(-m["tar"]["size"] // 700)
+    assert sorted(f for f in os.listdir(str(new)) if f.startswith("wheelhouse")) == \
+        [p["file"] for p in m2["parts"]]
+    blob = b""
+    for p in m2["parts"]:
+        data = open(str(new / p["file"]), "rb").read()
+        assert len(data) == p["size"] <= 700 and hashlib.sha256(data).hexdigest() == p["sha256"]
+        blob += data
+    assert hashlib.sha256(blob).hexdigest() == m["tar"]["sha256"]
+
+
+def test_resplit_refuses_bad_parts_and_its_own_folder(wheels, tmp_path, capsys):
+    d, _ = wheels
+    parts = _pack_cli(d, tmp_path / "out")
+    args = ["resplit", "--parts", str(parts), "--part-size", "2K", "--out"]
+    assert sw.main(args + [str(tmp_path / "out")]) == 2  # would overwrite what it reads
+    assert "over the parts being read" in capsys.readouterr().err
+    p1 = parts / "wheelhouse.tar.part001"
+    good = p1.read_bytes()
+    p1.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    assert sw.main(args + [str(tmp_path / "re")]) == 1
+    assert "wheelhouse.tar.part001: sha256 differs" in capsys.readouterr().err
+    assert not [f for f in os.listdir(str(tmp_path / "re" / "parts")) if f.startswith("wheelhouse")]
+    p1.unlink()
+    assert sw.main(args + [str(tmp_path / "re")]) == 1
+    assert "parts missing: wheelhouse.tar.part001" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAVE_BASH, reason="needs bash and tar")
+def test_unstage_takes_resplit_parts(wheels, tmp_path):
+    d, paths = wheels
+    parts = _pack_cli(d, tmp_path / "out")
+    assert sw.main(["resplit", "--parts", str(parts), "--out", str(tmp_path / "re"),
+                    "--part-size", "3000"]) == 0
+    work = tmp_path / "work"
+    r = _unstage(tmp_path / "re" / "parts", "--verify-only", "--work", str(work))
+    assert r.returncode == 0, r.stdout
+    for p in paths:
+        assert _sha(str(work / "wheels" / os.path.basename(p))) == _sha(p)
+
+
 # ------------------------------------------------------------------------------------------------
 # unstage_wheelhouse.sh
 # ------------------------------------------------------------------------------------------------
