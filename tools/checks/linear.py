@@ -261,22 +261,21 @@ def _run_into(res, ref, tol, supported, into) -> dict:
 
 
 def _run_fp8_op(res, x, w, sc, b, block, ref, tol) -> dict:
-    name = "opgraft-check.fp8"
     fallback_calls = []
 
     def fallback(xx, bb):
         fallback_calls.append(1)
         return ref.to(xx.dtype)
 
-    ops.register_fp8_fallback(name, fallback)
+    key = ops.register_fp8_fallback(w, fallback)
     try:
         stats = dispatch.stats_of("linear")
         before = stats.snapshot()["taken"]
-        y = torch.ops.opgraft.linear_fp8(x, w, sc, b, block[0], block[1], name)
-        again = torch.ops.opgraft.linear_fp8(x, w, sc, b, block[0], block[1], name)
+        y = torch.ops.opgraft.linear_fp8(x, w, sc, b, block[0], block[1])
+        again = torch.ops.opgraft.linear_fp8(x, w, sc, b, block[0], block[1])
         taken = stats.snapshot()["taken"] - before
     finally:
-        ops.unregister_fp8_fallback(name)
+        ops.unregister_fp8_fallback(key)
     err = bench.rel_err(y, ref)
     det = bool(torch.equal(y, again))
     res.update(rel_err=err, deterministic=det, taken=taken, fallback_calls=len(fallback_calls))

@@ -289,37 +289,46 @@ def linear_fp8_or_none(x, weight, weight_scale, block, bias=None):
                          lambda p, o: _run_fp8(p, x, weight, weight_scale, bias, o))
 
 
-# The paths calls go to when the FP8 kernel hands them back, by the name the traced graph carries
-# (vLLM's layer prefix, stable across processes, so a graph from vLLM's compile cache finds its
-# layer): name -> fn(x, bias) -> the caller's own output.
+# The paths calls go to when the FP8 kernel hands them back, by the weight the call is made with
+# (the layer's own parameter, an input of the traced graph, so a graph from vLLM's compile cache
+# finds it too): fp8_key(weight) -> fn(x, bias) -> the caller's own output. Not by the layer's
+# name: a string argument is a constant of the graph, so every layer's piece would be a graph of
+# its own and Inductor would compile each (a block-FP8 Qwen3-30B-A3B: 163 s against stock's 15,
+# bench/NOTES.md v50); vLLM hoists its own layer names out of its graphs for the same reason.
 _fp8_fallbacks: dict = {}
 _fp8_lock = threading.Lock()
 
 
-def register_fp8_fallback(name: str, fn) -> None:
+def fp8_key(weight: torch.Tensor) -> tuple:
+    return (weight.device.type, weight.device.index, weight.data_ptr())
+
+
+def register_fp8_fallback(weight: torch.Tensor, fn) -> tuple:
+    key = fp8_key(weight)
     with _fp8_lock:
-        _fp8_fallbacks[name] = fn
+        _fp8_fallbacks[key] = fn
+    return key
 
 
-def unregister_fp8_fallback(name: str) -> None:
+def unregister_fp8_fallback(key: tuple) -> None:
     with _fp8_lock:
-        _fp8_fallbacks.pop(name, None)
+        _fp8_fallbacks.pop(key, None)
 
 
-def fp8_fallback(name: str):
-    return _fp8_fallbacks.get(name)
+def fp8_fallback(weight: torch.Tensor):
+    return _fp8_fallbacks.get(fp8_key(weight))
 
 
 def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               block_n: int, block_k: int, name: str) -> torch.Tensor:
-    """Our FP8 kernel where it takes the call, else the path registered under name."""
+               block_n: int, block_k: int) -> torch.Tensor:
+    """Our FP8 kernel where it takes the call, else the path registered for the weight."""
     out = linear_fp8_or_none(x, weight, weight_scale, (block_n, block_k), bias)
     if out is not None:
         return out
-    fn = fp8_fallback(name)
+    fn = fp8_fallback(weight)
     if fn is None:
-        raise RuntimeError(f"opgraft::linear_fp8: no path registered for layer {name!r} to hand the call back to "
-                           "(the layer was not loaded in this process with opgraft's linear seam installed)")
+        raise RuntimeError("opgraft::linear_fp8: no path registered for this weight to hand the call back to "
+                           "(its layer was not loaded in this process with opgraft's linear seam installed)")
     return fn(x, bias)
 
 
@@ -330,11 +339,19 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 # no_grad, on a CPU, for a call that torch's own linear makes in 3).
 _LIB = torch.library.Library("opgraft", "FRAGMENT")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
-_LIB.define("linear_fp8(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k, "
-            "str name) -> Tensor")
+_LIB.define("linear_fp8(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k) "
+            "-> Tensor")
 for _key in ("CUDA", "CPU"):
     _LIB.impl("linear", linear, _key)
     _LIB.impl("linear_fp8", linear_fp8, _key)
+
+
+
+def schemas() -> str:
+    """The schemas of this module's ops: a factor of vLLM's compile-cache key, so that a graph
+    traced against one schema is never loaded against another."""
+    return "; ".join(str(getattr(torch.ops.opgraft, n).default._schema)
+                     for n in ("linear", "linear_fp8", "add_rms_norm_linear"))
 
 
 # ---- add + RMSNorm, then the projection ------------------------------------------------------
@@ -429,7 +446,7 @@ def _(x, residual, norm_weight, eps, weight, bias=None):
 
 
 @torch.library.register_fake("opgraft::linear_fp8")
-def _(x, weight, weight_scale, bias, block_n, block_k, name):
+def _(x, weight, weight_scale, bias, block_n, block_k):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 

@@ -47,12 +47,13 @@ inside, DeepGEMM above; DeepGEMM or CUTLASS or Triton elsewhere: `init_fp8_linea
 kernel (`torch.ops.opgraft.linear_fp8`) does that quantization itself and the same block-scaled
 sums. What vLLM's kernel does with rows our kernel does not take cannot be called from a traced
 graph by its layer object, so each layer is registered when vLLM has processed its weights, under
-its prefix (vLLM's module name, the same in every process, so a graph from vLLM's compile cache
-finds it): the op hands such calls to that layer's own `apply`. The layer's eligibility is decided
-there too, once, in plain Python (block scales in fp32 of the expected shape, square blocks,
-vLLM's kernel one of its block-scaled W8A8 kernels, no Marlin, no power-of-two activation scales, no static
-activation scale, an output dtype equal to x's, a prefix no other layer has), and kept on the
-layer as the reason the seam hands it back ("" if none). Layers of other FP8 methods (per-tensor,
+its weight (the parameter is an input of the graph; a name would be a constant of it, and every
+layer's piece a graph of its own for Inductor to compile, bench/NOTES.md v50): the op hands such
+calls to that layer's own `apply`. The layer's eligibility is decided there too, once, in plain
+Python (block scales in fp32 of the expected shape, square blocks, vLLM's kernel one of its
+block-scaled W8A8 kernels, no Marlin, no power-of-two activation scales, no static activation
+scale, an output dtype equal to x's, a weight no other layer has), and kept on the layer as the
+reason the seam hands it back ("" if none). Layers of other FP8 methods (per-tensor,
 per-channel, compressed-tensors, ModelOpt) keep their own methods.
 
 Kill switches: OPGRAFT_LINEAR=0 installs nothing; OPGRAFT_LINEAR_FP8=0 leaves Fp8LinearMethod
@@ -275,9 +276,10 @@ def make_wrapper(cls, original):
 
 def _compile_factor() -> str:
     from .. import __version__
+    from ..ops import linear as linear_op
 
     return (f"opgraft {__version__}, linear variant {dispatch.selected_variant('linear')}, "
-            f"fp8 {'off' if fp8_disabled() else 'on'}")
+            f"fp8 {'off' if fp8_disabled() else 'on'}, {linear_op.schemas()}")
 
 
 def _add_compile_factor() -> None:
@@ -333,7 +335,7 @@ def fp8_scale_of(layer):
     return s if s is not None else getattr(layer, "weight_scale", None)
 
 
-# prefix -> weakref of the layer registered under it
+# fp8_key(weight) -> weakref of the layer registered under its weight
 _fp8_layers: dict = {}
 
 
@@ -362,9 +364,6 @@ def _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_acts) -> str:
     want = (-(-N // block[0]), -(-K // block[1]))
     if not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32 or tuple(sc.shape) != want:
         return f"the layer's FP8 scales are not fp32 {list(want)}"
-    prefix = getattr(layer, "prefix", "")
-    if not prefix:
-        return "the layer has no prefix (the name its calls are handed back by)"
     return ""
 
 
@@ -372,24 +371,26 @@ def _register_fp8_layer(method, layer, original_apply, block_kernel_cls, e8m0_ac
     from ..ops import linear as linear_op
 
     reason = _fp8_layer_reason(method, layer, block_kernel_cls, e8m0_acts)
-    prefix = getattr(layer, "prefix", "")
-    with _lock:
-        other = _fp8_layers.get(prefix)
-        other = other() if other is not None else None
-        if prefix and other is not None and other is not layer:
-            reason = f"layer name {prefix!r} is not unique in this process"
-            setattr(other, _FP8_REASON_ATTR, reason)
-        elif prefix and not reason:
-            _fp8_layers[prefix] = weakref.ref(layer)
-            ref = weakref.ref(layer)
+    name = getattr(layer, "prefix", "") or "an FP8 layer"
+    if not reason:
+        key = linear_op.fp8_key(layer.weight)
+        with _lock:
+            other = _fp8_layers.get(key)
+            other = other() if other is not None else None
+            if other is not None and other is not layer:
+                reason = "its weight is another FP8 layer's (the weight finds a call's layer)"
+                setattr(other, _FP8_REASON_ATTR, reason)
+                linear_op.unregister_fp8_fallback(key)
+            else:
+                _fp8_layers[key] = ref = weakref.ref(layer)
 
-            def hand_back(x, bias):
-                lay = ref()
-                if lay is None:
-                    raise RuntimeError(f"opgraft::linear_fp8: layer {prefix!r} no longer exists")
-                return original_apply(lay.quant_method, lay, x, bias)
+                def hand_back(x, bias):
+                    lay = ref()
+                    if lay is None:
+                        raise RuntimeError(f"opgraft::linear_fp8: layer {name!r} no longer exists")
+                    return original_apply(lay.quant_method, lay, x, bias)
 
-            linear_op.register_fp8_fallback(prefix, hand_back)
+                linear_op.register_fp8_fallback(layer.weight, hand_back)
     setattr(layer, _FP8_REASON_ATTR, reason)
 
 
@@ -432,7 +433,7 @@ def _make_fp8_wrappers(cls, block_kernel_cls, e8m0_acts, original_apply, origina
     def ours(self, layer, x, bias, tracing):
         bn, bk = self.weight_block_size
         if tracing:
-            return torch.ops.opgraft.linear_fp8(x, layer.weight, fp8_scale_of(layer), bias, bn, bk, layer.prefix)
+            return torch.ops.opgraft.linear_fp8(x, layer.weight, fp8_scale_of(layer), bias, bn, bk)
         out = linear_op.linear_fp8_or_none(x, layer.weight, fp8_scale_of(layer), (bn, bk), bias)
         return out if out is not None else original_apply(self, layer, x, bias)
 
@@ -468,8 +469,8 @@ def _uninstall_fp8() -> None:
     from ..ops import linear as linear_op
 
     with _lock:
-        for prefix in list(_fp8_layers):
-            linear_op.unregister_fp8_fallback(prefix)
+        for key in list(_fp8_layers):
+            linear_op.unregister_fp8_fallback(key)
         _fp8_layers.clear()
 
 

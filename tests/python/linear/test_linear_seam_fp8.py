@@ -99,7 +99,7 @@ def test_registered_layer_hands_back_eagerly(fp8):
     m, layer = method_and_layer()
     m.process_weights_after_loading(layer)
     assert getattr(layer, linear_seam._FP8_REASON_ATTR) == ""
-    assert linear_op.fp8_fallback(layer.prefix) is not None
+    assert linear_op.fp8_fallback(layer.weight) is not None
     x = torch.randn(3, 256).to(torch.bfloat16)
     want = FakeBlockKernel().apply_weights(layer, x)
     FakeBlockKernel.calls = 0
@@ -113,7 +113,6 @@ def test_registered_layer_hands_back_eagerly(fp8):
     (lambda m, l: setattr(m, "use_marlin", True), "Marlin"),
     (lambda m, l: setattr(m, "fp8_linear", OtherKernel()), "OtherKernel is not a block-scaled one"),
     (lambda m, l: setattr(m, "weight_block_size", [128, 64]), "FP8 weight blocks [128, 64]"),
-    (lambda m, l: setattr(l, "prefix", ""), "no prefix"),
     (lambda m, l: setattr(l, "weight_scale_inv", torch.nn.Parameter(torch.ones(2, 2).half(), requires_grad=False)),
      "scales are not fp32 [2, 2]"),
 ])
@@ -149,16 +148,39 @@ def test_power_of_two_activation_scales(fp8, monkeypatch, e8m0):
         linear_seam._register_fp8_layer(m, layer, original, block_cls, e8m0_acts)
         reason = getattr(layer, linear_seam._FP8_REASON_ATTR)
         assert ("E8M0 activation scales" in reason if refused else reason == ""), reason
-        assert (linear_op.fp8_fallback(layer.prefix) is None) == refused
+        assert (linear_op.fp8_fallback(layer.weight) is None) == refused
 
 
-def test_duplicate_prefix_hands_both_back(fp8):
+def test_layers_sharing_a_weight_are_both_handed_back(fp8):
     m1, l1 = method_and_layer()
-    m2, l2 = method_and_layer()
+    m2, l2 = method_and_layer(prefix="model.other")
+    l2.weight = l1.weight
     m1.process_weights_after_loading(l1)
     m2.process_weights_after_loading(l2)
     for layer in (l1, l2):
-        assert "is not unique" in getattr(layer, linear_seam._FP8_REASON_ATTR)
+        assert "another FP8 layer's" in getattr(layer, linear_seam._FP8_REASON_ATTR)
+    assert linear_op.fp8_fallback(l1.weight) is None
+
+
+def test_layers_with_one_prefix_are_told_apart_by_their_weights(fp8):
+    """The registry keys a layer by its weight, so two layers of one name (two models in one
+    process) each hand back to their own apply."""
+    m1, l1 = method_and_layer()
+    m2, l2 = method_and_layer()
+    l2.weight = torch.nn.Parameter(l1.weight.detach().clone(), requires_grad=False)
+    m1.process_weights_after_loading(l1)
+    m2.process_weights_after_loading(l2)
+    assert getattr(l1, linear_seam._FP8_REASON_ATTR) == getattr(l2, linear_seam._FP8_REASON_ATTR) == ""
+    calls = []
+    for layer, tag in ((l1, 1), (l2, 2)):
+        fn = linear_op.fp8_fallback(layer.weight)
+        assert fn is not None
+        layer.weight_scale_inv.data.mul_(tag)  # what each layer's own apply reads
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    for layer in (l1, l2):
+        calls.append(torch.ops.opgraft.linear_fp8(x, layer.weight, layer.weight_scale_inv, None, 128, 128))
+        assert torch.equal(calls[-1], FakeBlockKernel().apply_weights(layer, x))
+    assert not torch.equal(calls[0], calls[1])
 
 
 def test_unregistered_layer_is_handed_back(fp8):
@@ -168,8 +190,9 @@ def test_unregistered_layer_is_handed_back(fp8):
 
 
 def test_traced_path_runs_the_op_and_its_registered_hand_back(fp8):
-    """Dynamo traces apply into opgraft::linear_fp8 (a graph that names the layer by its prefix);
-    on CPU the op hands every call to the layer's own apply, found through the registry."""
+    """Dynamo traces apply into opgraft::linear_fp8 (a graph that finds the layer by its weight, a
+    graph input); on CPU the op hands every call to the layer's own apply, found through the
+    registry."""
     m, layer = method_and_layer()
     m.process_weights_after_loading(layer)
     graphs = []
@@ -188,7 +211,36 @@ def test_traced_path_runs_the_op_and_its_registered_hand_back(fp8):
     assert graphs and all("opgraft.linear_fp8" in g for g in graphs)
     assert linear_seam.trace_counts()["routed"] >= 1
     # The op without a registered path says so instead of guessing.
-    linear_op.unregister_fp8_fallback(layer.prefix)
+    linear_op.unregister_fp8_fallback(linear_op.fp8_key(layer.weight))
     with pytest.raises(RuntimeError, match="no path registered"):
         torch.ops.opgraft.linear_fp8(torch.randn(2, 256).to(torch.bfloat16), layer.weight, layer.weight_scale_inv,
-                                     None, 128, 128, layer.prefix)
+                                     None, 128, 128)
+
+
+def test_two_layers_trace_to_one_graph(fp8):
+    """Each layer's traced call is the same graph but for its inputs (no per-layer constant such as
+    a name), so vLLM's pieces of identical layers are one compile for Inductor."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    layers = []
+    for i in range(2):
+        m, layer = method_and_layer(prefix=f"model.layers.{i}.qkv_proj")
+        m.process_weights_after_loading(layer)
+        layers.append((m, layer))
+
+    f = torch.compile(lambda x: (layers[0][0].apply(layers[0][1], x), layers[1][0].apply(layers[1][1], x)),
+                      backend=backend, fullgraph=True)
+    f(torch.randn(2, 256).to(torch.bfloat16))
+    calls = [line for line in graphs[0].splitlines() if "torch.ops.opgraft.linear_fp8(" in line]
+    assert len(calls) == 2
+    assert not any("'" in c or '"' in c for c in calls), calls  # no string constant (a layer's name)
+
+
+def test_compile_factor_names_the_ops_schemas(fp8):
+    """A graph traced against one schema of the op is never loaded from vLLM's compile cache
+    against another."""
+    assert str(torch.ops.opgraft.linear_fp8.default._schema) in linear_seam._compile_factor()
