@@ -438,3 +438,11 @@ def test_norm_bench_rows_on_a_fake_kernel(monkeypatch):
     r = rows[0]
     assert r["impl"] == "opgraft-norm" and r["normed_out"] and r["normed_out_exact"]
     assert r["bytes"] == 2 * (8 * 64 + 2 * 64 + 2 * 8) + 4 * 2 * 64 * 2
+
+
+@pytest.mark.parametrize("name", ["linear", "linear_fp8", "add_rms_norm_linear"])
+def test_ops_inside_vllms_graph_pieces_take_no_string(name):
+    """A string argument is a constant of the traced graph: every layer's piece would become a graph
+    of its own, and Inductor would compile each (bench/NOTES.md v50)."""
+    schema = getattr(torch.ops.opgraft, name).default._schema
+    assert [a.name for a in schema.arguments if str(a.type) == "str"] == [], str(schema)

@@ -352,6 +352,15 @@ def test_the_op_is_registered_with_the_seam(switch):
     assert installed == "True" and registered == str(switch == "1") and said == str(switch == "1"), r.stdout
 
 
+def test_the_ops_layer_name_is_vllms_type():
+    """The layer name is of vLLM's type: LayerName with torch >= 2.11, a graph input that vLLM hoists
+    (a str would be a constant of the graph and make every layer's piece a graph of its own)."""
+    from vllm.utils.torch_utils import LayerNameType
+
+    arg = [a for a in norm_seam.moe_op()._schema.arguments if a.name == "layer_name"][0]
+    assert (str(arg.type) == "str") == (LayerNameType is str), str(arg.type)
+
+
 def test_malformed_switch_warns_once_and_keeps_the_default(monkeypatch):
     warned = []
     monkeypatch.setattr(dispatch, "_warn_once", warned.append)
