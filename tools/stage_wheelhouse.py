@@ -713,7 +713,8 @@ def pip_download(pip_cmd: List[str], requirement: str, target: Target, dest: str
 
 class SplitWriter:
     """A write-only file object that spreads its bytes over numbered parts of at most
-    ``part_size`` bytes each, hashing the whole stream and every part as it goes."""
+    ``part_size`` bytes each, hashing the whole stream and every part as it goes. Parts of an
+    earlier split in the folder are removed first (they would not belong to the new manifest)."""
 
     def __init__(self, directory: str, part_size: int, prefix: str = PART_PREFIX):
         if part_size <= 0:
@@ -726,6 +727,9 @@ class SplitWriter:
         self._part_sha = None
         self._part_len = 0
         os.makedirs(directory, exist_ok=True)
+        for old in os.listdir(directory):
+            if old.startswith(prefix):
+                os.remove(os.path.join(directory, old))
 
     def _open_next(self) -> None:
         name = "%s%03d" % (self.prefix, len(self.parts))
@@ -788,10 +792,6 @@ def pack(wheel_paths: List[str], parts_dir: str, part_size: int) -> Tuple[List[d
     """Write ``wheels/<file>`` entries for every wheel into a deterministic tar, streamed
     straight into parts (the whole tar is never written).  Returns (wheels, tar, parts)
     records for the manifest."""
-    os.makedirs(parts_dir, exist_ok=True)
-    for old in os.listdir(parts_dir):
-        if old.startswith(PART_PREFIX):
-            os.remove(os.path.join(parts_dir, old))
     wheels = []
     writer = SplitWriter(parts_dir, part_size)
     with tarfile.open(fileobj=writer, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -1498,10 +1498,6 @@ def cmd_resplit(args) -> int:
     missing = [p["file"] for p in old if not os.path.isfile(os.path.join(src, p["file"]))]
     if not old or missing:
         raise RuntimeError("%s: parts missing: %s" % (src, " ".join(missing) or "(none listed)"))
-    os.makedirs(parts_dir, exist_ok=True)
-    for stale in os.listdir(parts_dir):
-        if stale.startswith(PART_PREFIX):
-            os.remove(os.path.join(parts_dir, stale))
     writer = SplitWriter(parts_dir, args.part_size)
     try:
         for p in old:

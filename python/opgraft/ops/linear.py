@@ -346,7 +346,6 @@ for _key in ("CUDA", "CPU"):
     _LIB.impl("linear_fp8", linear_fp8, _key)
 
 
-
 def schemas() -> str:
     """The schemas of this module's ops: a factor of vLLM's compile-cache key, so that a graph
     traced against one schema is never loaded against another."""
