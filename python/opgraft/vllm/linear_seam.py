@@ -5,11 +5,13 @@ What is patched: `apply(self, layer, x, bias=None)` of `UnquantizedLinearMethod`
 QKVParallel, RowParallel and Replicated linear layer, router gates included) and of
 `UnquantizedEmbeddingMethod` (vllm/model_executor/layers/vocab_parallel_embedding.py: the lm_head's
 projection, which LogitsProcessor calls as `lm_head.quant_method.apply(lm_head, h, bias=...)`). Same
-signature in vLLM 0.26.0 (the pinned release) and 0.33.0 (the newest), both tested in CI.
+signature in vLLM 0.26.0 (the pinned release), 0.33.0 (tested in CI) and 0.34.0.
 
 Why there: both methods end in one GEMM that vLLM picks per platform, `dispatch_unquantized_gemm()`
 (0.26; 0.33: `UnquantizedLinearMethod._gemm_impl`, chosen at construction), which on CUDA is
-`default_unquantized_gemm`, i.e. `torch.nn.functional.linear(x, layer.weight, bias)`. The tensor-
+`default_unquantized_gemm`, i.e. `torch.nn.functional.linear(x, layer.weight, bias)`; 0.34's is
+`cuda_unquantized_gemm`, the same call unless the layer has `use_skinny_gemm` (vLLM's measured
+skinny-GEMM plans, only for sm_121 shapes in 0.34), whose calls stay vLLM's. The tensor-
 parallel layers have already split their weights and pass the bias they want added on this rank
 (RowParallelLinear: only rank 0, the others None), so a call here is one plain local linear.
 Quantized layers have their own methods (Fp8LinearMethod, AWQ, GPTQ, ...), which never reach this
@@ -93,7 +95,7 @@ def disabled() -> str:
 
 
 def _targets():
-    """[(class, the module whose dispatch_unquantized_gemm it calls)] and the GEMM it must be, or
+    """[(class, the module whose dispatch_unquantized_gemm it calls)] and the GEMMs it may be, or
     ([], None, why)."""
     try:
         from vllm.model_executor.layers import linear as linear_mod
@@ -110,7 +112,10 @@ def _targets():
     default = getattr(utils_mod, "default_unquantized_gemm", None)
     if default is None:
         return [], None, "vllm's default_unquantized_gemm is not where opgraft expects it"
-    return out, default, ""
+    # vLLM 0.34 picks cuda_unquantized_gemm on CUDA: torch's linear too, unless the layer carries
+    # a skinny-GEMM plan (use_skinny_gemm), which the wrapper hands back.
+    cuda = getattr(utils_mod, "cuda_unquantized_gemm", None)
+    return out, (default,) if cuda is None else (default, cuda), ""
 
 
 def _signature_matches(fn) -> bool:
@@ -218,7 +223,7 @@ def _seam_apply(original, static_reason, ours_for):
     return apply
 
 
-def _make_wrapper(cls, module, default_gemm, original):
+def _make_wrapper(cls, module, torch_gemms, original):
     import torch
     import vllm.envs as envs
 
@@ -236,8 +241,10 @@ def _make_wrapper(cls, module, default_gemm, original):
         gemm = getattr(self, "_gemm_impl", None)
         if gemm is None:
             gemm = module.dispatch_unquantized_gemm()
-        if gemm is not default_gemm:
+        if gemm not in torch_gemms:
             return "vLLM's GEMM is not torch.nn.functional.linear here"
+        if getattr(layer, "use_skinny_gemm", False):
+            return "vLLM's skinny GEMM has a plan for this layer"
         if tracing and fused_traced():  # (an Inductor pass: eager calls never meet it)
             return "fuse_gemm_comms (vLLM's GEMM + collective fusion) is on"
         w = getattr(layer, "weight", None)
@@ -267,10 +274,10 @@ def _make_wrapper(cls, module, default_gemm, original):
 
 def make_wrapper(cls, original):
     """The wrapper of cls.apply around original (tests call it with a recording original)."""
-    targets, default, why = _targets()
+    targets, gemms, why = _targets()
     for c, mod in targets:
         if issubclass(cls, c):
-            return _make_wrapper(cls, mod, default, original)
+            return _make_wrapper(cls, mod, gemms, original)
     raise ValueError(why or f"{cls.__name__} is not a class the linear seam patches")
 
 
@@ -481,7 +488,7 @@ def fp8_installed() -> bool:
 
 def install() -> tuple[bool, str]:
     """Patches the methods once; returns (installed, message)."""
-    targets, default, why = _targets()
+    targets, gemms, why = _targets()
     if not targets:
         return False, why
     for cls, _ in targets:
@@ -497,7 +504,7 @@ def install() -> tuple[bool, str]:
     for cls, mod in targets:
         current = cls.__dict__["apply"]
         if not hasattr(current, _PATCH_ATTR):
-            cls.apply = _make_wrapper(cls, mod, default, current)
+            cls.apply = _make_wrapper(cls, mod, gemms, current)
     fp8 = _install_fp8()
     _add_compile_factor()
     return True, f"linear seam installed (UnquantizedLinearMethod.apply, UnquantizedEmbeddingMethod.apply; {fp8})"

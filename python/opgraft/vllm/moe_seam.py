@@ -1,7 +1,7 @@
 """MoE seam: vLLM's Triton experts, after routing.
 
 What is patched: `TritonExperts.apply` in vllm/model_executor/layers/fused_moe/experts/triton_moe.py
-(vLLM 0.26.0, the pinned release, and 0.33.0, the newest, both tested in CI with the same
+(vLLM 0.26.0, the pinned release, and 0.33.0, both tested in CI, and 0.34.0, with the same
 signature; the class that the default unquantized bf16/fp16 path uses on sm_90 and sm_80).
 Why there: it runs after vLLM's router and after the modular kernel's prepare step (quantization,
 EP dispatch) and before its finalize step, with the fused_experts contract (hidden [T, H],
@@ -10,7 +10,10 @@ it writes the final weighted sum into `output`. So routing, quantization and par
 vLLM's. How: the original method is kept; our wrapper writes `output` with our kernel when the
 dispatch guard says yes and otherwise calls the original with the same arguments. Calls from
 subclasses (LoRA, emulated or weight-only quantized experts), quantizations other than the two
-FP8 ones below, biases and non-SwiGLU activations always go to the original.
+FP8 ones below, biases and non-SwiGLU activations always go to the original. vLLM 0.34 declares the
+class's input `PaddedStandard`: behind an all-to-all that pads, rows may be garbage with every
+topk_ids slot -1; the kernels route a -1 slot nowhere (and such calls, whose ranks hold fewer
+experts than the global count without an expert_map, are handed back before that).
 Remove it: delete this module's install() call in opgraft/vllm/__init__.py.
 
 FP8 (read in vLLM 0.26.0's and 0.33.0's source: fused_moe/oracle/fp8.py, experts/triton_moe.py,
@@ -76,7 +79,7 @@ def _target():
     return cls, ""
 
 
-# Parameter names of TritonExperts.apply in vLLM 0.26.0 (and 0.33.0), in order.
+# Parameter names of TritonExperts.apply in vLLM 0.26.0 (and 0.33.0, 0.34.0), in order.
 _APPLY_PARAMS = ("output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
                  "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13", "workspace2",
                  "expert_tokens_meta", "apply_router_weight_on_input")

@@ -1,8 +1,10 @@
 """MoE routing seam: vLLM's softmax top-k and the experts in our kernels, from the router's logits.
 
 What is patched: `MoERunner._apply_quant_method` in
-vllm/model_executor/layers/fused_moe/runner/moe_runner.py (vLLM 0.26.0, the pinned release, and
-0.33.0, the newest, which adds a `shared_experts_overlapping` keyword; both tested in CI). It
+vllm/model_executor/layers/fused_moe/runner/moe_runner.py (vLLM 0.26.0, the pinned release;
+0.33.0, tested in CI too, adds a `shared_experts_overlapping` keyword, 0.34.0 a
+`hidden_states_scale` one, set when the input was quantized before a context-parallel all-gather:
+such calls stay vLLM's). It
 receives the router's logits and runs `router.select_experts` (FusedTopKRouter: vLLM's
 topk_softmax kernel) and then the modular kernel, whose TritonExperts.apply the MoE experts seam
 wraps. A decode step of a MoE model spends a kernel a layer on that top-k (about 3.6 us a layer at
@@ -35,7 +37,8 @@ from .compat import switched_off
 
 _PATCH_ATTR = "_opgraft_original_apply_quant_method"
 _PARAMS = ("hidden_states", "router_logits", "shared_experts_input", "input_ids")
-_OPTIONAL = {"shared_experts_overlapping"}  # vLLM 0.33
+_OPTIONAL = {"shared_experts_overlapping",  # vLLM 0.33
+             "hidden_states_scale"}  # 0.34: input quantized before a prefill context-parallel gather
 
 
 def disabled() -> str:
@@ -154,6 +157,8 @@ def make_wrapper(original):
         if hidden_states.dim() != 2 or hidden_states.shape[0] > moe_seam._MAX_TOKENS:  # a prefill's
             return delegate()
         reason = route_reason(self, hidden_states, router_logits, kw.get("shared_experts_overlapping", False))
+        if not reason and kw.get("hidden_states_scale") is not None:
+            reason = "hidden states quantized before the MoE runner"
         call = dispatch.RoutedExpertsCall(hidden_states, None, None, router_logits, 0, True, delegate, reason)
         if not reason:  # the layer is one route_reason knows: its weights and its router's k
             layer = self.routed_experts

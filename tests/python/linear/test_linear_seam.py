@@ -194,6 +194,30 @@ def test_the_op_path_eager(clean, monkeypatch):
     assert reasons() == {"tensors are not on a CUDA device": 4, "rows N > N (kernel limit)": 2}
 
 
+def test_vllms_cuda_gemm_is_taken_unless_it_has_a_skinny_plan(clean, monkeypatch):
+    """vLLM 0.34 picks cuda_unquantized_gemm on CUDA: torch's linear unless the layer was given a
+    skinny-GEMM plan at load (use_skinny_gemm), whose calls stay vLLM's."""
+    from vllm.model_executor.layers import utils as vllm_utils
+
+    cuda_gemm = getattr(vllm_utils, "cuda_unquantized_gemm", None)
+    if cuda_gemm is None:
+        pytest.skip("this vLLM has no cuda_unquantized_gemm (before 0.34)")
+    monkeypatch.setattr(linear_seam, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(vllm_vpe, "dispatch_unquantized_gemm", lambda *a: cuda_gemm)
+    register()
+    m = ULM()
+    m._gemm_impl = cuda_gemm
+    layer, x = layer_of(), x_of()
+    for method in (m, UEM()):
+        assert torch.equal(method.apply(layer, x, layer.bias), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert reasons() == {"tensors are not on a CUDA device": 2}  # both reached the op
+    layer.use_skinny_gemm = True
+    calls = []
+    wrapped = linear_seam.make_wrapper(ULM, lambda *a: calls.append(a) or "vllm's result")
+    assert wrapped(m, layer, x, None) == "vllm's result" and len(calls) == 1
+    assert reasons()["vLLM's skinny GEMM has a plan for this layer"] == 1
+
+
 def test_the_op_path_under_torch_compile(clean, monkeypatch):
     """Dynamo traces the wrapper once: the graph holds opgraft::linear (no branch on the symbolic
     row count), the trace counts one routed call, and each run decides at run time."""

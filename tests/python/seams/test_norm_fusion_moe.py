@@ -198,6 +198,7 @@ def test_vllms_own_forward_impl_routes_with_the_logits_made(cfg, monkeypatch):
     quant method, combine): the router logits it hands on are the ones the op made with the norm,
     and the hidden states the normalized rows."""
     import contextlib
+    import inspect
     import types
 
     r = make_runner(cfg)
@@ -210,9 +211,15 @@ def test_vllms_own_forward_impl_routes_with_the_logits_made(cfg, monkeypatch):
         seen.update(h=hidden_states, logits=router_logits)
         return None, hidden_states * 3
 
+    # vLLM 0.34's dispatch also hands on the scales of input quantized before a context-parallel
+    # gather, and _apply_quant_method takes them
+    own = MoERunner._apply_quant_method
+    own = getattr(own, "_opgraft_original_apply_quant_method", own)
+    scaled = "hidden_states_scale" in inspect.signature(own).parameters
     monkeypatch.setattr(MoERunner, "_apply_quant_method", apply)
     monkeypatch.setattr(MoERunner, "_sequence_parallel_context", lambda self: contextlib.nullcontext())
-    monkeypatch.setattr(MoERunner, "_maybe_dispatch", lambda self, h, logits: (h, logits))
+    monkeypatch.setattr(MoERunner, "_maybe_dispatch",
+                        lambda self, h, logits: (h, logits, None) if scaled else (h, logits))
     monkeypatch.setattr(MoERunner, "_maybe_combine", lambda self, shared, h: h)
     if hasattr(MoERunner, "_maybe_sync_shared_experts_stream"):  # vLLM 0.26
         monkeypatch.setattr(MoERunner, "_maybe_sync_shared_experts_stream", lambda self, sei: None)

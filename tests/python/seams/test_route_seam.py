@@ -99,6 +99,25 @@ def test_unexpected_signature_is_not_patched(clean, monkeypatch):
     assert MoERunner.__dict__["_apply_quant_method"] is other
 
 
+def test_the_signatures_of_each_tested_vllm_match():
+    def v026(self, hidden_states, router_logits, shared_experts_input, input_ids=None):
+        pass
+
+    def v033(self, hidden_states, router_logits, shared_experts_input, input_ids=None,
+             shared_experts_overlapping=False):
+        pass
+
+    def v034(self, hidden_states, router_logits, shared_experts_input, input_ids=None,
+             shared_experts_overlapping=False, hidden_states_scale=None):
+        pass
+
+    def unknown(self, hidden_states, router_logits, shared_experts_input, input_ids=None, x_scale=None):
+        pass
+
+    assert all(route_seam._signature_matches(f) for f in (v026, v033, v034))
+    assert not route_seam._signature_matches(unknown)
+
+
 def test_a_plain_layer_reaches_the_guard(clean, monkeypatch):
     r = _runner(monkeypatch)
     x, logits = _inputs()
@@ -164,6 +183,11 @@ def test_a_refusal_runs_vllms_method_with_the_same_arguments(clean, monkeypatch)
     wrapped(r, x, logits, shared_in, None, shared_experts_overlapping=True)
     assert orig.calls[-1][2] == {"shared_experts_overlapping": True}
     assert dispatch.stats()["moe_route"]["delegated_by_reason"]["shared experts"] == 1
+    # vLLM 0.34's keyword: input quantized before a context-parallel gather stays vLLM's
+    scale = torch.ones(3, 1)
+    wrapped(r, x, logits, shared_in, None, hidden_states_scale=scale)
+    assert orig.calls[-1][2] == {"hidden_states_scale": scale}
+    assert dispatch.stats()["moe_route"]["delegated_by_reason"]["hidden states quantized before the MoE runner"] == 1
 
 
 def test_other_variants_and_prefills_go_straight_to_vllm(clean, monkeypatch):
