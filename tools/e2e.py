@@ -49,6 +49,10 @@ rep: front end, queue, the engine core's prefill step), and with --profile-host 
 (self CPU time, op by op), for a one-token run that is longer than its GPU time. The MoE counters of the engine's
 worker process (opgraft.stats()) are read through vLLM's collective_rpc.
 
+Each setting's torch.compile times, from vLLM's own log lines (each compile range compiled, or
+loaded from vLLM's compile cache, and the total), go into its result and the summary (`compile`),
+beside its start-up time.
+
 --mode-timeout bounds one setting, start-up included: with empty torch.compile and Triton caches
 (a fresh machine) Qwen3-30B-A3B-FP8 took 200 s to start and 332 s in all at batch 8 with 5 reps
 on an H200 (bench/NOTES.md v38); a later setting with the caches filled took 113 s.
@@ -777,6 +781,7 @@ def compare(out_dir: str, modes=None) -> dict:
     summary = {"meta": meta, "rows": rows, "parity_vs_disabled": par, "vs_base": vs_base,
                "status": {m: r.get("status") for m, r in runs.items()},
                "startup_s": {m: r.get("startup_s") for m, r in runs.items()},
+               "compile": {m: r["compile"] for m, r in runs.items() if "compile" in r},
                "workers": {m: r.get("workers") or r.get("workers_error") for m, r in runs.items()}}
     with open(os.path.join(out_dir, "e2e-summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -791,6 +796,13 @@ def compare(out_dir: str, modes=None) -> dict:
     for m, r in runs.items():
         if r.get("moe_backend", "auto") != "auto":
             print(f"moe_backend {m}: {r['moe_backend']}")
+    for m, r in runs.items():
+        c = r.get("compile")
+        if c:
+            parts = [f"compiled {k} {v:.1f} s" for k, v in c.get("compiled", {}).items()]
+            parts += [f"loaded {k} {v:.2f} s" for k, v in c.get("loaded", {}).items()]
+            total = f"{c['total_s']:.1f} s" if "total_s" in c else "-"
+            print(f"torch.compile {m}: {total} in all, start-up {r.get('startup_s')} s; {', '.join(parts) or '-'}")
     for m, p in par.items():
         for key, v in p.items():
             print(f"parity {m} vs disabled, B={key}: identical={v['identical']} "
@@ -914,6 +926,50 @@ def last_line(path: str) -> str:
     return lines[-1] if lines else ""
 
 
+# vLLM's own log lines for its torch.compile (vllm/compilation/backends.py and monitor.py, 0.26-0.34).
+_COMPILED = re.compile(r"Compiling a graph for compile range \((\d+), (\d+)\) takes ([0-9.]+) s")
+_LOADED = re.compile(r"Directly load the compiled graph\(s\) for compile range \((\d+), (\d+)\) "
+                     r"from the cache, took ([0-9.]+) s")
+_COMPILE_TOTAL = re.compile(r"torch\.compile took ([0-9.]+) s in total")
+
+
+def compile_times(log: str) -> dict:
+    """vLLM's torch.compile times in a setting's log: {"compiled": {"1-2": s, ...}, "loaded": {...}
+    (ranges found in vLLM's compile cache), "total_s": s}; the slowest rank's where several log.
+    Empty when the log has none or cannot be read."""
+    out: dict = {}
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                for key, pat in (("compiled", _COMPILED), ("loaded", _LOADED)):
+                    m = pat.search(line)
+                    if m:
+                        r = f"{m.group(1)}-{m.group(2)}"
+                        d = out.setdefault(key, {})
+                        d[r] = max(d.get(r, 0.0), float(m.group(3)))
+                m = _COMPILE_TOTAL.search(line)
+                if m:
+                    out["total_s"] = max(out.get("total_s", 0.0), float(m.group(1)))
+    except OSError:
+        return {}
+    return out
+
+
+def _note_compile_times(json_path: str, log: str) -> None:
+    """Adds the setting's compile times from its log to its result file (when it wrote one)."""
+    times = compile_times(log)
+    try:
+        with open(json_path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not isinstance(result, dict):
+        return
+    result["compile"] = times
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def setting_failure(rc, json_path: str, log: str) -> str | None:
     """Why a setting's run failed (None if it finished): its exit status, or a result file that
     is missing or not done, with the last line of its log."""
@@ -978,6 +1034,7 @@ def study(args) -> int:
         with open(log, "w") as lf:
             rc = run_group(cmd, env, lf, args.mode_timeout)
         print(f"opgraft e2e: {m} exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
+        _note_compile_times(path, log)
         wait_gpu_memory_free()
         if rc != 0:
             with open(log, errors="replace") as lf:

@@ -697,3 +697,47 @@ def test_study_moe_backend_per_setting_is_checked(tmp_path, capsys):
     assert e2e.study(a) == 2
     assert "--mode-moe-backend names opgraft, more than once" in capsys.readouterr().err
 
+
+
+_VLLM_COMPILE_LOG = """\
+(EngineCore pid=5032) INFO 12-05 19:07:37 [backends.py:393] Compiling a graph for compile range (1, 2) takes 163.20 s
+(EngineCore pid=5032) INFO 12-05 19:07:37 [backends.py:393] Compiling a graph for compile range (3, 1600) takes 163.55 s
+(EngineCore pid=5032) INFO 12-05 19:07:44 [monitor.py:53] torch.compile took 190.19 s in total
+"""
+_VLLM_CACHED_LOG = """\
+(Worker_TP0 pid=3709) INFO 12-03 12:50:07 [backends.py:292] Directly load the compiled graph(s) for compile range (1, 1600) from the cache, took 1.696 s
+(Worker_TP1 pid=3710) INFO 12-03 12:50:07 [backends.py:292] Directly load the compiled graph(s) for compile range (1, 1600) from the cache, took 1.801 s
+(Worker_TP0 pid=3709) INFO 12-03 12:50:09 [monitor.py:53] torch.compile took 7.10 s in total
+"""
+
+
+def test_compile_times_from_vllms_log_lines(tmp_path):
+    """vLLM's own lines (as in bench/results' logs): each compile range, compiled or loaded from
+    vLLM's cache (the slowest rank's), and the total."""
+    log = tmp_path / "a.log"
+    log.write_text("noise\n" + _VLLM_COMPILE_LOG)
+    assert e2e.compile_times(str(log)) == {"compiled": {"1-2": 163.2, "3-1600": 163.55}, "total_s": 190.19}
+    log.write_text(_VLLM_CACHED_LOG)
+    assert e2e.compile_times(str(log)) == {"loaded": {"1-1600": 1.801}, "total_s": 7.1}
+    log.write_text("no compile here\n")
+    assert e2e.compile_times(str(log)) == {}
+    assert e2e.compile_times(str(tmp_path / "missing.log")) == {}
+
+
+def test_study_keeps_each_settings_compile_times(tmp_path, monkeypatch, capsys):
+    def done(cmd, env, out, timeout):
+        mode = cmd[cmd.index("--mode") + 1]
+        out.write(_VLLM_COMPILE_LOG if mode == "opgraft" else _VLLM_CACHED_LOG)
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump(_run(mode, [[1, 2]], [[-1.0, -1.0]], [1.0]), f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", done)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 0
+    summary = json.loads((tmp_path / "e2e-summary.json").read_text())
+    assert summary["compile"]["opgraft"]["compiled"] == {"1-2": 163.2, "3-1600": 163.55}
+    assert summary["compile"]["disabled"] == {"loaded": {"1-1600": 1.801}, "total_s": 7.1}
+    out = capsys.readouterr().out
+    assert "torch.compile opgraft: 190.2 s in all" in out and "compiled 1-2 163.2 s" in out
+    assert "torch.compile disabled: 7.1 s in all" in out and "loaded 1-1600 1.80 s" in out
