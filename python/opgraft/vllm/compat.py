@@ -3,6 +3,8 @@ for the symbols they patch, so a moved API leaves opgraft a no-op with one warni
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 
 # How a switch is turned off: OPGRAFT_X=0 (or false, no, off; any case, spaces ignored).
@@ -70,6 +72,30 @@ def _env_factor_table():
         return None
     table = getattr(envs, "environment_variables", None)
     return table if isinstance(table, dict) else None
+
+
+def source_digest(root: str) -> str:
+    """sha256 of the .py files under root: their relative paths and bytes, in sorted order."""
+    paths = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        paths += [os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/") for n in files if n.endswith(".py")]
+    h = hashlib.sha256()
+    for rel in sorted(paths):
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(rel.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def package_tag() -> str:
+    """"opgraft VERSION (source DIGEST)": part of every seam's compile-cache factor, because a
+    traced graph holds what the seams decided at trace time (which calls go to opgraft's ops), so
+    a graph traced by other opgraft code must not be loaded, even under the same version number."""
+    from .. import __version__
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return f"opgraft {__version__} (source {source_digest(root)[:16]})"
 
 
 def add_compile_factor(key: str, fn) -> None:

@@ -71,7 +71,7 @@ import threading
 import weakref
 
 from .. import dispatch
-from .compat import add_compile_factor, remove_compile_factor, switched_off
+from .compat import add_compile_factor, package_tag, remove_compile_factor, switched_off
 
 logger = logging.getLogger("opgraft")
 
@@ -282,10 +282,9 @@ def make_wrapper(cls, original):
 
 
 def _compile_factor() -> str:
-    from .. import __version__
     from ..ops import linear as linear_op
 
-    return (f"opgraft {__version__}, linear variant {dispatch.selected_variant('linear')}, "
+    return (f"{package_tag()}, linear variant {dispatch.selected_variant('linear')}, "
             f"fp8 {'off' if fp8_disabled() else 'on'}, {linear_op.schemas()}")
 
 

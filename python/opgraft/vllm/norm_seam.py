@@ -67,7 +67,7 @@ import threading
 
 from .. import dispatch
 from . import linear_seam
-from .compat import add_compile_factor, remove_compile_factor, restore, switch, switched_off
+from .compat import add_compile_factor, package_tag, remove_compile_factor, restore, switch, switched_off
 
 _PATCH_ATTR = "_opgraft_original_configure"
 COMPILE_FACTOR = "OPGRAFT_NORM_FUSION_SEAM"
@@ -680,9 +680,7 @@ def _make_set_compile_ranges(original):
 
 
 def _compile_factor() -> str:
-    from .. import __version__
-
-    return f"opgraft {__version__}, norm fusion on{_moe_said()}"
+    return f"{package_tag()}, norm fusion on{_moe_said()}"
 
 
 def _moe_said() -> str:

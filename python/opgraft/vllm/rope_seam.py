@@ -56,7 +56,7 @@ import threading
 
 from .. import _lib, dispatch
 from . import attn_seam
-from .compat import add_compile_factor, remove_compile_factor, restore, switch
+from .compat import add_compile_factor, package_tag, remove_compile_factor, restore, switch
 
 _PATCH_ATTR = "_opgraft_original_split_graph"
 _RANGES_ATTR = "_opgraft_rope_original_set_compile_ranges"
@@ -383,9 +383,7 @@ def _make_set_compile_ranges(original):
 
 
 def _compile_factor() -> str:
-    from .. import __version__
-
-    return f"opgraft {__version__}, attention prologue {({True: 'on', None: 'with the MoE norm form'})[switch_state()]}"
+    return f"{package_tag()}, attention prologue {({True: 'on', None: 'with the MoE norm form'})[switch_state()]}"
 
 
 def _backends():
