@@ -26,3 +26,17 @@ def test_package_tag_names_the_version_and_this_source():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(compat.__file__)))
     assert compat.package_tag() == f"opgraft {__version__} (source {compat.source_digest(root)[:16]})"
+
+
+def test_an_unreadable_source_gives_a_key_no_cache_shares(monkeypatch):
+    def unreadable(root):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(compat, "source_digest", unreadable)
+    compat.package_tag.cache_clear()
+    try:
+        a = compat.package_tag()
+        compat.package_tag.cache_clear()
+        assert a.startswith("opgraft ") and "unreadable" in a and compat.package_tag() != a
+    finally:
+        compat.package_tag.cache_clear()

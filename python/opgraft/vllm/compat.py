@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import uuid
 
 # How a switch is turned off: OPGRAFT_X=0 (or false, no, off; any case, spaces ignored).
 OFF = ("0", "false", "no", "off")
@@ -95,7 +96,11 @@ def package_tag() -> str:
     from .. import __version__
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return f"opgraft {__version__} (source {source_digest(root)[:16]})"
+    try:
+        digest = source_digest(root)[:16]
+    except OSError:  # an unreadable install: a key of its own per process, so no cached graph is reused
+        digest = f"unreadable, {uuid.uuid4().hex}"
+    return f"opgraft {__version__} (source {digest})"
 
 
 def add_compile_factor(key: str, fn) -> None:
