@@ -30,8 +30,8 @@ batches run a graph of their own with vLLM's norm.
 How: the pass walks the graph and rewrites only the exact pattern: 2-D x and residual of one
 shape, bf16/fp16; norm weight [K] and W [N, K] of x's dtype; no variance_size; the normed output
 used by that one linear and nothing else; W and bias defined before the norm. Anything else is
-left to vLLM. The pass's uuid (part of the pass manager's Inductor cache key) hashes this module's
-source; install() also adds a factor (OPGRAFT_NORM_FUSION_SEAM) to the environment factors of
+left to vLLM. The pass's uuid (part of the pass manager's Inductor cache key) hashes opgraft's
+source (compat.package_tag); install() also adds a factor (OPGRAFT_NORM_FUSION_SEAM) to the environment factors of
 vLLM's compile cache, as the linear seam does.
 
 MoE layers (OPGRAFT_NORM_FUSION_MOE=1; off unless set. Alone it measured no faster; with the
@@ -128,13 +128,7 @@ def _signature_matches(fn) -> bool:
 def _source_hash() -> str:
     from vllm.compilation.passes.inductor_pass import InductorPass
 
-    from .. import __version__
-
-    try:  # the matcher lives outside the class: hash the whole module, not the class's source
-        src = inspect.getsource(sys.modules[__name__])
-    except (OSError, TypeError):
-        src = ""
-    return InductorPass.hash_source(f"opgraft {__version__}\n{src}")
+    return InductorPass.hash_source(package_tag())  # the whole package: the pass, its matcher and op
 
 
 @functools.lru_cache(maxsize=1)  # asked once a fused layer when a graph compiles; the GPU stays

@@ -104,8 +104,10 @@ def _fp8_reason(hidden_states, experts, experts_cls, layer) -> str:
     return reason or ("" if fp8 is not None else "FP8 layer without FP8 scales")
 
 
-def route_reason(runner, hidden_states, router_logits, overlapping=False) -> str:
+def route_reason(runner, hidden_states, router_logits, overlapping=False, hidden_states_scale=None) -> str:
     """Why vLLM must route this layer's call itself ("" when our kernels may take it)."""
+    if hidden_states_scale is not None:
+        return "hidden states quantized before the MoE runner"
     router_cls, method_cls, pf_cls, experts_cls = _classes()
     router = getattr(runner, "router", None)
     if type(router) is not router_cls:
@@ -156,9 +158,8 @@ def make_wrapper(original):
 
         if hidden_states.dim() != 2 or hidden_states.shape[0] > moe_seam._MAX_TOKENS:  # a prefill's
             return delegate()
-        reason = route_reason(self, hidden_states, router_logits, kw.get("shared_experts_overlapping", False))
-        if not reason and kw.get("hidden_states_scale") is not None:
-            reason = "hidden states quantized before the MoE runner"
+        reason = route_reason(self, hidden_states, router_logits, kw.get("shared_experts_overlapping", False),
+                              kw.get("hidden_states_scale"))
         call = dispatch.RoutedExpertsCall(hidden_states, None, None, router_logits, 0, True, delegate, reason)
         if not reason:  # the layer is one route_reason knows: its weights and its router's k
             layer = self.routed_experts
