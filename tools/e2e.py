@@ -53,6 +53,12 @@ Each setting's torch.compile times, from vLLM's own log lines (each compile rang
 loaded from vLLM's compile cache, and the total), go into its result and the summary (`compile`),
 beside its start-up time.
 
+--cold-caches gives each setting empty JIT and compile caches of its own (vLLM's, Inductor's,
+Triton's, DeepGEMM's and opgraft's, removed after it), so that start-up times and first reps
+compare: by default the settings share the machine's caches, and a later setting finds the kernels
+an earlier one compiled (bench/NOTES.md v52: stock FP8 after opgraft started in 52 s against
+opgraft's 188, with no Triton or DeepGEMM compile of its own).
+
 --mode-timeout bounds one setting, start-up included: with empty torch.compile and Triton caches
 (a fresh machine) Qwen3-30B-A3B-FP8 took 200 s to start and 332 s in all at batch 8 with 5 reps
 on an H200 (bench/NOTES.md v38); a later setting with the caches filled took 113 s.
@@ -66,6 +72,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -782,6 +789,7 @@ def compare(out_dir: str, modes=None) -> dict:
                "status": {m: r.get("status") for m, r in runs.items()},
                "startup_s": {m: r.get("startup_s") for m, r in runs.items()},
                "compile": {m: r["compile"] for m, r in runs.items() if "compile" in r},
+               "caches": {m: r["caches"] for m, r in runs.items() if "caches" in r},
                "workers": {m: r.get("workers") or r.get("workers_error") for m, r in runs.items()}}
     with open(os.path.join(out_dir, "e2e-summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -797,12 +805,13 @@ def compare(out_dir: str, modes=None) -> dict:
         if r.get("moe_backend", "auto") != "auto":
             print(f"moe_backend {m}: {r['moe_backend']}")
     for m, r in runs.items():
-        c = r.get("compile")
-        if c:
+        c = r.get("compile") or {}
+        if c or "caches" in r:
             parts = [f"compiled {k} {v:.1f} s" for k, v in c.get("compiled", {}).items()]
             parts += [f"loaded {k} {v:.2f} s" for k, v in c.get("loaded", {}).items()]
             total = f"{c['total_s']:.1f} s" if "total_s" in c else "-"
-            print(f"torch.compile {m}: {total} in all, start-up {r.get('startup_s')} s; {', '.join(parts) or '-'}")
+            cold = " (cold caches)" if r.get("caches") == "cold" else ""
+            print(f"torch.compile {m}: {total} in all, start-up {r.get('startup_s')} s{cold}; {', '.join(parts) or '-'}")
     for m, p in par.items():
         for key, v in p.items():
             print(f"parity {m} vs disabled, B={key}: identical={v['identical']} "
@@ -955,8 +964,20 @@ def compile_times(log: str) -> dict:
     return out
 
 
-def _note_compile_times(json_path: str, log: str) -> None:
-    """Adds the setting's compile times from its log to its result file (when it wrote one)."""
+# Where each JIT or compile cache a setting fills lives (DeepGEMM's: vLLM sets it under its own
+# root only when unset).
+_CACHE_DIRS = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton",
+               "DG_JIT_CACHE_DIR": "deep_gemm", "OPGRAFT_CACHE_DIR": "opgraft"}
+
+
+def cold_cache_env(root: str) -> dict:
+    """The environment that gives a setting empty caches of its own under root."""
+    return {k: os.path.join(root, sub) for k, sub in _CACHE_DIRS.items()}
+
+
+def _note_setting(json_path: str, log: str, caches: str) -> None:
+    """Adds the setting's compile times from its log, and whether its caches were its own empty
+    ones ("cold") or the machine's ("shared"), to its result file (when it wrote one)."""
     times = compile_times(log)
     try:
         with open(json_path) as f:
@@ -966,6 +987,7 @@ def _note_compile_times(json_path: str, log: str) -> None:
     if not isinstance(result, dict):
         return
     result["compile"] = times
+    result["caches"] = caches
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -1030,11 +1052,18 @@ def study(args) -> int:
         print(f"opgraft e2e: {m} ... (log {log})", flush=True)
         t = time.perf_counter()
         env = mode_env(m)
+        caches = tempfile.mkdtemp(prefix=f"opgraft-e2e-{m}-caches-") if args.cold_caches else None
+        if caches:
+            env.update(cold_cache_env(caches))
         env.update({k: v for mode, k, v in args.env if mode == m})
-        with open(log, "w") as lf:
-            rc = run_group(cmd, env, lf, args.mode_timeout)
+        try:
+            with open(log, "w") as lf:
+                rc = run_group(cmd, env, lf, args.mode_timeout)
+        finally:
+            if caches:
+                shutil.rmtree(caches, ignore_errors=True)
         print(f"opgraft e2e: {m} exit {rc} after {time.perf_counter() - t:.0f} s", flush=True)
-        _note_compile_times(path, log)
+        _note_setting(path, log, "cold" if caches else "shared")
         wait_gpu_memory_free()
         if rc != 0:
             with open(log, errors="replace") as lf:
@@ -1109,6 +1138,8 @@ def main(argv=None) -> int:
     s.add_argument("--out-dir", required=True, help="where each setting's results and the summary go")
     s.add_argument("--mode-timeout", type=float, default=600, help="seconds a setting may run")
     s.add_argument("--log-dir", default=None, help="where each setting's vLLM log goes (default: --out-dir)")
+    s.add_argument("--cold-caches", action="store_true",
+                   help="each setting starts with empty JIT and compile caches of its own (comparable start-up times)")
     c = sub.add_parser("compare", help="the comparison table of a study's folder", **with_defaults)
     c.add_argument("out_dir", help="a study's --out-dir")
     args = ap.parse_args(argv)

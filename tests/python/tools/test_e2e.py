@@ -3,6 +3,7 @@ table. (The study itself needs vLLM on a GPU: bench/results/ holds its runs.)"""
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -511,7 +512,8 @@ def _study_args(tmp_path, modes):
     return argparse.Namespace(
         modes=modes, out_dir=str(tmp_path), log_dir=None, model="Qwen3-30B-A3B", batches=[1], input_len=8,
         output_len=4, reps=1, init_std=0.02, profile_steps=0, profile_host=False, gpu_memory_utilization=0.5, tp=1,
-        expert_parallel=False, mode_timeout=10, capture="study", moe_backend="auto", env=[], mode_moe_backend=[])
+        expert_parallel=False, mode_timeout=10, capture="study", moe_backend="auto", env=[], mode_moe_backend=[],
+        cold_caches=False)
 
 
 def test_study_fails_and_names_each_failed_setting(tmp_path, monkeypatch, capsys):
@@ -741,3 +743,44 @@ def test_study_keeps_each_settings_compile_times(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "torch.compile opgraft: 190.2 s in all" in out and "compiled 1-2 163.2 s" in out
     assert "torch.compile disabled: 7.1 s in all" in out and "loaded 1-1600 1.80 s" in out
+
+
+def test_cold_caches_give_each_setting_empty_caches_of_its_own(tmp_path, monkeypatch, capsys):
+    """--cold-caches: every cache variable points into a folder of the setting's own, empty when it
+    starts and gone after it; --env still wins; the result and summary say so. Without it the
+    settings keep the machine's caches."""
+    seen = {}
+
+    def done(cmd, env, out, timeout):
+        mode = cmd[cmd.index("--mode") + 1]
+        seen[mode] = {k: env.get(k) for k in e2e._CACHE_DIRS}
+        if env.get("VLLM_CACHE_ROOT"):
+            root = os.path.dirname(env["VLLM_CACHE_ROOT"])
+            assert os.path.isdir(root) and not os.listdir(root)
+            with open(os.path.join(root, "filled"), "w") as f:
+                f.write("x")
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump(_run(mode, [[1, 2]], [[-1.0, -1.0]], [1.0]), f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", done)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    for k in e2e._CACHE_DIRS:
+        monkeypatch.delenv(k, raising=False)
+    args = _study_args(tmp_path, ["disabled", "opgraft"])
+    args.cold_caches = True
+    args.env = [("opgraft", "TRITON_CACHE_DIR", "/kept")]
+    assert e2e.study(args) == 0
+    assert seen["opgraft"]["TRITON_CACHE_DIR"] == "/kept"
+    d, o = seen["disabled"], seen["opgraft"]
+    assert all(d.values()) and d["VLLM_CACHE_ROOT"] != o["VLLM_CACHE_ROOT"]
+    assert len({os.path.dirname(v) for v in d.values()}) == 1
+    assert not os.path.exists(os.path.dirname(d["VLLM_CACHE_ROOT"]))
+    summary = json.loads((tmp_path / "e2e-summary.json").read_text())
+    assert summary["caches"] == {"disabled": "cold", "opgraft": "cold"}
+    assert "(cold caches)" in capsys.readouterr().out
+
+    seen.clear()
+    assert e2e.study(_study_args(tmp_path, ["disabled"])) == 0
+    assert seen["disabled"] == {k: None for k in e2e._CACHE_DIRS}
+    assert json.loads((tmp_path / "e2e-summary.json").read_text())["caches"] == {"disabled": "shared"}
