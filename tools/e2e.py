@@ -51,7 +51,9 @@ worker process (opgraft.stats()) are read through vLLM's collective_rpc.
 
 Each setting's torch.compile times, from vLLM's own log lines (each compile range compiled, or
 loaded from vLLM's compile cache, and the total), go into its result and the summary (`compile`),
-beside its start-up time.
+beside its start-up time; so do the kernel JIT compiles vLLM's monitor logs after its warm-up
+(`jit_events`, each one logged where vLLM can), by batch size for those inside the timed runs: a
+stalled rep with one there was a kernel compiling, not the setting's speed.
 
 --cold-caches gives each setting empty JIT and compile caches of its own (vLLM's, Inductor's,
 Triton's, DeepGEMM's and opgraft's, removed after it), so that start-up times and first reps
@@ -613,7 +615,8 @@ def run(args) -> int:
               enable_prefix_caching=False, tensor_parallel_size=args.tp, disable_log_stats=False,
               enable_expert_parallel=args.expert_parallel,
               compilation_config=compilation_config(capture, args.tp, os.environ),
-              **({} if args.moe_backend == "auto" else {"moe_backend": args.moe_backend}))
+              **({} if args.moe_backend == "auto" else {"moe_backend": args.moe_backend}),
+              **_jit_monitor_every_event())
     result["startup_s"] = round(time.perf_counter() - t0, 1)
     result["status"] = "started"
     result["init_std"] = args.init_std
@@ -633,6 +636,7 @@ def run(args) -> int:
         llm.generate(tok[:b], sp(n), use_tqdm=False)
     for b in batches:
         itl, tps, t1s, tns, phases = [], [], [], [], []
+        print(f"{_TIMED_MARK} {b}", flush=True)  # the log's JIT events are placed by these two lines
         for _ in range(args.reps):
             t = time.perf_counter()
             first = llm.generate(tok[:b], sp(1), use_tqdm=False)
@@ -652,6 +656,7 @@ def run(args) -> int:
         if min(tns) <= t1:
             raise SystemExit(f"opgraft e2e: batch {b}: an {n}-token run took no longer than the one-token run "
                              f"({tns} s against {t1s} s); no ITL can be read from these runs")
+        print(f"{_TIMED_END} {b}", flush=True)
         itl = [(tn - t1) / (n - 1) * 1e3 for tn in tns]
         tps = [b * (n - 1) / (tn - t1) for tn in tns]
         prof = None
@@ -790,6 +795,7 @@ def compare(out_dir: str, modes=None) -> dict:
                "startup_s": {m: r.get("startup_s") for m, r in runs.items()},
                "compile": {m: r["compile"] for m, r in runs.items() if "compile" in r},
                "caches": {m: r["caches"] for m, r in runs.items() if "caches" in r},
+               "jit_events": {m: r["jit_events"] for m, r in runs.items() if r.get("jit_events")},
                "workers": {m: r.get("workers") or r.get("workers_error") for m, r in runs.items()}}
     with open(os.path.join(out_dir, "e2e-summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -812,6 +818,10 @@ def compare(out_dir: str, modes=None) -> dict:
             total = f"{c['total_s']:.1f} s" if "total_s" in c else "-"
             cold = " (cold caches)" if r.get("caches") == "cold" else ""
             print(f"torch.compile {m}: {total} in all, start-up {r.get('startup_s')} s{cold}; {', '.join(parts) or '-'}")
+    for m, r in runs.items():
+        for where, events in sorted((r.get("jit_events") or {}).items()):
+            said = "; ".join(f"{k} x{v}" for k, v in sorted(events.items()))
+            print(f"JIT after vLLM's warm-up, {m}, {'B=' + where + ' timed runs' if where != 'other' else 'elsewhere'}: {said}")
     for m, p in par.items():
         for key, v in p.items():
             print(f"parity {m} vs disabled, B={key}: identical={v['identical']} "
@@ -975,9 +985,48 @@ def cold_cache_env(root: str) -> dict:
     return {k: os.path.join(root, sub) for k, sub in _CACHE_DIRS.items()}
 
 
+_TIMED_MARK, _TIMED_END = "opgraft e2e: timed runs of batch", "opgraft e2e: timed runs done, batch"
+_JIT_EVENT = re.compile(r"\] (.+?) during inference: ([^\s(.]+)")
+
+
+def _jit_monitor_every_event() -> dict:
+    """vLLM's keyword that logs every JIT event its monitor sees after warm-up, not only a kind's
+    first (vLLM 0.26 and later; none before)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+    return {"jit_monitor_verbose": True} if "jit_monitor_verbose" in {f.name for f in dataclasses.fields(EngineArgs)} \
+        else {}
+
+
+def jit_events(log: str) -> dict:
+    """The kernel JIT events vLLM's monitor logged after its warm-up: {"8": {"Triton kernel JIT
+    compilation: fused_moe_kernel": 3}, ...} for those inside a batch size's timed runs, "other"
+    for the rest (the study's own warm-up and profiled runs). Empty when there were none or the log
+    cannot be read."""
+    out: dict = {}
+    where = "other"
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                if line.startswith(_TIMED_MARK):
+                    where = line[len(_TIMED_MARK):].strip()
+                elif line.startswith(_TIMED_END):
+                    where = "other"
+                elif "during inference:" in line:
+                    m = _JIT_EVENT.search(line)
+                    if m:
+                        d = out.setdefault(where, {})
+                        key = f"{m.group(1)}: {m.group(2)}"
+                        d[key] = d.get(key, 0) + 1
+    except OSError:
+        return {}
+    return out
+
+
 def _note_setting(json_path: str, log: str, caches: str) -> None:
-    """Adds the setting's compile times from its log, and whether its caches were its own empty
-    ones ("cold") or the machine's ("shared"), to its result file (when it wrote one)."""
+    """Adds the setting's compile times and JIT events from its log, and whether its caches were
+    its own empty ones ("cold") or the machine's ("shared"), to its result file (when it wrote one)."""
     times = compile_times(log)
     try:
         with open(json_path) as f:
@@ -987,6 +1036,7 @@ def _note_setting(json_path: str, log: str, caches: str) -> None:
     if not isinstance(result, dict):
         return
     result["compile"] = times
+    result["jit_events"] = jit_events(log)
     result["caches"] = caches
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)

@@ -452,6 +452,14 @@ def test_capture_vllm_config_is_one_vllm_takes():
     assert cfg.max_cudagraph_capture_size == 512 and cfg.cudagraph_capture_sizes is None
 
 
+def test_the_jit_monitor_keyword_is_one_vllm_takes():
+    """Every JIT event logged where this vLLM can (0.26 on), through an engine argument it knows."""
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+    kw = e2e._jit_monitor_every_event()
+    assert kw in ({}, {"jit_monitor_verbose": True})
+    assert arg_utils.EngineArgs(model="m", **kw).__dict__.get("jit_monitor_verbose", True) is True
+
+
 def test_itl_floor_ignores_a_stalled_run():
     # reps: the one-token run of rep 0 and the full run of rep 2 stalled for seconds
     t1s, tns = [3.36, 0.23, 0.21], [4.13, 2.54, 3.80]
@@ -784,3 +792,51 @@ def test_cold_caches_give_each_setting_empty_caches_of_its_own(tmp_path, monkeyp
     assert e2e.study(_study_args(tmp_path, ["disabled"])) == 0
     assert seen["disabled"] == {k: None for k in e2e._CACHE_DIRS}
     assert json.loads((tmp_path / "e2e-summary.json").read_text())["caches"] == {"disabled": "shared"}
+
+
+_JIT_LOG = """\
+(EngineCore pid=1990) INFO 12-05 21:48:46 [jit_monitor.py:79] Kernel JIT monitor activated; monitored JIT compilations during inference will use mode=warn.
+(EngineCore pid=1990) WARNING 12-05 21:48:50 [jit_monitor.py:135] Triton kernel JIT compilation during inference: fused_moe_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.
+opgraft e2e: timed runs of batch 1
+opgraft e2e: timed runs done, batch 1
+opgraft e2e: timed runs of batch 8
+(EngineCore pid=1990) WARNING 12-05 21:49:10 [jit_monitor.py:135] Triton kernel JIT compilation during inference: fused_moe_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.
+(EngineCore pid=1990) WARNING 12-05 21:49:11 [jit_monitor.py:135] Triton kernel JIT compilation during inference: fused_moe_kernel (BLOCK_SIZE_M=16). This causes a latency spike; consider extending warmup to cover this shape/config.
+(EngineCore pid=1990) WARNING 12-05 21:49:12 [jit_monitor.py:135] CuTeDSL kernel JIT compilation during inference: ll_gemm. This causes a latency spike; consider extending warmup to cover this shape/config.
+opgraft e2e: timed runs done, batch 8
+(EngineCore pid=1990) WARNING 12-05 21:49:30 [jit_monitor.py:135] Triton kernel autotuning during inference: _w8a8_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.
+"""
+
+
+def test_jit_events_are_placed_by_the_timed_runs_they_fell_in(tmp_path):
+    """vLLM's JIT monitor lines (as in bench/results' logs), counted by kernel inside each batch
+    size's timed runs, the rest as "other"; the activation line is no event."""
+    log = tmp_path / "a.log"
+    log.write_text(_JIT_LOG)
+    assert e2e.jit_events(str(log)) == {
+        "other": {"Triton kernel JIT compilation: fused_moe_kernel": 1, "Triton kernel autotuning: _w8a8_kernel": 1},
+        "8": {"Triton kernel JIT compilation: fused_moe_kernel": 2, "CuTeDSL kernel JIT compilation: ll_gemm": 1}}
+    log.write_text("no events\n" + _VLLM_COMPILE_LOG)
+    assert e2e.jit_events(str(log)) == {}
+    assert e2e.jit_events(str(tmp_path / "missing.log")) == {}
+
+
+def test_study_reports_jit_events_in_the_timed_runs(tmp_path, monkeypatch, capsys):
+    def done(cmd, env, out, timeout):
+        mode = cmd[cmd.index("--mode") + 1]
+        out.write(_JIT_LOG if mode == "opgraft" else "")
+        with open(cmd[cmd.index("--json") + 1], "w") as f:
+            json.dump(_run(mode, [[1, 2]], [[-1.0, -1.0]], [1.0]), f)
+        return 0
+
+    monkeypatch.setattr(e2e, "run_group", done)
+    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
+    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 0
+    summary = json.loads((tmp_path / "e2e-summary.json").read_text())
+    assert list(summary["jit_events"]) == ["opgraft"]
+    assert summary["jit_events"]["opgraft"]["8"]["Triton kernel JIT compilation: fused_moe_kernel"] == 2
+    out = capsys.readouterr().out
+    assert ("JIT after vLLM's warm-up, opgraft, B=8 timed runs: CuTeDSL kernel JIT compilation: ll_gemm x1; "
+            "Triton kernel JIT compilation: fused_moe_kernel x2") in out
+    assert "JIT after vLLM's warm-up, opgraft, elsewhere:" in out
+    assert not any(line.startswith("JIT after vLLM's warm-up, disabled") for line in out.splitlines())
