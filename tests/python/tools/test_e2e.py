@@ -734,18 +734,23 @@ def test_compile_times_from_vllms_log_lines(tmp_path):
     assert e2e.compile_times(str(tmp_path / "missing.log")) == {}
 
 
-def test_study_keeps_each_settings_compile_times(tmp_path, monkeypatch, capsys):
+def _study_with_logs(tmp_path, monkeypatch, logs: dict) -> dict:
+    """A study whose settings (logs' keys) each finish, writing their log text; its summary."""
     def done(cmd, env, out, timeout):
         mode = cmd[cmd.index("--mode") + 1]
-        out.write(_VLLM_COMPILE_LOG if mode == "opgraft" else _VLLM_CACHED_LOG)
+        out.write(logs[mode])
         with open(cmd[cmd.index("--json") + 1], "w") as f:
             json.dump(_run(mode, [[1, 2]], [[-1.0, -1.0]], [1.0]), f)
         return 0
 
     monkeypatch.setattr(e2e, "run_group", done)
     monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
-    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 0
-    summary = json.loads((tmp_path / "e2e-summary.json").read_text())
+    assert e2e.study(_study_args(tmp_path, list(logs))) == 0
+    return json.loads((tmp_path / "e2e-summary.json").read_text())
+
+
+def test_study_keeps_each_settings_compile_times(tmp_path, monkeypatch, capsys):
+    summary = _study_with_logs(tmp_path, monkeypatch, {"disabled": _VLLM_CACHED_LOG, "opgraft": _VLLM_COMPILE_LOG})
     assert summary["compile"]["opgraft"]["compiled"] == {"1-2": 163.2, "3-1600": 163.55}
     assert summary["compile"]["disabled"] == {"loaded": {"1-1600": 1.801}, "total_s": 7.1}
     out = capsys.readouterr().out
@@ -822,17 +827,7 @@ def test_jit_events_are_placed_by_the_timed_runs_they_fell_in(tmp_path):
 
 
 def test_study_reports_jit_events_in_the_timed_runs(tmp_path, monkeypatch, capsys):
-    def done(cmd, env, out, timeout):
-        mode = cmd[cmd.index("--mode") + 1]
-        out.write(_JIT_LOG if mode == "opgraft" else "")
-        with open(cmd[cmd.index("--json") + 1], "w") as f:
-            json.dump(_run(mode, [[1, 2]], [[-1.0, -1.0]], [1.0]), f)
-        return 0
-
-    monkeypatch.setattr(e2e, "run_group", done)
-    monkeypatch.setattr(e2e, "wait_gpu_memory_free", lambda: None)
-    assert e2e.study(_study_args(tmp_path, ["disabled", "opgraft"])) == 0
-    summary = json.loads((tmp_path / "e2e-summary.json").read_text())
+    summary = _study_with_logs(tmp_path, monkeypatch, {"disabled": "", "opgraft": _JIT_LOG})
     assert list(summary["jit_events"]) == ["opgraft"]
     assert summary["jit_events"]["opgraft"]["8"]["Triton kernel JIT compilation: fused_moe_kernel"] == 2
     out = capsys.readouterr().out
