@@ -46,7 +46,10 @@ prefill plus N decode steps; the difference is the GPU time of one decode step, 
 (CUDA-graph replays included), to set against the ITL; the prefill's own kernels are kept too, to
 set against the one-token run (whose phases, from vLLM's per-request stats, are kept for every
 rep: front end, queue, the engine core's prefill step), and with --profile-host the worker's host ops during that prefill
-(self CPU time, op by op), for a one-token run that is longer than its GPU time. The MoE counters of the engine's
+(self CPU time, op by op), for a one-token run that is longer than its GPU time. vLLM's engine core
+steps on its own while the front end adds a batch's requests, so it may take the prompts in two
+steps, a forward more: each one-token run and each profiled run records how many steps took its
+prompts (`prefill_steps`), and the printout says where they differ. The MoE counters of the engine's
 worker process (opgraft.stats()) are read through vLLM's collective_rpc.
 
 Each setting's torch.compile times, from vLLM's own log lines (each compile range compiled, or
@@ -297,6 +300,19 @@ def one_token_phases(outs, t1_s: float) -> dict:
         return {}
     ms["outside"] = t1_s * 1e3 - ms["first_token"]
     return {k: round(v, 2) for k, v in ms.items()}
+
+
+def prefill_steps(outs) -> int | None:
+    """In how many engine steps a batch's prompts were first scheduled (vLLM stamps every request a
+    scheduler step takes with that step's time): more than one when the engine core began stepping
+    before the front end had added every request. None without vLLM's per-request stats."""
+    stamps = set()
+    for o in outs:
+        t = getattr(getattr(o, "metrics", None), "scheduled_ts", 0)
+        if not t:
+            return None
+        stamps.add(t)
+    return len(stamps) or None
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -642,6 +658,8 @@ def run(args) -> int:
             first = llm.generate(tok[:b], sp(1), use_tqdm=False)
             t1 = time.perf_counter() - t
             phases.append(one_token_phases(first, t1))
+            if prefill_steps(first):
+                phases[-1]["prefill_steps"] = prefill_steps(first)
             t = time.perf_counter()
             outs = llm.generate(tok[:b], sp(n), use_tqdm=False)
             tn = time.perf_counter() - t
@@ -661,14 +679,16 @@ def run(args) -> int:
         tps = [b * (n - 1) / (tn - t1) for tn in tns]
         prof = None
         if args.profile_steps:  # GPU time per decode step, kernel by kernel (after the timed runs)
-            runs = []
+            runs, steps = [], []
             for max_tokens in (1, args.profile_steps + 1):
                 host = args.profile_host and max_tokens == 1  # the host ops of the prefill alone
                 started = llm.collective_rpc(_worker_profile, args=("start", host))
-                llm.generate(tok[:b], sp(max_tokens), use_tqdm=False)
+                steps.append(prefill_steps(llm.generate(tok[:b], sp(max_tokens), use_tqdm=False)))
                 stopped = llm.collective_rpc(_worker_profile, args=("stop",))
                 runs.append([a if "error" in a else z for a, z in zip(started, stopped)])
-            prof = [profile_rows(p, f, args.profile_steps) for p, f in zip(*runs)]
+            # A prefill the engine took in two steps is one forward more, in one run but not the other.
+            prof = [dict(profile_rows(p, f, args.profile_steps), prefill_steps={"alone": steps[0], "with_decode": steps[1]})
+                    for p, f in zip(*runs)]
         outs = llm.generate(tok[:b], sp(n, logprobs=0), use_tqdm=False)
         ids, lps = [], []
         for o in outs:
@@ -858,9 +878,20 @@ def compare(out_dir: str, modes=None) -> dict:
             for k in prof["kernels"][:8]:
                 print(f"    {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
             pre = prof.get("prefill")
+            ps = prof.get("prefill_steps") or {}
             if pre:
-                print(f"profile {m} B={key}: GPU {pre['gpu_us_per_step'] / 1e3:.3f} ms in the prefill alone, "
+                split = f" in {ps['alone']} engine steps" if (ps.get("alone") or 1) > 1 else ""
+                print(f"profile {m} B={key}: GPU {pre['gpu_us_per_step'] / 1e3:.3f} ms in the prefill alone{split}, "
                       f"{pre['kernels_per_step']} kernels (one-token run {min(br.get('t_1_s') or [0]) * 1e3:.1f} ms)")
+            if ps.get("alone") and ps.get("with_decode") and ps["alone"] != ps["with_decode"]:
+                print(f"profile {m} B={key}: the prompts went in {ps['alone']} engine steps alone and "
+                      f"{ps['with_decode']} before the decode steps: the step's kernels above are off by that")
+            t1_split = [(p.get("prefill_steps") or 1) > 1 for p in br.get("t_1_phases_ms") or []]
+            if any(t1_split) and len(t1_split) == len(br.get("t_1_s") or []):
+                one = [t for t, sp_ in zip(br["t_1_s"], t1_split) if not sp_]
+                said = f"{statistics.median(one) * 1e3:.1f} ms" if one else "none"
+                print(f"first token {m} B={key}: {sum(t1_split)} of {len(t1_split)} one-token runs took their "
+                      f"prompts in several engine steps; the median of the others {said}")
             lb = runs.get(base_mode(m)) if base_mode(m) != m else None
             lprof = _rank0_profile((lb or {}).get("batches", {}).get(key, {}))
             if lprof and "error" not in lprof:
@@ -870,6 +901,10 @@ def compare(out_dir: str, modes=None) -> dict:
                 for what, b_, o_ in (("step", bprof, prof), ("prefill", bprof.get("prefill"), pre)):
                     if b_ and o_:
                         _print_profile_diff(f"profile {m} vs disabled B={key}", what, b_, o_)
+                bs_, os_ = (bprof.get("prefill_steps") or {}).get("alone"), ps.get("alone")
+                if bs_ and os_ and bs_ != os_:
+                    print(f"profile {m} vs disabled B={key}: the prefills above went in {bs_} and {os_} "
+                          f"engine steps: not the same work")
                 bh, oh = (bprof.get("prefill") or {}).get("host"), (pre or {}).get("host")
                 if bh and oh:
                     d = host_diff(bh, oh)

@@ -402,6 +402,49 @@ def test_compare_prints_the_profile(tmp_path, capsys):
     assert "profile opgraft B=1: GPU 3.500 ms per step (ITL 4.000 ms)" in out and "moe_gate_up_bf16" in out
 
 
+def test_prefill_steps_counts_the_scheduler_steps_that_took_the_prompts():
+    from types import SimpleNamespace as NS
+
+    try:  # the class RequestOutput.metrics holds, where vLLM is installed (its field name)
+        from vllm.v1.metrics.stats import RequestStateStats as stats
+    except ImportError:
+        stats = NS
+
+    def outs(*stamps):
+        return [NS(metrics=stats(scheduled_ts=t)) for t in stamps]
+
+    assert e2e.prefill_steps(outs(5.25, 5.25, 5.25)) == 1
+    assert e2e.prefill_steps(outs(5.25, 5.25, 5.31)) == 2
+    assert e2e.prefill_steps(outs(5.25, 0.0)) is None  # a request without stats
+    assert e2e.prefill_steps([NS(metrics=None)]) is None and e2e.prefill_steps([]) is None
+
+
+def test_compare_says_where_prompts_went_in_several_engine_steps(tmp_path, capsys):
+    """A prefill the engine core took in two steps is a forward more: said for the profiled
+    prefills (alone against the run with decode steps, and against stock) and the one-token runs."""
+    def prof(alone, with_decode):
+        pre = {"steps": 1, "gpu_us_per_step": 30000.0, "kernels_per_step": 1788, "kernels": []}
+        return {"steps": 4, "gpu_us_per_step": 3500.0, "kernels": [], "prefill": pre,
+                "prefill_steps": {"alone": alone, "with_decode": with_decode}}
+
+    def run(mode, p, t1s, splits):
+        return {"mode": mode, "batches": {"8": {
+            "itl_ms": {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1}, "decode_tok_s": {"median": 250.0},
+            "token_ids": [[1]], "logprobs": [[-1.0]], "profile": [p], "t_1_s": t1s,
+            "t_1_phases_ms": [{"first_token": t * 1e3, "prefill_steps": n} for t, n in zip(t1s, splits)]}}}
+
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps(run("disabled", prof(1, 1), [0.05, 0.05], [1, 1])))
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run("opgraft", prof(2, 1), [0.05, 0.08, 0.06], [1, 2, 1])))
+    e2e.compare(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "profile opgraft B=8: GPU 30.000 ms in the prefill alone in 2 engine steps" in out
+    assert "profile opgraft B=8: the prompts went in 2 engine steps alone and 1 before the decode steps" in out
+    assert "profile opgraft vs disabled B=8: the prefills above went in 1 and 2 engine steps" in out
+    assert ("first token opgraft B=8: 1 of 3 one-token runs took their prompts in several engine steps; "
+            "the median of the others 55.0 ms") in out
+    assert "first token disabled" not in out and "disabled B=8: GPU 30.000 ms in the prefill alone," in out
+
+
 def test_cli_rejects_profile_steps_beyond_the_output():
     with pytest.raises(SystemExit):
         e2e.main(["run", "--mode", "opgraft", "--output-len", "16", "--profile-steps", "16"])
