@@ -67,8 +67,14 @@ def parse(model_dir: str) -> dict:
                                                   "enable_prefix_caching", "worker_cls", "max_num_seqs")}
     # The server's and bench latency's vLLM configurations hash alike: they share the compile cache.
     s.model = s.model_tag
-    serve_cfg = AsyncEngineArgs.from_cli_args(s).create_engine_config(UsageContext.OPENAI_API_SERVER)
-    lat_cfg = EngineArgs.from_cli_args(la).create_engine_config(UsageContext.LLM_CLASS)
+    try:
+        serve_cfg = AsyncEngineArgs.from_cli_args(s).create_engine_config(UsageContext.OPENAI_API_SERVER)
+        lat_cfg = EngineArgs.from_cli_args(la).create_engine_config(UsageContext.LLM_CLASS)
+    except RuntimeError as e:  # vLLM 0.34 builds no config on an x86 CPU without triton-cpu
+        if "requires Triton" not in str(e):
+            raise
+        out["no_config"] = str(e)
+        return out
     out["hashes"] = [serve_cfg.compute_hash(), lat_cfg.compute_hash()]
     return out
 
