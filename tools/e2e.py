@@ -658,8 +658,9 @@ def run(args) -> int:
             first = llm.generate(tok[:b], sp(1), use_tqdm=False)
             t1 = time.perf_counter() - t
             phases.append(one_token_phases(first, t1))
-            if prefill_steps(first):
-                phases[-1]["prefill_steps"] = prefill_steps(first)
+            took = prefill_steps(first)
+            if took:
+                phases[-1]["prefill_steps"] = took
             t = time.perf_counter()
             outs = llm.generate(tok[:b], sp(n), use_tqdm=False)
             tn = time.perf_counter() - t
@@ -1026,7 +1027,7 @@ _JIT_EVENT = re.compile(r"\] (.+?) during inference: ([^\s(.]+)")
 
 def _jit_monitor_every_event() -> dict:
     """vLLM's keyword that logs every JIT event its monitor sees after warm-up, not only a kind's
-    first (vLLM 0.26 and later; none before)."""
+    first, where this vLLM has it (0.26, 0.33 and 0.34 do)."""
     import dataclasses
 
     from vllm.engine.arg_utils import EngineArgs
@@ -1043,10 +1044,10 @@ def jit_events(log: str) -> dict:
     where = "other"
     try:
         with open(log, errors="replace") as f:
-            for line in f:
-                if line.startswith(_TIMED_MARK):
-                    where = line[len(_TIMED_MARK):].strip()
-                elif line.startswith(_TIMED_END):
+            for line in f:  # a marker may follow another process's unfinished line
+                if _TIMED_MARK in line:
+                    where = line.split(_TIMED_MARK, 1)[1].strip()
+                elif _TIMED_END in line:
                     where = "other"
                 elif "during inference:" in line:
                     m = _JIT_EVENT.search(line)

@@ -847,7 +847,7 @@ _JIT_LOG = """\
 (EngineCore pid=1990) WARNING 12-05 21:48:50 [jit_monitor.py:135] Triton kernel JIT compilation during inference: fused_moe_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.
 opgraft e2e: timed runs of batch 1
 opgraft e2e: timed runs done, batch 1
-opgraft e2e: timed runs of batch 8
+(EngineCore pid=1990) INFO 12-05 21:49:09 [loggers.py:310] Engine 000: throughput ...opgraft e2e: timed runs of batch 8
 (EngineCore pid=1990) WARNING 12-05 21:49:10 [jit_monitor.py:135] Triton kernel JIT compilation during inference: fused_moe_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.
 (EngineCore pid=1990) WARNING 12-05 21:49:11 [jit_monitor.py:135] Triton kernel JIT compilation during inference: fused_moe_kernel (BLOCK_SIZE_M=16). This causes a latency spike; consider extending warmup to cover this shape/config.
 (EngineCore pid=1990) WARNING 12-05 21:49:12 [jit_monitor.py:135] CuTeDSL kernel JIT compilation during inference: ll_gemm. This causes a latency spike; consider extending warmup to cover this shape/config.
