@@ -647,9 +647,12 @@ def run(args) -> int:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                               detokenize=False, logprobs=logprobs)
 
-    for b in batches:  # warm every batch size once, at the timed length (first-call costs, lazy compiles:
-        # after 8-token warm-ups vLLM's FP8 Triton experts still JIT-compiled inside the timed runs)
-        llm.generate(tok[:b], sp(n), use_tqdm=False)
+    for b in batches:  # warm every batch size as a rep runs it (first-call costs, lazy compiles: after
+        # 8-token warm-ups vLLM's FP8 Triton experts still JIT-compiled inside the timed runs; after one
+        # rep-length warm-up, in 3 of 10 batch-8 reps, as the prompts fell into engine steps, v52)
+        for _ in range(args.warmups):
+            llm.generate(tok[:b], sp(1), use_tqdm=False)
+            llm.generate(tok[:b], sp(n), use_tqdm=False)
     for b in batches:
         itl, tps, t1s, tns, phases = [], [], [], [], []
         print(f"{_TIMED_MARK} {b}", flush=True)  # the log's JIT events are placed by these two lines
@@ -1126,7 +1129,7 @@ def study(args) -> int:
         cmd = [sys.executable, "-m", "tools.e2e", "run", "--mode", m, "--model", args.model,
                "--json", path, "--batches", ",".join(map(str, args.batches)),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-               "--reps", str(args.reps), "--init-std", str(args.init_std),
+               "--reps", str(args.reps), "--warmups", str(args.warmups), "--init-std", str(args.init_std),
                "--profile-steps", str(args.profile_steps), *(["--profile-host"] if args.profile_host else []),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp),
                "--capture", args.capture, "--moe-backend", backends.get(m, args.moe_backend)]
@@ -1185,6 +1188,8 @@ def main(argv=None) -> int:
         p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
         p.add_argument("--output-len", type=int, default=256, help="generated tokens a sequence")
         p.add_argument("--reps", type=int, default=5, help="timed repetitions a batch size")
+        p.add_argument("--warmups", type=int, default=3,
+                       help="untimed repetitions a batch size before the timed ones (a one-token and a full run each)")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
         p.add_argument("--tp", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
         p.add_argument("--expert-parallel", action="store_true",
@@ -1230,8 +1235,8 @@ def main(argv=None) -> int:
     c.add_argument("out_dir", help="a study's --out-dir")
     args = ap.parse_args(argv)
     if args.cmd in ("run", "study"):
-        if args.output_len < 2 or args.input_len < 1 or args.reps < 1 or args.tp < 1:
-            ap.error("--output-len must be >= 2, --input-len, --reps and --tp >= 1")
+        if args.output_len < 2 or args.input_len < 1 or args.reps < 1 or args.tp < 1 or args.warmups < 1:
+            ap.error("--output-len must be >= 2, --input-len, --reps, --warmups and --tp >= 1")
         if args.profile_steps < 0 or args.profile_steps >= args.output_len:
             ap.error("--profile-steps must be in [0, --output-len)")
         if args.profile_host and not args.profile_steps:

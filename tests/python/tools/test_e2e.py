@@ -74,6 +74,7 @@ def test_cli_rejects_bad_arguments():
                  ["run", "--mode", "opgraft", "--batches", "0"],
                  ["run", "--mode", "opgraft", "--output-len", "1"],
                  ["run", "--mode", "opgraft", "--tp", "0"],
+                 ["run", "--mode", "opgraft", "--warmups", "0"],
                  ["run", "--mode", "opgraft", "--capture", "all"]):
         with pytest.raises(SystemExit) as ei:
             e2e.main(argv)
@@ -562,7 +563,7 @@ def test_builtin_configs_load_as_hugging_face_configs(tmp_path):
 def _study_args(tmp_path, modes):
     return argparse.Namespace(
         modes=modes, out_dir=str(tmp_path), log_dir=None, model="Qwen3-30B-A3B", batches=[1], input_len=8,
-        output_len=4, reps=1, init_std=0.02, profile_steps=0, profile_host=False, gpu_memory_utilization=0.5, tp=1,
+        output_len=4, reps=1, warmups=1, init_std=0.02, profile_steps=0, profile_host=False, gpu_memory_utilization=0.5, tp=1,
         expert_parallel=False, mode_timeout=10, capture="study", moe_backend="auto", env=[], mode_moe_backend=[],
         cold_caches=False)
 
@@ -645,6 +646,7 @@ def test_study_passes_profile_host_to_each_setting(tmp_path, monkeypatch):
     a.profile_steps, a.profile_host = 2, True
     assert e2e.study(a) == 0
     assert len(cmds) == 2 and all("--profile-host" in c for c in cmds)
+    assert all(c[c.index("--warmups") + 1] == "1" for c in cmds)
     a.profile_host = False
     cmds.clear()
     e2e.study(a)
