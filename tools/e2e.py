@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -1031,8 +1032,6 @@ _JIT_EVENT = re.compile(r"\] (.+?) during inference: ([^\s(.]+)")
 def _jit_monitor_every_event() -> dict:
     """vLLM's keyword that logs every JIT event its monitor sees after warm-up, not only a kind's
     first, where this vLLM has it (0.26, 0.33 and 0.34 do)."""
-    import dataclasses
-
     from vllm.engine.arg_utils import EngineArgs
     return {"jit_monitor_verbose": True} if "jit_monitor_verbose" in {f.name for f in dataclasses.fields(EngineArgs)} \
         else {}

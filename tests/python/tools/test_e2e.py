@@ -4,6 +4,7 @@ table. (The study itself needs vLLM on a GPU: bench/results/ holds its runs.)"""
 import argparse
 import json
 import os
+from types import SimpleNamespace as NS
 
 import pytest
 
@@ -403,13 +404,18 @@ def test_compare_prints_the_profile(tmp_path, capsys):
     assert "profile opgraft B=1: GPU 3.500 ms per step (ITL 4.000 ms)" in out and "moe_gate_up_bf16" in out
 
 
-def test_prefill_steps_counts_the_scheduler_steps_that_took_the_prompts():
-    from types import SimpleNamespace as NS
-
-    try:  # the class RequestOutput.metrics holds, where vLLM is installed (its field name)
-        from vllm.v1.metrics.stats import RequestStateStats as stats
+def _request_stats():
+    """The class RequestOutput.metrics holds where vLLM is installed (its field names), else a
+    plain namespace."""
+    try:
+        from vllm.v1.metrics.stats import RequestStateStats
+        return RequestStateStats
     except ImportError:
-        stats = NS
+        return NS
+
+
+def test_prefill_steps_counts_the_scheduler_steps_that_took_the_prompts():
+    stats = _request_stats()
 
     def outs(*stamps):
         return [NS(metrics=stats(scheduled_ts=t)) for t in stamps]
@@ -662,12 +668,7 @@ def test_study_passes_profile_host_to_each_setting(tmp_path, monkeypatch):
 
 
 def test_one_token_phases_come_from_vllms_request_stats():
-    from types import SimpleNamespace as NS
-
-    try:  # the class RequestOutput.metrics holds, where vLLM is installed (its field names)
-        from vllm.v1.metrics.stats import RequestStateStats as stats
-    except ImportError:
-        stats = NS
+    stats = _request_stats()
 
     def out(queued, scheduled, first, latency):
         m = stats(queued_ts=queued, scheduled_ts=scheduled, first_token_ts=first, first_token_latency=latency)
