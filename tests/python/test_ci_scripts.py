@@ -1,9 +1,12 @@
-"""The CI scripts: what ci/test-deps.sh installs is announced with its command, and .ci/run runs
-the README check before ending with the README's test command."""
+"""The CI scripts: what ci/test-deps.sh installs is announced with its command, .ci/run runs the
+README check before ending with the README's test command, and ci/install_newest.py installs the
+newest vLLM with its overrides."""
 
 import os
 import re
 import subprocess
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,8 +57,6 @@ def test_pyproject_declares_torch_unpinned():
     try:
         import tomllib
     except ImportError:  # Python < 3.11
-        import pytest
-
         pytest.skip("tomllib needs Python 3.11")
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
@@ -77,3 +78,72 @@ def test_the_readme_check_never_runs_inside_itself():
     r = subprocess.run(["bash", os.path.join(ROOT, "ci", "readme_check.sh")], capture_output=True, text=True,
                        env=dict(os.environ, OPGRAFT_README_CHECK="1"), timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "readme check: skipped (already inside one)", r.stdout + r.stderr
+
+
+def _install_newest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("install_newest", os.path.join(ROOT, "ci", "install_newest.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _newest_files(tmp_path, reqs, overrides):
+    r, o = tmp_path / "reqs.txt", tmp_path / "over.txt"
+    r.write_text(reqs)
+    o.write_text(overrides)
+    return [str(r), str(o)]
+
+
+def test_install_newest_puts_the_override_in_vllms_pin_place(tmp_path, monkeypatch):
+    """vLLM's requirements are installed with the overridden line in place of its own (extras'
+    lines dropped, the file's other lines kept), then the downloaded wheel without dependencies."""
+    m = _install_newest()
+    calls, written = [], []
+
+    def run(cmd, check=False):
+        calls.append(cmd[len(m.PIP):])
+        if "-r" in cmd:
+            written.append(open(cmd[cmd.index("-r") + 1]).read().splitlines())
+        return subprocess.CompletedProcess(cmd, 0)
+
+    requires = ["torch==2.14.0", "flashinfer-python==0.7.3", 'zentorch==2.14.0.2; extra == "zen"',
+                "numpy; python_version >= '3.9'"]
+    monkeypatch.setattr(m.subprocess, "run", run)
+    monkeypatch.setattr(m, "_vllm_requires", lambda version, tmp: (requires, f"{tmp}/vllm-{version}-x.whl"))
+    argv = _newest_files(tmp_path, "# newest\nvllm==0.34.0\npytest>=7\n", "# why\nFlashinfer_Python==0.7.4\n")
+    assert m.main(argv) == 0
+    assert written == [["torch==2.14.0", "Flashinfer_Python==0.7.4", "numpy; python_version >= '3.9'", "pytest>=7"]]
+    assert calls[0][:3] == ["install", "-q", "-r"]
+    assert calls[1][:3] == ["install", "-q", "--no-deps"] and calls[1][3].endswith("vllm-0.34.0-x.whl")
+
+
+def test_install_newest_refuses_an_override_vllm_does_not_need(tmp_path, monkeypatch):
+    m = _install_newest()
+    monkeypatch.setattr(m.subprocess, "run", lambda *a, **k: pytest.fail("nothing may be installed"))
+    monkeypatch.setattr(m, "_vllm_requires", lambda version, tmp: (["torch==2.14.0"], None))
+    argv = _newest_files(tmp_path, "vllm==0.34.0\n", "flashinfer-python==0.7.4\n")
+    with pytest.raises(SystemExit, match="does not require flashinfer-python: drop the override"):
+        m.main(argv)
+    with pytest.raises(SystemExit, match="one exact vllm==VERSION line"):
+        m.main(_newest_files(tmp_path, "vllm>=0.34\n", "flashinfer-python==0.7.4\n"))
+
+
+def test_install_newest_without_overrides_is_pip_install_r(tmp_path, monkeypatch):
+    m = _install_newest()
+    calls = []
+    monkeypatch.setattr(m.subprocess, "run", lambda cmd, check=False: calls.append(cmd[len(m.PIP):]) or
+                        subprocess.CompletedProcess(cmd, 0))
+    argv = _newest_files(tmp_path, "vllm==0.35.0\npytest>=7\n", "# nothing to replace\n")
+    assert m.main(argv) == 0 and calls == [["install", "-q", "-r", argv[0]]]
+
+
+def test_newest_requirements_pin_one_vllm_that_ci_expects():
+    """.ci/run reads the expected version with sed from the same file the installer pins."""
+    m = _install_newest()
+    reqs = m._lines(os.path.join(ROOT, "ci", "requirements-newest.txt"))
+    pins = [r for r in reqs if m._name(r) == "vllm"]
+    assert len(pins) == 1 and re.fullmatch(r"vllm==[0-9.]+", pins[0]), pins
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        assert "ci/install_newest.py ci/requirements-newest.txt ci/newest-overrides.txt" in f.read()

@@ -1,6 +1,6 @@
 """Attention seam: vLLM's FlashAttention backend, with decode-only batches on opgraft's kernel.
 
-What is patched (vLLM 0.26.0, the pinned release, and 0.33.0, both tested in CI, and 0.34.0):
+What is patched (vLLM 0.26.0, the pinned release, and 0.34.0, both tested in CI, and 0.33.0):
 1. The FLASH_ATTN entry of vLLM's attention-backend registry
    (vllm/v1/attention/backends/registry.py): register_backend(AttentionBackendEnum.FLASH_ATTN,
    "opgraft.vllm.attn_seam.OpgraftFlashAttentionBackend"). The CUDA platform's selector resolves

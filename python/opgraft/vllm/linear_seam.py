@@ -5,7 +5,7 @@ What is patched: `apply(self, layer, x, bias=None)` of `UnquantizedLinearMethod`
 QKVParallel, RowParallel and Replicated linear layer, router gates included) and of
 `UnquantizedEmbeddingMethod` (vllm/model_executor/layers/vocab_parallel_embedding.py: the lm_head's
 projection, which LogitsProcessor calls as `lm_head.quant_method.apply(lm_head, h, bias=...)`). Same
-signature in vLLM 0.26.0 (the pinned release), 0.33.0 (tested in CI) and 0.34.0.
+signature in vLLM 0.26.0 (the pinned release), 0.33.0 and 0.34.0 (tested in CI).
 
 Why there: both methods end in one GEMM that vLLM picks per platform, `dispatch_unquantized_gemm()`
 (0.26; 0.33: `UnquantizedLinearMethod._gemm_impl`, chosen at construction), which on CUDA is

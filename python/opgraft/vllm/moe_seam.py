@@ -1,7 +1,7 @@
 """MoE seam: vLLM's Triton experts, after routing.
 
 What is patched: `TritonExperts.apply` in vllm/model_executor/layers/fused_moe/experts/triton_moe.py
-(vLLM 0.26.0, the pinned release, and 0.33.0, both tested in CI, and 0.34.0, with the same
+(vLLM 0.26.0, the pinned release, and 0.34.0, both tested in CI, and 0.33.0, with the same
 signature; the class that the default unquantized bf16/fp16 path uses on sm_90 and sm_80).
 Why there: it runs after vLLM's router and after the modular kernel's prepare step (quantization,
 EP dispatch) and before its finalize step, with the fused_experts contract (hidden [T, H],

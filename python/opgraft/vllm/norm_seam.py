@@ -3,8 +3,8 @@ in unquantized MoE models, into a MoE layer's router gate).
 
 What is patched: `PostGradPassManager.configure(self, config)` in
 vllm/compilation/passes/pass_manager.py and `VllmConfig._set_compile_ranges(self)` in
-vllm/config/vllm.py (same signatures in vLLM 0.26.0, the pinned release, and 0.33.0, both tested
-in CI, and 0.34.0). The wrapper calls vLLM's configure, then appends opgraft's
+vllm/config/vllm.py (same signatures in vLLM 0.26.0, the pinned release, and 0.34.0, both tested
+in CI, and 0.33.0). The wrapper calls vLLM's configure, then appends opgraft's
 pass with `self.add`, so it runs after vLLM's own fusions (which get the first pick of the norms
 they match: all-reduce + RMSNorm, RMSNorm + quant) and before vLLM lowers its IR ops.
 

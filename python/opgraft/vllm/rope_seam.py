@@ -11,7 +11,7 @@ it (vllm/compilation/backends.py, split_graph), so the norm and rotary embedding
 piece before the attention op and no Inductor pass sees both. The rewrite runs on the Dynamo
 graph, right before that split.
 
-What is patched (vLLM 0.26.0, the pinned release, and 0.33.0, both tested in CI, and 0.34.0):
+What is patched (vLLM 0.26.0, the pinned release, and 0.34.0, both tested in CI, and 0.33.0):
 1. `vllm.compilation.backends.split_graph(graph, splitting_ops)` (a module function that
    VllmBackend.__call__ looks up at call time): where vLLM splits at
    vllm::unified_attention_with_output, the wrapper first rewrites each

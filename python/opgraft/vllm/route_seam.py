@@ -2,7 +2,7 @@
 
 What is patched: `MoERunner._apply_quant_method` in
 vllm/model_executor/layers/fused_moe/runner/moe_runner.py (vLLM 0.26.0, the pinned release;
-0.33.0, tested in CI too, adds a `shared_experts_overlapping` keyword, 0.34.0 a
+0.33.0 adds a `shared_experts_overlapping` keyword, 0.34.0, tested in CI too, a
 `hidden_states_scale` one, set when the input was quantized before a context-parallel all-gather:
 such calls stay vLLM's). It
 receives the router's logits and runs `router.select_experts` (FusedTopKRouter: vLLM's
