@@ -49,8 +49,10 @@ rep: front end, queue, the engine core's prefill step), and with --profile-host 
 (self CPU time, op by op), for a one-token run that is longer than its GPU time. vLLM's engine core
 steps on its own while the front end adds a batch's requests, so it may take the prompts in two
 steps, a forward more: each one-token run and each profiled run records how many steps took its
-prompts (`prefill_steps`), and the printout says where they differ. The MoE counters of the engine's
-worker process (opgraft.stats()) are read through vLLM's collective_rpc.
+prompts (`prefill_steps`, with the requests of each step), the profiled pair is taken again (up to
+three times) until both runs took them in the same steps, and the printout says where they differ.
+The MoE counters of the engine's worker process (opgraft.stats()) are read through vLLM's
+collective_rpc.
 
 Each setting's torch.compile times, from vLLM's own log lines (each compile range compiled, or
 loaded from vLLM's compile cache, and the total), go into its result and the summary (`compile`),
@@ -303,17 +305,40 @@ def one_token_phases(outs, t1_s: float) -> dict:
     return {k: round(v, 2) for k, v in ms.items()}
 
 
-def prefill_steps(outs) -> int | None:
-    """In how many engine steps a batch's prompts were first scheduled (vLLM stamps every request a
-    scheduler step takes with that step's time): more than one when the engine core began stepping
-    before the front end had added every request. None without vLLM's per-request stats."""
-    stamps = set()
+def prefill_split(outs) -> list[int] | None:
+    """How many of a batch's requests each engine step first scheduled, in step order (vLLM stamps
+    every request a scheduler step takes with that step's time): more than one step when the engine
+    core began stepping before the front end had added every request. None without vLLM's
+    per-request stats."""
+    stamps = []
     for o in outs:
         t = getattr(getattr(o, "metrics", None), "scheduled_ts", 0)
         if not t:
             return None
-        stamps.add(t)
-    return len(stamps) or None
+        stamps.append(t)
+    return [stamps.count(t) for t in sorted(set(stamps))] or None
+
+
+def prefill_steps(outs) -> int | None:
+    """In how many engine steps a batch's prompts were first scheduled (see prefill_split)."""
+    split = prefill_split(outs)
+    return len(split) if split else None
+
+
+PROFILE_TRIES = 3
+
+
+def profiled_pair(profile_run, steps: int, tries: int = PROFILE_TRIES):
+    """The profiled prefill alone and the profiled run with `steps` decode steps, taken again (up to
+    `tries` times) until both took the batch's prompts in the same engine steps: a decode step's
+    kernels are their difference, off by a forward where the splits differ (v52's batch-8 bf16
+    pairs, bench/NOTES.md v53). profile_run(max_tokens) -> (the workers' profiles, prefill_split).
+    Returns ([profiles alone, profiles with decode], [split alone, split with decode], tries)."""
+    for t in range(1, tries + 1):
+        runs, splits = zip(*(profile_run(m) for m in (1, steps + 1)))
+        if splits[0] == splits[1] or None in splits:
+            break
+    return list(runs), list(splits), t
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -684,16 +709,18 @@ def run(args) -> int:
         tps = [b * (n - 1) / (tn - t1) for tn in tns]
         prof = None
         if args.profile_steps:  # GPU time per decode step, kernel by kernel (after the timed runs)
-            runs, steps = [], []
-            for max_tokens in (1, args.profile_steps + 1):
+            def profile_run(max_tokens, b=b):
                 host = args.profile_host and max_tokens == 1  # the host ops of the prefill alone
                 started = llm.collective_rpc(_worker_profile, args=("start", host))
-                steps.append(prefill_steps(llm.generate(tok[:b], sp(max_tokens), use_tqdm=False)))
+                split = prefill_split(llm.generate(tok[:b], sp(max_tokens), use_tqdm=False))
                 stopped = llm.collective_rpc(_worker_profile, args=("stop",))
-                runs.append([a if "error" in a else z for a, z in zip(started, stopped)])
-            # A prefill the engine took in two steps is one forward more, in one run but not the other.
-            prof = [dict(profile_rows(p, f, args.profile_steps), prefill_steps={"alone": steps[0], "with_decode": steps[1]})
-                    for p, f in zip(*runs)]
+                return [a if "error" in a else z for a, z in zip(started, stopped)], split
+
+            runs, splits, tries = profiled_pair(profile_run, args.profile_steps)
+            said = {"alone": len(splits[0]) if splits[0] else None,
+                    "with_decode": len(splits[1]) if splits[1] else None,
+                    "split": {"alone": splits[0], "with_decode": splits[1]}, "tries": tries}
+            prof = [dict(profile_rows(p, f, args.profile_steps), prefill_steps=said) for p, f in zip(*runs)]
         outs = llm.generate(tok[:b], sp(n, logprobs=0), use_tqdm=False)
         ids, lps = [], []
         for o in outs:
@@ -888,9 +915,16 @@ def compare(out_dir: str, modes=None) -> dict:
                 split = f" in {ps['alone']} engine steps" if (ps.get("alone") or 1) > 1 else ""
                 print(f"profile {m} B={key}: GPU {pre['gpu_us_per_step'] / 1e3:.3f} ms in the prefill alone{split}, "
                       f"{pre['kernels_per_step']} kernels (one-token run {min(br.get('t_1_s') or [0]) * 1e3:.1f} ms)")
+            sa, sw = (ps.get("split") or {}).get("alone"), (ps.get("split") or {}).get("with_decode")
             if ps.get("alone") and ps.get("with_decode") and ps["alone"] != ps["with_decode"]:
                 print(f"profile {m} B={key}: the prompts went in {ps['alone']} engine steps alone and "
                       f"{ps['with_decode']} before the decode steps: the step's kernels above are off by that")
+            elif sa and sw and sa != sw:
+                print(f"profile {m} B={key}: the prompts went in steps of {sa} requests alone and {sw} before "
+                      f"the decode steps: the step's kernels above are off by the difference")
+            if (ps.get("tries") or 1) > 1:
+                print(f"profile {m} B={key}: profiled {ps['tries']} times for a pair whose prompts went in the "
+                      f"same engine steps")
             t1_split = [(p.get("prefill_steps") or 1) > 1 for p in br.get("t_1_phases_ms") or []]
             if any(t1_split) and len(t1_split) == len(br.get("t_1_s") or []):
                 one = [t for t, sp_ in zip(br["t_1_s"], t1_split) if not sp_]
@@ -906,10 +940,15 @@ def compare(out_dir: str, modes=None) -> dict:
                 for what, b_, o_ in (("step", bprof, prof), ("prefill", bprof.get("prefill"), pre)):
                     if b_ and o_:
                         _print_profile_diff(f"profile {m} vs disabled B={key}", what, b_, o_)
-                bs_, os_ = (bprof.get("prefill_steps") or {}).get("alone"), ps.get("alone")
+                bps = bprof.get("prefill_steps") or {}
+                bs_, os_ = bps.get("alone"), ps.get("alone")
+                bsa = (bps.get("split") or {}).get("alone")
                 if bs_ and os_ and bs_ != os_:
                     print(f"profile {m} vs disabled B={key}: the prefills above went in {bs_} and {os_} "
                           f"engine steps: not the same work")
+                elif bsa and sa and bsa != sa:
+                    print(f"profile {m} vs disabled B={key}: the prefills above went in steps of {bsa} and {sa} "
+                          f"requests: not the same work")
                 bh, oh = (bprof.get("prefill") or {}).get("host"), (pre or {}).get("host")
                 if bh and oh:
                     d = host_diff(bh, oh)

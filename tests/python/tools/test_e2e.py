@@ -424,6 +424,28 @@ def test_prefill_steps_counts_the_scheduler_steps_that_took_the_prompts():
     assert e2e.prefill_steps(outs(5.25, 5.25, 5.31)) == 2
     assert e2e.prefill_steps(outs(5.25, 0.0)) is None  # a request without stats
     assert e2e.prefill_steps([NS(metrics=None)]) is None and e2e.prefill_steps([]) is None
+    assert e2e.prefill_split(outs(5.31, 5.25, 5.25, 5.31, 5.25)) == [3, 2]  # in step order
+    assert e2e.prefill_split(outs(5.25, 0.0)) is None and e2e.prefill_split([]) is None
+
+
+def test_profiled_pair_is_taken_again_until_both_prefills_went_alike():
+    """A pair whose prompts went in different engine steps is profiled again, up to the bound; a
+    pair without vLLM's stamps is taken as it is."""
+    def runner(splits):
+        calls = []
+
+        def run(max_tokens):
+            calls.append(max_tokens)
+            return [f"prof{len(calls)}"], splits[len(calls) - 1]
+        return run, calls
+
+    run, calls = runner([[1, 7], [8], [1, 7], [1, 7]])
+    runs, splits, tries = e2e.profiled_pair(run, 16)
+    assert (runs, splits, tries) == ([["prof3"], ["prof4"]], [[1, 7], [1, 7]], 2) and calls == [1, 17, 1, 17]
+    run, calls = runner([[8], [1, 7]] * 3)
+    assert e2e.profiled_pair(run, 4, tries=3)[1:] == ([[8], [1, 7]], 3) and len(calls) == 6
+    run, calls = runner([None, [8]])
+    assert e2e.profiled_pair(run, 4)[1:] == ([None, [8]], 1) and calls == [1, 5]
 
 
 def test_compare_says_where_prompts_went_in_several_engine_steps(tmp_path, capsys):
@@ -450,6 +472,28 @@ def test_compare_says_where_prompts_went_in_several_engine_steps(tmp_path, capsy
     assert ("first token opgraft B=8: 1 of 3 one-token runs took their prompts in several engine steps; "
             "the median of the others 55.0 ms") in out
     assert "first token disabled" not in out and "disabled B=8: GPU 30.000 ms in the prefill alone," in out
+
+
+def test_compare_says_where_prompts_went_in_other_steps_of_the_same_count(tmp_path, capsys):
+    """Two engine steps each, split otherwise: said for the pair and against stock, with the tries."""
+    def run(mode, alone, with_decode, tries):
+        pre = {"steps": 1, "gpu_us_per_step": 30000.0, "kernels_per_step": 1788, "kernels": []}
+        prof = {"steps": 4, "gpu_us_per_step": 3500.0, "kernels": [], "prefill": pre,
+                "prefill_steps": {"alone": len(alone), "with_decode": len(with_decode), "tries": tries,
+                                  "split": {"alone": alone, "with_decode": with_decode}}}
+        return {"mode": mode, "batches": {"8": {
+            "itl_ms": {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1}, "decode_tok_s": {"median": 250.0},
+            "token_ids": [[1]], "logprobs": [[-1.0]], "profile": [prof], "t_1_s": [0.05]}}}
+
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps(run("disabled", [1, 7], [1, 7], 1)))
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run("opgraft", [4, 4], [1, 7], 3)))
+    e2e.compare(str(tmp_path))
+    out = capsys.readouterr().out
+    assert ("profile opgraft B=8: the prompts went in steps of [4, 4] requests alone and [1, 7] before the "
+            "decode steps") in out
+    assert "profile opgraft B=8: profiled 3 times for a pair" in out
+    assert "profile opgraft vs disabled B=8: the prefills above went in steps of [1, 7] and [4, 4] requests" in out
+    assert "profile disabled B=8: the prompts went" not in out and "profile disabled B=8: profiled" not in out
 
 
 def test_cli_rejects_profile_steps_beyond_the_output():
