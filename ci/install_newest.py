@@ -22,7 +22,7 @@ PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
 
 def _lines(path: str) -> list[str]:
     with open(path) as f:
-        return [ln.split("#", 1)[0].strip() for ln in f if ln.split("#", 1)[0].strip()]
+        return [r for r in (ln.split("#", 1)[0].strip() for ln in f) if r]
 
 
 def _name(req: str) -> str:

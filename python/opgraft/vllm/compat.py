@@ -33,9 +33,8 @@ def switch(name: str, warn) -> bool | None:
 # The vLLM release opgraft is tested against: the newest that pins torch 2.11.0 (its wheel's
 # METADATA: Requires-Dist torch==2.11.0; built for CUDA 13.0).
 TESTED_VLLM = "0.26.0"
-# CI runs the plugin's tests against the newest release too (ci/requirements-newest.txt): 0.34.0,
-# which pins flashinfer-python==0.7.3, a version with no files on PyPI, so CI installs it with
-# flashinfer-python 0.7.4 in that pin's place (ci/install_newest.py, ci/newest-overrides.txt).
+# CI runs the plugin's tests against the newest release too (ci/requirements-newest.txt, installed
+# as ci/newest-overrides.txt says).
 
 
 def vllm_version() -> str:

@@ -448,22 +448,25 @@ def test_profiled_pair_is_taken_again_until_both_prefills_went_alike():
     assert e2e.profiled_pair(run, 4)[1:] == ([None, [8]], 1) and calls == [1, 5]
 
 
+def _split_run(mode, prefill_steps, t1s=(0.05,), t1_splits=None):
+    """A study result at batch 8 whose profile records `prefill_steps` (and, with t1_splits, the
+    one-token runs' steps)."""
+    pre = {"steps": 1, "gpu_us_per_step": 30000.0, "kernels_per_step": 1788, "kernels": []}
+    prof = {"steps": 4, "gpu_us_per_step": 3500.0, "kernels": [], "prefill": pre, "prefill_steps": prefill_steps}
+    b = {"itl_ms": {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1}, "decode_tok_s": {"median": 250.0},
+         "token_ids": [[1]], "logprobs": [[-1.0]], "profile": [prof], "t_1_s": list(t1s)}
+    if t1_splits is not None:
+        b["t_1_phases_ms"] = [{"first_token": t * 1e3, "prefill_steps": n} for t, n in zip(t1s, t1_splits)]
+    return {"mode": mode, "batches": {"8": b}}
+
+
 def test_compare_says_where_prompts_went_in_several_engine_steps(tmp_path, capsys):
     """A prefill the engine core took in two steps is a forward more: said for the profiled
     prefills (alone against the run with decode steps, and against stock) and the one-token runs."""
-    def prof(alone, with_decode):
-        pre = {"steps": 1, "gpu_us_per_step": 30000.0, "kernels_per_step": 1788, "kernels": []}
-        return {"steps": 4, "gpu_us_per_step": 3500.0, "kernels": [], "prefill": pre,
-                "prefill_steps": {"alone": alone, "with_decode": with_decode}}
-
-    def run(mode, p, t1s, splits):
-        return {"mode": mode, "batches": {"8": {
-            "itl_ms": {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1}, "decode_tok_s": {"median": 250.0},
-            "token_ids": [[1]], "logprobs": [[-1.0]], "profile": [p], "t_1_s": t1s,
-            "t_1_phases_ms": [{"first_token": t * 1e3, "prefill_steps": n} for t, n in zip(t1s, splits)]}}}
-
-    (tmp_path / "e2e-disabled.json").write_text(json.dumps(run("disabled", prof(1, 1), [0.05, 0.05], [1, 1])))
-    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run("opgraft", prof(2, 1), [0.05, 0.08, 0.06], [1, 2, 1])))
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps(
+        _split_run("disabled", {"alone": 1, "with_decode": 1}, [0.05, 0.05], [1, 1])))
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(
+        _split_run("opgraft", {"alone": 2, "with_decode": 1}, [0.05, 0.08, 0.06], [1, 2, 1])))
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
     assert "profile opgraft B=8: GPU 30.000 ms in the prefill alone in 2 engine steps" in out
@@ -476,17 +479,12 @@ def test_compare_says_where_prompts_went_in_several_engine_steps(tmp_path, capsy
 
 def test_compare_says_where_prompts_went_in_other_steps_of_the_same_count(tmp_path, capsys):
     """Two engine steps each, split otherwise: said for the pair and against stock, with the tries."""
-    def run(mode, alone, with_decode, tries):
-        pre = {"steps": 1, "gpu_us_per_step": 30000.0, "kernels_per_step": 1788, "kernels": []}
-        prof = {"steps": 4, "gpu_us_per_step": 3500.0, "kernels": [], "prefill": pre,
-                "prefill_steps": {"alone": len(alone), "with_decode": len(with_decode), "tries": tries,
-                                  "split": {"alone": alone, "with_decode": with_decode}}}
-        return {"mode": mode, "batches": {"8": {
-            "itl_ms": {"median": 4.0, "min": 4.0, "max": 4.0, "n": 1}, "decode_tok_s": {"median": 250.0},
-            "token_ids": [[1]], "logprobs": [[-1.0]], "profile": [prof], "t_1_s": [0.05]}}}
+    def steps(alone, with_decode, tries):
+        return {"alone": len(alone), "with_decode": len(with_decode), "tries": tries,
+                "split": {"alone": alone, "with_decode": with_decode}}
 
-    (tmp_path / "e2e-disabled.json").write_text(json.dumps(run("disabled", [1, 7], [1, 7], 1)))
-    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run("opgraft", [4, 4], [1, 7], 3)))
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps(_split_run("disabled", steps([1, 7], [1, 7], 1))))
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(_split_run("opgraft", steps([4, 4], [1, 7], 3))))
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
     assert ("profile opgraft B=8: the prompts went in steps of [4, 4] requests alone and [1, 7] before the "
