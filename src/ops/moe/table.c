@@ -157,6 +157,11 @@ static const og_tune_entry rows[] = {
     {90, NULL, "moe:fp8tensor:E8:H4096:I14336:k2", 3, 64, "moe.gate_up.warps", 1, "H200 2026-12-03 opgraft tune (one round, 64 MiB between calls): Mixtral-8x7B fp8-tensor T=4 292.01 -> 241.17 us, T=8 411.89 -> 323.05"},
     {90, NULL, "moe:fp8tensor:E8:H4096:I14336:k2", 1, 64, "moe.load", 1, "H200 2026-12-03 opgraft tune (one round, 64 MiB between calls): Mixtral-8x7B fp8-tensor load form 1 won at T=1, 2, 4 and 8"},
     {90, NULL, "moe:fp8tensor:E8:H4096:I14336:k2", 2, 8, "moe.fp8", 1, "H200 2026-12-03 tuned kernels vs vLLM 0.26 TritonExperts: Mixtral-8x7B fp8-tensor T=2 1.16x, T=4 1.09x, T=8 1.08x"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H2048:I768:k8", 1, 1, "moe.down.early", 1, "H100 2026-12-06 opgraft tune (one round, 64 MiB between calls): Qwen3-30B-A3B fp8-block T=1 20.91 -> 20.42 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H2048:I768:k8", 1, 1, "moe.load", 1, "H100 2026-12-06 opgraft tune (one round, 64 MiB between calls): Qwen3-30B-A3B fp8-block T=1 20.91 -> 20.42 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H2048:I768:k8", 2, 2, "moe.pdl_in", 1, "H100 2026-12-06 opgraft tune (one round, 64 MiB between calls): Qwen3-30B-A3B fp8-block T=2 32.05 -> 31.69 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H2048:I768:k8", 3, 5, "moe.gate_up.warps", 4, "H100 2026-12-06 opgraft tune (one round, 64 MiB between calls): Qwen3-30B-A3B fp8-block T=4 56.10 -> 55.06 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H2048:I768:k8", 6, 64, "moe.down.early", 1, "H100 2026-12-06 opgraft tune (one round, 64 MiB between calls): Qwen3-30B-A3B fp8-block T=8 92.88 -> 91.43 us"},
     /* END TUNED ROWS */
 };
 
