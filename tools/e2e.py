@@ -49,8 +49,10 @@ rep: front end, queue, the engine core's prefill step), and with --profile-host 
 (self CPU time, op by op), for a one-token run that is longer than its GPU time. vLLM's engine core
 steps on its own while the front end adds a batch's requests, so it may take the prompts in two
 steps, a forward more: each one-token run and each profiled run records how many steps took its
-prompts (`prefill_steps`, with the requests of each step), the profiled pair is taken again (up to
-three times) until both runs took them in the same steps, and the printout says where they differ.
+prompts (`prefill_steps`, with the requests of each step). The profiled runs hold the engine core
+(a collective_rpc that sleeps in the worker) while the front end adds the batch, so that it takes
+every prompt in its first step; the pair is taken again (up to three times) until both runs took
+them in the same steps, and the printout says where they differ.
 The MoE counters of the engine's worker process (opgraft.stats()) are read through vLLM's
 collective_rpc.
 
@@ -339,6 +341,43 @@ def profiled_pair(profile_run, steps: int, tries: int = PROFILE_TRIES):
         if splits[0] == splits[1] or None in splits:
             break
     return list(runs), list(splits), t
+
+
+HOLD_S = 0.5  # long enough for the front end to add a batch of token prompts (a few ms for 64)
+
+
+def _worker_hold(worker=None, seconds: float = HOLD_S) -> int:
+    """Runs in vLLM's worker process (collective_rpc): keeps the engine core, which waits for the
+    result, from stepping for `seconds`."""
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def held_generate(llm, requests, params, hold_s: float = HOLD_S):
+    """llm.generate with the engine core held in a collective_rpc until the front end has queued
+    every request: the core then takes the whole batch into its first step (it drains its input
+    queue before it schedules), so a batch's prompts go in one engine step, as they do not when the
+    core steps while the front end is still adding them (v54: batch 8 in two steps in nearly every
+    run). The hold's time falls before the prefill; use it where the steps' work matters, not for a
+    timed run."""
+    import threading
+
+    err: list = []
+
+    def hold():
+        try:
+            llm.collective_rpc(_worker_hold, args=(hold_s,))
+        except Exception as e:  # the split check still sees a batch that went in several steps
+            err.append(e)
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    time.sleep(min(0.05, hold_s / 4))  # the hold reaches the core before the first request does
+    outs = llm.generate(requests, params, use_tqdm=False)
+    t.join()
+    if err:
+        print(f"opgraft e2e: the engine core was not held ({type(err[0]).__name__}: {err[0]})", flush=True)
+    return outs
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -712,7 +751,7 @@ def run(args) -> int:
             def profile_run(max_tokens, b=b):
                 host = args.profile_host and max_tokens == 1  # the host ops of the prefill alone
                 started = llm.collective_rpc(_worker_profile, args=("start", host))
-                split = prefill_split(llm.generate(tok[:b], sp(max_tokens), use_tqdm=False))
+                split = prefill_split(held_generate(llm, tok[:b], sp(max_tokens)))
                 stopped = llm.collective_rpc(_worker_profile, args=("stop",))
                 return [a if "error" in a else z for a, z in zip(started, stopped)], split
 
@@ -923,8 +962,8 @@ def compare(out_dir: str, modes=None) -> dict:
                 print(f"profile {m} B={key}: the prompts went in steps of {sa} requests alone and {sw} before "
                       f"the decode steps: the step's kernels above are off by the difference")
             if (ps.get("tries") or 1) > 1:
-                print(f"profile {m} B={key}: profiled {ps['tries']} times for a pair whose prompts went in the "
-                      f"same engine steps")
+                print(f"profile {m} B={key}: {ps['tries']} profiled pairs taken"
+                      + ("" if sa == sw else ", none whose prompts went in the same engine steps"))
             t1_split = [(p.get("prefill_steps") or 1) > 1 for p in br.get("t_1_phases_ms") or []]
             if any(t1_split) and len(t1_split) == len(br.get("t_1_s") or []):
                 one = [t for t, sp_ in zip(br["t_1_s"], t1_split) if not sp_]

@@ -428,6 +428,39 @@ def test_prefill_steps_counts_the_scheduler_steps_that_took_the_prompts():
     assert e2e.prefill_split(outs(5.25, 0.0)) is None and e2e.prefill_split([]) is None
 
 
+def test_held_generate_holds_the_engine_core_until_the_batch_is_queued(capsys):
+    """The hold (a collective_rpc sleeping in the worker) reaches the core before the requests and
+    lasts past the front end's adding them; a hold that fails is said, and the batch still runs."""
+    import threading
+    import time
+
+    class FakeLLM:
+        def __init__(self, fail=False):
+            self.fail, self.events = fail, []
+
+        def collective_rpc(self, fn, args=()):
+            self.events.append(("hold", time.monotonic()))
+            if self.fail:
+                raise RuntimeError("no worker")
+            return [fn(None, *args)]
+
+        def generate(self, requests, params, use_tqdm=True):
+            assert use_tqdm is False and threading.current_thread() is threading.main_thread()
+            self.events.append(("generate", time.monotonic()))
+            return [f"out{r}" for r in requests]
+
+    llm = FakeLLM()
+    t = time.monotonic()
+    assert e2e.held_generate(llm, [1, 2], "sp", hold_s=0.2) == ["out1", "out2"]
+    assert [e for e, _ in llm.events] == ["hold", "generate"]
+    assert time.monotonic() - t >= 0.2  # returns once the hold is over
+    assert llm.events[1][1] - llm.events[0][1] < 0.2  # the batch was added while the core was held
+    assert capsys.readouterr().out == ""
+    llm = FakeLLM(fail=True)
+    assert e2e.held_generate(llm, [3], "sp", hold_s=0.01) == ["out3"]
+    assert "not held (RuntimeError: no worker)" in capsys.readouterr().out
+
+
 def test_profiled_pair_is_taken_again_until_both_prefills_went_alike():
     """A pair whose prompts went in different engine steps is profiled again, up to the bound; a
     pair without vLLM's stamps is taken as it is."""
@@ -478,20 +511,22 @@ def test_compare_says_where_prompts_went_in_several_engine_steps(tmp_path, capsy
 
 
 def test_compare_says_where_prompts_went_in_other_steps_of_the_same_count(tmp_path, capsys):
-    """Two engine steps each, split otherwise: said for the pair and against stock, with the tries."""
+    """Two engine steps each, split otherwise: said for the pair and against stock, with the tries
+    (and whether the last pair went alike)."""
     def steps(alone, with_decode, tries):
         return {"alone": len(alone), "with_decode": len(with_decode), "tries": tries,
                 "split": {"alone": alone, "with_decode": with_decode}}
 
-    (tmp_path / "e2e-disabled.json").write_text(json.dumps(_split_run("disabled", steps([1, 7], [1, 7], 1))))
+    (tmp_path / "e2e-disabled.json").write_text(json.dumps(_split_run("disabled", steps([1, 7], [1, 7], 2))))
     (tmp_path / "e2e-opgraft.json").write_text(json.dumps(_split_run("opgraft", steps([4, 4], [1, 7], 3))))
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
     assert ("profile opgraft B=8: the prompts went in steps of [4, 4] requests alone and [1, 7] before the "
             "decode steps") in out
-    assert "profile opgraft B=8: profiled 3 times for a pair" in out
+    assert "profile opgraft B=8: 3 profiled pairs taken, none whose prompts went in the same engine steps" in out
     assert "profile opgraft vs disabled B=8: the prefills above went in steps of [1, 7] and [4, 4] requests" in out
-    assert "profile disabled B=8: the prompts went" not in out and "profile disabled B=8: profiled" not in out
+    assert "profile disabled B=8: the prompts went" not in out
+    assert "profile disabled B=8: 2 profiled pairs taken\n" in out  # the second pair went alike
 
 
 def test_cli_rejects_profile_steps_beyond_the_output():
