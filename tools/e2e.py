@@ -344,6 +344,7 @@ def profiled_pair(profile_run, steps: int, tries: int = PROFILE_TRIES):
 
 
 HOLD_S = 0.5  # long enough for the front end to add a batch of token prompts (a few ms for 64)
+HOLD_GRACE_S = 60.0  # a hold that has not returned this long after its end is left behind
 
 
 def _worker_hold(worker=None, seconds: float = HOLD_S) -> int:
@@ -374,7 +375,9 @@ def held_generate(llm, requests, params, hold_s: float = HOLD_S):
     t.start()
     time.sleep(min(0.05, hold_s / 4))  # the hold reaches the core before the first request does
     outs = llm.generate(requests, params, use_tqdm=False)
-    t.join()
+    t.join(hold_s + HOLD_GRACE_S)  # a hold that never returns must not stop the study
+    if t.is_alive():
+        err.append(TimeoutError(f"the hold had not returned {HOLD_GRACE_S:g} s after its end"))
     if err:
         print(f"opgraft e2e: the engine core was not held ({type(err[0]).__name__}: {err[0]})", flush=True)
     return outs

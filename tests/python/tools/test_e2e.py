@@ -428,9 +428,10 @@ def test_prefill_steps_counts_the_scheduler_steps_that_took_the_prompts():
     assert e2e.prefill_split(outs(5.25, 0.0)) is None and e2e.prefill_split([]) is None
 
 
-def test_held_generate_holds_the_engine_core_until_the_batch_is_queued(capsys):
+def test_held_generate_holds_the_engine_core_until_the_batch_is_queued(capsys, monkeypatch):
     """The hold (a collective_rpc sleeping in the worker) reaches the core before the requests and
-    lasts past the front end's adding them; a hold that fails is said, and the batch still runs."""
+    lasts past the front end's adding them; a hold that fails or never returns is said, and the batch
+    still runs."""
     import threading
     import time
 
@@ -459,6 +460,13 @@ def test_held_generate_holds_the_engine_core_until_the_batch_is_queued(capsys):
     llm = FakeLLM(fail=True)
     assert e2e.held_generate(llm, [3], "sp", hold_s=0.01) == ["out3"]
     assert "not held (RuntimeError: no worker)" in capsys.readouterr().out
+    never = threading.Event()
+    llm = FakeLLM()
+    llm.collective_rpc = lambda fn, args=(): never.wait()  # a hold that does not return
+    monkeypatch.setattr(e2e, "HOLD_GRACE_S", 0.05)
+    assert e2e.held_generate(llm, [4], "sp", hold_s=0.01) == ["out4"]
+    assert "not held (TimeoutError: the hold had not returned 0.05 s after its end)" in capsys.readouterr().out
+    never.set()
 
 
 def test_profiled_pair_is_taken_again_until_both_prefills_went_alike():
