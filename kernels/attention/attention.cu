@@ -16,8 +16,9 @@
 //
 // Splits: the host picks the split count S (gridDim.x) from batch, kv heads and the context hint
 // so that one wave of blocks fills the GPU; each block reads seq_lens on the device and derives
-// the same split size (at least min_chunk tokens), so lengths are never needed on the host and a
-// CUDA graph replays with new lengths. Blocks whose split is empty exit. A sequence with one split
+// the same split size (at least min_chunk tokens; no split at all for a span of at most one
+// 16-token tile a warp), so lengths are never needed on the host and a CUDA graph replays with
+// new lengths. Blocks whose split is empty exit. A sequence with one split
 // is written directly; otherwise each split writes its unnormalised partial (fp32), and a tree of
 // 16-wide combines fixed by split index merges them: the last block to arrive at a node (counters
 // in the workspace, reset by that block) merges the node's children in order. The same bits every
@@ -593,10 +594,11 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   if (p.window_left >= 0 && L - 1 - p.window_left > 0) start = L - 1 - p.window_left;
 #endif
   // Tiles start at multiples of 16 tokens, so a tile never straddles a block; the split size is
-  // derived from the length alone, the same in every block of the sequence.
+  // derived from the length alone, the same in every block of the sequence. A span that one tile
+  // a warp covers stays one split: a second would add only the combine's chain (v55).
   const int S = gridDim.x;
   int a0, chunk;
-  const int n = og_attn_split(L, start, S, p.min_chunk, &a0, &chunk);
+  const int n = og_attn_split(L, start, S, p.min_chunk, 16 * OG_W, &a0, &chunk);
   if (s >= n) {
 #if OG_CLUSTER  // past the last split: still merges a slice when the splits are its cluster's
     const int csize = (int)og_cluster_size();

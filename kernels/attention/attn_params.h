@@ -74,11 +74,13 @@ typedef struct og_attn_params {
 
 /* How a sequence of length L whose keys start at `start` splits over S blocks: tiles begin at
  * a0 = start rounded down to 16 tokens, each split takes chunk tokens (a multiple of 16, at least
- * min_chunk) from a0 on; returns the number of non-empty splits n (1 <= n <= S). */
-OG_ATTN_FN int og_attn_split(int L, int start, int S, int min_chunk, int *a0, int *chunk) {
+ * min_chunk) from a0 on; a span of at most `one` tokens is one split; returns the number of
+ * non-empty splits n (1 <= n <= S). */
+OG_ATTN_FN int og_attn_split(int L, int start, int S, int min_chunk, int one, int *a0, int *chunk) {
   const int first = start & ~15, span = L - first;
   int ch = (span + S - 1) / S;
   if (ch < min_chunk) ch = min_chunk;
+  if (ch < span && span <= one) ch = span;
   ch = (ch + 15) & ~15;
   *a0 = first, *chunk = ch;
   return (span + ch - 1) / ch;

@@ -24,7 +24,12 @@
  *   H200's bandwidth needs at its ~1 us load latency under load.
  * - attention.min_chunk 128 tokens: a short context splits into few blocks (1K tokens: 8 splits a
  *   kv head, one combine level), each warp pipelining two tiles; a long one into up to
- *   attention.max_splits splits so that batch x kv heads x splits fills one wave of blocks.
+ *   attention.max_splits splits so that batch x kv heads x splits fills one wave of blocks. A span
+ *   of at most one 16-token tile a warp stays one split whatever min_chunk says (the kernel's
+ *   rule): with 12 warps, 129-192 tokens. H100, Qwen3-30B-A3B in the engine at batch 8 (12 warps),
+ *   129-144 tokens: 8.82 -> 7.82 us a layer, the o projection after it -0.96; at batch 1 (8 warps)
+ *   one split of such a span lost 0.82 us, a second tile round for some warps costing more than
+ *   the combine's chain (bench/results/2026-12-06-h100-v55-hold-fp8/).
  * - attention.max_splits 128: two combine levels at most (fan-in 16); batch 1 with 4 kv heads
  *   fills the H200's 396 block slots with 99 splits.
  * - attention.load 4 (plain read-only loads), attention.pdl 0: the forms the MoE op measured as

@@ -627,25 +627,32 @@ static void test_workspace(void **state) {
   assert_int_equal(opgraft_attention_workspace_size(&a, &bytes), OPGRAFT_EUNSUPPORTED);
 }
 
-/* The split arithmetic: the non-empty splits tile [start rounded down to 16, L) exactly. */
+/* The split arithmetic: the non-empty splits tile [start rounded down to 16, L) exactly; a span
+ * of at most `one` tokens is one split, and `one` changes nothing else. */
 static void test_splits_partition_the_keys(void **state) {
-  static const int mins[] = {16, 64, 128, 1024};
+  static const int mins[] = {16, 64, 128, 1024}, ones[] = {0, 64, 128, 192};
   for (int L = 1; L <= 700; L += (L < 80 ? 1 : 13))
     for (int start = 0; start < L; start += (L / 7) + 1)
       for (int S = 1; S <= 150; S += (S < 20 ? 1 : 29))
-        for (int mi = 0; mi < 4; ++mi) {
-          int a0, chunk;
-          const int n = og_attn_split(L, start, S, mins[mi], &a0, &chunk);
-          if (n < 1 || n > S || chunk % 16 || chunk < mins[mi] || a0 % 16 || a0 > start || start - a0 > 15)
-            fail_msg("L=%d start=%d S=%d min=%d: n=%d chunk=%d a0=%d", L, start, S, mins[mi], n, chunk, a0);
-          int next = a0;
-          for (int s = 0; s < n; ++s) {
-            const int r0 = a0 + s * chunk, r1 = r0 + chunk < L ? r0 + chunk : L;
-            if (r0 != next || r1 <= r0) fail_msg("L=%d S=%d: split %d is [%d, %d)", L, S, s, r0, r1);
-            next = r1;
+        for (int mi = 0; mi < 4; ++mi)
+          for (int oi = 0; oi < 4; ++oi) {
+            int a0, chunk, a0_, chunk_;
+            const int n = og_attn_split(L, start, S, mins[mi], ones[oi], &a0, &chunk);
+            const int n0 = og_attn_split(L, start, S, mins[mi], 0, &a0_, &chunk_);
+            const int span = L - (start & ~15);
+            if (n < 1 || n > S || chunk % 16 || chunk < mins[mi] || a0 % 16 || a0 > start || start - a0 > 15)
+              fail_msg("L=%d start=%d S=%d min=%d: n=%d chunk=%d a0=%d", L, start, S, mins[mi], n, chunk, a0);
+            if (span <= ones[oi] ? n != 1 : n != n0 || chunk != chunk_)
+              fail_msg("L=%d start=%d S=%d min=%d one=%d: n=%d chunk=%d, without one n=%d chunk=%d", L, start, S,
+                       mins[mi], ones[oi], n, chunk, n0, chunk_);
+            int next = a0;
+            for (int s = 0; s < n; ++s) {
+              const int r0 = a0 + s * chunk, r1 = r0 + chunk < L ? r0 + chunk : L;
+              if (r0 != next || r1 <= r0) fail_msg("L=%d S=%d: split %d is [%d, %d)", L, S, s, r0, r1);
+              next = r1;
+            }
+            if (next != L) fail_msg("L=%d start=%d S=%d: the splits end at %d", L, start, S, next);
           }
-          if (next != L) fail_msg("L=%d start=%d S=%d: the splits end at %d", L, start, S, next);
-        }
 }
 
 /* The combine tree at either fan-in, simulated with random arrival orders: every counter ends at
