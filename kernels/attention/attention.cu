@@ -96,6 +96,11 @@
 #ifndef OG_CLUSTER
 #define OG_CLUSTER 0
 #endif
+// OG_VPF: a tile's V rows are loaded with its K, one tile ahead of the V products, so a warp's
+// second and later tiles wait for no V round trip of their own (D/4 more registers a thread).
+#ifndef OG_VPF
+#define OG_VPF 0
+#endif
 #ifndef OG_UPDATE
 #define OG_UPDATE 0
 #endif
@@ -655,6 +660,9 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 
   // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8.
   og_vec4 kg[OG_DK], k8[OG_DK];
+#if OG_VPF
+  og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];  // this tile's V rows (og_v_tile)
+#endif
   int t = warp, row = 0, blk;
 #if !OG_WINDOW
   if (r0 + 16 * t == tb_guess) {
@@ -672,14 +680,19 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
       kg[k] = og_kv_load(kp + 32 * k, v0);
       k8[k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
     }
+#if OG_VPF
+    og_v_tile(vc, v8, v4, v12, p, vbase, blk, row, tb, c, start, r1);
+#endif
   }
   for (; t < ntiles; t += OG_W) {
     const int tb = r0 + 16 * t;
     const int tn = t + OG_W;
     int row_next = 0;
     const int blk_next = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next) : -1;
+#if !OG_VPF
     og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];
     og_v_tile(vc, v8, v4, v12, p, vbase, blk, row, tb, c, start, r1);
+#endif
     // S^T: [token g / g+8][head 2c / 2c+1] of each 8-head tile.
     float sc[OG_NH][4];
 #pragma unroll
@@ -703,6 +716,10 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
         k8[k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
       }
     }
+#if OG_VPF  // and its V (zeros without a load past the last tile: blk_next is -1 there)
+    og_vec4 vn[OG_DV], vn8[OG_DV], vn4[OG_DV], vn12[OG_DV];
+    og_v_tile(vn, vn8, vn4, vn12, p, vbase, blk_next, row_next, r0 + 16 * tn, c, start, r1);
+#endif
     // Online softmax per head; P^T fragments for the V products.
     og_u32 pb0[OG_NH], pb1[OG_NH];
 #pragma unroll
@@ -752,6 +769,10 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 #pragma unroll
         for (int nh = 0; nh < OG_NH; ++nh) og_mma16816(o[nh][4 * j + i], a0, a1, a2, a3, pb0[nh], pb1[nh]);
       }
+#if OG_VPF
+#pragma unroll
+    for (int j = 0; j < OG_DV; ++j) vc[j] = vn[j], v8[j] = vn8[j], v4[j] = vn4[j], v12[j] = vn12[j];
+#endif
     blk = blk_next, row = row_next;
   }
 

@@ -96,6 +96,20 @@ def cases() -> list[dict]:
         _case("max_splits 17 (a partial second combine level)", [32768, 5000], 32, 4, 128,
               tunables={"attention.max_splits": 17, "attention.min_chunk": 16}),
         _case("load form 1 and PDL", RAGGED, 32, 4, 128, tunables={"attention.load": 1, "attention.pdl": 1}),
+        # a span of one tile a warp is one split (12 warps: up to 192 tokens), and the spans around it
+        _case("warps 12, contexts 129..256 (one split to 192)", [129, 144, 191, 192, 193, 256, 0], 32, 4, 128,
+              update=True, tunables={"attention.warps": 12}),
+        # the V prefetch (a tile's V with its K): 8 warps at one sequence by the row, else asked for
+        *[_case(f"V prefetch, batch 1 context {L}", [L], 32, 4, 128, tunables={"attention.vpf": 1})
+          for L in (17, 200, 1000, 8192, 32768)],
+        _case("V prefetch, warps 8, min_chunk 256 (two tiles a warp)", [129, 200, 256, 257, 1000, 0], 32, 4, 128,
+              tunables={"attention.vpf": 1, "attention.warps": 8, "attention.min_chunk": 256}),
+        _case("V prefetch, warps 8, fp16, block 48", [1000, 47, 48, 49], 32, 4, 128, bs=48, dtype="fp16",
+              tunables={"attention.vpf": 1, "attention.warps": 8}),
+        _case("V prefetch, head 64 GQA 8, window and fp32 sinks", [1000, 100, 1, 0], 64, 8, 64, window=127,
+              sinks="fp32", tunables={"attention.vpf": 1}),
+        _case("V prefetch, warps 8, cluster 8", RAGGED, 32, 4, 128,
+              tunables={"attention.vpf": 1, "attention.warps": 8, "attention.cluster": 8}),
         # the combine's fan-in per launch: 32 at one sequence with 4 kv heads (17..36 splits, 33..36
         # lowered to 32: one level), 16 with attention.fan32 off (two levels)
         _case("fan-in 32, batch 1 context 4096 (32 splits, one combine level)", [4096], 32, 4, 128,
@@ -165,6 +179,8 @@ def cases() -> list[dict]:
               tunables={"attention.warps": 12}),
         _case("update: CUDA graph, new lengths and new keys each replay", RAGGED, 32, 4, 128, graph=True,
               update=True),
+        _case("update: V prefetch, warps 8, CUDA graph, ragged", RAGGED, 32, 4, 128, graph=True, update=True,
+              tunables={"attention.vpf": 1, "attention.warps": 8}),
         _case("update: CUDA graph, q and new keys written, PDL attention, trigger, o projection pdl 2", [300, 0, 17],
               32, 4, 128, graph=True, write_q=True, o_proj=2048, update=True,
               tunables={"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 2, "linear.max_rows": 8}),
@@ -186,6 +202,8 @@ def cases() -> list[dict]:
         _case("prologue: warps 12, ragged", RAGGED, 32, 4, 128, qk_norm=True, rope=1,
               tunables={"attention.warps": 12}),
         _case("prologue: warps 1", [1000, 0, 17], 32, 4, 128, qk_norm=True, rope=1, tunables={"attention.warps": 1}),
+        _case("prologue: V prefetch, warps 8, ragged", RAGGED, 32, 4, 128, qk_norm=True, rope=1,
+              tunables={"attention.vpf": 1, "attention.warps": 8}),
         _case("prologue: CUDA graph, q, new keys and positions written, PDL attention, trigger", [300, 0, 17], 32, 4,
               128, graph=True, write_q=True, qk_norm=True, rope=1,
               tunables={"attention.pdl": 1, "attention.trigger": 1}),

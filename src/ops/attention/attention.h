@@ -52,6 +52,8 @@ typedef struct og_attn_cfg {
                     * 2, 4 or 8, a launch taking 4 or 8 (opgraft__attn_cluster_of) */
   int fan32;       /* the combine's fan-in 32 where it saves a level (opgraft__attn_fan_of), with
                     * its own entry point (OG_FAN32); only with max_splits > 16 */
+  int vpf;         /* a tile's V loaded with its K, a tile ahead (OG_VPF); only where the registers
+                    * it takes leave the warps as they are */
   int softcap, window, sinks; /* the options' code paths (OG_SOFTCAP, OG_WINDOW, OG_SINKS) */
   int update;                 /* the call writes its new keys and values (OG_UPDATE) */
   int qknorm, rope;           /* q/k RMSNorm, rotary embedding (OG_QKNORM, OG_ROPE: OPGRAFT_ROPE_*) */

@@ -37,8 +37,14 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   const int64_t cl = arch >= 90 ? opgraft__tune_value("attention.cluster", arch, gpu, shape, B) : 1;
   c->cluster = cl >= 8 ? 8 : cl >= 4 ? 4 : cl >= 2 ? 2 : 1;
   /* A block must fit the register file at the register need (else ptxas would spill). */
-  const int need = regs_needed(a->head_size, G, a->k_new != NULL && c->cluster > 1);
+  int need = regs_needed(a->head_size, G, a->k_new != NULL && c->cluster > 1);
   while (c->warps > 1 && regs_cap(c->warps, 1) < need) c->warps /= 2;
+  /* The V prefetch's D/4 registers (a tile's V rows twice) only where the warps still fit, within
+   * a thread's 255. */
+  const int vneed = need + (int)(a->head_size / 4);
+  c->vpf = opgraft__tune_value("attention.vpf", arch, gpu, shape, B) != 0 && vneed <= 255 &&
+           regs_cap(c->warps, 1) >= vneed;
+  if (c->vpf) need = vneed;
   /* 0: as many blocks an SM as the register need allows; a value is clamped down to that. */
   int fit = 16;
   while (fit > 1 && regs_cap(c->warps, fit) < need) --fit;
@@ -81,6 +87,7 @@ int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg
   OG_OPT("-DOG_FAN32=%d", c->fan32);
   OG_OPT("-DOG_QKNORM=%d", c->qknorm);
   OG_OPT("-DOG_ROPE=%d", c->rope);
+  OG_OPT("-DOG_VPF=%d", c->vpf);
 #undef OG_OPT
   return opgraft__opts_check(o, "attention");
 }

@@ -39,6 +39,8 @@
  *   then o [2048, 4096] timed as one span (tools.attn_o, v26): batch 1 at 256 / 1K / 8K tokens
  *   15.53 / 16.17 / 22.28 us without PDL -> 14.31 / 14.77 / 20.86 with it; batch 8 -0.9 to -2.0
  *   us. A next kernel launched without the attribute is not affected.
+ * - attention.vpf 0: the V prefetch (a tile's V with its K, a tile ahead) is built and compiled but
+ *   not yet timed (bench/NOTES.md v55), so it stays the tuner's.
  * - attention.cluster 1 (no clusters): on the H200 at batch 1 with Qwen3-30B-A3B's heads, clusters
  *   of 8 merged contexts up to 1K tokens on chip 11-13% faster, but only 15 clusters of 8 are
  *   resident at one block an SM, so a launch keeps 24 of 33 splits and contexts from 4K tokens
@@ -85,5 +87,6 @@ int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value) {
   if (strcmp(key, "attention.trigger") == 0) return *value = q->arch >= 90, 1;
   if (strcmp(key, "attention.fan32") == 0) return *value = q->arch == 90, 1;
   if (strcmp(key, "attention.cluster") == 0) return *value = 1, 1;
+  if (strcmp(key, "attention.vpf") == 0) return *value = 0, 1;
   return 0;
 }

@@ -17,6 +17,7 @@ static const og_tunable tunables[] = {
     {"attention.trigger", 0, 1, 0, "0 1"},
     {"attention.fan32", 0, 1, 0, "0 1"},
     {"attention.cluster", 1, 8, 1, "1 4 8"},
+    {"attention.vpf", 0, 1, 0, "0 1"},
 };
 
 static const og_tune_entry rows[] = {

@@ -331,8 +331,9 @@ static void test_registered_with_its_tunables(void **state) {
   assert_non_null(strstr(opgraft_abi_layout(), "\"opgraft_attention_args\""));
   /* The rule decides every key (there are no baked rows yet). */
   const char *keys[] = {"attention.warps", "attention.min_blocks", "attention.min_chunk", "attention.max_splits",
-                        "attention.load", "attention.pdl", "attention.trigger", "attention.cluster", "attention.fan32"};
-  for (int i = 0; i < 9; ++i) {
+                        "attention.load", "attention.pdl", "attention.trigger", "attention.cluster", "attention.fan32",
+                        "attention.vpf"};
+  for (int i = 0; i < 10; ++i) {
     const opgraft_tune_query q = {keys[i], 90, "NVIDIA H200", "attention:bf16:D128:G8:bs16", 0};
     int64_t v;
     char src[64];
@@ -492,6 +493,32 @@ static void test_config(void **state) {
   assert_string_equal(fname, "attention_decode_fan32_fp16");
   assert_int_equal(fan32_with(&a, "OPGRAFT_TUNE_ATTENTION_FAN32", "0", 90), 0);
   assert_int_equal(fan32_with(&a, "OPGRAFT_TUNE_ATTENTION_FAN32", "1", 80), 1);
+  /* The V prefetch: off by the rule; asked for, on only where its D/4 registers leave the warps
+   * as they are: one sequence (8 warps by the row), not 12 warps (168 registers at most), not
+   * head 256 (a thread's 255 taken). */
+  og_unsetenv_prefix("OPGRAFT_TUNE_");
+  opgraft_tune_reload();
+  a = valid_args();
+  a.batch = 1;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.vpf, 0);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_VPF=0"));
+  setenv("OPGRAFT_TUNE_ATTENTION_VPF", "1", 1);
+  opgraft_tune_reload();
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_true(c.warps == 8 && c.vpf == 1 && c.min_blocks == 1);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_VPF=1"));
+  a.batch = 8;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_true(c.warps == 12 && c.vpf == 0);
+  a.batch = 1;
+  set_vllm_cache(&a, 4096, 16, 4, 256);
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.vpf, 0);
+  unsetenv("OPGRAFT_TUNE_ATTENTION_VPF");
+  opgraft_tune_reload();
   /* A combine's maxima and sums (32 partials x G pairs) fit the room of the warps' partials. */
   for (int D = 64; D <= 256; D *= 2)
     for (int G = 1; G <= 16; ++G)
