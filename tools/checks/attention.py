@@ -102,6 +102,9 @@ def cases() -> list[dict]:
         # the V prefetch (a tile's V with its K): 8 warps at one sequence by the row, else asked for
         *[_case(f"V prefetch, batch 1 context {L}", [L], 32, 4, 128, tunables={"attention.vpf": 1})
           for L in (17, 200, 1000, 8192, 32768)],
+        _case("V prefetch, batch 8 context 8192 (12 warps)", [8192] * 8, 32, 4, 128, tunables={"attention.vpf": 1}),
+        _case("V prefetch, batch 3 context 32768 GQA 4", [32768, 32768, 32767], 16, 4, 128,
+              tunables={"attention.vpf": 1}),
         _case("V prefetch, warps 8, min_chunk 256 (two tiles a warp)", [129, 200, 256, 257, 1000, 0], 32, 4, 128,
               tunables={"attention.vpf": 1, "attention.warps": 8, "attention.min_chunk": 256}),
         _case("V prefetch, warps 8, fp16, block 48", [1000, 47, 48, 49], 32, 4, 128, bs=48, dtype="fp16",
@@ -181,6 +184,8 @@ def cases() -> list[dict]:
               update=True),
         _case("update: V prefetch, warps 8, CUDA graph, ragged", RAGGED, 32, 4, 128, graph=True, update=True,
               tunables={"attention.vpf": 1, "attention.warps": 8}),
+        _case("update: V prefetch, CUDA graph, ragged (12 warps)", RAGGED, 32, 4, 128, graph=True, update=True,
+              tunables={"attention.vpf": 1}),
         _case("update: CUDA graph, q and new keys written, PDL attention, trigger, o projection pdl 2", [300, 0, 17],
               32, 4, 128, graph=True, write_q=True, o_proj=2048, update=True,
               tunables={"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 2, "linear.max_rows": 8}),
@@ -204,6 +209,8 @@ def cases() -> list[dict]:
         _case("prologue: warps 1", [1000, 0, 17], 32, 4, 128, qk_norm=True, rope=1, tunables={"attention.warps": 1}),
         _case("prologue: V prefetch, warps 8, ragged", RAGGED, 32, 4, 128, qk_norm=True, rope=1,
               tunables={"attention.vpf": 1, "attention.warps": 8}),
+        _case("prologue: V prefetch, ragged (12 warps)", RAGGED, 32, 4, 128, qk_norm=True, rope=1,
+              tunables={"attention.vpf": 1}),
         _case("prologue: CUDA graph, q, new keys and positions written, PDL attention, trigger", [300, 0, 17], 32, 4,
               128, graph=True, write_q=True, qk_norm=True, rope=1,
               tunables={"attention.pdl": 1, "attention.trigger": 1}),

@@ -39,9 +39,10 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   /* A block must fit the register file at the register need (else ptxas would spill). */
   int need = regs_needed(a->head_size, G, a->k_new != NULL && c->cluster > 1);
   while (c->warps > 1 && regs_cap(c->warps, 1) < need) c->warps /= 2;
-  /* The V prefetch's D/4 registers (a tile's V rows twice) only where the warps still fit, within
-   * a thread's 255. */
-  const int vneed = need + (int)(a->head_size / 4);
+  /* The V prefetch holds a tile's V rows twice: ptxas fits head 128 with up to 8 query heads a kv
+   * head in the same registers (sm_90, 12 warps, with the cache write: 160 of the 168 the launch
+   * bounds allow, 148 without the prefetch); elsewhere D/4 more, within a thread's 255. */
+  const int vneed = need + (a->head_size == 128 && G <= 8 ? 0 : (int)(a->head_size / 4));
   c->vpf = opgraft__tune_value("attention.vpf", arch, gpu, shape, B) != 0 && vneed <= 255 &&
            regs_cap(c->warps, 1) >= vneed;
   if (c->vpf) need = vneed;

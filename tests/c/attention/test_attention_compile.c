@@ -171,12 +171,13 @@ static int setup(void **state) {
               nsome);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", "OPGRAFT_TUNE_ATTENTION_PDL", "1", NULL}, some,
               nsome);
-  /* The V prefetch over every shipped variant with the cache write, at the shipped warps and at 8
-   * (sm_90's 12 leave it no registers, so the configuration turns it off there), with the
-   * prologue, and with the cluster merge. */
+  /* The V prefetch over every shipped variant with the cache write, at the shipped warps (sm_90's
+   * 12 for head 128, where ptxas must fit it in 168 registers) and at 8, with the prologue, and
+   * with the cluster merge. */
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_VPF", "1", NULL}, written, nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_VPF", "1", "OPGRAFT_TUNE_ATTENTION_WARPS", "8", NULL}, written,
               nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_VPF", "1", NULL}, prologue, nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_VPF", "1", "OPGRAFT_TUNE_ATTENTION_WARPS", "8", NULL}, prologue,
               nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_VPF", "1", NULL}, some, nsome);

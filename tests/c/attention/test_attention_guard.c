@@ -493,9 +493,9 @@ static void test_config(void **state) {
   assert_string_equal(fname, "attention_decode_fan32_fp16");
   assert_int_equal(fan32_with(&a, "OPGRAFT_TUNE_ATTENTION_FAN32", "0", 90), 0);
   assert_int_equal(fan32_with(&a, "OPGRAFT_TUNE_ATTENTION_FAN32", "1", 80), 1);
-  /* The V prefetch: off by the rule; asked for, on only where its D/4 registers leave the warps
-   * as they are: one sequence (8 warps by the row), not 12 warps (168 registers at most), not
-   * head 256 (a thread's 255 taken). */
+  /* The V prefetch: off by the rule; asked for, on where its registers leave the warps as they
+   * are: head 128 with up to 8 query heads a kv head at 8 and 12 warps, not head 256 (a thread's
+   * 255 taken). */
   og_unsetenv_prefix("OPGRAFT_TUNE_");
   opgraft_tune_reload();
   a = valid_args();
@@ -512,7 +512,11 @@ static void test_config(void **state) {
   assert_true(has_opt(&o, "-DOG_VPF=1"));
   a.batch = 8;
   opgraft__attn_config(&a, 90, NULL, &c);
-  assert_true(c.warps == 12 && c.vpf == 0);
+  assert_true(c.warps == 12 && c.vpf == 1);
+  a.num_heads = 64; /* 16 query heads a kv head: 208 registers, and 64 KB of warp partials at 8 */
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_true(c.warps == 4 && c.vpf == 1);
+  a.num_heads = 32;
   a.batch = 1;
   set_vllm_cache(&a, 4096, 16, 4, 256);
   opgraft__attn_config(&a, 90, NULL, &c);
