@@ -911,13 +911,13 @@ def cmd_doctor(args) -> int:
     say("opgraft", opgraft.__version__)
     for pkg in ("vllm", "torch"):
         say(pkg, _pkg_version(pkg))
-    arch, gpu = 0, None
+    arch = 0
     ok, why = _gpu_status()
     if ok:
         import torch
 
         p = torch.cuda.get_device_properties(0)
-        arch, gpu = p.major * 10 + p.minor, p.name
+        arch = p.major * 10 + p.minor
         say("GPU", f"{p.name} (sm_{arch}, {p.multi_processor_count} SMs)")
     else:
         say("GPU", f"none ({why})")
@@ -1076,7 +1076,8 @@ def main(argv=None) -> int:
                               help="paged decode attention, against vLLM's FA3, FlashInfer and Triton decode")
     ba.add_argument("--model", default=None,
                     help="a preset (Qwen3-30B-A3B, Llama-3-8B, head-64, head-256) or HQ/HKV/D, e.g. 32/8/128; "
-                         "default: the preset sweep (Qwen3-30B-A3B at batch 1/8/64 x 1K/8K/32K and the others)")
+                         "default: the preset sweep (Qwen3-30B-A3B at batch 1/8 x 192 tokens and 1/8/64 x 1K/8K/32K, "
+                         "and the others)")
     ba.add_argument("--batch", type=lambda t: _parse_ints(t, "--batch", 1, 4096), default=[1, 8, 64])
     ba.add_argument("--context", type=lambda t: _parse_ints(t, "--context", 1, 1 << 20), default=[1024, 8192, 32768])
     ba.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")

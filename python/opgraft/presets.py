@@ -231,7 +231,10 @@ ATTENTION_PRESETS = {
     "head-256": AttnShape("head-256", 8, 4, 256),
 }
 
-# (preset, batch, context): Qwen3-30B-A3B at batch 1/8/64 x 1K/8K/32K, then the other head shapes.
-ATTENTION_POINTS = [("Qwen3-30B-A3B", b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)] + [
+# (preset, batch, context): Qwen3-30B-A3B at batch 1/8 x 192 tokens (a short prompt's decode, where
+# the split count changes: vLLM's Triton backend led ours there at batch 1, bench/NOTES.md v55) and
+# at batch 1/8/64 x 1K/8K/32K, then the other head shapes.
+ATTENTION_POINTS = [("Qwen3-30B-A3B", b, 192) for b in (1, 8)] + [
+    ("Qwen3-30B-A3B", b, c) for b in (1, 8, 64) for c in (1024, 8192, 32768)] + [
     ("Llama-3-8B", 1, 1024), ("Llama-3-8B", 8, 8192), ("head-64", 8, 8192), ("head-256", 1, 1024),
     ("head-256", 8, 8192)]
