@@ -97,7 +97,7 @@
 #define OG_CLUSTER 0
 #endif
 // OG_VPF: a tile's V rows are loaded with its K, one tile ahead of the V products, so a warp's
-// second and later tiles wait for no V round trip of their own (D/4 more registers a thread).
+// second and later tiles wait for no V round trip of their own (a second set of V registers).
 #ifndef OG_VPF
 #define OG_VPF 0
 #endif

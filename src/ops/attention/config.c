@@ -8,11 +8,15 @@
 #include "attention.h"
 
 /* Registers a thread needs without spills (NVRTC 13.0, sm_80 and sm_90, every option; the compile
- * test checks each variant): the launch-bounds minimum never squeezes a thread below this. */
-static int regs_needed(int64_t D, int64_t G, int update_cluster) {
-  if (D == 64) return G <= 8 ? 128 : 136;
-  if (D == 128) return G <= 8 ? (update_cluster ? 176 : 168) : 208; /* the cache write and the cluster merge */
-  return 256;
+ * test checks each variant): the launch-bounds minimum never squeezes a thread below this. The V
+ * prefetch holds a tile's V rows twice: ptxas fits head 128 with up to 8 query heads a kv head in
+ * the same registers (sm_90, 12 warps, with the cache write: 160 of the 168 the launch bounds
+ * allow, 148 without it); elsewhere it takes D/4 more. */
+static int regs_needed(int64_t D, int64_t G, int update_cluster, int vpf) {
+  if (D == 64) return (G <= 8 ? 128 : 136) + (vpf ? 16 : 0);
+  if (D == 128) /* the cache write and the cluster merge */
+    return G <= 8 ? (update_cluster ? 176 : 168) : 208 + (vpf ? 32 : 0);
+  return 256 + (vpf ? 64 : 0);
 }
 
 /* The registers a thread may take with mb blocks of W warps on an SM: each of the SM's 4
@@ -37,12 +41,11 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   const int64_t cl = arch >= 90 ? opgraft__tune_value("attention.cluster", arch, gpu, shape, B) : 1;
   c->cluster = cl >= 8 ? 8 : cl >= 4 ? 4 : cl >= 2 ? 2 : 1;
   /* A block must fit the register file at the register need (else ptxas would spill). */
-  int need = regs_needed(a->head_size, G, a->k_new != NULL && c->cluster > 1);
+  const int uc = a->k_new != NULL && c->cluster > 1;
+  int need = regs_needed(a->head_size, G, uc, 0);
   while (c->warps > 1 && regs_cap(c->warps, 1) < need) c->warps /= 2;
-  /* The V prefetch holds a tile's V rows twice: ptxas fits head 128 with up to 8 query heads a kv
-   * head in the same registers (sm_90, 12 warps, with the cache write: 160 of the 168 the launch
-   * bounds allow, 148 without the prefetch); elsewhere D/4 more, within a thread's 255. */
-  const int vneed = need + (a->head_size == 128 && G <= 8 ? 0 : (int)(a->head_size / 4));
+  /* The V prefetch only where the warps still fit, within a thread's 255. */
+  const int vneed = regs_needed(a->head_size, G, uc, 1);
   c->vpf = opgraft__tune_value("attention.vpf", arch, gpu, shape, B) != 0 && vneed <= 255 &&
            regs_cap(c->warps, 1) >= vneed;
   if (c->vpf) need = vneed;
