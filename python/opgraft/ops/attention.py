@@ -481,12 +481,14 @@ def reference_cpu(query, key_cache, value_cache, block_table, seq_lens, scale, s
     """The C fp64 oracle on CPU copies of the tensors (strides kept); float64 [batch, heads, D].
     With key, value and slot_mapping it stores the new rows into the cache first (normalized and
     rotated with pro), as the kernel does: into the caller's cache where it is on the CPU already."""
+    # The copies stay named until the call: the struct holds their addresses, not references.
     cpu = lambda x: None if x is None else x.cpu()
     t = [x.cpu() for x in (query, key_cache, value_cache, block_table, seq_lens)]
+    sinks, key, value, slot_mapping = (cpu(x) for x in (sinks, key, value, slot_mapping))
     if pro is not None:
         pro = QKPrologue(*(cpu(x) if isinstance(x, torch.Tensor) else x for x in pro))
-    a = attention_args(*t, None, scale, softcap, window_left, cpu(sinks), key=cpu(key), value=cpu(value),
-                       slot_mapping=cpu(slot_mapping), pro=pro)
+    a = attention_args(*t, None, scale, softcap, window_left, sinks, key=key, value=value,
+                       slot_mapping=slot_mapping, pro=pro)
     if a.dtype == -1:
         raise _lib.OpgraftError(_lib.EINVAL, "tensor shapes do not describe paged decode attention")
     out = torch.empty((t[4].shape[0], t[0].shape[1], t[0].shape[2]), dtype=torch.float64)

@@ -4,6 +4,7 @@ against the bench's independent torch fp64 reference, the custom op's fake, and 
 hand-backs (no GPU needed)."""
 import ctypes
 import dataclasses
+import weakref
 
 import pytest
 
@@ -162,6 +163,43 @@ def test_c_oracle_matches_the_torch_reference(kw):
     for b, L in enumerate(p.seq_lens.tolist()):
         if L <= 0:
             assert bool((c[b] == 0).all())
+
+
+class _Remote(torch.Tensor):
+    """A CPU tensor whose .cpu() makes a fresh copy, as a CUDA tensor's does."""
+
+    def cpu(self):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_c_oracle_keeps_its_copies_alive_through_the_call(monkeypatch):
+    # The argument struct holds addresses only: a copy dropped before the C call is read freed.
+    p = problem(hq=16, hk=1, d=64, sinks="fp32", lens=(1, 17, 0, 200))
+    made, real = [], torch.Tensor.clone
+
+    def clone(self, *a, **kw):
+        out = real(self, *a, **kw)
+        made.append(weakref.ref(out))
+        return out
+
+    lib = _lib.lib()
+
+    class Lib:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def opgraft_attention_reference(self, *a):
+            assert made and all(r() is not None for r in made), "a CPU copy was freed before the oracle ran"
+            return lib.opgraft_attention_reference(*a)
+
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    shim = Lib()
+    monkeypatch.setattr(ops._lib, "lib", lambda: shim)
+    remote = lambda x: x.as_subclass(_Remote)
+    got = ops.reference_cpu(*(remote(x) for x in (p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens)),
+                            p.scale, p.softcap, p.window_left, remote(p.sinks))
+    monkeypatch.undo()
+    assert float((got - attn_bench.reference(p)).norm() / attn_bench.reference(p).norm()) < 1e-12
 
 
 def test_unused_blocks_are_nan_so_a_stray_read_shows():
