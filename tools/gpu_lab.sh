@@ -4,7 +4,7 @@
 # compute-sanitizer on a few of them, then the timings that need no vLLM. Results land in $OUT.
 #
 #   OUT=DIR bash tools/gpu_lab.sh [STEP ...]      steps: build warm check sanitize host before moe fp8 linear attention
-#                                                        fusions fusions-sanitize prologue ring
+#                                                        fusions fusions-sanitize prologue vpf
 #
 # With no steps, all of them but warm (which compiles every op's variants for both archs in
 # parallel; the checks and benches compile what they use on demand). BEFORE_TREE (default .before) is an older tree's python/, src/,
@@ -150,25 +150,20 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
       --only "prologue alone: head 64, GPT-J, 5" --out /tmp/og-san >"$OUT/memcheck-prologue-alone.log" 2>&1
     note "memcheck prologue alone: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-prologue-alone.log" | tail -1)"
     ;;
-  ring)  # the shared-memory K/V ring (NOTES v56): every attention case, ours at stages 0/2/3, attn_o, sanitizers
-    python3 -m tools.gpucheck --quick --ops attention --out "$OUT/ring" >"$OUT/check-attention.log" 2>&1
-    grep -E "FAIL|Traceback|Error" "$OUT/check-attention.log" | head -20
-    note "attention: $(grep 'cases pass' "$OUT/check-attention.log" | head -1)"
-    for st in 0 2 3 2:12 3:8:256; do  # stages[:warps[:min_chunk]]
-      IFS=: read -r n w m <<<"$st"
-      env OPGRAFT_TUNE_ATTENTION_STAGES=$n ${w:+OPGRAFT_TUNE_ATTENTION_WARPS=$w} ${m:+OPGRAFT_TUNE_ATTENTION_MIN_CHUNK=$m} \
-        python3 -m opgraft.cli bench attention --impls opgraft --model Qwen3-30B-A3B --batch 1,8 \
-        --context 192,1024,8192,32768 --json "$OUT/attention-ring${st//:/-}.json" 2>&1 | grep " opgraft " | sed "s/^/$st /"
+  vpf)  # the V prefetch and the one-split rule (NOTES v55): their cases, ours with and without, memcheck
+    python3 -m tools.gpucheck --quick --ops attention --only "V prefetch" --out "$OUT/vpf" >"$OUT/check-vpf.log" 2>&1
+    python3 -m tools.gpucheck --quick --ops attention --only "129..256" --out "$OUT/vpf" >"$OUT/check-split.log" 2>&1
+    note "V prefetch: $(grep 'cases pass' "$OUT/check-vpf.log"); one split: $(grep 'cases pass' "$OUT/check-split.log")"
+    for v in 0 1; do
+      OPGRAFT_TUNE_ATTENTION_VPF=$v python3 -m opgraft.cli bench attention --impls opgraft --model Qwen3-30B-A3B \
+        --batch 1,8 --context 192,256,1024,8192,32768 --json "$OUT/attention-vpf$v.json" 2>&1 | grep " opgraft "
     done
-    python3 -m tools.attn_o --batch 1,8 --context 144,1024,8192 --variants kernel-write \
-      --extra ring2=attention.stages:2@kernel --extra ring3=attention.stages:3@kernel \
-      --json "$OUT/attn_o_ring.json" 2>&1 | tail -9
-    for spec in "memcheck:ring 2, ragged" "racecheck:ring 2, batch 1 context 32768"; do  # the latter wraps the ring
-      tool=${spec%%:*}
-      timeout 150 compute-sanitizer --tool $tool --print-limit 20 python3 -m tools.gpucheck --quick --ops attention \
-        --only "${spec#*:}" --out /tmp/og-san >"$OUT/$tool-ring.log" 2>&1
-      note "$tool ring: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool-ring.log" | tail -1) $(grep -cE '^  PASS' "$OUT/$tool-ring.log") pass"
-    done
+    python3 -m tools.attn_o --batch 1,2,8 --context 144,192,256,1024 --variants kernel-write \
+      --extra vpf=attention.vpf:1@kernel --extra vpf-mc256=attention.vpf:1,attention.min_chunk:256@kernel \
+      --json "$OUT/attn_o_vpf.json" 2>&1 | tail -16
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m tools.gpucheck --quick --ops attention \
+      --only "update: V prefetch, CUDA graph" --out /tmp/og-san >"$OUT/memcheck-vpf.log" 2>&1
+    note "vpf benched; memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-vpf.log" | tail -1)"
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -101,16 +101,6 @@
 #ifndef OG_VPF
 #define OG_VPF 0
 #endif
-// OG_STAGES: the K and V tiles go through a ring of OG_STAGES tiles a warp in shared memory
-// (cp.async, zero-filled outside the keys), filled OG_STAGES tiles ahead of the products, in the
-// room the warps' partials take after the loop; 0: straight into registers, K one tile ahead.
-// A warp then has up to OG_STAGES tiles in flight rather than one (NOTES v56).
-#ifndef OG_STAGES
-#define OG_STAGES 0
-#endif
-#if OG_STAGES && OG_VPF
-#error "OG_VPF is the register path's; OG_STAGES has its own"
-#endif
 #ifndef OG_UPDATE
 #define OG_UPDATE 0
 #endif
@@ -313,40 +303,6 @@ __device__ __forceinline__ void og_v_tile(og_vec4 (&vc)[OG_DV], og_vec4 (&v8)[OG
     v12[j] = og_kv_load(vp + 12 * p.v_st + 64 * j, w12);
   }
 }
-
-#if OG_STAGES
-// A ring slot: the tile's 16 K rows, then its 16 V rows, D/8 16-byte pieces a row, XOR-swizzled
-// so that the fragment loads below hit 8 distinct 16-byte bank groups per 8 lanes: K piece p of
-// row r at p ^ 4(r & 1) (lanes read rows g, g+8, pieces 4k + c), V at p ^ 2(r & 3) (rows c .. c+12,
-// pieces 8j + g).
-#define OG_PIECES (OG_D / 8)
-#define OG_SLOT_BYTES (2 * 16 * OG_D * 2)
-__device__ __forceinline__ int og_kpiece(int r, int pc) { return r * OG_PIECES + (pc ^ ((r & 1) << 2)); }
-__device__ __forceinline__ int og_vpiece(int r, int pc) { return (16 + r) * OG_PIECES + (pc ^ ((r & 3) << 1)); }
-
-// Starts the copy of the tile at token tb (cache block blk, its row `row`) into a slot: a lane
-// takes pieces lane, lane + 32, ... of the K rows and the same of the V rows; keys outside
-// [start, r1) or blk < 0 are zeros. One commit group a call, empty or not.
-__device__ __forceinline__ void og_tile_issue(const og_attn_params &p, unsigned slot, const og_u16 *kh,
-                                              const og_u16 *vh, int blk, int row, int tb, int start, int r1,
-                                              int lane) {
-  if (tb >= 0) {
-#pragma unroll
-    for (int q = 0; q < 16 * OG_PIECES / 32; ++q) {
-      const int i = lane + 32 * q, r = i / OG_PIECES, pc = i % OG_PIECES, j = tb + r;
-      const bool ok = blk >= 0 && j >= start && j < r1;
-      const long long off = ok ? (long long)blk * p.k_sb + (long long)(row + r) * p.k_st + 8 * pc : 0;
-      const long long voff = ok ? (long long)blk * p.v_sb + (long long)(row + r) * p.v_st + 8 * pc : 0;
-      const unsigned n = ok ? 16u : 0u;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(slot + 16u * og_kpiece(r, pc)),
-                   "l"(kh + off), "r"(n) : "memory");
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(slot + 16u * og_vpiece(r, pc)),
-                   "l"(vh + voff), "r"(n) : "memory");
-    }
-  }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-#endif
 
 // Combines count (<= FAN, 16 or 32) consecutive partials src .. src+count-1 in order: into the
 // output (root) or into the partial dst. All threads of the block take part. A thread loads its
@@ -704,12 +660,6 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 
   // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8.
   og_vec4 kg[OG_DK], k8[OG_DK];
-#if OG_STAGES
-  // This warp's ring (in the partials' room: read only after the loop) and its first tiles.
-  const og_u16 *kh = (const og_u16 *)p.k + (long long)hk * p.k_sh, *vh = (const og_u16 *)p.v + (long long)hk * p.v_sh;
-  unsigned char *ring = (unsigned char *)region + warp * (OG_STAGES * OG_SLOT_BYTES);
-  const unsigned ring_s = (unsigned)__cvta_generic_to_shared(ring);
-#endif
 #if OG_VPF
   og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];  // this tile's V rows (og_v_tile)
 #endif
@@ -721,26 +671,6 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   } else
 #endif
     blk = t < ntiles ? og_tile_block(p, bt, r0 + 16 * t, &row) : -1;
-#if OG_STAGES
-  // rb: the cache blocks of the tiles in the ring, oldest first (for the logits' mask); nb, nr: the
-  // block and row of the next tile to issue, read a tile early so that no issue waits for its
-  // block-table entry.
-  int rb[OG_STAGES], rr[OG_STAGES], nb, nr = 0;
-  rb[0] = blk, rr[0] = row;
-#pragma unroll
-  for (int i = 1; i < OG_STAGES; ++i) {
-    rr[i] = 0;
-    rb[i] = t + i * OG_W < ntiles ? og_tile_block(p, bt, r0 + 16 * (t + i * OG_W), &rr[i]) : -1;
-  }
-  nb = t + OG_STAGES * OG_W < ntiles ? og_tile_block(p, bt, r0 + 16 * (t + OG_STAGES * OG_W), &nr) : -1;
-#pragma unroll
-  for (int i = 0; i < OG_STAGES; ++i) {
-    const int ti = t + i * OG_W;
-    og_tile_issue(p, ring_s + i * OG_SLOT_BYTES, kh, vh, rb[i], rr[i], ti < ntiles ? r0 + 16 * ti : -1, start, r1,
-                  lane);
-  }
-  (void)kbase, (void)vbase;
-#else
   {
     const int tb = r0 + 16 * t;
     const bool v0 = blk >= 0 && tb + g >= start && tb + g < r1, v1 = blk >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
@@ -754,46 +684,14 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
     og_v_tile(vc, v8, v4, v12, p, vbase, blk, row, tb, c, start, r1);
 #endif
   }
-#endif
-  for (int it = 0; t < ntiles; t += OG_W, ++it) {
+  for (; t < ntiles; t += OG_W) {
     const int tb = r0 + 16 * t;
-#if OG_STAGES
-    blk = rb[0];
-    // Tile `it` of the warp has landed (one group a tile, OG_STAGES - 1 younger ones may not have).
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(OG_STAGES - 1) : "memory");
-    __syncwarp();
-    const unsigned char *slot = ring + (it % OG_STAGES) * OG_SLOT_BYTES;
-    og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];
-#pragma unroll
-    for (int k = 0; k < OG_DK; ++k) {
-      kg[k] = *(const og_vec4 *)(slot + 16 * og_kpiece(g, 4 * k + c));
-      k8[k] = *(const og_vec4 *)(slot + 16 * og_kpiece(g + 8, 4 * k + c));
-    }
-#pragma unroll
-    for (int j = 0; j < OG_DV; ++j) {
-      vc[j] = *(const og_vec4 *)(slot + 16 * og_vpiece(c, 8 * j + g));
-      v8[j] = *(const og_vec4 *)(slot + 16 * og_vpiece(c + 8, 8 * j + g));
-      v4[j] = *(const og_vec4 *)(slot + 16 * og_vpiece(c + 4, 8 * j + g));
-      v12[j] = *(const og_vec4 *)(slot + 16 * og_vpiece(c + 12, 8 * j + g));
-    }
-    __syncwarp();  // every lane has its pieces: the slot takes the tile OG_STAGES ahead
-    {
-      const int ta = t + OG_STAGES * OG_W, tz = ta + OG_W;
-      og_tile_issue(p, ring_s + (it % OG_STAGES) * OG_SLOT_BYTES, kh, vh, nb, nr, ta < ntiles ? r0 + 16 * ta : -1,
-                    start, r1, lane);
-#pragma unroll
-      for (int i = 0; i + 1 < OG_STAGES; ++i) rb[i] = rb[i + 1];
-      rb[OG_STAGES - 1] = nb;
-      nb = tz < ntiles ? og_tile_block(p, bt, r0 + 16 * tz, &nr) : -1;
-    }
-#else
     const int tn = t + OG_W;
     int row_next = 0;
     const int blk_next = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next) : -1;
 #if !OG_VPF
     og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];
     og_v_tile(vc, v8, v4, v12, p, vbase, blk, row, tb, c, start, r1);
-#endif
 #endif
     // S^T: [token g / g+8][head 2c / 2c+1] of each 8-head tile.
     float sc[OG_NH][4];
@@ -807,7 +705,6 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
       }
     }
     const bool sv0 = blk >= 0 && tb + g >= start && tb + g < r1, sv1 = blk >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
-#if !OG_STAGES
     // The next tile's K, in flight while this tile's softmax and V products run.
     if (tn < ntiles) {
       const int tbn = r0 + 16 * tn;
@@ -822,7 +719,6 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 #if OG_VPF  // and its V (zeros without a load past the last tile: blk_next is -1 there)
     og_vec4 vn[OG_DV], vn8[OG_DV], vn4[OG_DV], vn12[OG_DV];
     og_v_tile(vn, vn8, vn4, vn12, p, vbase, blk_next, row_next, r0 + 16 * tn, c, start, r1);
-#endif
 #endif
     // Online softmax per head; P^T fragments for the V products.
     og_u32 pb0[OG_NH], pb1[OG_NH];
@@ -877,9 +773,7 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 #pragma unroll
     for (int j = 0; j < OG_DV; ++j) vc[j] = vn[j], v8[j] = vn8[j], v4[j] = vn4[j], v12[j] = vn12[j];
 #endif
-#if !OG_STAGES
     blk = blk_next, row = row_next;
-#endif
   }
 
 #if OG_UPDATE
@@ -901,10 +795,6 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
     for (int sh = 16; sh; sh >>= 1) dot += __shfl_xor_sync(OG_FULL, dot, sh);
     if (lane == 0 && warp + r * OG_W < OG_G) s_xnew[h] = og_logit(p, dot);
   }
-#endif
-#if OG_STAGES  // the rings are the partials' room: every warp past its last tile first
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-  __syncthreads();
 #endif
   // The warps' results into shared memory: maxima, sums (over the lanes' tokens) and outputs.
   float *so = region, *sml = region + OG_W * OG_G * OG_D;

@@ -121,18 +121,15 @@ static inline void og_attn_tree(int S, int lg, int *slots, int *counters) {
   *slots = sl, *counters = co;
 }
 
-/* Bytes of dynamic shared memory the kernel takes for (D, G, warps, cluster merge or not, ring
- * stages): the query rows, then the warps' partials (outputs, maxima, sums; with the cluster merge
- * the block's result after them), whose room a combine reuses for up to OG_ATTN_FAN_MAX partials'
- * maxima and sums (W * (D + 2) >= 2 * 32 floats a head for every W and D), and the K/V ring during
- * the loop (OG_STAGES 16-token K and V tiles a warp). */
-static inline unsigned og_attn_smem_bytes(int D, int G, int W, int cluster, int stages) {
+/* Bytes of dynamic shared memory the kernel takes for (D, G, warps, cluster merge or not): the
+ * query rows, then the warps' partials (outputs, maxima, sums; with the cluster merge the block's
+ * result after them), whose room a combine reuses for up to OG_ATTN_FAN_MAX partials' maxima and
+ * sums (W * (D + 2) >= 2 * 32 floats a head for every W and D). */
+static inline unsigned og_attn_smem_bytes(int D, int G, int W, int cluster) {
   const unsigned nh8 = (unsigned)((G + 7) / 8) * 8u;
   const unsigned sq = nh8 * (unsigned)OG_ATTN_QROW(D) * 2u;
-  const unsigned part = cluster ? (unsigned)(OG_ATTN_RES_OFF(D, G, W) + G * D + G * 2) * 4u
-                                : (unsigned)(W * G * D) * 4u + (unsigned)(W * G) * 8u;
-  const unsigned ring = (unsigned)(W * stages) * 64u * (unsigned)D;
-  return sq + (ring > part ? ring : part);
+  return sq + (cluster ? (unsigned)(OG_ATTN_RES_OFF(D, G, W) + G * D + G * 2) * 4u
+                       : (unsigned)(W * G * D) * 4u + (unsigned)(W * G) * 8u);
 }
 #endif
 

@@ -113,21 +113,6 @@ def cases() -> list[dict]:
               sinks="fp32", tunables={"attention.vpf": 1}),
         _case("V prefetch, warps 8, cluster 8", RAGGED, 32, 4, 128,
               tunables={"attention.vpf": 1, "attention.warps": 8, "attention.cluster": 8}),
-        # the shared-memory K/V ring (cp.async, zero-filled outside the keys), stages 2..4
-        *[_case(f"ring {P}, batch 1 context {L}", [L], 32, 4, 128, tunables={"attention.stages": P})
-          for P in (2, 3) for L in (1, 17, 200, 1000, 8192, 32768)],
-        _case("ring 2, batch 8 context 8192 (12 warps)", [8192] * 8, 32, 4, 128, tunables={"attention.stages": 2}),
-        _case("ring 2, ragged with padded rows (12 warps)", RAGGED, 32, 4, 128, tunables={"attention.stages": 2}),
-        _case("ring 3, warps 8, min_chunk 256, fp16, block 48", [129, 200, 256, 257, 1000, 47, 48, 0], 32, 4, 128,
-              bs=48, dtype="fp16", tunables={"attention.stages": 3, "attention.warps": 8, "attention.min_chunk": 256}),
-        _case("ring 4, head 64 GQA 8, window and fp32 sinks", [1000, 100, 1, 0], 64, 8, 64, window=127,
-              sinks="fp32", tunables={"attention.stages": 4}),
-        _case("ring 2, head 256 GQA 2, soft cap", RAGGED, 8, 4, 256, softcap=30.0, tunables={"attention.stages": 2}),
-        _case("ring 2, GQA 16, HND layout", RAGGED, 32, 2, 128, layout="HND", tunables={"attention.stages": 2}),
-        _case("ring 3, warps 8, cluster 8", RAGGED, 32, 4, 128,
-              tunables={"attention.stages": 3, "attention.warps": 8, "attention.cluster": 8}),
-        _case("ring 2, window 100", [1000, 5000, 17], 32, 4, 128, window=100,
-              tunables={"attention.stages": 2}),
         # the combine's fan-in per launch: 32 at one sequence with 4 kv heads (17..36 splits, 33..36
         # lowered to 32: one level), 16 with attention.fan32 off (two levels)
         _case("fan-in 32, batch 1 context 4096 (32 splits, one combine level)", [4096], 32, 4, 128,
@@ -201,10 +186,6 @@ def cases() -> list[dict]:
               tunables={"attention.vpf": 1, "attention.warps": 8}),
         _case("update: V prefetch, CUDA graph, ragged (12 warps)", RAGGED, 32, 4, 128, graph=True, update=True,
               tunables={"attention.vpf": 1}),
-        _case("update: ring 2, CUDA graph, ragged (12 warps)", RAGGED, 32, 4, 128, graph=True, update=True,
-              tunables={"attention.stages": 2}),
-        _case("update: ring 3, warps 8, q/k norm + NeoX, batch 1 context 8192", [8192], 32, 4, 128, update=True,
-              qk_norm=True, rope=1, tunables={"attention.stages": 3, "attention.warps": 8}),
         _case("update: CUDA graph, q and new keys written, PDL attention, trigger, o projection pdl 2", [300, 0, 17],
               32, 4, 128, graph=True, write_q=True, o_proj=2048, update=True,
               tunables={"attention.pdl": 1, "attention.trigger": 1, "linear.pdl": 2, "linear.max_rows": 8}),

@@ -54,8 +54,6 @@ typedef struct og_attn_cfg {
                     * its own entry point (OG_FAN32); only with max_splits > 16 */
   int vpf;         /* a tile's V loaded with its K, a tile ahead (OG_VPF); only where the registers
                     * it takes leave the warps as they are */
-  int stages;      /* K/V tiles a warp's shared-memory ring holds (OG_STAGES; 0: registers, K one
-                    * tile ahead), clamped to the arch's shared memory a block */
   int softcap, window, sinks; /* the options' code paths (OG_SOFTCAP, OG_WINDOW, OG_SINKS) */
   int update;                 /* the call writes its new keys and values (OG_UPDATE) */
   int qknorm, rope;           /* q/k RMSNorm, rotary embedding (OG_QKNORM, OG_ROPE: OPGRAFT_ROPE_*) */

@@ -19,13 +19,6 @@ static int regs_needed(int64_t D, int64_t G, int update_cluster, int vpf) {
   return 256 + (vpf ? 64 : 0);
 }
 
-/* Dynamic shared memory a block may take: the opt-in maximum (sm_80 and sm_87 163 KB, sm_90 and
- * sm_100 227 KB, the other sm_8x and sm_12x 99 KB) less 2 KB for the kernel's static arrays. */
-static unsigned smem_max(int32_t arch) {
-  const unsigned kb = arch == 80 || arch == 87 ? 163u : arch == 90 || arch == 100 || arch == 103 ? 227u : 99u;
-  return (kb - 2u) << 10;
-}
-
 /* The registers a thread may take with mb blocks of W warps on an SM: each of the SM's 4
  * schedulers holds its warps' registers in its own 16K, allocated 8 registers a thread at a time. */
 static int regs_cap(int W, int mb) {
@@ -56,14 +49,6 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->vpf = opgraft__tune_value("attention.vpf", arch, gpu, shape, B) != 0 && vneed <= 255 &&
            regs_cap(c->warps, 1) >= vneed;
   if (c->vpf) need = vneed;
-  /* The ring in the shared memory a block may take on the arch (its opt-in maximum); one stage
-   * overlaps nothing, so fewer than two is the register path. */
-  c->stages = (int)opgraft__tune_value("attention.stages", arch, gpu, shape, B);
-  while (c->stages > 0 && og_attn_smem_bytes((int)a->head_size, (int)G, c->warps, c->cluster > 1, c->stages) >
-                              smem_max(arch))
-    --c->stages;
-  if (c->stages < 2) c->stages = 0;
-  if (c->stages) c->vpf = 0, need = regs_needed(a->head_size, G, uc, 0);
   /* 0: as many blocks an SM as the register need allows; a value is clamped down to that. */
   int fit = 16;
   while (fit > 1 && regs_cap(c->warps, fit) < need) --fit;
@@ -107,7 +92,6 @@ int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg
   OG_OPT("-DOG_QKNORM=%d", c->qknorm);
   OG_OPT("-DOG_ROPE=%d", c->rope);
   OG_OPT("-DOG_VPF=%d", c->vpf);
-  OG_OPT("-DOG_STAGES=%d", c->stages);
 #undef OG_OPT
   return opgraft__opts_check(o, "attention");
 }

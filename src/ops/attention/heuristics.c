@@ -41,8 +41,6 @@
  *   us. A next kernel launched without the attribute is not affected.
  * - attention.vpf 0: the V prefetch (a tile's V with its K, a tile ahead) is built and compiled but
  *   not yet timed (bench/NOTES.md v55), so it stays the tuner's.
- * - attention.stages 0: the shared-memory K/V ring (cp.async, up to 4 tiles a warp in flight) is
- *   built and compiled but not yet timed (bench/NOTES.md v56), so it stays the tuner's.
  * - attention.cluster 1 (no clusters): on the H200 at batch 1 with Qwen3-30B-A3B's heads, clusters
  *   of 8 merged contexts up to 1K tokens on chip 11-13% faster, but only 15 clusters of 8 are
  *   resident at one block an SM, so a launch keeps 24 of 33 splits and contexts from 4K tokens
@@ -90,6 +88,5 @@ int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value) {
   if (strcmp(key, "attention.fan32") == 0) return *value = q->arch == 90, 1;
   if (strcmp(key, "attention.cluster") == 0) return *value = 1, 1;
   if (strcmp(key, "attention.vpf") == 0) return *value = 0, 1;
-  if (strcmp(key, "attention.stages") == 0) return *value = 0, 1;
   return 0;
 }

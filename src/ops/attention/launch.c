@@ -89,7 +89,7 @@ int32_t opgraft_attention_plan_create(const opgraft_attention_args *a, opgraft_a
   opgraft__attn_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
   const int64_t G = a->num_heads / a->num_kv_heads;
   p->threads = 32u * (unsigned)p->cfg.warps;
-  p->smem = og_attn_smem_bytes((int)a->head_size, (int)G, p->cfg.warps, p->cfg.cluster > 1, p->cfg.stages);
+  p->smem = og_attn_smem_bytes((int)a->head_size, (int)G, p->cfg.warps, p->cfg.cluster > 1);
   og_opts o;
   char names[2][64];
   const int nfn = p->cfg.fan32 ? 2 : 1;

@@ -18,7 +18,6 @@ static const og_tunable tunables[] = {
     {"attention.fan32", 0, 1, 0, "0 1"},
     {"attention.cluster", 1, 8, 1, "1 4 8"},
     {"attention.vpf", 0, 1, 0, "0 1"},
-    {"attention.stages", 0, 4, 0, "0 2 3"},
 };
 
 static const og_tune_entry rows[] = {

@@ -184,16 +184,6 @@ static int setup(void **state) {
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_VPF", "1", "OPGRAFT_TUNE_ATTENTION_WARPS", "8",
                                "OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL},
               some, nsome);
-  /* The K/V ring over every shipped variant with the cache write (two stages; at sm_90's 12 warps
-   * for head 128 ptxas must fit it in 168 registers), three with the prologue at 8 warps, and
-   * each stage count over some, with the cluster merge too. */
-  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_STAGES", "2", NULL}, written, nwritten);
-  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_STAGES", "3", "OPGRAFT_TUNE_ATTENTION_WARPS", "8", NULL}, prologue,
-              nwritten);
-  for (const char *const *st = (const char *const[]){"2", "3", "4", NULL}; *st; ++st)
-    add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_STAGES", *st, NULL}, some, nsome);
-  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_STAGES", "2", "OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL}, some,
-              nsome);
   add_prologue_jobs();
   og_jobs_compile("attention");
   return 0;

@@ -332,8 +332,8 @@ static void test_registered_with_its_tunables(void **state) {
   /* The rule decides every key (there are no baked rows yet). */
   const char *keys[] = {"attention.warps", "attention.min_blocks", "attention.min_chunk", "attention.max_splits",
                         "attention.load", "attention.pdl", "attention.trigger", "attention.cluster", "attention.fan32",
-                        "attention.vpf", "attention.stages"};
-  for (int i = 0; i < 11; ++i) {
+                        "attention.vpf"};
+  for (int i = 0; i < 10; ++i) {
     const opgraft_tune_query q = {keys[i], 90, "NVIDIA H200", "attention:bf16:D128:G8:bs16", 0};
     int64_t v;
     char src[64];
@@ -452,9 +452,9 @@ static void test_config(void **state) {
   set_vllm_cache(&a, 4096, 16, 8, 256);
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(c.warps, 8);
-  assert_true(og_attn_smem_bytes(256, 8, 8, 0, 0) <= (64u << 10) + 8u * 288u * 2u + 512u);
+  assert_true(og_attn_smem_bytes(256, 8, 8, 0) <= (64u << 10) + 8u * 288u * 2u + 512u);
   /* The cluster merge adds the block's result (G x D floats and G pairs) at a 16-byte boundary. */
-  assert_int_equal(og_attn_smem_bytes(256, 8, 8, 1, 0), og_attn_smem_bytes(256, 8, 8, 0, 0) + 8u * 256u * 4u + 8u * 8u);
+  assert_int_equal(og_attn_smem_bytes(256, 8, 8, 1), og_attn_smem_bytes(256, 8, 8, 0) + 8u * 256u * 4u + 8u * 8u);
   assert_int_equal(OG_ATTN_RES_OFF(64, 5, 1) % 4, 0);
   assert_true(OG_ATTN_RES_OFF(64, 5, 1) >= 5 * 64 + 5 * 2);
   /* Cluster sizes: powers of two up to 8, sm_90 only. */
@@ -523,44 +523,13 @@ static void test_config(void **state) {
   assert_int_equal(c.vpf, 0);
   unsetenv("OPGRAFT_TUNE_ATTENTION_VPF");
   opgraft_tune_reload();
-  /* The K/V ring: off by the rule; asked for, as many stages as the arch's shared memory takes at
-   * the warps (a tile 8 KB a stage a warp at head 128), none below two, and never with the V
-   * prefetch (its own loads). */
-  a = valid_args();
-  a.batch = 1;
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_int_equal(c.stages, 0);
-  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
-  assert_true(has_opt(&o, "-DOG_STAGES=0"));
-  setenv("OPGRAFT_TUNE_ATTENTION_STAGES", "4", 1);
-  setenv("OPGRAFT_TUNE_ATTENTION_VPF", "1", 1);
-  opgraft_tune_reload();
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_true(c.warps == 8 && c.stages == 3 && c.vpf == 0); /* 4 x 8 x 8 KB > 225 KB */
-  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
-  assert_true(has_opt(&o, "-DOG_STAGES=3") && has_opt(&o, "-DOG_VPF=0"));
-  a.batch = 8;
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_true(c.warps == 12 && c.stages == 2);
-  assert_int_equal(og_attn_smem_bytes(128, 8, 12, 0, 2), 8u * 160u * 2u + 12u * 2u * 8192u);
-  opgraft__attn_config(&a, 86, NULL, &c); /* 99 KB: 4 warps, two stages */
-  assert_true(c.warps == 4 && c.stages == 2);
-  opgraft__attn_config(&a, 80, NULL, &c); /* 163 KB: four */
-  assert_true(c.warps == 4 && c.stages == 4);
-  setenv("OPGRAFT_TUNE_ATTENTION_STAGES", "1", 1); /* one stage overlaps nothing: the register path */
-  opgraft_tune_reload();
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_int_equal(c.stages, 0);
-  unsetenv("OPGRAFT_TUNE_ATTENTION_STAGES");
-  unsetenv("OPGRAFT_TUNE_ATTENTION_VPF");
-  opgraft_tune_reload();
   /* A combine's maxima and sums (32 partials x G pairs) fit the room of the warps' partials. */
   for (int D = 64; D <= 256; D *= 2)
     for (int G = 1; G <= 16; ++G)
       for (int W = 1; W <= 16; ++W)
         for (int cl = 0; cl < 2; ++cl) {
           const unsigned sq = (unsigned)((G + 7) / 8) * 8u * (unsigned)OG_ATTN_QROW(D) * 2u;
-          if (og_attn_smem_bytes(D, G, W, cl, 0) < sq + (unsigned)(OG_ATTN_FAN_MAX * G) * 8u)
+          if (og_attn_smem_bytes(D, G, W, cl) < sq + (unsigned)(OG_ATTN_FAN_MAX * G) * 8u)
             fail_msg("D=%d G=%d W=%d cluster=%d: no room for the combine's maxima and sums", D, G, W, cl);
         }
 }
