@@ -39,8 +39,11 @@
  *   then o [2048, 4096] timed as one span (tools.attn_o, v26): batch 1 at 256 / 1K / 8K tokens
  *   15.53 / 16.17 / 22.28 us without PDL -> 14.31 / 14.77 / 20.86 with it; batch 8 -0.9 to -2.0
  *   us. A next kernel launched without the attribute is not affected.
- * - attention.vpf 0: the V prefetch (a tile's V with its K, a tile ahead) is built and compiled but
- *   not yet timed (bench/NOTES.md v55), so it stays the tuner's.
+ * - attention.vpf 0: the V prefetch (a tile's V with its K, a tile ahead). H100, Qwen3-30B-A3B's
+ *   heads, in one call (bench/results/2026-12-06-h100-v56-ring-vpf/): alone, batch 1 192 / 1K / 8K
+ *   tokens 7.90 / 8.23 / 13.78 -> 8.11 / 8.46 / 14.30 us, 32K and batch 8 level; with the cache
+ *   write and the o projection (tools.attn_o) batch 1 144 / 1K 15.53 / 17.00 -> 14.78 / 15.83, batch
+ *   8 within 0.3. Off until the engine decides between the two.
  * - attention.cluster 1 (no clusters): on the H200 at batch 1 with Qwen3-30B-A3B's heads, clusters
  *   of 8 merged contexts up to 1K tokens on chip 11-13% faster, but only 15 clusters of 8 are
  *   resident at one block an SM, so a launch keeps 24 of 33 splits and contexts from 4K tokens
