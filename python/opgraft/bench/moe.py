@@ -574,6 +574,17 @@ def _vllm_workspace(device) -> None:
         workspace.init_workspace_manager(torch.device(device))
 
 
+def flashinfer_block_weights(w13_q, w13_scale, w2_scale):
+    """Block-FP8 weights as vLLM prepares them for FlashInfer's CUTLASS MoE
+    (prepare_fp8_moe_layer_for_fi, not TRT-LLM): w13 and its scales with the gate and up halves
+    swapped (FlashInfer takes [up; gate]) and every block scale at least 1e-10 (the kernel gives NaN
+    for near-zero scales on sm_90). Copies; returns (w31, w31_scale, w2_scale)."""
+    from vllm.model_executor.layers.quantization.utils.flashinfer_utils import swap_w13_to_w31
+
+    return (swap_w13_to_w31(w13_q).contiguous(), swap_w13_to_w31(w13_scale).clamp(min=1e-10).contiguous(),
+            w2_scale.clamp(min=1e-10))
+
+
 def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scale, global_experts: int,
                      backend: str = "triton", device="cuda"):
     """vLLM's own FP8 MoE path as Fp8MoEMethod builds it for TritonExperts: the modular kernel
@@ -582,7 +593,9 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
     Returns (fn(x_bf16, topk_weights, topk_ids, expert_map) -> out, "") or (None, why not).
     backend "deep_gemm": TritonOrDeepGemmExperts on the weights converted as vLLM converts them
     for it (prepare_fp8_moe_layer_for_deepgemm: UE8M0 requantization where E8M0 is in use, its
-    scale layout), where vLLM finds DeepGEMM (installed or vendored) and the GPU supports it."""
+    scale layout), where vLLM finds DeepGEMM (installed or vendored) and the GPU supports it; backend
+    "flashinfer_cutlass": FlashInferExperts (block FP8 only) on the weights as vLLM prepares them for
+    it (flashinfer_block_weights), taking the bf16 activations, where vLLM finds it usable."""
     try:
         from vllm.model_executor.layers.fused_moe import modular_kernel as mk
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -595,9 +608,15 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
     from ..vllm import moe_seam
 
     if backend == "flashinfer_cutlass":
-        return None, ("not built here: FlashInferExperts takes its weights from vLLM's FlashInfer preparation "
-                      "(prepare_fp8_moe_layer_for_fi on a loaded layer); measure it end to end with "
-                      "--moe-backend flashinfer_cutlass")
+        if kind != "fp8-block":
+            return None, ("FlashInfer's CUTLASS MoE takes per-tensor FP8 with static activation scales only; "
+                          "these rows quantize the activations dynamically")
+        try:
+            from vllm.model_executor.layers.fused_moe.experts.flashinfer_cutlass_moe import FlashInferExperts
+        except Exception as e:
+            return None, f"FlashInferExperts is not importable here ({type(e).__name__}: {str(e)[:80]})"
+        if not FlashInferExperts._supports_current_device():
+            return None, "vLLM finds no usable FlashInfer CUTLASS MoE here (flashinfer's fused MoE on sm_90, 10x, 12x)"
     if moe_seam.installed():
         return None, "opgraft's seam is installed in this process (TritonExperts.apply would be ours)"
     try:
@@ -625,6 +644,10 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
                                                                   w2_scale.clone(), tuple(FP8_BLOCK))
             qc = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2, block_shape=list(FP8_BLOCK))
             experts = TritonOrDeepGemmExperts(cfg, qc)
+        elif backend == "flashinfer_cutlass":  # bf16 activations in: the kernel quantizes them (1 x 128 groups)
+            w1, s13, s2 = flashinfer_block_weights(w13_q, w13_scale, w2_scale)
+            qc = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2, block_shape=list(FP8_BLOCK))
+            experts = FlashInferExperts(cfg, qc)
         else:
             experts = TritonExperts(cfg, qc)
         kernel = mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)
@@ -658,7 +681,7 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
     gate_up quantizes them in 1 x 128 groups, checked against the oracle of that quantization; a
     delegate row where the rule says no, moe.fp8_quantize), and vLLM's own FP8
     path for each backend (vLLM's modular kernel: quantization, TritonExperts or DeepGEMM,
-    finalize), each checked against the
+    finalize; FlashInfer's CUTLASS MoE on the bf16 activations), each checked against the
     fp64 oracle of the quantized model. Speedups are opgraft+quant over vLLM's TritonExperts (the
     path vLLM selects on an H200 under tensor parallelism), each backend's error stated next to
     ours. global_experts > shape.num_experts: expert parallelism, the routing over the global

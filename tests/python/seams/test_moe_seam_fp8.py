@@ -260,3 +260,36 @@ def test_the_bench_builds_vllms_fp8_experts_with_their_workspace(clean):
         assert fn is not None and workspace.current_workspace_manager() is made  # made once
     finally:
         monkey.undo()
+
+
+def test_the_bench_prepares_block_fp8_weights_for_flashinfer_as_vllm_does():
+    # FlashInfer's CUTLASS MoE takes [up; gate] and NaNs on near-zero block scales on sm_90: the
+    # bench swaps the halves and clamps the scales as prepare_fp8_moe_layer_for_fi does.
+    from opgraft.bench import moe as moe_bench
+    from opgraft.presets import MoeShape
+
+    w13, s13, w2, s2 = moe_bench.make_weights_fp8(MoeShape("tiny", E, H, I, K), "fp8-block", "cpu")
+    s13[0, 0, 0] = 1e-23
+    w31, s31, s2c = moe_bench.flashinfer_block_weights(w13, s13, s2)
+    assert w31.shape == w13.shape and s31.shape == s13.shape
+    assert torch.equal(w31[:, :I].view(torch.uint8), w13[:, I:].view(torch.uint8))
+    assert torch.equal(w31[:, I:].view(torch.uint8), w13[:, :I].view(torch.uint8))
+    half = s13.shape[1] // 2
+    assert torch.equal(s31[:, :half], s13[:, half:]) and s31[0, half, 0] == 1e-10
+    assert torch.equal(s2c, s2.clamp(min=1e-10)) and s13[0, 0, 0] == 1e-23  # copies
+
+
+def test_the_bench_says_why_flashinfer_cutlass_is_not_timed(clean, monkeypatch):
+    from opgraft.bench import moe as moe_bench
+    from opgraft.presets import MoeShape
+    from vllm.model_executor.layers.fused_moe.experts.flashinfer_cutlass_moe import FlashInferExperts
+
+    shape = MoeShape("tiny", E, H, I, K)
+    w13, s13, w2, s2 = moe_bench.make_weights_fp8(shape, "fp8-block", "cpu")
+    fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-block", w13, s13, w2, s2, E, "flashinfer_cutlass", "cpu")
+    assert fn is None and "no usable FlashInfer CUTLASS MoE" in why  # no CUDA here
+    fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-tensor", w13, s13, w2, s2, E, "flashinfer_cutlass", "cpu")
+    assert fn is None and "static activation scales" in why
+    monkeypatch.setattr(FlashInferExperts, "_supports_current_device", staticmethod(lambda: True))
+    fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-block", w13, s13, w2, s2, E, "flashinfer_cutlass", "cpu")
+    assert fn is not None and why == ""  # built as Fp8MoEMethod builds it; the kernel itself needs the GPU
