@@ -617,7 +617,7 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
             return None, f"FlashInferExperts is not importable here ({type(e).__name__}: {str(e)[:80]})"
         if not FlashInferExperts._supports_current_device():
             return None, "vLLM finds no usable FlashInfer CUTLASS MoE here (flashinfer's fused MoE on sm_90, 10x, 12x)"
-    if moe_seam.installed():
+    if backend != "flashinfer_cutlass" and moe_seam.installed():
         return None, "opgraft's seam is installed in this process (TritonExperts.apply would be ours)"
     try:
         _vllm_workspace(device)
