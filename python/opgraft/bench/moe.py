@@ -611,6 +611,8 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
         if kind != "fp8-block":
             return None, ("FlashInfer's CUTLASS MoE takes per-tensor FP8 with static activation scales only; "
                           "these rows quantize the activations dynamically")
+        if global_experts != shape.num_experts:
+            return None, "FlashInfer's CUTLASS MoE takes expert parallelism as ranks (ep_rank, ep_size), not an expert map"
         try:
             from vllm.model_executor.layers.fused_moe.experts.flashinfer_cutlass_moe import FlashInferExperts
         except Exception as e:

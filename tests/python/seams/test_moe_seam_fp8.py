@@ -290,6 +290,8 @@ def test_the_bench_says_why_flashinfer_cutlass_is_not_timed(clean, monkeypatch):
     assert fn is None and "no usable FlashInfer CUTLASS MoE" in why  # no CUDA here
     fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-tensor", w13, s13, w2, s2, E, "flashinfer_cutlass", "cpu")
     assert fn is None and "static activation scales" in why
+    fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-block", w13, s13, w2, s2, 2 * E, "flashinfer_cutlass", "cpu")
+    assert fn is None and "expert map" in why
     monkeypatch.setattr(FlashInferExperts, "_supports_current_device", staticmethod(lambda: True))
     fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-block", w13, s13, w2, s2, E, "flashinfer_cutlass", "cpu")
     assert fn is not None and why == ""  # built as Fp8MoEMethod builds it; the kernel itself needs the GPU
