@@ -1,9 +1,10 @@
 """Decode attention and the output projection back to back, as a decode step runs them (GPU only).
 
     PYTHONPATH=python python3 -m tools.attn_o [--model Qwen3-30B-A3B] [--batch 1,8]
-        [--context 256,1024,8192] [--variants NAME,...] [--json FILE]
+        [--context 256,1024,8192] [--variants NAME,...] [--attention-only] [--json FILE]
 
-A call is what a layer does from the query to the projected output: a kernel writing the query
+A call is what a layer does from the query to the projected output (with --attention-only, to
+attention's output, checked against fp64 attention): a kernel writing the query
 (the stand-in for the rotary/KV-write kernels before attention), opgraft's decode attention over a
 shuffled paged cache (the context as the length hint, as a graph captured at max_model_len just
 above it), then the o projection [hidden, heads x head size] on opgraft's linear op or
@@ -44,6 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=KEY:VALUE,...[@kernel]",
                     help="one more variant on opgraft's projection, e.g. w16=attention.trigger:1,linear.warps:16; "
                          "@kernel: with the KV write inside attention (as kernel-write)")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="time each variant's attention (with its KV write) without the projection after it, "
+                         "checked against fp64 attention: what the span owes to the projection's overlap")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     extra = tunable_variants(args.extra, "kernel", "tools.attn_o")
@@ -117,16 +121,22 @@ def main(argv=None) -> int:
                             attn_bench.run_ours(p, out, C, knew, vnew, slots)
                         else:
                             attn_bench.run_ours(p, out, C)
-                        if ours:
+                        if args.attention_only:
+                            pass
+                        elif ours:
                             linear_ops.linear_into(ys[i], x, weights[i])
                         else:
                             last[0] = torch.nn.functional.linear(x, weights[i])
 
                     call(0, None)
                     torch.cuda.synchronize()
-                    err = bench.rel_err(ys[0] if ours else last[0], x.double() @ weights[0].double().T)
+                    if args.attention_only:  # over the cache as the call left it (the new rows written)
+                        err = bench.rel_err(out, attn_bench.reference(p))
+                    else:
+                        err = bench.rel_err(ys[0] if ours else last[0], x.double() @ weights[0].double().T)
                     us = bench.time_calls_span(call, [(i, None) for i in range(copies)], between)
-                rows.append({"op": "attention+o", "model": args.model, "variant": name, "tunables": cfg, "kv_write": write,
+                rows.append({"op": "attention" if args.attention_only else "attention+o", "model": args.model,
+                             "variant": name, "tunables": cfg, "kv_write": write,
                              "batch": B, "context": C, "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"),
                              "ok": err <= bench.TOLERANCE["bf16"]})
                 print(f"B={B:<3} C={C:<6} {name:<15} {us:8.2f} us  rel_err {err:.2e}", flush=True)

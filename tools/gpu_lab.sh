@@ -150,7 +150,8 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
       --only "prologue alone: head 64, GPT-J, 5" --out /tmp/og-san >"$OUT/memcheck-prologue-alone.log" 2>&1
     note "memcheck prologue alone: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-prologue-alone.log" | tail -1)"
     ;;
-  vpf)  # the V prefetch and the one-split rule (NOTES v55): their cases, ours with and without, memcheck
+  vpf)  # the V prefetch and the one-split rule (NOTES v55, v56): cases, ours with and without, attn_o with
+        # and without the projection, memcheck
     python3 -m tools.gpucheck --quick --ops attention --only "V prefetch" --out "$OUT/vpf" >"$OUT/check-vpf.log" 2>&1
     python3 -m tools.gpucheck --quick --ops attention --only "129..256" --out "$OUT/vpf" >"$OUT/check-split.log" 2>&1
     note "V prefetch: $(grep 'cases pass' "$OUT/check-vpf.log"); one split: $(grep 'cases pass' "$OUT/check-split.log")"
@@ -161,6 +162,9 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
     python3 -m tools.attn_o --batch 1,2,8 --context 144,192,256,1024 --variants kernel-write \
       --extra vpf=attention.vpf:1@kernel --extra vpf-mc256=attention.vpf:1,attention.min_chunk:256@kernel \
       --json "$OUT/attn_o_vpf.json" 2>&1 | tail -16
+    python3 -m tools.attn_o --attention-only --batch 1,8 --context 144,1024,8192 \
+      --variants kernel-write,shipped --extra vpf=attention.vpf:1@kernel --extra vpf-nowrite=attention.vpf:1 \
+      --json "$OUT/attn_only_vpf.json" 2>&1 | tail -8
     timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m tools.gpucheck --quick --ops attention \
       --only "update: V prefetch, CUDA graph" --out /tmp/og-san >"$OUT/memcheck-vpf.log" 2>&1
     note "vpf benched; memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-vpf.log" | tail -1)"
