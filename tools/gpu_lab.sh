@@ -159,6 +159,9 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
       OPGRAFT_TUNE_ATTENTION_VPF=$v python3 -m opgraft.cli bench attention --impls opgraft --model Qwen3-30B-A3B \
         --batch 1,8 --context 192,256,1024,8192,32768 --json "$OUT/attention-vpf$v.json" 2>&1 | grep " opgraft "
     done
+    # 12 warps at one sequence: spans to 192 tokens in one split and one tile round (v56's Triton gap)
+    OPGRAFT_TUNE_ATTENTION_WARPS=12 python3 -m opgraft.cli bench attention --impls opgraft --model Qwen3-30B-A3B \
+      --batch 1 --context 192,256,1024,8192 --json "$OUT/attention-w12.json" 2>&1 | grep " opgraft " | sed "s/^/w12 /"
     python3 -m tools.attn_o --batch 1,2,8 --context 144,192,256,1024 --variants kernel-write \
       --extra vpf=attention.vpf:1@kernel --extra vpf-mc256=attention.vpf:1,attention.min_chunk:256@kernel \
       --json "$OUT/attn_o_vpf.json" 2>&1 | tail -16
