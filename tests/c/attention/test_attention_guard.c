@@ -333,7 +333,7 @@ static void test_registered_with_its_tunables(void **state) {
   const char *keys[] = {"attention.warps", "attention.min_blocks", "attention.min_chunk", "attention.max_splits",
                         "attention.load", "attention.pdl", "attention.trigger", "attention.cluster", "attention.fan32",
                         "attention.vpf"};
-  for (int i = 0; i < 10; ++i) {
+  for (size_t i = 0; i < sizeof keys / sizeof *keys; ++i) {
     const opgraft_tune_query q = {keys[i], 90, "NVIDIA H200", "attention:bf16:D128:G8:bs16", 0};
     int64_t v;
     char src[64];
