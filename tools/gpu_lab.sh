@@ -4,7 +4,7 @@
 # compute-sanitizer on a few of them, then the timings that need no vLLM. Results land in $OUT.
 #
 #   OUT=DIR bash tools/gpu_lab.sh [STEP ...]      steps: build warm check sanitize host before moe fp8 linear attention
-#                                                        fusions fusions-sanitize prologue vpf
+#                                                        fusions fusions-sanitize prologue vpf round
 #
 # With no steps, all of them but warm (which compiles every op's variants for both archs in
 # parallel; the checks and benches compile what they use on demand). BEFORE_TREE (default .before) is an older tree's python/, src/,
@@ -171,6 +171,31 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
     timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m tools.gpucheck --quick --ops attention \
       --only "update: V prefetch, CUDA graph" --out /tmp/og-san >"$OUT/memcheck-vpf.log" 2>&1
     note "vpf benched; memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-vpf.log" | tail -1)"
+    ;;
+  round)  # two tiles a round (NOTES v57): cases, ours with one and two tiles a round beside the older tree, attn_o,
+          # memcheck
+    python3 -m tools.gpucheck --quick --ops attention --only "two tiles a round" --out "$OUT/round" \
+      >"$OUT/check-round.log" 2>&1
+    note "two tiles a round: $(grep 'cases pass' "$OUT/check-round.log")"
+    ctx=128,192,256,512,1024,2048,8192,32768
+    for setting in "round1:" "round2:OPGRAFT_TUNE_ATTENTION_ROUND=2" \
+      "round2-mc256:OPGRAFT_TUNE_ATTENTION_ROUND=2 OPGRAFT_TUNE_ATTENTION_MIN_CHUNK=256" \
+      "w8-round2:OPGRAFT_TUNE_ATTENTION_ROUND=2 OPGRAFT_TUNE_ATTENTION_WARPS=8" "w8:OPGRAFT_TUNE_ATTENTION_WARPS=8"; do
+      name=${setting%%:*}
+      env ${setting#*:} python3 -m opgraft.cli bench attention --impls opgraft --model Qwen3-30B-A3B --batch 1,8 \
+        --context "$ctx" --json "$OUT/attention-$name.json" 2>&1 | grep " opgraft " | sed "s/^/$name /"
+    done
+    if [ -d /tmp/og-before ]; then
+      PYTHONPATH=$PWD/$BEFORE_TREE/python OPGRAFT_LIBRARY=/tmp/og-before/libopgraft.so.0 \
+        python3 -m opgraft.cli bench attention --impls opgraft --model Qwen3-30B-A3B --batch 1,8 --context "$ctx" \
+        --json "$OUT/attention-before.json" 2>&1 | grep " opgraft " | sed "s/^/before /"
+    fi
+    python3 -m tools.attn_o --batch 1,8 --context 144,192,256,1024,8192 --variants kernel-write \
+      --extra round2=attention.round:2@kernel --extra w8-round2=attention.round:2,attention.warps:8@kernel \
+      --json "$OUT/attn_o_round.json" 2>&1 | tail -12
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m tools.gpucheck --quick --ops attention \
+      --only "two tiles a round, warps 8" --out /tmp/og-san >"$OUT/memcheck-round.log" 2>&1
+    note "round benched; memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-round.log" | tail -1)"
     ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -101,6 +101,17 @@
 #ifndef OG_VPF
 #define OG_VPF 0
 #endif
+// OG_ROUND: tiles a warp loads at once (1 or 2): a round's K and V rows are in flight together, so
+// a warp with two tiles of a split waits one round trip for both (twice the K and V registers).
+#ifndef OG_ROUND
+#define OG_ROUND 1
+#endif
+#if OG_ROUND != 1 && OG_ROUND != 2
+#error "OG_ROUND must be 1 or 2"
+#endif
+#if OG_ROUND > 1 && OG_VPF
+#error "the V prefetch is a form of one tile a round"
+#endif
 #ifndef OG_UPDATE
 #define OG_UPDATE 0
 #endif
@@ -552,9 +563,13 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 #endif
   const int *bt = p.block_table + (long long)b * p.bt_stride;
 #if !OG_WINDOW
-  // The first tile if the split is min_chunk tokens from token 0; loaded with the length.
-  const int tb_guess = s * p.min_chunk + 16 * warp, bi_guess = tb_guess / p.block_size;
-  const int blk_guess = bi_guess < p.max_blocks ? og_ld_meta_s32(bt + bi_guess) : -1;
+  // The first round's tiles if the split is min_chunk tokens from token 0; loaded with the length.
+  int tb_guess[OG_ROUND], bi_guess[OG_ROUND], blk_guess[OG_ROUND];
+#pragma unroll
+  for (int u = 0; u < OG_ROUND; ++u) {
+    tb_guess[u] = s * p.min_chunk + 16 * (warp + u * OG_W), bi_guess[u] = tb_guess[u] / p.block_size;
+    blk_guess[u] = bi_guess[u] < p.max_blocks ? og_ld_meta_s32(bt + bi_guess[u]) : -1;
+  }
 #endif
   const int L = og_ld_meta_s32(p.seq_lens + b);
 #if OG_UPDATE  // the row's cache slot, in flight with the length
@@ -603,7 +618,7 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   // a warp covers stays one split: a second would add only the combine's chain (v55).
   const int S = gridDim.x;
   int a0, chunk;
-  const int n = og_attn_split(L, start, S, p.min_chunk, 16 * OG_W, &a0, &chunk);
+  const int n = og_attn_split(L, start, S, p.min_chunk, 16 * OG_W * OG_ROUND, &a0, &chunk);
   if (s >= n) {
 #if OG_CLUSTER  // past the last split: still merges a slice when the splits are its cluster's
     const int csize = (int)og_cluster_size();
@@ -658,122 +673,147 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
     for (int mt = 0; mt < OG_MT; ++mt) o[nh][mt][0] = o[nh][mt][1] = o[nh][mt][2] = o[nh][mt][3] = 0.f;
   }
 
-  // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8.
-  og_vec4 kg[OG_DK], k8[OG_DK];
+  // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8; a round's tiles t, t + W, ...
+  og_vec4 kg[OG_ROUND][OG_DK], k8[OG_ROUND][OG_DK];
 #if OG_VPF
   og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];  // this tile's V rows (og_v_tile)
 #endif
-  int t = warp, row = 0, blk;
+  int t = warp, row[OG_ROUND], blk[OG_ROUND];
+#pragma unroll
+  for (int u = 0; u < OG_ROUND; ++u) {
+    const int tu = t + u * OG_W, tb = r0 + 16 * tu;
+    row[u] = 0;
 #if !OG_WINDOW
-  if (r0 + 16 * t == tb_guess) {
-    row = tb_guess - bi_guess * p.block_size;
-    blk = t < ntiles && blk_guess >= 0 && blk_guess < p.num_blocks ? blk_guess : -1;
-  } else
+    if (tb == tb_guess[u]) {
+      row[u] = tb_guess[u] - bi_guess[u] * p.block_size;
+      blk[u] = tu < ntiles && blk_guess[u] >= 0 && blk_guess[u] < p.num_blocks ? blk_guess[u] : -1;
+    } else
 #endif
-    blk = t < ntiles ? og_tile_block(p, bt, r0 + 16 * t, &row) : -1;
-  {
-    const int tb = r0 + 16 * t;
-    const bool v0 = blk >= 0 && tb + g >= start && tb + g < r1, v1 = blk >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
-    const og_u16 *kp = kbase + (long long)max(blk, 0) * p.k_sb + (long long)(row + g) * p.k_st;
+      blk[u] = tu < ntiles ? og_tile_block(p, bt, tb, &row[u]) : -1;
+    const bool v0 = blk[u] >= 0 && tb + g >= start && tb + g < r1, v1 = blk[u] >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
+    const og_u16 *kp = kbase + (long long)max(blk[u], 0) * p.k_sb + (long long)(row[u] + g) * p.k_st;
 #pragma unroll
     for (int k = 0; k < OG_DK; ++k) {
-      kg[k] = og_kv_load(kp + 32 * k, v0);
-      k8[k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
+      kg[u][k] = og_kv_load(kp + 32 * k, v0);
+      k8[u][k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
     }
-#if OG_VPF
-    og_v_tile(vc, v8, v4, v12, p, vbase, blk, row, tb, c, start, r1);
-#endif
   }
-  for (; t < ntiles; t += OG_W) {
-    const int tb = r0 + 16 * t;
-    const int tn = t + OG_W;
-    int row_next = 0;
-    const int blk_next = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next) : -1;
+#if OG_VPF
+  og_v_tile(vc, v8, v4, v12, p, vbase, blk[0], row[0], r0 + 16 * t, c, start, r1);
+#endif
+  for (; t < ntiles; t += OG_ROUND * OG_W) {
+    int row_next[OG_ROUND], blk_next[OG_ROUND];
+#pragma unroll
+    for (int u = 0; u < OG_ROUND; ++u) {
+      const int tn = t + (OG_ROUND + u) * OG_W;
+      row_next[u] = 0;
+      blk_next[u] = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next[u]) : -1;
+    }
 #if !OG_VPF
-    og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];
-    og_v_tile(vc, v8, v4, v12, p, vbase, blk, row, tb, c, start, r1);
+    og_vec4 vc[OG_ROUND][OG_DV], v8[OG_ROUND][OG_DV], v4[OG_ROUND][OG_DV], v12[OG_ROUND][OG_DV];
+#pragma unroll
+    for (int u = 0; u < OG_ROUND; ++u)
+      og_v_tile(vc[u], v8[u], v4[u], v12[u], p, vbase, blk[u], row[u], r0 + 16 * (t + u * OG_W), c, start, r1);
 #endif
     // S^T: [token g / g+8][head 2c / 2c+1] of each 8-head tile.
-    float sc[OG_NH][4];
+    float sc[OG_ROUND][OG_NH][4];
 #pragma unroll
-    for (int nh = 0; nh < OG_NH; ++nh) {
-      sc[nh][0] = sc[nh][1] = sc[nh][2] = sc[nh][3] = 0.f;
+    for (int u = 0; u < OG_ROUND; ++u)
 #pragma unroll
-      for (int k = 0; k < OG_DK; ++k) {
-        const og_vec4 qv = *(const og_vec4 *)(sq + (nh * 8 + g) * OG_QROW + 32 * k + 8 * c);
-        og_mma_k32(sc[nh], kg[k], k8[k], qv);
+      for (int nh = 0; nh < OG_NH; ++nh) {
+        sc[u][nh][0] = sc[u][nh][1] = sc[u][nh][2] = sc[u][nh][3] = 0.f;
+#pragma unroll
+        for (int k = 0; k < OG_DK; ++k) {
+          const og_vec4 qv = *(const og_vec4 *)(sq + (nh * 8 + g) * OG_QROW + 32 * k + 8 * c);
+          og_mma_k32(sc[u][nh], kg[u][k], k8[u][k], qv);
+        }
       }
-    }
-    const bool sv0 = blk >= 0 && tb + g >= start && tb + g < r1, sv1 = blk >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
-    // The next tile's K, in flight while this tile's softmax and V products run.
-    if (tn < ntiles) {
-      const int tbn = r0 + 16 * tn;
-      const bool v0 = blk_next >= 0 && tbn + g < r1, v1 = blk_next >= 0 && tbn + g + 8 < r1;
-      const og_u16 *kp = kbase + (long long)max(blk_next, 0) * p.k_sb + (long long)(row_next + g) * p.k_st;
+    // The next round's K, in flight while this round's softmax and V products run.
 #pragma unroll
-      for (int k = 0; k < OG_DK; ++k) {
-        kg[k] = og_kv_load(kp + 32 * k, v0);
-        k8[k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
+    for (int u = 0; u < OG_ROUND; ++u) {
+      const int tn = t + (OG_ROUND + u) * OG_W;
+      if (tn < ntiles) {
+        const int tbn = r0 + 16 * tn;
+        const bool v0 = blk_next[u] >= 0 && tbn + g < r1, v1 = blk_next[u] >= 0 && tbn + g + 8 < r1;
+        const og_u16 *kp = kbase + (long long)max(blk_next[u], 0) * p.k_sb + (long long)(row_next[u] + g) * p.k_st;
+#pragma unroll
+        for (int k = 0; k < OG_DK; ++k) {
+          kg[u][k] = og_kv_load(kp + 32 * k, v0);
+          k8[u][k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
+        }
       }
     }
 #if OG_VPF  // and its V (zeros without a load past the last tile: blk_next is -1 there)
     og_vec4 vn[OG_DV], vn8[OG_DV], vn4[OG_DV], vn12[OG_DV];
-    og_v_tile(vn, vn8, vn4, vn12, p, vbase, blk_next, row_next, r0 + 16 * tn, c, start, r1);
+    og_v_tile(vn, vn8, vn4, vn12, p, vbase, blk_next[0], row_next[0], r0 + 16 * (t + OG_W), c, start, r1);
 #endif
-    // Online softmax per head; P^T fragments for the V products.
-    og_u32 pb0[OG_NH], pb1[OG_NH];
+    // The round's tiles in order (a warp's tiles t, t + W, ... as one tile a round takes them).
 #pragma unroll
-    for (int nh = 0; nh < OG_NH; ++nh) {
-      float x[4];
-      x[0] = sv0 ? og_logit(p, sc[nh][0]) : og_ninf();
-      x[1] = sv0 ? og_logit(p, sc[nh][1]) : og_ninf();
-      x[2] = sv1 ? og_logit(p, sc[nh][2]) : og_ninf();
-      x[3] = sv1 ? og_logit(p, sc[nh][3]) : og_ninf();
-      float mx0 = fmaxf(x[0], x[2]), mx1 = fmaxf(x[1], x[3]);
+    for (int u = 0; u < OG_ROUND; ++u) {
+      const int tb = r0 + 16 * (t + u * OG_W);
+      if (u > 0 && t + u * OG_W >= ntiles) break;  // the warp's last round may have fewer tiles
+      const bool sv0 = blk[u] >= 0 && tb + g >= start && tb + g < r1, sv1 = blk[u] >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
+      // Online softmax per head; P^T fragments for the V products.
+      og_u32 pb0[OG_NH], pb1[OG_NH];
 #pragma unroll
-      for (int sh = 4; sh < 32; sh <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(OG_FULL, mx0, sh));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(OG_FULL, mx1, sh));
+      for (int nh = 0; nh < OG_NH; ++nh) {
+        float x[4];
+        x[0] = sv0 ? og_logit(p, sc[u][nh][0]) : og_ninf();
+        x[1] = sv0 ? og_logit(p, sc[u][nh][1]) : og_ninf();
+        x[2] = sv1 ? og_logit(p, sc[u][nh][2]) : og_ninf();
+        x[3] = sv1 ? og_logit(p, sc[u][nh][3]) : og_ninf();
+        float mx0 = fmaxf(x[0], x[2]), mx1 = fmaxf(x[1], x[3]);
+#pragma unroll
+        for (int sh = 4; sh < 32; sh <<= 1) {
+          mx0 = fmaxf(mx0, __shfl_xor_sync(OG_FULL, mx0, sh));
+          mx1 = fmaxf(mx1, __shfl_xor_sync(OG_FULL, mx1, sh));
+        }
+        const float mn0 = fmaxf(m[nh][0], mx0), mn1 = fmaxf(m[nh][1], mx1);
+        const float mu0 = mn0 == og_ninf() ? 0.f : mn0, mu1 = mn1 == og_ninf() ? 0.f : mn1;
+        const float al0 = og_exp2(m[nh][0] - mu0), al1 = og_exp2(m[nh][1] - mu1);
+        m[nh][0] = mn0, m[nh][1] = mn1;
+        const float p0 = og_exp2(x[0] - mu0), p1 = og_exp2(x[1] - mu1);
+        const float p2 = og_exp2(x[2] - mu0), p3 = og_exp2(x[3] - mu1);
+        l[nh][0] = l[nh][0] * al0 + (p0 + p2);
+        l[nh][1] = l[nh][1] * al1 + (p1 + p3);
+#pragma unroll
+        for (int mt = 0; mt < OG_MT; ++mt) {
+          o[nh][mt][0] *= al0, o[nh][mt][2] *= al0;
+          o[nh][mt][1] *= al1, o[nh][mt][3] *= al1;
+        }
+        // Lane (g', c') holds P[head 2c' / 2c'+1][token g' and g'+8]; lane (g, c) needs, for head
+        // g, tokens c, c+8 (b0) and c+4, c+12 (b1): those of lanes (c, g/2) and (c+4, g/2).
+        const og_u32 ph0 = og_pack2(p0, p2), ph1 = og_pack2(p1, p3);
+        const int src = 4 * c + (g >> 1);
+        const og_u32 a_lo = __shfl_sync(OG_FULL, ph0, src), a_hi = __shfl_sync(OG_FULL, ph1, src);
+        const og_u32 b_lo = __shfl_sync(OG_FULL, ph0, src + 16), b_hi = __shfl_sync(OG_FULL, ph1, src + 16);
+        pb0[nh] = (g & 1) ? a_hi : a_lo;
+        pb1[nh] = (g & 1) ? b_hi : b_lo;
       }
-      const float mn0 = fmaxf(m[nh][0], mx0), mn1 = fmaxf(m[nh][1], mx1);
-      const float mu0 = mn0 == og_ninf() ? 0.f : mn0, mu1 = mn1 == og_ninf() ? 0.f : mn1;
-      const float al0 = og_exp2(m[nh][0] - mu0), al1 = og_exp2(m[nh][1] - mu1);
-      m[nh][0] = mn0, m[nh][1] = mn1;
-      const float p0 = og_exp2(x[0] - mu0), p1 = og_exp2(x[1] - mu1);
-      const float p2 = og_exp2(x[2] - mu0), p3 = og_exp2(x[3] - mu1);
-      l[nh][0] = l[nh][0] * al0 + (p0 + p2);
-      l[nh][1] = l[nh][1] * al1 + (p1 + p3);
+      // O^T += V^T P^T: row g of row tile (j, i) is dim 64j + 8g + 2i, row g+8 the next dim; the
+      // K index pairs (2c, 2c+1) and (2c+8, 2c+9) are tokens (c, c+8) and (c+4, c+12).
 #pragma unroll
-      for (int mt = 0; mt < OG_MT; ++mt) {
-        o[nh][mt][0] *= al0, o[nh][mt][2] *= al0;
-        o[nh][mt][1] *= al1, o[nh][mt][3] *= al1;
-      }
-      // Lane (g', c') holds P[head 2c' / 2c'+1][token g' and g'+8]; lane (g, c) needs, for head
-      // g, tokens c, c+8 (b0) and c+4, c+12 (b1): those of lanes (c, g/2) and (c+4, g/2).
-      const og_u32 ph0 = og_pack2(p0, p2), ph1 = og_pack2(p1, p3);
-      const int src = 4 * c + (g >> 1);
-      const og_u32 a_lo = __shfl_sync(OG_FULL, ph0, src), a_hi = __shfl_sync(OG_FULL, ph1, src);
-      const og_u32 b_lo = __shfl_sync(OG_FULL, ph0, src + 16), b_hi = __shfl_sync(OG_FULL, ph1, src + 16);
-      pb0[nh] = (g & 1) ? a_hi : a_lo;
-      pb1[nh] = (g & 1) ? b_hi : b_lo;
+      for (int j = 0; j < OG_DV; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#if OG_VPF
+          const og_u32 x0 = og_reg(vc[j], i), x8 = og_reg(v8[j], i), x4 = og_reg(v4[j], i), x12 = og_reg(v12[j], i);
+#else
+          const og_u32 x0 = og_reg(vc[u][j], i), x8 = og_reg(v8[u][j], i), x4 = og_reg(v4[u][j], i),
+                       x12 = og_reg(v12[u][j], i);
+#endif
+          const og_u32 a0 = __byte_perm(x0, x8, 0x5410), a1 = __byte_perm(x0, x8, 0x7632);
+          const og_u32 a2 = __byte_perm(x4, x12, 0x5410), a3 = __byte_perm(x4, x12, 0x7632);
+#pragma unroll
+          for (int nh = 0; nh < OG_NH; ++nh) og_mma16816(o[nh][4 * j + i], a0, a1, a2, a3, pb0[nh], pb1[nh]);
+        }
     }
-    // O^T += V^T P^T: row g of row tile (j, i) is dim 64j + 8g + 2i, row g+8 the next dim; the
-    // K index pairs (2c, 2c+1) and (2c+8, 2c+9) are tokens (c, c+8) and (c+4, c+12).
-#pragma unroll
-    for (int j = 0; j < OG_DV; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const og_u32 x0 = og_reg(vc[j], i), x8 = og_reg(v8[j], i), x4 = og_reg(v4[j], i), x12 = og_reg(v12[j], i);
-        const og_u32 a0 = __byte_perm(x0, x8, 0x5410), a1 = __byte_perm(x0, x8, 0x7632);
-        const og_u32 a2 = __byte_perm(x4, x12, 0x5410), a3 = __byte_perm(x4, x12, 0x7632);
-#pragma unroll
-        for (int nh = 0; nh < OG_NH; ++nh) og_mma16816(o[nh][4 * j + i], a0, a1, a2, a3, pb0[nh], pb1[nh]);
-      }
 #if OG_VPF
 #pragma unroll
     for (int j = 0; j < OG_DV; ++j) vc[j] = vn[j], v8[j] = vn8[j], v4[j] = vn4[j], v12[j] = vn12[j];
 #endif
-    blk = blk_next, row = row_next;
+#pragma unroll
+    for (int u = 0; u < OG_ROUND; ++u) blk[u] = blk_next[u], row[u] = row_next[u];
   }
 
 #if OG_UPDATE

@@ -113,6 +113,26 @@ def cases() -> list[dict]:
               sinks="fp32", tunables={"attention.vpf": 1}),
         _case("V prefetch, warps 8, cluster 8", RAGGED, 32, 4, 128,
               tunables={"attention.vpf": 1, "attention.warps": 8, "attention.cluster": 8}),
+        # two tiles a round (a warp's two tiles' K and V in flight together): 8 warps at one sequence
+        # by the row, else asked for with them; head 64 at its 4 warps; head 256 keeps one (registers)
+        *[_case(f"two tiles a round, batch 1 context {L}", [L], 32, 4, 128, tunables={"attention.round": 2})
+          for L in (17, 200, 256, 257, 1000, 8192, 32768)],
+        _case("two tiles a round, warps 8, batch 8 context 8192", [8192] * 8, 32, 4, 128,
+              tunables={"attention.round": 2, "attention.warps": 8}),
+        _case("two tiles a round, warps 8, min_chunk 256, ragged", RAGGED + [129, 255, 256, 257, 512, 513], 32, 4, 128,
+              tunables={"attention.round": 2, "attention.warps": 8, "attention.min_chunk": 256}),
+        _case("two tiles a round, head 64 GQA 8, window and fp32 sinks", [1000, 100, 1, 0], 64, 8, 64, window=127,
+              sinks="fp32", tunables={"attention.round": 2}),
+        _case("two tiles a round, warps 8, fp16, block 48, soft cap", [1000, 47, 48, 49], 32, 4, 128, bs=48,
+              dtype="fp16", softcap=30.0, tunables={"attention.round": 2, "attention.warps": 8}),
+        _case("two tiles a round, head 256 (one: the registers)", [8192, 1000, 3], 16, 8, 256,
+              tunables={"attention.round": 2}),
+        _case("two tiles a round, warps 8, cluster 8", RAGGED, 32, 4, 128,
+              tunables={"attention.round": 2, "attention.warps": 8, "attention.cluster": 8}),
+        _case("update: two tiles a round, warps 8, CUDA graph, ragged", RAGGED, 32, 4, 128, graph=True, update=True,
+              tunables={"attention.round": 2, "attention.warps": 8}),
+        _case("prologue: two tiles a round, warps 8, ragged", RAGGED, 32, 4, 128, qk_norm=True, rope=1,
+              tunables={"attention.round": 2, "attention.warps": 8}),
         # the combine's fan-in per launch: 32 at one sequence with 4 kv heads (17..36 splits, 33..36
         # lowered to 32: one level), 16 with attention.fan32 off (two levels)
         _case("fan-in 32, batch 1 context 4096 (32 splits, one combine level)", [4096], 32, 4, 128,

@@ -19,6 +19,11 @@ static int regs_needed(int64_t D, int64_t G, int update_cluster, int vpf) {
   return 256 + (vpf ? 64 : 0);
 }
 
+/* With two tiles a round (OG_ROUND 2): a second tile's K and V rows, D/2 registers more. */
+static int regs_needed_round2(int64_t D, int64_t G, int update_cluster) {
+  return regs_needed(D, G, update_cluster, 0) + (int)(D / 2);
+}
+
 /* The registers a thread may take with mb blocks of W warps on an SM: each of the SM's 4
  * schedulers holds its warps' registers in its own 16K, allocated 8 registers a thread at a time. */
 static int regs_cap(int W, int mb) {
@@ -49,6 +54,13 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->vpf = opgraft__tune_value("attention.vpf", arch, gpu, shape, B) != 0 && vneed <= 255 &&
            regs_cap(c->warps, 1) >= vneed;
   if (c->vpf) need = vneed;
+  /* Two tiles a round only where the warps still fit (and not with the V prefetch). */
+  const int rneed = regs_needed_round2(a->head_size, G, uc);
+  c->round = !c->vpf && opgraft__tune_value("attention.round", arch, gpu, shape, B) == 2 && rneed <= 255 &&
+                     regs_cap(c->warps, 1) >= rneed
+                 ? 2
+                 : 1;
+  if (c->round == 2) need = rneed;
   /* 0: as many blocks an SM as the register need allows; a value is clamped down to that. */
   int fit = 16;
   while (fit > 1 && regs_cap(c->warps, fit) < need) --fit;
@@ -92,6 +104,7 @@ int32_t opgraft__attn_options(const opgraft_attention_args *a, const og_attn_cfg
   OG_OPT("-DOG_QKNORM=%d", c->qknorm);
   OG_OPT("-DOG_ROPE=%d", c->rope);
   OG_OPT("-DOG_VPF=%d", c->vpf);
+  OG_OPT("-DOG_ROUND=%d", c->round);
 #undef OG_OPT
   return opgraft__opts_check(o, "attention");
 }

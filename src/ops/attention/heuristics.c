@@ -91,5 +91,6 @@ int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value) {
   if (strcmp(key, "attention.fan32") == 0) return *value = q->arch == 90, 1;
   if (strcmp(key, "attention.cluster") == 0) return *value = 1, 1;
   if (strcmp(key, "attention.vpf") == 0) return *value = 0, 1;
+  if (strcmp(key, "attention.round") == 0) return *value = 1, 1;
   return 0;
 }

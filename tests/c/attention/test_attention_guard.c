@@ -332,7 +332,7 @@ static void test_registered_with_its_tunables(void **state) {
   /* The rule decides every key (there are no baked rows yet). */
   const char *keys[] = {"attention.warps", "attention.min_blocks", "attention.min_chunk", "attention.max_splits",
                         "attention.load", "attention.pdl", "attention.trigger", "attention.cluster", "attention.fan32",
-                        "attention.vpf"};
+                        "attention.vpf", "attention.round"};
   for (size_t i = 0; i < sizeof keys / sizeof *keys; ++i) {
     const opgraft_tune_query q = {keys[i], 90, "NVIDIA H200", "attention:bf16:D128:G8:bs16", 0};
     int64_t v;
@@ -522,6 +522,42 @@ static void test_config(void **state) {
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(c.vpf, 0);
   unsetenv("OPGRAFT_TUNE_ATTENTION_VPF");
+  opgraft_tune_reload();
+  /* Two tiles a round: one by the rule; asked for, two where the second tile's registers leave the
+   * warps as they are (8 warps at one sequence, head 64 at 4), not at 12 warps (168 registers) or
+   * head 256, and never with the V prefetch. */
+  a = valid_args();
+  a.batch = 1;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.round, 1);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_ROUND=1"));
+  setenv("OPGRAFT_TUNE_ATTENTION_ROUND", "2", 1);
+  opgraft_tune_reload();
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_true(c.warps == 8 && c.round == 2 && c.min_blocks == 1);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_ROUND=2"));
+  a.batch = 8;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_true(c.warps == 12 && c.round == 1);
+  a.num_heads = 16, a.num_kv_heads = 2; /* head 64, G 8: 4 warps, 3 blocks an SM still */
+  set_vllm_cache(&a, 4096, 16, 2, 64);
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_true(c.warps == 4 && c.round == 2 && c.min_blocks == 3);
+  a = valid_args();
+  a.batch = 1;
+  set_vllm_cache(&a, 4096, 16, 4, 256);
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.round, 1);
+  a = valid_args();
+  a.batch = 1;
+  setenv("OPGRAFT_TUNE_ATTENTION_VPF", "1", 1);
+  opgraft_tune_reload();
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_true(c.vpf == 1 && c.round == 1);
+  unsetenv("OPGRAFT_TUNE_ATTENTION_VPF");
+  unsetenv("OPGRAFT_TUNE_ATTENTION_ROUND");
   opgraft_tune_reload();
   /* A combine's maxima and sums (32 partials x G pairs) fit the room of the warps' partials. */
   for (int D = 64; D <= 256; D *= 2)
