@@ -44,6 +44,12 @@
  *   tokens 7.90 / 8.23 / 13.78 -> 8.11 / 8.46 / 14.30 us, 32K and batch 8 level; with the cache
  *   write and the o projection (tools.attn_o) batch 1 144 / 1K 15.53 / 17.00 -> 14.78 / 15.83, batch
  *   8 within 0.3. Off until the engine decides between the two.
+ * - attention.round 1 (one tile a round) by the rule; 2 by the row of Qwen3-30B-A3B's heads at one
+ *   sequence on sm_90 (table.c): a warp's two tiles' K and V in flight together, so a span of up to
+ *   two tiles a warp (256 tokens at 8 warps) is one split and one round trip. H100, in one call
+ *   (bench/results/2026-12-06-h100-v57-round/): batch 1 at 192 / 256 tokens 7.9 / 7.9 -> 6.2 / 6.7
+ *   us, 512-2K level, 8K 13.9 -> 14.3, 32K 31.3 -> 31.5; at 8 warps from two sequences (12 warps'
+ *   168 registers do not hold a second tile) ahead up to 1K, behind from 8K. Not with the V prefetch.
  * - attention.cluster 1 (no clusters): on the H200 at batch 1 with Qwen3-30B-A3B's heads, clusters
  *   of 8 merged contexts up to 1K tokens on chip 11-13% faster, but only 15 clusters of 8 are
  *   resident at one block an SM, so a launch keeps 24 of 33 splits and contexts from 4K tokens

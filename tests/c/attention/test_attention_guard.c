@@ -523,21 +523,25 @@ static void test_config(void **state) {
   assert_int_equal(c.vpf, 0);
   unsetenv("OPGRAFT_TUNE_ATTENTION_VPF");
   opgraft_tune_reload();
-  /* Two tiles a round: one by the rule; asked for, two where the second tile's registers leave the
-   * warps as they are (8 warps at one sequence, head 64 at 4), not at 12 warps (168 registers) or
-   * head 256, and never with the V prefetch. */
+  /* Two tiles a round: one by the rule, two by this shape's row at one sequence on sm_90; asked for,
+   * two where the second tile's registers leave the warps as they are (8 warps at one sequence, head
+   * 64 at 4), not at 12 warps (168 registers) or head 256, and never with the V prefetch. */
   a = valid_args();
   a.batch = 1;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_true(c.warps == 8 && c.round == 2 && c.min_blocks == 1);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_ROUND=2"));
+  opgraft__attn_config(&a, 80, NULL, &c);
+  assert_int_equal(c.round, 1);
+  setenv("OPGRAFT_TUNE_ATTENTION_ROUND", "1", 1);
+  opgraft_tune_reload();
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_int_equal(c.round, 1);
   assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
   assert_true(has_opt(&o, "-DOG_ROUND=1"));
   setenv("OPGRAFT_TUNE_ATTENTION_ROUND", "2", 1);
   opgraft_tune_reload();
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_true(c.warps == 8 && c.round == 2 && c.min_blocks == 1);
-  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
-  assert_true(has_opt(&o, "-DOG_ROUND=2"));
   a.batch = 8;
   opgraft__attn_config(&a, 90, NULL, &c);
   assert_true(c.warps == 12 && c.round == 1);
