@@ -315,7 +315,7 @@ def cmd_bench(args) -> int:
             progress(T)
             rows += moe_bench.bench_shape_fp8(shape, [T], args.dtype, ceiling_tbps=ceiling, weights=weights,
                                               global_experts=global_experts, between_mib=args.between_mib,
-                                              timing=args.timing)
+                                              timing=args.timing, flashinfer_build=args.flashinfer_build)
 
     def run(ceiling, rows):
         w13, w2 = moe_bench.make_weights(shape, args.dtype, "cuda")
@@ -1051,6 +1051,9 @@ def main(argv=None) -> int:
                         "(span, torch profiler) or as (read + call) minus the read alone (subtract)")
     b.add_argument("--plot", default=None, metavar="FILE",
                    help="write a PNG: time against tokens with the roofline (needs matplotlib; default: no plot)")
+    b.add_argument("--flashinfer-build", action="store_true",
+                   help="FP8 dtypes: time FlashInfer's CUTLASS MoE even where FlashInfer must compile it first "
+                        "(minutes, once per machine; default: that baseline is skipped with the reason)")
     b.set_defaults(fn=cmd_bench)
     from .presets import LINEAR_FP8_PRESETS, LINEAR_PRESETS
 

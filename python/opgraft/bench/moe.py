@@ -9,6 +9,7 @@ GB for Qwen3-30B-A3B: address translation and DRAM page locality as in a real st
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import statistics
@@ -585,8 +586,27 @@ def flashinfer_block_weights(w13_q, w13_scale, w2_scale):
             w2_scale.clamp(min=1e-10))
 
 
+# FlashInfer's CUTLASS MoE module generator for each compute capability (flashinfer.jit.fused_moe).
+_FI_CUTLASS_MOE_GEN = {90: "sm90", 100: "sm100", 103: "sm103", 110: "sm100", 120: "sm120", 121: "sm120"}
+
+
+@functools.cache
+def flashinfer_cutlass_moe_built(device="cuda") -> bool | None:
+    """Whether FlashInfer's CUTLASS MoE module for this GPU is compiled (ahead of time or in its JIT
+    cache), so that its first call does not build it; None where this FlashInfer or GPU does not say.
+    Once a process (the module's spec generates its CUTLASS sources)."""
+    try:
+        from flashinfer.jit import fused_moe as fi_jit
+
+        major, minor = torch.cuda.get_device_capability(device)
+        gen = getattr(fi_jit, f"gen_cutlass_fused_moe_{_FI_CUTLASS_MOE_GEN[10 * major + minor]}_module")
+        return bool(gen().is_compiled)
+    except Exception:
+        return None
+
+
 def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scale, global_experts: int,
-                     backend: str = "triton", device="cuda"):
+                     backend: str = "triton", device="cuda", flashinfer_build: bool = False):
     """vLLM's own FP8 MoE path as Fp8MoEMethod builds it for TritonExperts: the modular kernel
     (MoEPrepareAndFinalizeNoDPEPModular, which quantizes the bf16 activations, then
     TritonExperts.apply, then the finalize step) with the FP8 quant config of the scales.
@@ -595,7 +615,9 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
     for it (prepare_fp8_moe_layer_for_deepgemm: UE8M0 requantization where E8M0 is in use, its
     scale layout), where vLLM finds DeepGEMM (installed or vendored) and the GPU supports it; backend
     "flashinfer_cutlass": FlashInferExperts (block FP8 only) on the weights as vLLM prepares them for
-    it (flashinfer_block_weights), taking the bf16 activations, where vLLM finds it usable."""
+    it (flashinfer_block_weights), taking the bf16 activations, where vLLM finds it usable and its
+    module is built (FlashInfer compiles it on first use, for over 7 minutes on a 16-core H100 host:
+    flashinfer_build lets that happen)."""
     try:
         from vllm.model_executor.layers.fused_moe import modular_kernel as mk
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -619,6 +641,9 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
             return None, f"FlashInferExperts is not importable here ({type(e).__name__}: {str(e)[:80]})"
         if not FlashInferExperts._supports_current_device():
             return None, "vLLM finds no usable FlashInfer CUTLASS MoE here (flashinfer's fused MoE on sm_90, 10x, 12x)"
+        if not flashinfer_build and flashinfer_cutlass_moe_built(device) is False:
+            return None, ("FlashInfer's CUTLASS MoE module is not built on this machine (its first call compiles it, "
+                          "over 7 minutes on an H100 host); --flashinfer-build builds it")
     if backend != "flashinfer_cutlass" and moe_seam.installed():
         return None, "opgraft's seam is installed in this process (TritonExperts.apply would be ours)"
     try:
@@ -675,7 +700,7 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
                     reps: int = 30, ceiling_tbps: float | None = None, weights=None, global_experts: int = 0,
                     between_mib: int = BETWEEN_MIB, timing: str = "span",
                     backends=("triton", "deep_gemm", "flashinfer_cutlass"),
-                    progress=None, cross_check: bool = False) -> list[dict]:
+                    progress=None, cross_check: bool = False, flashinfer_build: bool = False) -> list[dict]:
     """Rows for one shape with FP8 weights (kind "fp8-block" or "fp8-tensor") at each token count:
     opgraft's kernel ("opgraft", on activations quantized beforehand: the bytes and the ceiling
     fraction are the kernel's), opgraft as the seam runs in vLLM ("opgraft+quant": vLLM's
@@ -689,7 +714,8 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
     ours. global_experts > shape.num_experts: expert parallelism, the routing over the global
     experts and an expert_map. weights: (w13_q, w13_s, w2_q, w2_s) or None (made here).
     cross_check: the subtraction's timing next to the span's (timed_calls); off by default to
-    keep the FP8 bench short."""
+    keep the FP8 bench short. flashinfer_build: time FlashInfer's CUTLASS MoE even where its module
+    must be compiled first (vllm_fp8_experts)."""
     if weights is None:
         weights = make_weights_fp8(shape, kind, device)
     w13_q, w13_s, w2_q, w2_s = weights
@@ -701,7 +727,8 @@ def bench_shape_fp8(shape: MoeShape, tokens: list[int], kind: str, device="cuda"
             "I": shape.inter, "top_k": shape.top_k, "dtype": kind, "global_experts": G, "layers": 1,
             "between_mib": max(between_mib, 0),
             "block": list(FP8_BLOCK) if kind == "fp8-block" else None}
-    builtins = {b: vllm_fp8_experts(shape, kind, w13_q, w13_s, w2_q, w2_s, G, b, device) for b in backends}
+    builtins = {b: vllm_fp8_experts(shape, kind, w13_q, w13_s, w2_q, w2_s, G, b, device, flashinfer_build)
+                for b in backends}
     rows = []
     for T in tokens:
         if progress:

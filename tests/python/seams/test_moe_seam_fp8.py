@@ -295,3 +295,16 @@ def test_the_bench_says_why_flashinfer_cutlass_is_not_timed(clean, monkeypatch):
     monkeypatch.setattr(FlashInferExperts, "_supports_current_device", staticmethod(lambda: True))
     fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-block", w13, s13, w2, s2, E, "flashinfer_cutlass", "cpu")
     assert fn is not None and why == ""  # built as Fp8MoEMethod builds it; the kernel itself needs the GPU
+    # Where FlashInfer would compile its module on the first call (minutes), only when asked to.
+    monkeypatch.setattr(moe_bench, "flashinfer_cutlass_moe_built", lambda device: False)
+    fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-block", w13, s13, w2, s2, E, "flashinfer_cutlass", "cpu")
+    assert fn is None and "not built on this machine" in why and "--flashinfer-build" in why
+    fn, why = moe_bench.vllm_fp8_experts(shape, "fp8-block", w13, s13, w2, s2, E, "flashinfer_cutlass", "cpu",
+                                         flashinfer_build=True)
+    assert fn is not None and why == ""
+
+
+def test_flashinfer_cutlass_moe_built_says_none_without_a_gpu():
+    from opgraft.bench import moe as moe_bench
+
+    assert moe_bench.flashinfer_cutlass_moe_built("cpu") is None
