@@ -54,13 +54,12 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->vpf = opgraft__tune_value("attention.vpf", arch, gpu, shape, B) != 0 && vneed <= 255 &&
            regs_cap(c->warps, 1) >= vneed;
   if (c->vpf) need = vneed;
-  /* Two tiles a round only where the warps still fit (and not with the V prefetch). */
+  /* Two tiles a round (2; 3: where the sequence is one split) only where the warps still fit, and
+   * not with the V prefetch. */
   const int rneed = regs_needed_round2(a->head_size, G, uc);
-  c->round = !c->vpf && opgraft__tune_value("attention.round", arch, gpu, shape, B) == 2 && rneed <= 255 &&
-                     regs_cap(c->warps, 1) >= rneed
-                 ? 2
-                 : 1;
-  if (c->round == 2) need = rneed;
+  const int64_t round = opgraft__tune_value("attention.round", arch, gpu, shape, B);
+  c->round = !c->vpf && (round == 2 || round == 3) && rneed <= 255 && regs_cap(c->warps, 1) >= rneed ? (int)round : 1;
+  if (c->round > 1) need = rneed;
   /* 0: as many blocks an SM as the register need allows; a value is clamped down to that. */
   int fit = 16;
   while (fit > 1 && regs_cap(c->warps, fit) < need) --fit;
