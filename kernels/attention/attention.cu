@@ -12,7 +12,7 @@
 // Every lane loads 16 contiguous bytes per (token, 32 or 64 dims) straight from the cache into
 // registers (og_mma_k32's trick for K; for V the lane's 8 dims of 4 tokens are paired into A
 // fragments with byte permutes, so no shared-memory staging). The next tile's K is loaded while
-// the current one is computed.
+// the current one is computed; with OG_ROUND a warp loads two tiles' K and V at once.
 //
 // Splits: the host picks the split count S (gridDim.x) from batch, kv heads and the context hint
 // so that one wave of blocks fills the GPU; each block reads seq_lens on the device and derives
@@ -695,7 +695,8 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
     } else
 #endif
       blk[u] = tu < ntiles ? og_tile_block(p, bt, tb, &row[u]) : -1;
-    const bool v0 = blk[u] >= 0 && tb + g >= start && tb + g < r1, v1 = blk[u] >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
+    const bool v0 = blk[u] >= 0 && tb + g >= start && tb + g < r1,
+               v1 = blk[u] >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
     const og_u16 *kp = kbase + (long long)max(blk[u], 0) * p.k_sb + (long long)(row[u] + g) * p.k_st;
 #pragma unroll
     for (int k = 0; k < OG_DK; ++k) {
@@ -758,7 +759,8 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
     for (int u = 0; u < OG_TILES; ++u) {
       const int tb = r0 + 16 * (t + u * wu);
       if (u > 0 && t + u * wu >= ntiles) break;  // the warp's last round may have fewer tiles
-      const bool sv0 = blk[u] >= 0 && tb + g >= start && tb + g < r1, sv1 = blk[u] >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
+      const bool sv0 = blk[u] >= 0 && tb + g >= start && tb + g < r1,
+                 sv1 = blk[u] >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
       // Online softmax per head; P^T fragments for the V products.
       og_u32 pb0[OG_NH], pb1[OG_NH];
 #pragma unroll
