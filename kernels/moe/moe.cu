@@ -76,6 +76,9 @@ extern "C" __global__ void __launch_bounds__(OG_W2 * 32, OG_DOWN_MIN)
   __shared__ og_routing r;
 #endif
   __shared__ float s_red[OG_W2][OG_NT][4][32];
+#if OG_DOWN_TRIGGER
+  og_pdl_launch_dependents();
+#endif
   OG_TS(1, 0);
   // The routing (or the logits of OG_ROUTE) was written before gate_up started (or, with
   // OG_PDL_IN, before gate_up let this kernel launch): safe to read here.

@@ -63,6 +63,14 @@
 #ifndef OG_PDL_IN
 #define OG_PDL_IN 0
 #endif
+// OG_DOWN_TRIGGER (moe.trigger, sm_90): every moe_down block lets the stream's next kernel launch as
+// it starts (griddepcontrol.launch_dependents), so a next kernel launched as a programmatic
+// dependent (the next layer's qkv projection) streams its weights while down, latency-bound at few
+// tokens, leaves DRAM idle; that kernel still waits for down's output. No effect on a next kernel
+// launched without the attribute.
+#ifndef OG_DOWN_TRIGGER
+#define OG_DOWN_TRIGGER 0
+#endif
 // OG_GU_ONE (moe.gate_up.one_token; one-token calls only): gate_up's block (slot j, tile) reads
 // only topk_ids[0][j] and multiplies that expert for that one (token, slot) pair: no bitmap of
 // used experts, no list, one block barrier (for the pair's slot) before the first weight load. A

@@ -81,6 +81,9 @@ def cases() -> list[dict]:
         _case("down early: odd dims T=2, strided x and out", odd, 2, x_pad=64, out_pad=32,
               tunables={"moe.pdl": 1, "moe.down.early": 1}),
         _case("down early: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1, tunables={"moe.pdl": 1, "moe.down.early": 1}),
+        # down lets the next kernel launch as it starts (nothing follows here: the path runs, the output stays right)
+        _case("down trigger: Qwen3-30B-A3B T=1", PRESETS["Qwen3-30B-A3B"], 1,
+              tunables={"moe.pdl": 1, "moe.down.early": 1, "moe.trigger": 1}),
         # gate_up's one-tile pass; an expert with more than 8 pairs takes the two-tile path
         _case("gate_up one tile a pass: small T=16, expert 0 in every token", small, 16, hot=True,
               tunables={"moe.gate_up.nt": 1}),
@@ -352,6 +355,7 @@ def fp8_cases() -> list[dict]:
     cases += [
         _fp8_case("fp8 tensor Qwen3-30B-A3B T=3", q30, 3, kind="fp8-tensor", vllm=True),
         _fp8_case("fp8 block small T=5", small, 5),
+        _fp8_case("fp8 block down trigger Qwen3-30B-A3B T=1", q30, 1, tunables=dict(pdl, **{"moe.trigger": 1})),
         _fp8_case("fp8 block small T=13", small, 13, vllm=True),
         _fp8_case("fp8 block small T=33", small, 33),
         _fp8_case("fp8 block small T=64", small, 64),

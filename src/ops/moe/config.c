@@ -19,6 +19,7 @@ static void config_shared(const opgraft_moe_args *a, int32_t arch, const char *g
   c->pdl = arch >= 90 ? (int)opgraft__tune_value("moe.pdl", arch, gpu, shape, T) : 0;
   c->down_early = c->pdl && opgraft__tune_value("moe.down.early", arch, gpu, shape, T) != 0;
   c->pdl_in = arch >= 90 && opgraft__tune_value("moe.pdl_in", arch, gpu, shape, T) != 0;
+  c->trigger = arch >= 90 && opgraft__tune_value("moe.trigger", arch, gpu, shape, T) != 0;
   c->trace = opgraft__moe_trace_on();
   /* Forms 1 and 4 exist (og_common.cuh); any other value reads as 4. */
   c->load = opgraft__tune_value("moe.load", arch, gpu, shape, T) == 1 ? 1 : 4;
@@ -154,6 +155,7 @@ int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_
   OG_OPT("-DOG_PDL=%d", c->pdl);
   OG_OPT("-DOG_DOWN_EARLY=%d", c->down_early);
   OG_OPT("-DOG_PDL_IN=%d", c->pdl_in);
+  OG_OPT("-DOG_DOWN_TRIGGER=%d", c->trigger);
   OG_OPT("-DOG_GU_ONE=%d", c->gu_one);
   OG_OPT("-DOG_DOWN_ONE=%d", c->down_one);
   OG_OPT("-DOG_GU_SLOTS=%d", c->gu_slots);

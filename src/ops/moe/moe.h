@@ -61,6 +61,7 @@ typedef struct og_moe_cfg {
   int pdl;            /* programmatic dependent launch of moe_down (sm_90+) */
   int down_early;     /* with pdl: down's first weight loads before its wait */
   int pdl_in;         /* gate_up a programmatic dependent of the stream's previous kernel (sm_90+) */
+  int trigger;        /* moe_down lets the stream's next kernel launch as it starts (sm_90+) */
   int gu_one;         /* one-token calls: gate_up's blocks read their one routing slot only */
   int down_one;       /* one-token calls: each down warp builds its own routing with shuffles */
   int gu_slots;       /* T*k <= 32: gate_up's blocks are (routing slot, tile), routing by ballot */

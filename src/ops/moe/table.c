@@ -28,6 +28,7 @@ static const og_tunable tunables[] = {
     {"moe.route", 0, 1, 1, NULL},
     {"moe.pdl", 0, 1, 0, "0 1"},
     {"moe.pdl_in", 0, 1, 0, "0 1"},
+    {"moe.trigger", 0, 1, 0, NULL}, /* its effect is on the next kernel: not an op-level tune */
     {"moe.load", 1, 4, 4, "4 1"},
     {"moe.down_load", 1, 4, 1, "1 4"},
     /* FP8 weights: the k of a k-step (64: 16-byte weight loads, where the shape allows). */

@@ -126,6 +126,8 @@ static int setup(void **state) {
     add_setting((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1",
                                  "OPGRAFT_TUNE_MOE_PDL_IN", "1", NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
     add_setting((const char *[]){"OPGRAFT_TUNE_MOE_FUSED", "1", NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
+    add_setting((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_TRIGGER", "1", NULL}, q30_mix, 2, t1_8,
+                2, OPGRAFT_DTYPE_BF16);
     add_setting((const char *[]){"OPGRAFT_TUNE_MOE_GATE_UP_SLOT_ROUTING", "1", "OPGRAFT_TUNE_MOE_DOWN_WARP_ROUTING", "1",
                                  NULL}, q30_mix, 2, t1_8, 2, OPGRAFT_DTYPE_BF16);
     job_routing = OPGRAFT_MOE_ROUTING_SOFTMAX;
@@ -180,6 +182,8 @@ static int setup(void **state) {
   add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_PDL", "1", "OPGRAFT_TUNE_MOE_DOWN_EARLY", "1",
                                  "OPGRAFT_TUNE_MOE_PDL_IN", "1", NULL},
                 (const int[]){Q30, DSV3_TP8}, 2, (const int32_t[]){1, 2}, 2, OPGRAFT_DTYPE_BF16, Q_B128);
+  add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_TRIGGER", "1", NULL}, (const int[]){Q30, DSV3_TP8}, 2,
+                (const int32_t[]){1, 2}, 2, OPGRAFT_DTYPE_BF16, Q_B128);
   /* ... with 16-bit hidden states that gate_up quantizes (the routing seam's calls): both k-steps,
    * 64x64 blocks, fp16, and without the rule's slot routing */
   job_hidden16 = 1;
