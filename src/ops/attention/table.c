@@ -29,7 +29,8 @@ static const og_tune_entry rows[] = {
      * at every measured point up to 64 sequences. */
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 1, "attention.warps", 8, "H200 2026-12-01 opgraft tune (64 MiB between calls): Qwen3-30B-A3B batch 1 contexts 1024,8192 12.47 -> 10.87 us"},
     /* Two tiles a round at one sequence (8 warps): spans of 129-256 tokens in one split and one round
-     * trip, no combine; level from 512 to 2K, 0.2-0.4 us behind from 8K (v57). */
+     * trip, no combine; level from 512 to 2K, 0.2-0.4 us behind from 8K (v57). The key is also
+     * Llama-3-70B/tp8's (8 / 1 heads a rank), not timed there. */
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 1, "attention.round", 2, "H100 2026-12-06 bench attention (64 MiB between calls), Qwen3-30B-A3B batch 1: 192 / 256 tokens 7.9 / 7.9 -> 6.2 / 6.7 us (Triton 7.6), 1K 8.3 -> 8.3, 8K 13.9 -> 14.3; engine 129-192 tokens 8.20 -> 7.02 us a layer"},
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 4096, "attention.max_batch", 64, "H200 2026-12-03 bench attention, Qwen3-30B-A3B batch 64 with 12 warps: 1K 40.97 us (FlashInfer 44.74), 8K 251.90 (FA3 256.32), 32K 970.69 (FA3 972.70)"},
     /* END TUNED ROWS */
