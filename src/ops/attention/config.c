@@ -19,17 +19,15 @@ static int regs_needed(int64_t D, int64_t G, int update_cluster, int vpf) {
   return 256 + (vpf ? 64 : 0);
 }
 
-/* With two tiles a round (OG_ROUND 2): a second tile's K and V rows, D/2 registers more. */
-static int regs_needed_round2(int64_t D, int64_t G, int update_cluster) {
-  return regs_needed(D, G, update_cluster, 0) + (int)(D / 2);
-}
-
 /* The registers a thread may take with mb blocks of W warps on an SM: each of the SM's 4
  * schedulers holds its warps' registers in its own 16K, allocated 8 registers a thread at a time. */
 static int regs_cap(int W, int mb) {
   const int per_scheduler = (W * mb + 3) / 4;
   return 16384 / (per_scheduler * 32) / 8 * 8;
 }
+
+/* Whether a block of W warps still fits at a register need, within a thread's 255. */
+static int fits(int W, int need) { return need <= 255 && regs_cap(W, 1) >= need; }
 
 void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const char *gpu, og_attn_cfg *c) {
   char shape[128];
@@ -47,18 +45,18 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->cluster = cl >= 8 ? 8 : cl >= 4 ? 4 : cl >= 2 ? 2 : 1;
   /* A block must fit the register file at the register need (else ptxas would spill). */
   const int uc = a->k_new != NULL && c->cluster > 1;
-  int need = regs_needed(a->head_size, G, uc, 0);
+  const int base = regs_needed(a->head_size, G, uc, 0);
+  int need = base;
   while (c->warps > 1 && regs_cap(c->warps, 1) < need) c->warps /= 2;
-  /* The V prefetch only where the warps still fit, within a thread's 255. */
+  /* The V prefetch only where the warps still fit. */
   const int vneed = regs_needed(a->head_size, G, uc, 1);
-  c->vpf = opgraft__tune_value("attention.vpf", arch, gpu, shape, B) != 0 && vneed <= 255 &&
-           regs_cap(c->warps, 1) >= vneed;
+  c->vpf = opgraft__tune_value("attention.vpf", arch, gpu, shape, B) != 0 && fits(c->warps, vneed);
   if (c->vpf) need = vneed;
-  /* Two tiles a round (2; 3: where the sequence is one split) only where the warps still fit, and
-   * not with the V prefetch. */
-  const int rneed = regs_needed_round2(a->head_size, G, uc);
+  /* Two tiles a round (2; 3: where the sequence is one split) hold a second tile's K and V rows, D/2
+   * registers more: only where the warps still fit, and not with the V prefetch. */
+  const int rneed = base + (int)(a->head_size / 2);
   const int64_t round = opgraft__tune_value("attention.round", arch, gpu, shape, B);
-  c->round = !c->vpf && (round == 2 || round == 3) && rneed <= 255 && regs_cap(c->warps, 1) >= rneed ? (int)round : 1;
+  c->round = !c->vpf && (round == 2 || round == 3) && fits(c->warps, rneed) ? (int)round : 1;
   if (c->round > 1) need = rneed;
   /* 0: as many blocks an SM as the register need allows; a value is clamped down to that. */
   int fit = 16;
