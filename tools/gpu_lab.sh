@@ -172,15 +172,14 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
       --only "update: V prefetch, CUDA graph" --out /tmp/og-san >"$OUT/memcheck-vpf.log" 2>&1
     note "vpf benched; memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-vpf.log" | tail -1)"
     ;;
-  round)  # two tiles a round (NOTES v57): cases, ours with one and two tiles a round (and two only in one-split
-          # sequences) beside the older tree, attn_o, memcheck
+  round)  # two tiles a round (NOTES v57): cases, ours with one and two tiles a round beside the older tree, attn_o,
+          # memcheck
     python3 -m tools.gpucheck --quick --ops attention --only "two tiles a round" --out "$OUT/round" \
       >"$OUT/check-round.log" 2>&1
     note "two tiles a round: $(grep 'cases pass' "$OUT/check-round.log")"
     ctx=128,192,256,512,1024,2048,8192,32768
     for setting in "round1:OPGRAFT_TUNE_ATTENTION_ROUND=1" "round2:OPGRAFT_TUNE_ATTENTION_ROUND=2" \
       "round2-mc256:OPGRAFT_TUNE_ATTENTION_ROUND=2 OPGRAFT_TUNE_ATTENTION_MIN_CHUNK=256" \
-      "round3:OPGRAFT_TUNE_ATTENTION_ROUND=3" "w8-round3:OPGRAFT_TUNE_ATTENTION_ROUND=3 OPGRAFT_TUNE_ATTENTION_WARPS=8" \
       "w8-round2:OPGRAFT_TUNE_ATTENTION_ROUND=2 OPGRAFT_TUNE_ATTENTION_WARPS=8" "w8:OPGRAFT_TUNE_ATTENTION_WARPS=8 OPGRAFT_TUNE_ATTENTION_ROUND=1"; do
       name=${setting%%:*}
       env ${setting#*:} python3 -m opgraft.cli bench attention --impls opgraft --model Qwen3-30B-A3B --batch 1,8 \
@@ -192,11 +191,10 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
         --json "$OUT/attention-before.json" 2>&1 | grep " opgraft " | sed "s/^/before /"
     fi
     python3 -m tools.attn_o --batch 1,8 --context 144,192,256,1024,8192 --variants kernel-write \
-      --extra round2=attention.round:2@kernel --extra round3=attention.round:3@kernel \
-      --extra w8-round2=attention.round:2,attention.warps:8@kernel \
+      --extra round2=attention.round:2@kernel --extra w8-round2=attention.round:2,attention.warps:8@kernel \
       --json "$OUT/attn_o_round.json" 2>&1 | tail -12
     timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m tools.gpucheck --quick --ops attention \
-      --only "two tiles a round in one split, warps 8" --out /tmp/og-san >"$OUT/memcheck-round.log" 2>&1
+      --only "two tiles a round, warps 8" --out /tmp/og-san >"$OUT/memcheck-round.log" 2>&1
     note "round benched; memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-round.log" | tail -1)"
     ;;
   *) echo "unknown step $step"; exit 2 ;;

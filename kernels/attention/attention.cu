@@ -103,14 +103,12 @@
 #endif
 // OG_ROUND: tiles a warp loads at once (1 or 2): a round's K and V rows are in flight together, so
 // a warp with two tiles of a split waits one round trip for both (twice the K and V registers).
-// 3: two where the sequence is one split, one tile a round where it has several.
 #ifndef OG_ROUND
 #define OG_ROUND 1
 #endif
-#if OG_ROUND < 1 || OG_ROUND > 3
-#error "OG_ROUND must be 1, 2 or 3"
+#if OG_ROUND != 1 && OG_ROUND != 2
+#error "OG_ROUND must be 1 or 2"
 #endif
-#define OG_TILES (OG_ROUND == 1 ? 1 : 2)  // tiles a round holds registers for
 #if OG_ROUND > 1 && OG_VPF
 #error "the V prefetch is a form of one tile a round"
 #endif
@@ -566,9 +564,9 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   const int *bt = p.block_table + (long long)b * p.bt_stride;
 #if !OG_WINDOW
   // The first round's tiles if the split is min_chunk tokens from token 0; loaded with the length.
-  int tb_guess[OG_TILES], bi_guess[OG_TILES], blk_guess[OG_TILES];
+  int tb_guess[OG_ROUND], bi_guess[OG_ROUND], blk_guess[OG_ROUND];
 #pragma unroll
-  for (int u = 0; u < OG_TILES; ++u) {
+  for (int u = 0; u < OG_ROUND; ++u) {
     tb_guess[u] = s * p.min_chunk + 16 * (warp + u * OG_W), bi_guess[u] = tb_guess[u] / p.block_size;
     blk_guess[u] = bi_guess[u] < p.max_blocks ? og_ld_meta_s32(bt + bi_guess[u]) : -1;
   }
@@ -620,7 +618,7 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   // a warp covers stays one split: a second would add only the combine's chain (v55).
   const int S = gridDim.x;
   int a0, chunk;
-  const int n = og_attn_split(L, start, S, p.min_chunk, 16 * OG_W * OG_TILES, &a0, &chunk);
+  const int n = og_attn_split(L, start, S, p.min_chunk, 16 * OG_W * OG_ROUND, &a0, &chunk);
   if (s >= n) {
 #if OG_CLUSTER  // past the last split: still merges a slice when the splits are its cluster's
     const int csize = (int)og_cluster_size();
@@ -676,17 +674,14 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   }
 
   // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8; a round's tiles t, t + W, ...
-  og_vec4 kg[OG_TILES][OG_DK], k8[OG_TILES][OG_DK];
+  og_vec4 kg[OG_ROUND][OG_DK], k8[OG_ROUND][OG_DK];
 #if OG_VPF
   og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];  // this tile's V rows (og_v_tile)
 #endif
-  // The round's second tile is wu tiles after the first, and a round moves `step` tiles; where a
-  // round takes one tile (OG_ROUND 3 with several splits) wu puts the second past every tile.
-  const int wu = OG_ROUND == 3 && n > 1 ? (1 << 20) : OG_W, step = wu == OG_W ? OG_TILES * OG_W : OG_W;
-  int t = warp, row[OG_TILES], blk[OG_TILES];
+  int t = warp, row[OG_ROUND], blk[OG_ROUND];
 #pragma unroll
-  for (int u = 0; u < OG_TILES; ++u) {
-    const int tu = t + u * wu, tb = r0 + 16 * tu;
+  for (int u = 0; u < OG_ROUND; ++u) {
+    const int tu = t + u * OG_W, tb = r0 + 16 * tu;
     row[u] = 0;
 #if !OG_WINDOW
     if (tb == tb_guess[u]) {
@@ -707,28 +702,27 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 #if OG_VPF
   og_v_tile(vc, v8, v4, v12, p, vbase, blk[0], row[0], r0 + 16 * t, c, start, r1);
 #endif
-  for (; t < ntiles; t += step) {
-    int row_next[OG_TILES], blk_next[OG_TILES];
+  for (; t < ntiles; t += OG_ROUND * OG_W) {
+    int row_next[OG_ROUND], blk_next[OG_ROUND];
 #pragma unroll
-    for (int u = 0; u < OG_TILES; ++u) {
-      const int tn = t + step + u * wu;
+    for (int u = 0; u < OG_ROUND; ++u) {
+      const int tn = t + (OG_ROUND + u) * OG_W;
       row_next[u] = 0;
       blk_next[u] = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next[u]) : -1;
     }
 #if !OG_VPF
-    og_vec4 vc[OG_TILES][OG_DV], v8[OG_TILES][OG_DV], v4[OG_TILES][OG_DV], v12[OG_TILES][OG_DV];
+    og_vec4 vc[OG_ROUND][OG_DV], v8[OG_ROUND][OG_DV], v4[OG_ROUND][OG_DV], v12[OG_ROUND][OG_DV];
 #pragma unroll
-    for (int u = 0; u < OG_TILES; ++u)
-      og_v_tile(vc[u], v8[u], v4[u], v12[u], p, vbase, blk[u], row[u], r0 + 16 * (t + u * wu), c, start, r1);
+    for (int u = 0; u < OG_ROUND; ++u)
+      og_v_tile(vc[u], v8[u], v4[u], v12[u], p, vbase, blk[u], row[u], r0 + 16 * (t + u * OG_W), c, start, r1);
 #endif
     // S^T: [token g / g+8][head 2c / 2c+1] of each 8-head tile.
-    float sc[OG_TILES][OG_NH][4];
+    float sc[OG_ROUND][OG_NH][4];
 #pragma unroll
-    for (int u = 0; u < OG_TILES; ++u)
+    for (int u = 0; u < OG_ROUND; ++u)
 #pragma unroll
       for (int nh = 0; nh < OG_NH; ++nh) {
         sc[u][nh][0] = sc[u][nh][1] = sc[u][nh][2] = sc[u][nh][3] = 0.f;
-        if (OG_ROUND == 3 && u > 0 && t + u * wu >= ntiles) continue;  // no second tile this round
 #pragma unroll
         for (int k = 0; k < OG_DK; ++k) {
           const og_vec4 qv = *(const og_vec4 *)(sq + (nh * 8 + g) * OG_QROW + 32 * k + 8 * c);
@@ -737,8 +731,8 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
       }
     // The next round's K, in flight while this round's softmax and V products run.
 #pragma unroll
-    for (int u = 0; u < OG_TILES; ++u) {
-      const int tn = t + step + u * wu;
+    for (int u = 0; u < OG_ROUND; ++u) {
+      const int tn = t + (OG_ROUND + u) * OG_W;
       if (tn < ntiles) {
         const int tbn = r0 + 16 * tn;
         const bool v0 = blk_next[u] >= 0 && tbn + g < r1, v1 = blk_next[u] >= 0 && tbn + g + 8 < r1;
@@ -756,9 +750,9 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 #endif
     // The round's tiles in order (a warp's tiles t, t + W, ... as one tile a round takes them).
 #pragma unroll
-    for (int u = 0; u < OG_TILES; ++u) {
-      const int tb = r0 + 16 * (t + u * wu);
-      if (u > 0 && t + u * wu >= ntiles) break;  // the warp's last round may have fewer tiles
+    for (int u = 0; u < OG_ROUND; ++u) {
+      const int tb = r0 + 16 * (t + u * OG_W);
+      if (u > 0 && t + u * OG_W >= ntiles) break;  // the warp's last round may have fewer tiles
       const bool sv0 = blk[u] >= 0 && tb + g >= start && tb + g < r1,
                  sv1 = blk[u] >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
       // Online softmax per head; P^T fragments for the V products.
@@ -821,7 +815,7 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
     for (int j = 0; j < OG_DV; ++j) vc[j] = vn[j], v8[j] = vn8[j], v4[j] = vn4[j], v12[j] = vn12[j];
 #endif
 #pragma unroll
-    for (int u = 0; u < OG_TILES; ++u) blk[u] = blk_next[u], row[u] = row_next[u];
+    for (int u = 0; u < OG_ROUND; ++u) blk[u] = blk_next[u], row[u] = row_next[u];
   }
 
 #if OG_UPDATE

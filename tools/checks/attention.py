@@ -129,11 +129,6 @@ def cases() -> list[dict]:
               tunables={"attention.round": 2}),
         _case("two tiles a round, warps 8, cluster 8", RAGGED, 32, 4, 128,
               tunables={"attention.round": 2, "attention.warps": 8, "attention.cluster": 8}),
-        # two tiles a round where the sequence is one split, one where it has several
-        *[_case(f"two tiles a round in one split, batch 1 context {L}", [L], 32, 4, 128, tunables={"attention.round": 3})
-          for L in (200, 256, 257, 8192)],
-        _case("two tiles a round in one split, warps 8, ragged", RAGGED + [129, 255, 256, 257, 512], 32, 4, 128,
-              update=True, tunables={"attention.round": 3, "attention.warps": 8}),
         _case("update: two tiles a round, warps 8, CUDA graph, ragged", RAGGED, 32, 4, 128, graph=True, update=True,
               tunables={"attention.round": 2, "attention.warps": 8}),
         _case("prologue: two tiles a round, warps 8, ragged", RAGGED, 32, 4, 128, qk_norm=True, rope=1,

@@ -54,9 +54,8 @@ typedef struct og_attn_cfg {
                     * its own entry point (OG_FAN32); only with max_splits > 16 */
   int vpf;         /* a tile's V loaded with its K, a tile ahead (OG_VPF); only where the registers
                     * it takes leave the warps as they are */
-  int round;       /* tiles a warp loads at once, 1 or 2 (OG_ROUND; 3: 2 where the sequence is one
-                    * split, else 1); 2 and 3 only where the registers they take leave the warps as
-                    * they are, and never with the V prefetch */
+  int round;       /* tiles a warp loads at once, 1 or 2 (OG_ROUND); 2 only where the registers it
+                    * takes leave the warps as they are, and never with the V prefetch */
   int softcap, window, sinks; /* the options' code paths (OG_SOFTCAP, OG_WINDOW, OG_SINKS) */
   int update;                 /* the call writes its new keys and values (OG_UPDATE) */
   int qknorm, rope;           /* q/k RMSNorm, rotary embedding (OG_QKNORM, OG_ROPE: OPGRAFT_ROPE_*) */

@@ -52,12 +52,12 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   const int vneed = regs_needed(a->head_size, G, uc, 1);
   c->vpf = opgraft__tune_value("attention.vpf", arch, gpu, shape, B) != 0 && fits(c->warps, vneed);
   if (c->vpf) need = vneed;
-  /* Two tiles a round (2; 3: where the sequence is one split) hold a second tile's K and V rows, D/2
-   * registers more: only where the warps still fit, and not with the V prefetch. */
+  /* Two tiles a round hold a second tile's K and V rows, D/2 registers more: only where the warps
+   * still fit, and not with the V prefetch. */
   const int rneed = base + (int)(a->head_size / 2);
-  const int64_t round = opgraft__tune_value("attention.round", arch, gpu, shape, B);
-  c->round = !c->vpf && (round == 2 || round == 3) && fits(c->warps, rneed) ? (int)round : 1;
-  if (c->round > 1) need = rneed;
+  c->round =
+      !c->vpf && opgraft__tune_value("attention.round", arch, gpu, shape, B) == 2 && fits(c->warps, rneed) ? 2 : 1;
+  if (c->round == 2) need = rneed;
   /* 0: as many blocks an SM as the register need allows; a value is clamped down to that. */
   int fit = 16;
   while (fit > 1 && regs_cap(c->warps, fit) < need) --fit;

@@ -18,7 +18,7 @@ static const og_tunable tunables[] = {
     {"attention.fan32", 0, 1, 0, "0 1"},
     {"attention.cluster", 1, 8, 1, "1 4 8"},
     {"attention.vpf", 0, 1, 0, "0 1"},
-    {"attention.round", 1, 3, 1, "1 2 3"},
+    {"attention.round", 1, 2, 1, "1 2"},
 };
 
 static const og_tune_entry rows[] = {

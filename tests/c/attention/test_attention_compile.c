@@ -185,17 +185,13 @@ static int setup(void **state) {
                                "OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL},
               some, nsome);
   /* Two tiles a round over every shipped variant with the cache write, at the shipped warps (where
-   * the registers allow it; else one) and at 8, with the prologue, and with the cluster merge; two
-   * where the sequence is one split (3) at 8 warps and over some. */
+   * the registers allow it; else one) and at 8, with the prologue, and with the cluster merge. */
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_ROUND", "2", NULL}, written, nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_ROUND", "2", "OPGRAFT_TUNE_ATTENTION_WARPS", "8", NULL}, written,
               nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_ROUND", "2", "OPGRAFT_TUNE_ATTENTION_WARPS", "8", NULL}, prologue,
               nwritten);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_ROUND", "2", NULL}, some, nsome);
-  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_ROUND", "3", "OPGRAFT_TUNE_ATTENTION_WARPS", "8", NULL}, written,
-              nwritten);
-  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_ROUND", "3", NULL}, some, nsome);
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_ROUND", "2", "OPGRAFT_TUNE_ATTENTION_WARPS", "8",
                                "OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL},
               some, nsome);

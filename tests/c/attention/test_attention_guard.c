@@ -556,16 +556,6 @@ static void test_config(void **state) {
   assert_int_equal(c.round, 1);
   a = valid_args();
   a.batch = 1;
-  setenv("OPGRAFT_TUNE_ATTENTION_ROUND", "3", 1); /* two tiles where the sequence is one split */
-  opgraft_tune_reload();
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_true(c.warps == 8 && c.round == 3);
-  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
-  assert_true(has_opt(&o, "-DOG_ROUND=3"));
-  a.batch = 8;
-  opgraft__attn_config(&a, 90, NULL, &c);
-  assert_int_equal(c.round, 1);
-  a.batch = 1;
   setenv("OPGRAFT_TUNE_ATTENTION_VPF", "1", 1);
   opgraft_tune_reload();
   opgraft__attn_config(&a, 90, NULL, &c);
