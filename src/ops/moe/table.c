@@ -85,6 +85,10 @@ static const og_tune_entry rows[] = {
     {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-30B-A3B/tp4 T=1 11.6 -> 11.1 us; with down unroll 6 10.3"},
     {90, NULL, "moe:bf16:E128:H2048:I192:k8", 1, 1, "moe.down.unroll", 6, "H200 2026-11-30 (v16) with moe.down.early 1: Qwen3-30B-A3B/tp4 T=1 11.1 -> 10.3 us (8: 10.4; 2: 11.3)"},
     {90, NULL, "moe:bf16:E128:H4096:I1536:k8", 1, 1, "moe.down.early", 1, "H200 2026-11-30 (v16): Qwen3-235B-A22B T=1 76.1 -> 75.1 us"},
+    /* down lets the next layer's qkv projection (a programmatic dependent, linear.pdl 1) launch as it
+     * starts, so qkv streams its first weights while down runs: an engine measurement, since the
+     * effect is on the next kernel (down itself is 1.2 us slower beside it). */
+    {90, "NVIDIA H100 80GB HBM3", "moe:bf16:E128:H2048:I768:k8", 1, 1, "moe.trigger", 1, "H100 2026-12-06 engine, vLLM 0.26, Qwen3-30B-A3B bf16, 128 in / 64 out: batch-1 ITL 3.206 -> 3.117 and 3.207 -> 3.124 ms (x0.972, x0.974, reps apart, both orders); batch 8 x0.987 / x0.972 inside the spread, not taken"},
     /* FP8 block scales, Qwen3-30B-A3B: `opgraft tune moe --dtype fp8-block` on the v23 kernels
      * (64-k steps, 16-row gate_up tiles), activations quantized beforehand; each range's rows are
      * its whole tuned configuration beyond the rules. */
