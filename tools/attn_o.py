@@ -1,7 +1,7 @@
 """Decode attention and the output projection back to back, as a decode step runs them (GPU only).
 
     PYTHONPATH=python python3 -m tools.attn_o [--model Qwen3-30B-A3B] [--batch 1,8]
-        [--context 256,1024,8192] [--variants NAME,...] [--attention-only] [--json FILE]
+        [--context 256,1024,8192] [--variants NAME,...] [--attention-only] [--qkv] [--json FILE]
 
 A call is what a layer does from the query to the projected output (with --attention-only, to
 attention's output, checked against fp64 attention): a kernel writing the query
@@ -14,7 +14,10 @@ so an overlap between the two kernels counts. Each variant sets tunables only (V
 kernels are the shipped ones; the projection's output is checked against fp64 in every variant.
 The write variants add the layer's KV-cache write of the new key and value (views of the same
 fused qkv row the query kernel writes): vLLM's reshape_and_cache_flash before attention
-(vllm-write, needs vLLM), or opgraft's attention storing them itself (kernel-write).
+(vllm-write, needs vLLM), or opgraft's attention storing them itself (kernel-write). With --qkv the
+fused row comes from the layer's qkv projection on opgraft's linear op (a random hidden row times
+rotated weight copies) instead of a copy, so the span is qkv + attention + o and a variant that
+lets attention start while qkv streams (linear.trigger with attention.pdl 2) shows what it saves.
 """
 import argparse
 import sys
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-only", action="store_true",
                     help="time each variant's attention (with its KV write) without the projection after it, "
                          "checked against fp64 attention: what the span owes to the projection's overlap")
+    ap.add_argument("--qkv", action="store_true",
+                    help="the fused q/k/v row written by the qkv projection (opgraft's linear op) instead of a copy")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     extra = tunable_variants(args.extra, "kernel", "tools.attn_o")
@@ -71,11 +76,14 @@ def main(argv=None) -> int:
 
     shape = ATTENTION_PRESETS[args.model]
     oshape = next(s for s in LINEAR_PRESETS[args.model] if s.proj == "o")
+    qshape = next(s for s in LINEAR_PRESETS[args.model] if s.proj == "qkv")
     linear_bench.measure_whole_row_range()
     ceiling = bench.measure_read_ceiling("cuda")
     between = bench.between_traffic(bench.BETWEEN_MIB, "cuda")
     copies = linear_bench.copies_for(oshape)
     weights = [linear_bench.make_weight(oshape, "bf16", "cuda", seed=i) for i in range(copies)]
+    qcopies = copies if args.qkv else 0
+    qweights = [linear_bench.make_weight(qshape, "bf16", "cuda", seed=100 + i) for i in range(qcopies)]
 
     def forget():
         attn_ops.forget_plans()
@@ -104,6 +112,7 @@ def main(argv=None) -> int:
             slots = (p.block_table[:, (C - 1) // bs].long() * bs + (C - 1) % bs).contiguous()
             scale1 = torch.ones((), dtype=torch.float32, device="cuda")
             fsrc = fused.clone()
+            hidden = torch.randn((B, qshape.in_features), device="cuda").to(torch.bfloat16) if args.qkv else None
             out = torch.empty((B, hq, d), dtype=torch.bfloat16, device="cuda")
             x = out.view(B, -1)
             ys = [torch.empty((B, oshape.out_features), dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
@@ -113,7 +122,10 @@ def main(argv=None) -> int:
                 with bench.tunables(cfg, forget):
 
                     def call(i, _):
-                        fused.copy_(fsrc)
+                        if args.qkv:  # q/k/v of the step from the projection, as in a layer
+                            linear_ops.linear_into(fused, hidden, qweights[i])
+                        else:
+                            fused.copy_(fsrc)
                         if write == "vllm":
                             reshape_and_cache_flash(knew, vnew, p.key_cache, p.value_cache, slots, "auto", scale1,
                                                     scale1)
@@ -135,7 +147,8 @@ def main(argv=None) -> int:
                     else:
                         err = bench.rel_err(ys[0] if ours else last[0], x.double() @ weights[0].double().T)
                     us = bench.time_calls_span(call, [(i, None) for i in range(copies)], between)
-                rows.append({"op": "attention" if args.attention_only else "attention+o", "model": args.model,
+                op = ("qkv+" if args.qkv else "") + ("attention" if args.attention_only else "attention+o")
+                rows.append({"op": op, "model": args.model,
                              "variant": name, "tunables": cfg, "kv_write": write,
                              "batch": B, "context": C, "median_us": round(us, 2), "rel_err": float(f"{err:.3g}"),
                              "ok": err <= bench.TOLERANCE["bf16"]})

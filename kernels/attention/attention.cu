@@ -82,7 +82,12 @@
 // OG_PDL (sm_90): launched as a programmatic dependent of the stream's previous kernel (the KV
 // write), which may write the query and the cache but not the lengths or the block table: the
 // kernel loads the length and its first block-table entry, then waits for that kernel
-// (griddepcontrol.wait) before it reads anything else.
+// (griddepcontrol.wait) before it reads anything else. OG_PDL 2 also loads the first round's K and
+// V rows before the wait (first_round.cuh), so a kernel started early by the previous one (the qkv
+// projection's trigger, linear.trigger) has them when that one ends: only with OG_UPDATE, where the
+// step's key and value come from registers and every cache row read was written by an earlier
+// step, and without a window. Its OG_TRIGGER follows the wait, so the next kernel (the o
+// projection) starts no earlier than under OG_PDL 1.
 #ifndef OG_PDL
 #define OG_PDL 0
 #endif
@@ -114,6 +119,9 @@
 #endif
 #ifndef OG_UPDATE
 #define OG_UPDATE 0
+#endif
+#if OG_PDL == 2 && (!OG_UPDATE || OG_WINDOW)
+#error "the first round before the wait needs the kernel's own cache write (OG_UPDATE) and no window"
 #endif
 // OG_FAN32: the module also has the fan-in 32 entry point (attention_decode_fan32_*).
 #ifndef OG_FAN32
@@ -292,12 +300,15 @@ __device__ __forceinline__ int og_tile_block(const og_attn_params &p, const int 
   return blk >= 0 && blk < p.num_blocks ? blk : -1;
 }
 
+// EARLY: a load that must stay ahead of griddepcontrol.wait (og_load_before_wait's coherent form).
+template <bool EARLY = false>
 __device__ __forceinline__ og_vec4 og_kv_load(const og_u16 *ptr, bool valid) {
-  return valid ? og_load_stream<OG_LOAD>(ptr) : og_zero4();
+  return valid ? (EARLY ? og_load_before_wait(ptr) : og_load_stream<OG_LOAD>(ptr)) : og_zero4();
 }
 
 // V rows of the tile at token tb (cache block blk, its row `row`): tokens c, c+8, c+4, c+12,
 // dims 64j + 8g .. +8 (vbase holds the lane's 8g); keys outside [start, r1) or blk < 0 read zeros.
+template <bool EARLY = false>
 __device__ __forceinline__ void og_v_tile(og_vec4 (&vc)[OG_DV], og_vec4 (&v8)[OG_DV], og_vec4 (&v4)[OG_DV],
                                           og_vec4 (&v12)[OG_DV], const og_attn_params &p, const og_u16 *vbase, int blk,
                                           int row, int tb, int c, int start, int r1) {
@@ -308,10 +319,10 @@ __device__ __forceinline__ void og_v_tile(og_vec4 (&vc)[OG_DV], og_vec4 (&v8)[OG
   const og_u16 *vp = vbase + (long long)max(blk, 0) * p.v_sb + (long long)(row + c) * p.v_st;
 #pragma unroll
   for (int j = 0; j < OG_DV; ++j) {
-    vc[j] = og_kv_load(vp + 64 * j, w0);
-    v8[j] = og_kv_load(vp + 8 * p.v_st + 64 * j, w8);
-    v4[j] = og_kv_load(vp + 4 * p.v_st + 64 * j, w4);
-    v12[j] = og_kv_load(vp + 12 * p.v_st + 64 * j, w12);
+    vc[j] = og_kv_load<EARLY>(vp + 64 * j, w0);
+    v8[j] = og_kv_load<EARLY>(vp + 8 * p.v_st + 64 * j, w8);
+    v4[j] = og_kv_load<EARLY>(vp + 4 * p.v_st + 64 * j, w4);
+    v12[j] = og_kv_load<EARLY>(vp + 12 * p.v_st + 64 * j, w12);
   }
 }
 
@@ -531,7 +542,7 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int hq0 = hk * OG_G;  // the block's first query head
-#if OG_TRIGGER
+#if OG_TRIGGER && OG_PDL != 2
   og_pdl_launch_dependents();
 #endif
   og_vec4 qreg[OG_QREGS];
@@ -579,8 +590,35 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   og_qk_consts qk;
   og_qk_load(p, OG_ROPE ? og_ld_meta_s64(p.positions + b) : 0, qk);  // constants: before the wait
 #endif
+#if OG_PDL == 2
+  // The first round before the wait, for the split the code below takes (start 0: no window).
+  // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8; a round's tiles t, t + W, ...
+  og_vec4 kg[OG_ROUND][OG_DK], k8[OG_ROUND][OG_DK];
+#if OG_VPF
+  og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];  // this tile's V rows (og_v_tile)
+#endif
+  int t = warp, row[OG_ROUND], blk[OG_ROUND];
+#if !OG_VPF
+  og_vec4 vc[OG_ROUND][OG_DV], v8[OG_ROUND][OG_DV], v4[OG_ROUND][OG_DV], v12[OG_ROUND][OG_DV];  // its V
+#endif
+  {
+    const int start = 0;
+    int a0, chunk;
+    const int n = og_attn_split(L, start, gridDim.x, p.min_chunk, 16 * OG_W * OG_ROUND, &a0, &chunk);
+    const int r0 = a0 + s * chunk, r1 = s == n - 1 && slot >= 0 ? L - 1 : min(L, r0 + chunk);
+    const int ntiles = (r1 - r0 + 15) >> 4;
+    const og_u16 *kbase = (const og_u16 *)p.k + (long long)hk * p.k_sh + 8 * c;
+    const og_u16 *vbase = (const og_u16 *)p.v + (long long)hk * p.v_sh + 8 * g;
+    if (L > 0 && s < n) {
+#include "first_round.cuh"
+    }
+  }
+#endif
 #if OG_PDL
   og_pdl_wait();
+#if OG_TRIGGER && OG_PDL == 2
+  og_pdl_launch_dependents();
+#endif
   load_q();
 #endif
 #if OG_QKPRO
@@ -673,34 +711,14 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
     for (int mt = 0; mt < OG_MT; ++mt) o[nh][mt][0] = o[nh][mt][1] = o[nh][mt][2] = o[nh][mt][3] = 0.f;
   }
 
+#if OG_PDL != 2
   // K rows of a tile: tokens g and g+8, dims 32k + 8c .. +8; a round's tiles t, t + W, ...
   og_vec4 kg[OG_ROUND][OG_DK], k8[OG_ROUND][OG_DK];
 #if OG_VPF
   og_vec4 vc[OG_DV], v8[OG_DV], v4[OG_DV], v12[OG_DV];  // this tile's V rows (og_v_tile)
 #endif
   int t = warp, row[OG_ROUND], blk[OG_ROUND];
-#pragma unroll
-  for (int u = 0; u < OG_ROUND; ++u) {
-    const int tu = t + u * OG_W, tb = r0 + 16 * tu;
-    row[u] = 0;
-#if !OG_WINDOW
-    if (tb == tb_guess[u]) {
-      row[u] = tb_guess[u] - bi_guess[u] * p.block_size;
-      blk[u] = tu < ntiles && blk_guess[u] >= 0 && blk_guess[u] < p.num_blocks ? blk_guess[u] : -1;
-    } else
-#endif
-      blk[u] = tu < ntiles ? og_tile_block(p, bt, tb, &row[u]) : -1;
-    const bool v0 = blk[u] >= 0 && tb + g >= start && tb + g < r1,
-               v1 = blk[u] >= 0 && tb + g + 8 >= start && tb + g + 8 < r1;
-    const og_u16 *kp = kbase + (long long)max(blk[u], 0) * p.k_sb + (long long)(row[u] + g) * p.k_st;
-#pragma unroll
-    for (int k = 0; k < OG_DK; ++k) {
-      kg[u][k] = og_kv_load(kp + 32 * k, v0);
-      k8[u][k] = og_kv_load(kp + 8 * p.k_st + 32 * k, v1);
-    }
-  }
-#if OG_VPF
-  og_v_tile(vc, v8, v4, v12, p, vbase, blk[0], row[0], r0 + 16 * t, c, start, r1);
+#include "first_round.cuh"
 #endif
   for (; t < ntiles; t += OG_ROUND * OG_W) {
     int row_next[OG_ROUND], blk_next[OG_ROUND];
@@ -711,7 +729,11 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
       blk_next[u] = tn < ntiles ? og_tile_block(p, bt, r0 + 16 * tn, &row_next[u]) : -1;
     }
 #if !OG_VPF
+#if OG_PDL != 2
     og_vec4 vc[OG_ROUND][OG_DV], v8[OG_ROUND][OG_DV], v4[OG_ROUND][OG_DV], v12[OG_ROUND][OG_DV];
+#else
+    if (t != warp)  // the first round's came before the wait
+#endif
 #pragma unroll
     for (int u = 0; u < OG_ROUND; ++u)
       og_v_tile(vc[u], v8[u], v4[u], v12[u], p, vbase, blk[u], row[u], r0 + 16 * (t + u * OG_W), c, start, r1);

@@ -23,6 +23,11 @@
 // warp's weights before the wait, a request a 128-byte line: a previous kernel that lets this one
 // start early (decode attention: latency-bound, DRAM idle) then hides the read's ramp.
 //
+// OG_TRIGGER (sm_90): every block lets the stream's next kernel launch as it starts
+// (griddepcontrol.launch_dependents), so a next kernel launched as a programmatic dependent (decode
+// attention, which under its OG_PDL 2 loads its first K and V rows before its wait) starts while
+// this one streams its weights; that kernel still waits for this one's output.
+//
 // OG_NORM (linear_norm_gemv): vLLM's fused_add_rms_norm of x and a residual before the product.
 // After the wait every block normalizes the rows itself (h = x + residual in fp32, the rows' few
 // KB read from L2 by every block) into shared memory, from which the MMAs take x, so no kernel
@@ -54,6 +59,9 @@
 #endif
 #ifndef OG_PDL
 #define OG_PDL 0
+#endif
+#ifndef OG_TRIGGER
+#define OG_TRIGGER 0
 #endif
 #ifndef OG_NORM
 #define OG_NORM 0
@@ -173,6 +181,9 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const long long n0 = (long long)blockIdx.x * OG_ROWS;
+#if OG_TRIGGER
+  og_pdl_launch_dependents();
+#endif
 
   // This lane's W row in each tile (row n0 + 8t + g), and its x row (token g), at chunk c.
   const char *wrow[OG_TILES];

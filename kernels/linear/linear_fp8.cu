@@ -20,7 +20,7 @@
 // OG_BN (a multiple of 16: a tile lies in one block of rows), OG_BK (a multiple of 64 that divides
 // OG_K), OG_WARPS, OG_TILES, OG_U (groups a warp loads before its MMAs), OG_MINB, OG_LOAD,
 // OG_L2_FETCH, OG_PDL (0 or 1, as linear.cu: the first group's weights and scales are loaded
-// before the wait, x after it).
+// before the wait, x after it), OG_TRIGGER (as linear.cu).
 #include "og_fp8.cuh"
 #include "linear_params.h"
 
@@ -48,6 +48,9 @@
 #ifndef OG_PDL
 #define OG_PDL 0
 #endif
+#ifndef OG_TRIGGER
+#define OG_TRIGGER 0
+#endif
 
 #define OG_SPG (OG_BK / 64)   // 64-k steps a group
 #define OG_G (OG_K / OG_BK)    // groups of a row
@@ -59,6 +62,9 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const long long n0 = (long long)blockIdx.x * OG_ROWS;
+#if OG_TRIGGER
+  og_pdl_launch_dependents();
+#endif
 
   // This lane's W rows in each tile (rows n0 + 16t + g and + 8) at its 16 bytes of a step, and
   // the tile's row of weight scales.

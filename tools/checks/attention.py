@@ -35,15 +35,19 @@ def prepare() -> None:
 
 
 def _case(name, lens, hq, hk, d, dtype="bf16", bs=16, layout="NHD", softcap=0.0, window=-1, sinks=None, q_pad=0,
-          tunables=None, graph=False, hint=0, seed=0, write_q=False, o_proj=0, update=False, qk_norm=False, rope=0):
+          tunables=None, graph=False, hint=0, seed=0, write_q=False, o_proj=0, update=False, qk_norm=False, rope=0,
+          q_linear=False):
     """graph: captured into a CUDA graph, replayed with new lengths; in it, write_q puts a kernel
-    writing the query right before attention (a programmatic dependent must wait for it), o_proj
+    writing the query right before attention (a programmatic dependent must wait for it), with
+    q_linear opgraft's linear op (one-hot rows times the query as its weights: the same bits), which
+    lets attention start early under linear.trigger; o_proj
     N an output projection [N, heads x head size] on opgraft's linear op right after (which may
     start early under attention.trigger and must still read the finished output). qk_norm, rope
     (with update): the kernel's q/k RMSNorm and rotary embedding (1 NeoX, 2 GPT-J)."""
     return dict(name=name, lens=list(lens), hq=hq, hk=hk, d=d, dtype=dtype, bs=bs, layout=layout, softcap=softcap,
                 window=window, sinks=sinks, q_pad=q_pad, tunables=tunables or {}, graph=graph, hint=hint, seed=seed,
-                write_q=write_q, o_proj=o_proj, update=update or qk_norm or bool(rope), qk_norm=qk_norm, rope=rope)
+                write_q=write_q or q_linear, o_proj=o_proj, update=update or qk_norm or bool(rope), qk_norm=qk_norm,
+                rope=rope, q_linear=q_linear)
 
 
 RAGGED = [1, 15, 16, 17, 1000, 0, 8192, 33]
@@ -133,6 +137,28 @@ def cases() -> list[dict]:
               tunables={"attention.round": 2, "attention.warps": 8}),
         _case("prologue: two tiles a round, warps 8, ragged", RAGGED, 32, 4, 128, qk_norm=True, rope=1,
               tunables={"attention.round": 2, "attention.warps": 8}),
+        # the first round before the wait (attention.pdl 2, with the cache write), started early by the
+        # query's projection (linear.trigger)
+        _case("first round before the wait: update, ragged", RAGGED, 32, 4, 128, update=True,
+              tunables={"attention.pdl": 2}),
+        _case("first round before the wait: without the cache write (PDL 1)", RAGGED, 32, 4, 128,
+              tunables={"attention.pdl": 2}),
+        *[_case(f"first round before the wait: CUDA graph, q by a linear with its trigger, batch 1 context {L}",
+                [L], 32, 4, 128, graph=True, q_linear=True, update=True, o_proj=2048,
+                tunables={"attention.pdl": 2, "attention.trigger": 1, "linear.pdl": 1, "linear.trigger": 1,
+                          "linear.max_rows": 8})
+          for L in (200, 256, 8192)],
+        _case("first round before the wait: CUDA graph, q by a linear with its trigger, ragged, two tiles a round",
+              RAGGED, 32, 4, 128, graph=True, q_linear=True, update=True, o_proj=2048,
+              tunables={"attention.pdl": 2, "attention.trigger": 1, "attention.round": 2, "attention.warps": 8,
+                        "linear.pdl": 1, "linear.trigger": 1, "linear.max_rows": 8}),
+        _case("first round before the wait: CUDA graph, q by a linear, V prefetch, warps 8, ragged", RAGGED, 32, 4,
+              128, graph=True, q_linear=True, update=True,
+              tunables={"attention.pdl": 2, "attention.vpf": 1, "attention.warps": 8, "linear.pdl": 1,
+                        "linear.trigger": 1, "linear.max_rows": 8}),
+        _case("first round before the wait: CUDA graph, q by a linear, prologue, ragged (12 warps)", RAGGED, 32, 4,
+              128, graph=True, q_linear=True, qk_norm=True, rope=1,
+              tunables={"attention.pdl": 2, "linear.pdl": 1, "linear.trigger": 1, "linear.max_rows": 8}),
         # the combine's fan-in per launch: 32 at one sequence with 4 kv heads (17..36 splits, 33..36
         # lowered to 32: one level), 16 with attention.fan32 off (two levels)
         _case("fan-in 32, batch 1 context 4096 (32 splits, one combine level)", [4096], 32, 4, 128,
@@ -469,9 +495,27 @@ def _run_graph_case(c, p, res, tol, extra, new=None) -> dict:
             return res
 
     nsrc = new.fused.clone() if new is not None else None
+    if c["q_linear"]:  # q = xq @ wq^T: row b of xq is one-hot at b, column b of wq is row b's query
+        from opgraft.ops import linear as linear_ops
+
+        xq = torch.eye(B, 8, dtype=p.query.dtype, device="cuda")
+        wq = torch.zeros((c["hq"] * c["d"], 8), dtype=p.query.dtype, device="cuda")
+        qrows = p.query.view(p.query.shape[0], -1)[:B]
+        ok, why = linear_ops.linear_supports(xq, wq)
+        if not ok:
+            res.update(passed=False, reason=f"query projection handed back: {why}")
+            return res
+
+    def set_q():
+        if c["q_linear"]:
+            wq[:, :B].copy_(qsrc.view(qsrc.shape[0], -1)[:B].T)
 
     def step():
-        if c["write_q"]:
+        if c["q_linear"]:  # the new keys first, so that the query's projection runs right before attention
+            if new is not None:
+                new.fused.copy_(nsrc)
+            linear_ops.linear_into(qrows, xq, wq)
+        elif c["write_q"]:
             p.query.copy_(qsrc)
             if new is not None:  # the new keys written by the kernel before attention, as in a step
                 new.fused.copy_(nsrc)
@@ -479,6 +523,7 @@ def _run_graph_case(c, p, res, tol, extra, new=None) -> dict:
         if c["o_proj"]:
             linear_ops.linear_into(y, out[:B].view(B, -1), w)
 
+    set_q()
     graph = bench.capture(step, warmup=0)
     variants = [lens, [max(0, L // 2) for L in lens], [0 if i % 2 else L for i, L in enumerate(lens)],
                 list(reversed([min(L, max(lens)) for L in lens]))]
@@ -491,6 +536,7 @@ def _run_graph_case(c, p, res, tol, extra, new=None) -> dict:
         p.seq_lens.copy_(torch.tensor(v, dtype=torch.int32))
         if c["write_q"]:  # a new query each set of lengths, written inside the graph
             qsrc.copy_(torch.randn(qsrc.shape, generator=gen, device="cuda").to(qsrc.dtype))
+            set_q()
         if new is not None:  # new slots and new keys for these lengths
             new.set(v, gen)
             if c["write_q"]:

@@ -46,7 +46,8 @@ typedef struct og_attn_cfg {
   int min_chunk;   /* tokens a split takes at least */
   int max_splits;  /* splits of one sequence at most */
   int load;        /* K/V load form (og_load_stream) */
-  int pdl;         /* programmatic dependent launch (sm_90+) */
+  int pdl;         /* programmatic dependent launch (sm_90+); 2: the first round's K and V before the
+                    * wait, only with the cache write and without a window */
   int trigger;     /* lets the next kernel start while the blocks run (sm_90+) */
   int cluster;     /* blocks a thread-block cluster merging splits on chip at most (sm_90+; 1 = none):
                     * 2, 4 or 8, a launch taking 4 or 8 (opgraft__attn_cluster_of) */

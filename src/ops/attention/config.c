@@ -69,7 +69,10 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->max_splits = (int)opgraft__tune_value("attention.max_splits", arch, gpu, shape, B);
   /* Forms 1 and 4 exist (og_common.cuh); any other value reads as 4. */
   c->load = opgraft__tune_value("attention.load", arch, gpu, shape, B) == 1 ? 1 : 4;
-  c->pdl = arch >= 90 && opgraft__tune_value("attention.pdl", arch, gpu, shape, B) != 0;
+  /* 2 loads the first round before the wait: rows the kernel reads must not be the previous
+   * kernel's, so only where the kernel writes the step's key itself (and without a window). */
+  const int64_t pdl = arch >= 90 ? opgraft__tune_value("attention.pdl", arch, gpu, shape, B) : 0;
+  c->pdl = pdl >= 2 && a->k_new != NULL && a->window_left < 0 ? 2 : pdl != 0;
   c->trigger = arch >= 90 && opgraft__tune_value("attention.trigger", arch, gpu, shape, B) != 0;
   /* Only where a launch can take 17 splits or more (the fan-in 32 entry point is compiled then). */
   c->fan32 = opgraft__tune_value("attention.fan32", arch, gpu, shape, B) != 0 && c->max_splits > OG_ATTN_FAN;

@@ -13,7 +13,7 @@ static const og_tunable tunables[] = {
     {"attention.min_chunk", 16, 65536, 128, "64 128 256 512 1024"},
     {"attention.max_splits", 1, 1024, 128, "16 32 64 128 256"},
     {"attention.load", 1, 4, 4, "4 1"},
-    {"attention.pdl", 0, 1, 0, "0 1"},
+    {"attention.pdl", 0, 2, 0, "0 1"}, /* 2 acts only after a kernel that triggers it: not an op-level tune */
     {"attention.trigger", 0, 1, 0, "0 1"},
     {"attention.fan32", 0, 1, 0, "0 1"},
     {"attention.cluster", 1, 8, 1, "1 4 8"},

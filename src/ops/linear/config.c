@@ -24,6 +24,7 @@ void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const ch
   /* 0 off; 1 the first loads before the wait; 2 also the rest of the weights asked of L2 there. */
   const int64_t pdl = arch >= 90 ? opgraft__tune_value("linear.pdl", arch, gpu, shape, M) : 0;
   c->pdl = pdl >= 2 ? 2 : pdl != 0;
+  c->trigger = arch >= 90 && opgraft__tune_value("linear.trigger", arch, gpu, shape, M) != 0;
   if (opgraft__linear_is_fp8(a)) {
     /* A group's operands a lane: (block_k / 64) steps of 16 bytes of 2 rows a tile, and 32 bytes
      * of x (shared by the tiles): at most 64 registers for a batch of groups, 48 for one group
@@ -63,6 +64,7 @@ int32_t opgraft__linear_options(const opgraft_linear_args *a, const og_linear_cf
   OG_OPT("-DOG_LOAD=%d", c->load);
   OG_OPT("-DOG_L2_FETCH=%d", c->l2_fetch);
   OG_OPT("-DOG_PDL=%d", c->pdl);
+  if (c->trigger) OG_OPT("-DOG_TRIGGER=1"); /* only where on, as OG_NORM */
   if (a->residual) OG_OPT("-DOG_NORM=1");
 #undef OG_OPT
   return opgraft__opts_check(o, "linear");

@@ -52,6 +52,7 @@ typedef struct og_linear_cfg {
   int load;       /* OG_LOAD: the weight load's form (og_common.cuh) */
   int l2_fetch;   /* OG_L2_FETCH: 0, 128 or 256 */
   int pdl;        /* OG_PDL: programmatic dependent launch (sm_90+); 2 with an L2 prefetch */
+  int trigger;    /* OG_TRIGGER: lets the stream's next kernel launch as the blocks start (sm_90+) */
 } og_linear_cfg;
 void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const char *gpu, og_linear_cfg *c);
 /* The compile options of a configuration; OPGRAFT_EINVAL if they did not fit. */

@@ -17,6 +17,7 @@ static const og_tunable tunables[] = {
     {"linear.load", 1, 4, 4, "4 1"},
     {"linear.l2_fetch", 0, 256, 0, "0 128 256"},
     {"linear.pdl", 0, 2, 0, "0 1 2"},
+    {"linear.trigger", 0, 1, 0, NULL}, /* its effect is on the next kernel: not an op-level tune */
     {"linear.norm_rows", 0, OG_LINEAR_MAX_ROWS, 0, NULL},
 };
 

@@ -195,6 +195,16 @@ static int setup(void **state) {
   add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_ROUND", "2", "OPGRAFT_TUNE_ATTENTION_WARPS", "8",
                                "OPGRAFT_TUNE_ATTENTION_CLUSTER", "8", NULL},
               some, nsome);
+  /* The first round before the wait (PDL 2, with the cache write only) over every shipped variant
+   * with it, with the trigger, with two tiles a round at 8 warps, the V prefetch and the prologue. */
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "2", "OPGRAFT_TUNE_ATTENTION_TRIGGER", "1", NULL}, written,
+              nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "2", "OPGRAFT_TUNE_ATTENTION_ROUND", "2",
+                               "OPGRAFT_TUNE_ATTENTION_WARPS", "8", NULL},
+              written, nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "2", "OPGRAFT_TUNE_ATTENTION_VPF", "1", NULL}, written,
+              nwritten);
+  add_setting((const char *[]){"OPGRAFT_TUNE_ATTENTION_PDL", "2", NULL}, prologue, nwritten);
   add_prologue_jobs();
   og_jobs_compile("attention");
   return 0;

@@ -563,6 +563,30 @@ static void test_config(void **state) {
   unsetenv("OPGRAFT_TUNE_ATTENTION_VPF");
   unsetenv("OPGRAFT_TUNE_ATTENTION_ROUND");
   opgraft_tune_reload();
+  /* The first round before the wait (PDL 2): only with the kernel's cache write and without a
+   * window (PDL 1 otherwise), only on sm_90; the trigger then follows the wait (kernel side). */
+  setenv("OPGRAFT_TUNE_ATTENTION_PDL", "2", 1);
+  opgraft_tune_reload();
+  a = valid_args();
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.pdl, 1);
+  set_update(&a);
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.pdl, 2);
+  assert_int_equal(opgraft__attn_options(&a, &c, &o), OPGRAFT_OK);
+  assert_true(has_opt(&o, "-DOG_PDL=2") && has_opt(&o, "-DOG_UPDATE=1"));
+  opgraft__attn_config(&a, 80, NULL, &c);
+  assert_int_equal(c.pdl, 0);
+  a.window_left = 127;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.pdl, 1);
+  setenv("OPGRAFT_TUNE_ATTENTION_PDL", "3", 1); /* out of range: ignored, the rule gives 0 */
+  opgraft_tune_reload();
+  a.window_left = -1;
+  opgraft__attn_config(&a, 90, NULL, &c);
+  assert_int_equal(c.pdl, 0);
+  unsetenv("OPGRAFT_TUNE_ATTENTION_PDL");
+  opgraft_tune_reload();
   /* A combine's maxima and sums (32 partials x G pairs) fit the room of the warps' partials. */
   for (int D = 64; D <= 256; D *= 2)
     for (int G = 1; G <= 16; ++G)

@@ -127,6 +127,7 @@ static int setup(void **state) {
       (const char *[]){"OPGRAFT_TUNE_LINEAR_PDL", "1", NULL},
       (const char *[]){"OPGRAFT_TUNE_LINEAR_PDL", "1", "OPGRAFT_TUNE_LINEAR_LOAD", "1", NULL},
       (const char *[]){"OPGRAFT_TUNE_LINEAR_PDL", "2", NULL},
+      (const char *[]){"OPGRAFT_TUNE_LINEAR_PDL", "1", "OPGRAFT_TUNE_LINEAR_TRIGGER", "1", NULL},
   };
   for (size_t i = 0; i < sizeof others / sizeof *others; ++i) {
     add_setting(others[i], qkv_o, 2, 1, OPGRAFT_DTYPE_BF16);

@@ -406,8 +406,23 @@ static void test_config_clamps(void **state) {
   assert_int_equal(c.l2_fetch, 128);
   assert_int_equal(c.load, 4);
   assert_int_equal(c.pdl, 1);
+  assert_int_equal(c.trigger, 0); /* off unless asked for */
   c = config_of(1, 5120, 2048, 80);
   assert_int_equal(c.pdl, 0); /* programmatic dependent launch needs sm_90 */
+  setenv("OPGRAFT_TUNE_LINEAR_TRIGGER", "1", 1);
+  opgraft_tune_reload();
+  assert_int_equal(config_of(1, 5120, 2048, 80).trigger, 0);
+  c = config_of(1, 5120, 2048, 90);
+  assert_int_equal(c.trigger, 1);
+  og_opts o;
+  opgraft_linear_args a = valid_args();
+  set_shape(&a, 1, 5120, 2048);
+  assert_int_equal(opgraft__linear_options(&a, &c, &o), OPGRAFT_OK);
+  int found = 0;
+  for (int i = 0; i < o.n; ++i) found |= strcmp(o.ptr[i], "-DOG_TRIGGER=1") == 0;
+  assert_true(found);
+  unsetenv("OPGRAFT_TUNE_LINEAR_TRIGGER");
+  opgraft_tune_reload();
   /* A warp never gets more steps in flight than it has: K=64 is 2 k-steps, 16 warps. */
   c = config_of(1, 5120, 64, 90);
   assert_int_equal(c.unroll, 1);
