@@ -300,6 +300,15 @@ __device__ __forceinline__ int og_tile_block(const og_attn_params &p, const int 
   return blk >= 0 && blk < p.num_blocks ? blk : -1;
 }
 
+#if OG_UPDATE
+// Does split s of n take the step's key from registers (the last split, where the row has a slot)?
+__device__ __forceinline__ bool og_fresh(int s, int n, long long slot) { return s == n - 1 && slot >= 0; }
+// The end of a split's keys from the cache: L - 1 where the step's key comes from registers.
+__device__ __forceinline__ int og_split_end(int L, int r0, int chunk, bool fresh) {
+  return fresh ? L - 1 : min(L, r0 + chunk);
+}
+#endif
+
 // EARLY: a load that must stay ahead of griddepcontrol.wait (og_load_before_wait's coherent form).
 template <bool EARLY = false>
 __device__ __forceinline__ og_vec4 og_kv_load(const og_u16 *ptr, bool valid) {
@@ -605,7 +614,7 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
     const int start = 0;
     int a0, chunk;
     const int n = og_attn_split(L, start, gridDim.x, p.min_chunk, 16 * OG_W * OG_ROUND, &a0, &chunk);
-    const int r0 = a0 + s * chunk, r1 = s == n - 1 && slot >= 0 ? L - 1 : min(L, r0 + chunk);
+    const int r0 = a0 + s * chunk, r1 = og_split_end(L, r0, chunk, og_fresh(s, n, slot));
     const int ntiles = (r1 - r0 + 15) >> 4;
     const og_u16 *kbase = (const og_u16 *)p.k + (long long)hk * p.k_sh + 8 * c;
     const og_u16 *vbase = (const og_u16 *)p.v + (long long)hk * p.v_sh + 8 * g;
@@ -668,8 +677,8 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
   const int r0 = a0 + s * chunk;
 #if OG_UPDATE
   // The last split's block writes the new key and value and takes key L-1 from them.
-  const bool fresh = s == n - 1 && slot >= 0;
-  const int r1 = fresh ? L - 1 : min(L, r0 + chunk);
+  const bool fresh = og_fresh(s, n, slot);
+  const int r1 = og_split_end(L, r0, chunk, fresh);
   __shared__ __align__(16) og_u16 s_new[2 * OG_D];  // the new key, then the new value
   __shared__ float s_xnew[OG_G];                    // the new key's logit per head (log2 units)
 #else
