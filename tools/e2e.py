@@ -39,7 +39,9 @@ Timing: for each batch size B, `generate(B prompts, max_tokens=1)` and `generate
 max_tokens=N)` are timed back to back (greedy, ignore_eos); the difference is N-1 decode steps, so
 ITL = (t_N - t_1) / (N - 1) and decode tokens/s = B (N-1) / (t_N - t_1), with the fastest t_1 of
 the reps (a stalled one-token run would make a rep's difference meaningless). Repeated --reps times;
-medians and spread are reported. A separate greedy run with logprobs gives the token ids and the
+medians and spread are reported. Before a batch size's reps the study waits (up to a minute) for a
+window in which the host keeps under two cores busy, and it records the busy cores beside each rep
+(host_quiet, host_busy_cores): what the host did while a rep ran slow. A separate greedy run with logprobs gives the token ids and the
 chosen tokens' logprobs for the parity check between settings. With --profile-steps N, a torch
 profiler in the worker records the GPU's kernels during a prefill alone and during the same
 prefill plus N decode steps; the difference is the GPU time of one decode step, kernel by kernel
@@ -343,6 +345,8 @@ def profiled_pair(profile_run, steps: int, tries: int = PROFILE_TRIES):
     return list(runs), list(splits), t
 
 
+QUIET_LIMIT_S = 60.0  # the longest wait for a quiet host before a batch size's timed reps
+QUIET_CORES = 2.0  # busy cores below which the host counts as quiet (a guess: host_quiet keeps what was seen)
 HOLD_S = 0.5  # long enough for the front end to add a batch of token prompts (a few ms for 64)
 HOLD_GRACE_S = 60.0  # a hold that has not returned this long after its end is left behind
 
@@ -650,6 +654,40 @@ def itl_floor_ms(t1s: list[float], tns: list[float], n: int) -> float:
     return round((min(tns) - min(t1s)) / (n - 1) * 1e3, 4)
 
 
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all of this host's CPUs (/proc/stat), None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(v) - v[3] - (v[4] if len(v) > 4 else 0), sum(v)
+
+
+def busy_cores(a, b) -> float | None:
+    """Cores this host kept busy between two cpu_jiffies() readings (every process's)."""
+    if a is None or b is None or b[1] <= a[1]:
+        return None
+    return round((b[0] - a[0]) / (b[1] - a[1]) * (os.cpu_count() or 1), 2)
+
+
+def wait_quiet(limit_s: float = QUIET_LIMIT_S, cores: float = QUIET_CORES, window_s: float = 1.0) -> dict:
+    """Wait, at most limit_s, for a window_s window in which this host keeps fewer than `cores`
+    cores busy. In v59 the first timed reps of a process whose graphs it had just compiled ran up
+    to 1.6x slower than its last ones (a loaded process's did not); the busy cores beside each rep
+    say whether the host was the cause."""
+    t0 = time.perf_counter()
+    seen = []
+    while True:
+        a = cpu_jiffies()
+        time.sleep(window_s)
+        c = busy_cores(a, cpu_jiffies())
+        seen.append(c)
+        if c is None or c < cores or time.perf_counter() - t0 >= limit_s:
+            return {"waited_s": round(time.perf_counter() - t0, 1), "busy_cores": seen[-8:],
+                    "quiet": c is not None and c < cores}
+
+
 def summarize(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values)}
@@ -722,9 +760,11 @@ def run(args) -> int:
             llm.generate(tok[:b], sp(1), use_tqdm=False)
             llm.generate(tok[:b], sp(n), use_tqdm=False)
     for b in batches:
-        itl, tps, t1s, tns, phases = [], [], [], [], []
+        itl, tps, t1s, tns, phases, busy = [], [], [], [], [], []
+        quiet = wait_quiet()
         print(f"{_TIMED_MARK} {b}", flush=True)  # the log's JIT events are placed by these two lines
         for _ in range(args.reps):
+            j = cpu_jiffies()
             t = time.perf_counter()
             first = llm.generate(tok[:b], sp(1), use_tqdm=False)
             t1 = time.perf_counter() - t
@@ -735,6 +775,7 @@ def run(args) -> int:
             t = time.perf_counter()
             outs = llm.generate(tok[:b], sp(n), use_tqdm=False)
             tn = time.perf_counter() - t
+            busy.append(busy_cores(j, cpu_jiffies()))
             got = [len(o.outputs[0].token_ids) for o in outs]
             if got != [n] * b:
                 raise SystemExit(f"opgraft e2e: expected {n} tokens per sequence, got {got}")
@@ -774,6 +815,7 @@ def run(args) -> int:
                                      "itl_ms_floor": itl_floor_ms(t1s, tns, n),
                                      "itl_ms_all": [round(x, 4) for x in itl],
                                      "t_1_s": t1s, "t_n_s": tns, "t_1_phases_ms": phases,
+                                     "host_busy_cores": busy, "host_quiet": quiet,
                                      "token_ids": ids, "logprobs": lps}
         if prof is not None:
             result["batches"][str(b)]["profile"] = prof
@@ -901,6 +943,13 @@ def compare(out_dir: str, modes=None) -> dict:
         t1 = f"{r['first_token_ms']:.1f}" if r.get("first_token_ms") is not None else "-"
         print(f"{r['mode']:<18} {r['batch']:>3} {r['itl_ms']:>16.3f} "
               f"{r['itl_ms_min']:>7.3f}..{r['itl_ms_max']:<7.3f} {floor:>7} {r['decode_tok_s']:>9.1f} {vs:>7} {t1:>10}")
+    for m, r in runs.items():  # the host before and during the timed reps (wait_quiet, busy cores a rep)
+        for key, br in sorted(r.get("batches", {}).items(), key=lambda kv: int(kv[0])):
+            q, busy = br.get("host_quiet"), [c for c in br.get("host_busy_cores") or [] if c is not None]
+            if q and busy:
+                print(f"host {m} B={key}: {'quiet' if q['quiet'] else 'not quiet'} after {q['waited_s']} s; "
+                      f"busy cores a rep {min(busy):.1f}..{max(busy):.1f}; ITL a rep "
+                      f"{' '.join(f'{x:.2f}' for x in br['itl_ms_all'])}")
     for m, r in runs.items():
         if r.get("moe_backend", "auto") != "auto":
             print(f"moe_backend {m}: {r['moe_backend']}")

@@ -966,3 +966,34 @@ def test_study_reports_jit_events_in_the_timed_runs(tmp_path, monkeypatch, capsy
             "Triton kernel JIT compilation: fused_moe_kernel x2") in out
     assert "JIT after vLLM's warm-up, opgraft, elsewhere:" in out
     assert not any(line.startswith("JIT after vLLM's warm-up, disabled") for line in out.splitlines())
+
+
+def test_busy_cores_from_two_readings_and_unreadable_ones(monkeypatch):
+    monkeypatch.setattr(e2e.os, "cpu_count", lambda: 16)
+    assert e2e.busy_cores((100, 1000), (150, 1400)) == 2.0  # 50 of 400 jiffies on 16 cores
+    assert e2e.busy_cores(None, (1, 2)) is None and e2e.busy_cores((5, 10), (5, 10)) is None
+    a = e2e.cpu_jiffies()  # this host's: busy never above total
+    assert a is None or 0 <= a[0] <= a[1]
+
+
+def test_wait_quiet_stops_at_a_quiet_window_or_at_its_limit(monkeypatch):
+    monkeypatch.setattr(e2e.time, "sleep", lambda s: None)
+    seen = iter([(0, 0), (100, 100), (100, 100), (101, 200)])  # a busy window, then a quiet one
+    monkeypatch.setattr(e2e, "cpu_jiffies", lambda: next(seen))
+    monkeypatch.setattr(e2e.os, "cpu_count", lambda: 16)
+    q = e2e.wait_quiet(limit_s=60.0, cores=2.0)
+    assert q["quiet"] is True and q["busy_cores"] == [16.0, 0.16]
+    monkeypatch.setattr(e2e, "cpu_jiffies", lambda it=iter(range(0, 10 ** 6, 100)): (next(it), next(it)))
+    q = e2e.wait_quiet(limit_s=0.0, cores=2.0)  # always busy: gives up at the limit, says so
+    assert q["quiet"] is False and len(q["busy_cores"]) == 1
+    monkeypatch.setattr(e2e, "cpu_jiffies", lambda: None)  # no /proc/stat: no wait
+    assert e2e.wait_quiet()["quiet"] is False
+
+
+def test_compare_prints_the_host_beside_the_reps(tmp_path, capsys):
+    r = _run("opgraft", [[1, 2]], [[-1.0, -1.0]], [3.5, 3.1, 3.0])
+    r["batches"]["1"].update(host_quiet={"waited_s": 1.0, "busy_cores": [0.4], "quiet": True},
+                             host_busy_cores=[5.2, None, 1.1], itl_ms_all=[3.5, 3.1, 3.0])
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(r))
+    e2e.compare(str(tmp_path))
+    assert "host opgraft B=1: quiet after 1.0 s; busy cores a rep 1.1..5.2; ITL a rep 3.50 3.10 3.00" in capsys.readouterr().out
