@@ -41,9 +41,9 @@ ITL = (t_N - t_1) / (N - 1) and decode tokens/s = B (N-1) / (t_N - t_1), with th
 the reps (a stalled one-token run would make a rep's difference meaningless). Repeated --reps times;
 medians and spread are reported. Before a batch size's reps the study waits (up to a minute) for a
 window in which the host keeps under two cores busy, and it records the busy cores beside each rep
-(host_quiet, host_busy_cores): what the host did while a rep ran slow. A separate greedy run with logprobs gives the token ids and the
-chosen tokens' logprobs for the parity check between settings. With --profile-steps N, a torch
-profiler in the worker records the GPU's kernels during a prefill alone and during the same
+(host_quiet, host_busy_cores): what the host did while a rep ran slow. A separate greedy run with
+logprobs gives the token ids and the chosen tokens' logprobs for the parity check between
+settings. With --profile-steps N, a torch profiler in the worker records the GPU's kernels during a prefill alone and during the same
 prefill plus N decode steps; the difference is the GPU time of one decode step, kernel by kernel
 (CUDA-graph replays included), to set against the ITL; the prefill's own kernels are kept too, to
 set against the one-token run (whose phases, from vLLM's per-request stats, are kept for every

@@ -38,13 +38,14 @@ def _case(name, lens, hq, hk, d, dtype="bf16", bs=16, layout="NHD", softcap=0.0,
           tunables=None, graph=False, hint=0, seed=0, write_q=False, o_proj=0, update=False, qk_norm=False, rope=0,
           q_linear=False, same_bits_as=None):
     """same_bits_as: another variant's tunables whose output (and cache write) must be these bits
-    exactly: the same splits in the same order, only the schedule differs. graph: captured into a CUDA graph, replayed with new lengths; in it, write_q puts a kernel
-    writing the query right before attention (a programmatic dependent must wait for it), with
-    q_linear opgraft's linear op (one-hot rows times the query as its weights: the same bits), which
-    lets attention start early under linear.trigger; o_proj
-    N an output projection [N, heads x head size] on opgraft's linear op right after (which may
-    start early under attention.trigger and must still read the finished output). qk_norm, rope
-    (with update): the kernel's q/k RMSNorm and rotary embedding (1 NeoX, 2 GPT-J)."""
+    exactly: the same splits in the same order, only the schedule differs. graph: captured into a
+    CUDA graph, replayed with new lengths; in it, write_q puts a kernel writing the query right
+    before attention (a programmatic dependent must wait for it), with q_linear opgraft's linear op
+    (one-hot rows times the query as its weights: the same bits), which lets attention start early
+    under linear.trigger; o_proj N an output projection [N, heads x head size] on opgraft's linear
+    op right after (which may start early under attention.trigger and must still read the finished
+    output). qk_norm, rope (with update): the kernel's q/k RMSNorm and rotary embedding (1 NeoX, 2
+    GPT-J)."""
     return dict(name=name, lens=list(lens), hq=hq, hk=hk, d=d, dtype=dtype, bs=bs, layout=layout, softcap=softcap,
                 window=window, sinks=sinks, q_pad=q_pad, tunables=tunables or {}, graph=graph, hint=hint, seed=seed,
                 write_q=write_q or q_linear, o_proj=o_proj, update=update or qk_norm or bool(rope), qk_norm=qk_norm,
