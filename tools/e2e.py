@@ -45,7 +45,9 @@ window in which the host keeps under two cores busy, and it records the busy cor
 logprobs gives the token ids and the chosen tokens' logprobs for the parity check between
 settings. With --profile-steps N, a torch profiler in the worker records the GPU's kernels during a prefill alone and during the same
 prefill plus N decode steps; the difference is the GPU time of one decode step, kernel by kernel
-(CUDA-graph replays included), to set against the ITL; the prefill's own kernels are kept too, to
+(CUDA-graph replays included), to set against the ITL, with each kernel's exposed time (the
+part of its span that no kernel started before it covers: under programmatic dependent launch a
+kernel's own span includes its wait), whose sum is the GPU's busy span a step; the prefill's own kernels are kept too, to
 set against the one-token run (whose phases, from vLLM's per-request stats, are kept for every
 rep: front end, queue, the engine core's prefill step), and with --profile-host the worker's host ops during that prefill
 (self CPU time, op by op), for a one-token run that is longer than its GPU time. vLLM's engine core
@@ -535,9 +537,13 @@ def _worker_profile(worker=None, action: str = "start", host: bool = False) -> d
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         prof.stop()
-        from opgraft.bench import profiler_host_ops, profiler_kernels
+        from opgraft.bench import profiler_exposed, profiler_host_ops, profiler_kernels
 
         out["kernels"] = short_names(profiler_kernels(prof))
+        try:  # the kernels' spans, a second reading of the same profile: its failure keeps the table
+            out["exposed"] = short_names({k: [us] for k, us in profiler_exposed(prof).items()})
+        except Exception as e:
+            out["exposed_error"] = f"{type(e).__name__}: {e}"
         if ProfilerActivity.CPU in prof.activities:
             out["host"] = short_names(profiler_host_ops(prof))
     except Exception as e:  # a profiler that cannot run must not end the study
@@ -567,11 +573,16 @@ def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
     if "error" in prefill or "error" in full:
         return {"error": prefill.get("error") or full.get("error")}
     rows = []
+    exposed = {}  # per step: what each kernel adds to the GPU's busy span (profiler_exposed)
+    for name, (us,) in full.get("exposed", {}).items():
+        exposed[name] = (us - prefill.get("exposed", {}).get(name, (0.0,))[0]) / steps
     for name, (n, us) in full.get("kernels", {}).items():
         n0, us0 = prefill.get("kernels", {}).get(name, (0, 0.0))
         if us - us0 > 0:
             rows.append({"kernel": name, "launches_per_step": round((n - n0) / steps, 2),
                          "us_per_step": round((us - us0) / steps, 2)})
+            if name in exposed:
+                rows[-1]["exposed_us_per_step"] = round(exposed[name], 2)
     rows.sort(key=lambda r: -r["us_per_step"])
     pre = [{"kernel": name, "launches_per_step": n, "us_per_step": round(us, 2)}
            for name, (n, us) in prefill.get("kernels", {}).items()]
@@ -586,9 +597,12 @@ def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
         scopes = {r["op"]: r["total_us"] for r in ops if r["op"].startswith(RUNNER_SCOPE)}
         prefill_step["host"] = {"us": round(sum(r["us"] for r in ops), 1), "calls": sum(r["calls"] for r in ops),
                                 "ops": ops[:top], "scopes": scopes}
-    return {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
-            "kernels_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
-            "kernels": rows[:top], "prefill": prefill_step}
+    out = {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+           "kernels_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
+           "kernels": rows[:top], "prefill": prefill_step}
+    if exposed:  # the GPU's busy span a step: the kernels' sum less their overlaps
+        out["busy_us_per_step"] = round(sum(exposed.values()), 1)
+    return out
 
 
 def host_diff(base: dict, other: dict, top: int = 10) -> dict:
@@ -996,10 +1010,12 @@ def compare(out_dir: str, modes=None) -> dict:
             if "error" in prof:
                 print(f"profile {m} B={key}: {prof['error']}")
                 continue
-            print(f"profile {m} B={key}: GPU {prof['gpu_us_per_step'] / 1e3:.3f} ms per step "
+            busy = f", busy {prof['busy_us_per_step'] / 1e3:.3f} ms" if "busy_us_per_step" in prof else ""
+            print(f"profile {m} B={key}: GPU {prof['gpu_us_per_step'] / 1e3:.3f} ms per step{busy} "
                   f"(ITL {br['itl_ms']['median']:.3f} ms)")
             for k in prof["kernels"][:8]:
-                print(f"    {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
+                exp = f" ({k['exposed_us_per_step']:.1f} exposed)" if "exposed_us_per_step" in k else ""
+                print(f"    {k['us_per_step']:9.1f} us{exp}  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
             pre = prof.get("prefill")
             ps = prof.get("prefill_steps") or {}
             if pre:

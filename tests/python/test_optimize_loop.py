@@ -285,6 +285,25 @@ def test_profiler_kernels_reads_either_time_attribute():
     assert bench.profiler_host_ops(prof) == {"aten::mm": (4, 40.0, 45.0)}
 
 
+def test_profiler_exposed_counts_each_overlap_once():
+    from types import SimpleNamespace as NS
+
+    pytest.importorskip("torch", reason="opgraft.bench measures with torch")
+    from opgraft import bench
+
+    def ev(key, start, end, **kw):
+        return NS(key=key, time_range=NS(start=start, end=end), **kw)
+
+    # qkv 0-10; attention launched at 2 by its trigger, waits, ends at 14; o launched at 12, ends
+    # at 20; a gap; a memcpy 25-26; a host op and a scope over all of it are not kernels
+    events = [ev("o", 12.0, 20.0), ev("qkv", 0.0, 10.0), ev("attention", 2.0, 14.0), ev("memcpy", 25.0, 26.0),
+              ev("aten::mm", 0.0, 30.0, device_type="DeviceType.CPU"),
+              ev("gpu_model_runner: forward", 0.0, 30.0, is_user_annotation=True), ev("empty", 5.0, 5.0)]
+    exposed = bench.profiler_exposed(NS(events=lambda: events))
+    assert exposed == {"qkv": 10.0, "attention": 4.0, "o": 6.0, "memcpy": 1.0}
+    assert sum(exposed.values()) == 21.0  # the union of the spans: 0-20 and 25-26
+
+
 def test_tunables_context_sets_and_clears_through_the_api(monkeypatch):
     pytest.importorskip("torch")
     from opgraft import _lib

@@ -197,6 +197,23 @@ def profiler_kernels(prof) -> dict:
     return out
 
 
+def profiler_exposed(prof) -> dict:
+    """{kernel name: exposed device µs} of a stopped torch profiler (the kernels of
+    profiler_kernels): of each kernel's span, the part after every kernel that started before it
+    had ended. Where kernels overlap (a programmatic dependent launched while the kernel before it
+    runs, whose own span then includes its wait) this is the time each adds to the GPU's busy span,
+    and the exposed times add up to that span, where self times count the overlap twice."""
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.key) for ev in prof.events()
+                   if not _host_event(ev) and not getattr(ev, "is_user_annotation", False)
+                   and ev.time_range.end > ev.time_range.start)
+    out: dict = {}
+    edge = float("-inf")
+    for start, end, name in spans:
+        out[name] = out.get(name, 0.0) + max(0.0, end - max(start, edge))
+        edge = max(edge, end)
+    return out
+
+
 def profiler_host_ops(prof) -> dict:
     """{host op name: (calls, self CPU µs, CPU µs with what runs inside)} of a stopped torch
     profiler that recorded the CPU: aten ops, custom ops such as opgraft::linear, CUDA runtime

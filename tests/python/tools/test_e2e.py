@@ -337,6 +337,17 @@ def test_profile_rows_subtract_the_prefill_and_rank_by_time():
                             "kernels": [{"kernel": "fused_moe_kernel", "launches_per_step": 96, "us_per_step": 500.0},
                                         {"kernel": "attn", "launches_per_step": 48, "us_per_step": 100.0}]}
     assert e2e.profile_rows({"error": "x"}, full, 10) == {"error": "x"}
+    assert "busy_us_per_step" not in p and "exposed_us_per_step" not in p["kernels"][0]  # older workers
+
+
+def test_profile_rows_give_each_kernel_its_exposed_time_and_the_busy_span():
+    pre = {"kernels": {"attn": [48, 100.0]}, "exposed": {"attn": [100.0]}}
+    full = {"kernels": {"attn": [96, 600.0], "qkv": [48, 400.0]}, "exposed": {"attn": [300.0], "qkv": [400.0]}}
+    p = e2e.profile_rows(pre, full, steps=2)
+    rows = {k["kernel"]: k for k in p["kernels"]}
+    assert rows["attn"]["us_per_step"] == 250.0 and rows["attn"]["exposed_us_per_step"] == 100.0
+    assert rows["qkv"]["exposed_us_per_step"] == 200.0
+    assert p["gpu_us_per_step"] == 450.0 and p["busy_us_per_step"] == 300.0
 
 
 def test_kernels_sharing_a_cut_name_are_summed_so_the_prefill_subtraction_holds():
@@ -365,6 +376,7 @@ def test_worker_profile_records_host_ops_when_asked():
     out = e2e._worker_profile(None, "stop", True)
     assert "error" not in out, out
     assert out["host"]["aten::mm"][0] == 3 and out["host"]["aten::mm"][1] > 0
+    assert out["exposed"] == {} and "exposed_error" not in out  # torch's real events read; no kernels here
 
 
 def test_host_ops_of_the_prefill_and_their_difference():
@@ -402,6 +414,12 @@ def test_compare_prints_the_profile(tmp_path, capsys):
     e2e.compare(str(tmp_path))
     out = capsys.readouterr().out
     assert "profile opgraft B=1: GPU 3.500 ms per step (ITL 4.000 ms)" in out and "moe_gate_up_bf16" in out
+    prof.update(busy_us_per_step=3000.0)
+    prof["kernels"][0]["exposed_us_per_step"] = 850.0
+    (tmp_path / "e2e-opgraft.json").write_text(json.dumps(run))
+    e2e.compare(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "GPU 3.500 ms per step, busy 3.000 ms (ITL 4.000 ms)" in out and "900.0 us (850.0 exposed)" in out
 
 
 def _request_stats():
