@@ -37,26 +37,27 @@ is shared by the settings.
 
 Timing: for each batch size B, `generate(B prompts, max_tokens=1)` and `generate(B prompts,
 max_tokens=N)` are timed back to back (greedy, ignore_eos); the difference is N-1 decode steps, so
-ITL = (t_N - t_1) / (N - 1) and decode tokens/s = B (N-1) / (t_N - t_1), with the fastest t_1 of
-the reps (a stalled one-token run would make a rep's difference meaningless). Repeated --reps times;
+ITL = (t_N - t_1) / (N - 1) and decode tokens/s = B (N-1) / (t_N - t_1), with the fastest t_1 of the
+reps (a stalled one-token run would make a rep's difference meaningless). Repeated --reps times;
 medians and spread are reported. Before a batch size's reps the study waits (up to a minute) for a
 window in which the host keeps under two cores busy, and it records the busy cores beside each rep
 (host_quiet, host_busy_cores): what the host did while a rep ran slow. A separate greedy run with
-logprobs gives the token ids and the chosen tokens' logprobs for the parity check between
-settings. With --profile-steps N, a torch profiler in the worker records the GPU's kernels during a prefill alone and during the same
-prefill plus N decode steps; the difference is the GPU time of one decode step, kernel by kernel
-(CUDA-graph replays included), to set against the ITL, with each kernel's exposed time (the
-part of its span that no kernel started before it covers: under programmatic dependent launch a
-kernel's own span includes its wait), whose sum is the GPU's busy span a step; the prefill's own kernels are kept too, to
-set against the one-token run (whose phases, from vLLM's per-request stats, are kept for every
-rep: front end, queue, the engine core's prefill step), and with --profile-host the worker's host ops during that prefill
-(self CPU time, op by op), for a one-token run that is longer than its GPU time. vLLM's engine core
-steps on its own while the front end adds a batch's requests, so it may take the prompts in two
-steps, a forward more: each one-token run and each profiled run records how many steps took its
-prompts (`prefill_steps`, with the requests of each step). The profiled runs hold the engine core
-(a collective_rpc that sleeps in the worker) while the front end adds the batch, so that it takes
-every prompt in its first step; the pair is taken again (up to three times) until both runs took
-them in the same steps, and the printout says where they differ.
+logprobs gives the token ids and the chosen tokens' logprobs for the parity check between settings.
+With --profile-steps N, a torch profiler in the worker records the GPU's kernels during a prefill
+alone and during the same prefill plus N decode steps; the difference is the GPU time of one decode
+step, kernel by kernel (CUDA-graph replays included), to set against the ITL, with each kernel's
+exposed time (the part of its span that no kernel started before it covers: under programmatic
+dependent launch a kernel's own span includes its wait), whose sum is the GPU's busy span a step;
+the prefill's own kernels are kept too, to set against the one-token run (whose phases, from vLLM's
+per-request stats, are kept for every rep: front end, queue, the engine core's prefill step), and
+with --profile-host the worker's host ops during that prefill (self CPU time, op by op), for a
+one-token run that is longer than its GPU time. vLLM's engine core steps on its own while the front
+end adds a batch's requests, so it may take the prompts in two steps, a forward more: each one-token
+run and each profiled run records how many steps took its prompts (`prefill_steps`, with the
+requests of each step). The profiled runs hold the engine core (a collective_rpc that sleeps in the
+worker) while the front end adds the batch, so that it takes every prompt in its first step; the
+pair is taken again (up to three times) until both runs took them in the same steps, and the
+printout says where they differ.
 The MoE counters of the engine's worker process (opgraft.stats()) are read through vLLM's
 collective_rpc.
 
