@@ -35,7 +35,9 @@
  * - attention.load 4 (plain read-only loads), attention.pdl 0: the forms the MoE op measured as
  *   safe defaults; both are tuner candidates (pdl 1 gained nothing before the o projection, v26).
  *   pdl 2 (the first round's K and V before the wait, with the cache write) only acts where the
- *   kernel before it lets it start early (linear.trigger on the qkv projection): not yet timed.
+ *   kernel before it lets it start early (linear.trigger on the qkv projection, which precedes
+ *   attention only with the prologue): with it -4.5 us a layer at batch 1 (H100, qkv + attention
+ *   + o, v59), end to end x0.984 against the prologue alone in one order, so not a rule yet.
  * - attention.trigger 1 on sm_90: the output projection launched as a programmatic dependent
  *   (linear.pdl) then streams its weights while attention runs. H200, Qwen3-30B-A3B, attention
  *   then o [2048, 4096] timed as one span (tools.attn_o, v26): batch 1 at 256 / 1K / 8K tokens
