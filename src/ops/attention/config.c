@@ -71,7 +71,12 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   c->load = opgraft__tune_value("attention.load", arch, gpu, shape, B) == 1 ? 1 : 4;
   /* 2 loads the first round before the wait: rows the kernel reads must not be the previous
    * kernel's, so only where the kernel writes the step's key itself (and without a window). */
-  const int64_t pdl = arch >= 90 ? opgraft__tune_value("attention.pdl", arch, gpu, shape, B) : 0;
+  int64_t pdl = arch >= 90 ? opgraft__tune_value("attention.pdl", arch, gpu, shape, B) : 0;
+  /* A call with the q/k prologue directly follows the qkv projection, whose trigger lets it start. */
+  if (arch >= 90 && (a->q_norm_weight != NULL || a->rope_style != OPGRAFT_ROPE_NONE)) {
+    const int64_t pro = opgraft__tune_value("attention.pdl_pro", arch, gpu, shape, B);
+    if (pro >= 0) pdl = pro;
+  }
   c->pdl = pdl >= 2 && a->k_new != NULL && a->window_left < 0 ? 2 : pdl != 0;
   c->trigger = arch >= 90 && opgraft__tune_value("attention.trigger", arch, gpu, shape, B) != 0;
   /* Only where a launch can take 17 splits or more (the fan-in 32 entry point is compiled then). */

@@ -37,7 +37,11 @@
  *   pdl 2 (the first round's K and V before the wait, with the cache write) only acts where the
  *   kernel before it lets it start early (linear.trigger on the qkv projection, which precedes
  *   attention only with the prologue): with it -4.5 us a layer at batch 1 (H100, qkv + attention
- *   + o, v59), end to end x0.984 against the prologue alone in one order, so not a rule yet.
+ *   + o, v59). Without the prologue Inductor's rotary kernel comes between and pdl 2 gained
+ *   nothing in the engine (v59), so calls with the prologue have their own key,
+ *   attention.pdl_pro (-1 by the rule: attention.pdl's value). Its H100 row (table.c) with the
+ *   qkv projection's trigger row: batch-1 ITL 3.206 -> 2.905 and 3.129 -> 3.010 ms against the
+ *   prologue alone, in both orders (v60); not timed on the H200.
  * - attention.trigger 1 on sm_90: the output projection launched as a programmatic dependent
  *   (linear.pdl) then streams its weights while attention runs. H200, Qwen3-30B-A3B, attention
  *   then o [2048, 4096] timed as one span (tools.attn_o, v26): batch 1 at 256 / 1K / 8K tokens
@@ -97,6 +101,7 @@ int opgraft__attn_rule(const opgraft_tune_query *q, int64_t *value) {
   if (strcmp(key, "attention.max_splits") == 0) return *value = 128, 1;
   if (strcmp(key, "attention.load") == 0) return *value = 4, 1;
   if (strcmp(key, "attention.pdl") == 0) return *value = 0, 1;
+  if (strcmp(key, "attention.pdl_pro") == 0) return *value = -1, 1;
   if (strcmp(key, "attention.trigger") == 0) return *value = q->arch >= 90, 1;
   if (strcmp(key, "attention.fan32") == 0) return *value = q->arch == 90, 1;
   if (strcmp(key, "attention.cluster") == 0) return *value = 1, 1;

@@ -14,6 +14,7 @@ static const og_tunable tunables[] = {
     {"attention.max_splits", 1, 1024, 128, "16 32 64 128 256"},
     {"attention.load", 1, 4, 4, "4 1"},
     {"attention.pdl", 0, 2, 0, "0 1"}, /* 2 acts only after a kernel that triggers it: not an op-level tune */
+    {"attention.pdl_pro", -1, 2, -1, NULL}, /* calls with the q/k prologue; -1: attention.pdl's value */
     {"attention.trigger", 0, 1, 0, "0 1"},
     {"attention.fan32", 0, 1, 0, "0 1"},
     {"attention.cluster", 1, 8, 1, "1 4 8"},
@@ -32,6 +33,8 @@ static const og_tune_entry rows[] = {
      * trip, no combine; level from 512 to 2K, 0.2-0.4 us behind from 8K (v57). The key is also
      * Llama-3-70B/tp8's (8 / 1 heads a rank), not timed there. */
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 1, "attention.round", 2, "H100 2026-12-06 bench attention (64 MiB between calls), Qwen3-30B-A3B batch 1: 192 / 256 tokens 7.9 / 7.9 -> 6.2 / 6.7 us (Triton 7.6), 1K 8.3 -> 8.3, 8K 13.9 -> 14.3; engine 129-192 tokens 8.20 -> 7.02 us a layer"},
+    /* The early start with the prologue (the qkv projection's linear.trigger row): engine, both orders. */
+    {90, "NVIDIA H100 80GB HBM3", "attention:bf16:D128:G8:bs16", 1, 4096, "attention.pdl_pro", 2, "H100 2026-12-06 engine, vLLM 0.26, Qwen3-30B-A3B bf16 with the prologue, 128 in / 64 out, with linear.trigger on qkv against the prologue alone: batch-1 ITL 3.206 -> 2.905 and 3.129 -> 3.010 ms (both orders), GPU busy a step 3.013 -> 2.856 and 3.011 -> 2.847; batch 8 against opgraft without the prologue 10.886 -> 10.668, busy 9.920 -> 9.769"},
     {90, NULL, "attention:bf16:D128:G8:bs16", 1, 4096, "attention.max_batch", 64, "H200 2026-12-03 bench attention, Qwen3-30B-A3B batch 64 with 12 warps: 1K 40.97 us (FlashInfer 44.74), 8K 251.90 (FA3 256.32), 32K 970.69 (FA3 972.70)"},
     /* END TUNED ROWS */
     {0, NULL, NULL, 0, 0, NULL, 0, NULL}, /* closes the list (C has no empty arrays); not a row */

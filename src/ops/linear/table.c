@@ -45,6 +45,9 @@ static const og_tune_entry rows[] = {
     {90, NULL, "linear:bf16:N2048:K4096", 1, 8, "linear.pdl", 2, "H200 2026-12-02 tools.attn_o (64 MiB between calls): Qwen3-30B-A3B attention + o, batch 1 at 256 / 1K / 8K tokens 15.53 / 16.17 / 22.28 us with pdl 0 -> 14.31 / 14.77 / 20.86 with pdl 2 and attention.trigger; batch 8 16.72 / 20.07 / 49.83 -> 15.73 / 18.81 / 47.84"},
     /* Llama-3-70B/tp8 gate_up: its tiles row makes 448 blocks, past the rule's two an SM (v42). */
     {90, NULL, "linear:bf16:N7168:K8192", 1, 8, "linear.norm_rows", 0, "H200 2026-12-04 bench linear --norm (span, 64 MiB between calls): Llama-3-70B/tp8 gate_up [7168, 8192] M=1 compiled norm + ours 35.32 us, add + RMSNorm form 38.02"},
+    /* Qwen3-30B-A3B's qkv lets decode attention launch as it starts; acts only where attention
+     * directly follows (with the q/k prologue) and launches as a dependent (attention.pdl_pro). */
+    {90, "NVIDIA H100 80GB HBM3", "linear:bf16:N5120:K2048", 1, 8, "linear.trigger", 1, "H100 2026-12-06 engine, vLLM 0.26, Qwen3-30B-A3B bf16 with the prologue: with attention.pdl_pro 2, batch-1 ITL 3.206 -> 2.905 and 3.129 -> 3.010 ms against the prologue alone (both orders); op level qkv + attention + o at batch 1 144 / 8K tokens 24.43 / 32.30 -> 19.80 / 28.46 us; alone it changes nothing (24.19 / 32.33)"},
     /* END TUNED ROWS */
     {0, NULL, NULL, 0, 0, NULL, 0, NULL},
 };

@@ -332,7 +332,7 @@ static void test_registered_with_its_tunables(void **state) {
   /* The rule decides every key (there are no baked rows yet). */
   const char *keys[] = {"attention.warps", "attention.min_blocks", "attention.min_chunk", "attention.max_splits",
                         "attention.load", "attention.pdl", "attention.trigger", "attention.cluster", "attention.fan32",
-                        "attention.vpf", "attention.round"};
+                        "attention.vpf", "attention.round", "attention.pdl_pro"};
   for (size_t i = 0; i < sizeof keys / sizeof *keys; ++i) {
     const opgraft_tune_query q = {keys[i], 90, "NVIDIA H200", "attention:bf16:D128:G8:bs16", 0};
     int64_t v;
@@ -587,6 +587,44 @@ static void test_config(void **state) {
   assert_int_equal(c.pdl, 0);
   unsetenv("OPGRAFT_TUNE_ATTENTION_PDL");
   opgraft_tune_reload();
+  /* Calls with the q/k prologue take attention.pdl_pro where it is set (-1 by the rule: attention.pdl's
+   * value): 2 by Qwen3-30B-A3B's heads' H100 row (v60), not on the H200, not without the prologue. */
+  {
+    const char *h100 = "NVIDIA H100 80GB HBM3";
+    opgraft_attention_args p = valid_args();
+    set_prologue(&p);
+    for (int B = 1; B <= 32; B += 31) {
+      p.batch = B;
+      opgraft__attn_config(&p, 90, h100, &c);
+      assert_int_equal(c.pdl, 2);
+      opgraft__attn_config(&p, 90, "NVIDIA H200", &c);
+      assert_int_equal(c.pdl, 0);
+    }
+    opgraft__attn_config(&p, 80, h100, &c);
+    assert_int_equal(c.pdl, 0);
+    p.window_left = 127; /* pdl 2's own conditions still hold */
+    opgraft__attn_config(&p, 90, h100, &c);
+    assert_int_equal(c.pdl, 1);
+    p.window_left = -1;
+    opgraft_attention_args u = valid_args();
+    set_update(&u);
+    opgraft__attn_config(&u, 90, h100, &c);
+    assert_int_equal(c.pdl, 0);
+    setenv("OPGRAFT_TUNE_ATTENTION_PDL", "1", 1);
+    setenv("OPGRAFT_TUNE_ATTENTION_PDL_PRO", "-1", 1);
+    opgraft_tune_reload();
+    opgraft__attn_config(&p, 90, h100, &c);
+    assert_int_equal(c.pdl, 1);
+    setenv("OPGRAFT_TUNE_ATTENTION_PDL_PRO", "0", 1);
+    opgraft_tune_reload();
+    opgraft__attn_config(&p, 90, h100, &c);
+    assert_int_equal(c.pdl, 0);
+    opgraft__attn_config(&u, 90, h100, &c);
+    assert_int_equal(c.pdl, 1);
+    unsetenv("OPGRAFT_TUNE_ATTENTION_PDL");
+    unsetenv("OPGRAFT_TUNE_ATTENTION_PDL_PRO");
+    opgraft_tune_reload();
+  }
   /* A combine's maxima and sums (32 partials x G pairs) fit the room of the warps' partials. */
   for (int D = 64; D <= 256; D *= 2)
     for (int G = 1; G <= 16; ++G)

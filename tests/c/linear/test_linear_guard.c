@@ -423,6 +423,23 @@ static void test_config_clamps(void **state) {
   assert_true(found);
   unsetenv("OPGRAFT_TUNE_LINEAR_TRIGGER");
   opgraft_tune_reload();
+  /* Qwen3-30B-A3B's qkv triggers by its H100 row (the early start with the prologue, v60), at 1..8
+   * rows, and only there: not on the H200 or another shape. */
+  {
+    opgraft_linear_args q = valid_args();
+    og_linear_cfg h;
+    const char *h100 = "NVIDIA H100 80GB HBM3";
+    for (int64_t M = 1; M <= 8; M += 7) {
+      set_shape(&q, M, 5120, 2048);
+      opgraft__linear_config(&q, 90, h100, &h);
+      assert_int_equal(h.trigger, 1);
+      opgraft__linear_config(&q, 90, "NVIDIA H200", &h);
+      assert_int_equal(h.trigger, 0);
+    }
+    set_shape(&q, 1, 2048, 4096);
+    opgraft__linear_config(&q, 90, h100, &h);
+    assert_int_equal(h.trigger, 0);
+  }
   /* A warp never gets more steps in flight than it has: K=64 is 2 k-steps, 16 warps. */
   c = config_of(1, 5120, 64, 90);
   assert_int_equal(c.unroll, 1);
