@@ -66,6 +66,23 @@ typedef struct opgraft_linear_args {
    * of the call. A MoE layer's experts read them after its router gate. */
   void *normed_out;
   int64_t normed_out_stride[2];
+  /* vLLM's q/k RMSNorm and rotary embedding of the output's heads after the product (ABI 14;
+   * 16-bit weights; qk_heads 0 = none). out is then a qkv projection's, head_size columns a head:
+   * the first q_heads are queries, the next qk_heads - q_heads keys, the rest values. Each query and
+   * key head of every row is normalized with q_norm_weight / k_norm_weight ([head_size] of dtype,
+   * both or neither; qk_norm_eps) and rotated by rope_style (OPGRAFT_ROPE_*, attention.h) at
+   * position positions[m] (int64 [M]) with cos_sin_cache ([rope_rows, cos_sin_stride] of dtype:
+   * head_size / 2 cosines, then the sines; a position outside [0, rope_rows) is not rotated), the
+   * same arithmetic and bits as opgraft_attention's prologue, in place; value heads stay as the
+   * product gives them. qk_counters: one uint32 a query and key head, zero before the call and left
+   * zero by it (the blocks of a head count themselves done on it); one call at a time uses them. */
+  int32_t head_size, q_heads, qk_heads, rope_style;
+  float qk_norm_eps;
+  const void *q_norm_weight, *k_norm_weight;
+  const void *cos_sin_cache;
+  int64_t cos_sin_stride, rope_rows;
+  const void *positions;
+  void *qk_counters;
 } opgraft_linear_args;
 
 /* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.
@@ -103,6 +120,10 @@ OPGRAFT_EXTERN int32_t opgraft_linear_plan_run_norm(const opgraft_linear_plan *p
                                                     const void *weight, const void *bias, void *out,
                                                     void *residual_out, void *normed_out, void *stream);
 
+/* Any plan's run with every pointer taken from args (laid out as at creation; the q/k
+ * epilogue's plans run only this way): the checks of the entry points above. */
+OPGRAFT_EXTERN int32_t opgraft_linear_plan_run_args(const opgraft_linear_plan *plan, const opgraft_linear_args *args,
+                                                    void *stream);
 /* The argument-struct form through plans cached inside the library (a convenience for C callers;
  * the Python layer keeps its own plans). The first call for a layout compiles the kernel (NVRTC)
  * or loads it from the cache. */

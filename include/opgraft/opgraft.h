@@ -26,7 +26,7 @@ extern "C" {
 #define OPGRAFT_VERSION_HEX                                                                        \
   ((OPGRAFT_VERSION_MAJOR << 16) | (OPGRAFT_VERSION_MINOR << 8) | OPGRAFT_VERSION_PATCH)
 /* Bumped whenever a struct or signature below changes incompatibly. */
-#define OPGRAFT_ABI_VERSION 13
+#define OPGRAFT_ABI_VERSION 14
 
 #if defined(_WIN32)
 #define OPGRAFT_EXTERN __declspec(dllexport)

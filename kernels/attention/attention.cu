@@ -467,75 +467,15 @@ __device__ __forceinline__ void og_store_piece(og_u16 *krow, og_u16 *vrow, int i
 #endif
 
 #if OG_QKPRO
-// What the thread's 8 dims (from d = 8 * (tid % (D/8))) need: the norm weights, and the cosines
-// and sines of the row's position (NeoX: of frequencies d % (D/2) .. +8; GPT-J: d/2 .. +4, in x, y).
-struct og_qk_consts {
-  og_vec4 qw, kw, cr, sr;
-  bool rot;
-};
+#define OG_QK_D OG_D
+#include "og_qk.cuh"
+// The thread's 8 dims are at d = 8 * (tid % (D/8)) of its head (the callers' layout).
 __device__ __forceinline__ void og_qk_load(const og_attn_params &p, long long pos, og_qk_consts &k) {
-  const int d = 8 * ((int)threadIdx.x % (OG_D / 8));
-#if OG_QKNORM
-  k.qw = og_load_shared_operand((const og_u16 *)p.q_norm_w + d);  // weights: never written
-  k.kw = og_load_shared_operand((const og_u16 *)p.k_norm_w + d);
-#endif
-#if OG_ROPE
-  k.rot = pos >= 0 && pos < p.rope_rows;
-  const og_u16 *row = (const og_u16 *)p.cos_sin + (k.rot ? pos : 0) * p.cs_stride;
-#if OG_ROPE == 1
-  k.cr = og_load_shared_operand(row + d % (OG_D / 2));
-  k.sr = og_load_shared_operand(row + OG_D / 2 + d % (OG_D / 2));
-#else
-  const uint2 c = __ldg((const uint2 *)(row + d / 2)), s = __ldg((const uint2 *)(row + OG_D / 2 + d / 2));
-  k.cr.x = c.x, k.cr.y = c.y, k.sr.x = s.x, k.sr.y = s.y;
-#endif
-#endif
+  og_qk_load(p.q_norm_w, p.k_norm_w, p.cos_sin, p.cs_stride, p.rope_rows, pos, 8 * ((int)threadIdx.x % (OG_D / 8)), k);
 }
-// A query or key piece (8 dims of one head at the thread's d) normalized with the weights w and
-// rotated. Every lane of the warp calls it, each with its own piece (the heads' lanes meet in
-// shuffles); the rotation in fp32 from the normalized 16-bit values, rounded once.
 __device__ __forceinline__ og_vec4 og_qk_piece(const og_attn_params &p, og_vec4 v, const og_vec4 &w,
                                                const og_qk_consts &k) {
-#if OG_QKNORM
-  {
-    float x[8];
-    og_unpack8(v, x);
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) ss += x[j] * x[j];
-#pragma unroll
-    for (int o = OG_D / 16; o > 0; o >>= 1) ss += __shfl_xor_sync(OG_FULL, ss, o);
-    const float r = rsqrtf(ss / (float)OG_D + p.qk_eps);
-    v.x = og_mul2(og_pack2(x[0] * r, x[1] * r), w.x), v.y = og_mul2(og_pack2(x[2] * r, x[3] * r), w.y);
-    v.z = og_mul2(og_pack2(x[4] * r, x[5] * r), w.z), v.w = og_mul2(og_pack2(x[6] * r, x[7] * r), w.w);
-  }
-#endif
-#if OG_ROPE
-  if (k.rot) {  // the same in every thread of the block (one row)
-    float x[8], o[8];
-    og_unpack8(v, x);
-#if OG_ROPE == 1
-    og_vec4 u;  // the same dims of the head's other half
-    u.x = __shfl_xor_sync(OG_FULL, v.x, OG_D / 16), u.y = __shfl_xor_sync(OG_FULL, v.y, OG_D / 16);
-    u.z = __shfl_xor_sync(OG_FULL, v.z, OG_D / 16), u.w = __shfl_xor_sync(OG_FULL, v.w, OG_D / 16);
-    float y[8], c[8], s[8];
-    og_unpack8(u, y), og_unpack8(k.cr, c), og_unpack8(k.sr, s);
-    const bool second = threadIdx.x & (OG_D / 16);  // dims D/2 .. D of the head
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = second ? x[j] * c[j] + y[j] * s[j] : x[j] * c[j] - y[j] * s[j];
-#else
-    const float c[4] = {og_lo(k.cr.x), og_hi(k.cr.x), og_lo(k.cr.y), og_hi(k.cr.y)};
-    const float s[4] = {og_lo(k.sr.x), og_hi(k.sr.x), og_lo(k.sr.y), og_hi(k.sr.y)};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      o[2 * j] = x[2 * j] * c[j] - x[2 * j + 1] * s[j];
-      o[2 * j + 1] = x[2 * j + 1] * c[j] + x[2 * j] * s[j];
-    }
-#endif
-    v = og_pack8(o);
-  }
-#endif
-  return v;
+  return og_qk_piece(v, w, p.qk_eps, k, threadIdx.x & (OG_D / 16));
 }
 #endif
 

@@ -28,6 +28,15 @@
 // attention, which under its OG_PDL 2 loads its first K and V rows before its wait) starts while
 // this one streams its weights; that kernel still waits for this one's output.
 //
+// OG_QKPRO (with OG_QK_D, OG_QKNORM, OG_ROPE; the _qk entry points): vLLM's q/k RMSNorm and
+// rotary embedding of the output's query and key heads, in place, after the product (qkv's
+// [q heads | k heads | v heads], OG_QK_D columns a head), so that no kernel of their own follows
+// the projection. A head's rows are owned by OG_QK_D / (8 * OG_TILES) blocks; each stores its rows,
+// then counts itself done on the head's counter (a fence, then an atomic); the last to arrive reads
+// the head's rows back from L2, normalizes, rotates and stores them, and resets the counter for the
+// next call (as decode attention's combine). One block does a head's whole epilogue from the
+// rounded outputs: the same bits every run, and the attention prologue's (og_qk.cuh).
+//
 // OG_NORM (linear_norm_gemv): vLLM's fused_add_rms_norm of x and a residual before the product.
 // After the wait every block normalizes the rows itself (h = x + residual in fp32, the rows' few
 // KB read from L2 by every block) into shared memory, from which the MMAs take x, so no kernel
@@ -66,8 +75,15 @@
 #ifndef OG_NORM
 #define OG_NORM 0
 #endif
-#if OG_NORM
+#ifndef OG_QKPRO
+#define OG_QKPRO 0
+#endif
+#if OG_NORM && OG_QKPRO
+#define OG_FN OG_SUFFIX(linear_norm_gemv_qk)
+#elif OG_NORM
 #define OG_FN OG_SUFFIX(linear_norm_gemv)
+#elif OG_QKPRO
+#define OG_FN OG_SUFFIX(linear_gemv_qk)
 #else
 #define OG_FN OG_SUFFIX(linear_gemv)
 #endif
@@ -165,6 +181,45 @@ __device__ __forceinline__ void og_norm_stage(const og_linear_params &p, float (
 __device__ __forceinline__ void og_prefetch_norm_weight(const og_linear_params &p) {
   for (int l = threadIdx.x; l < (2 * OG_K + 127) / 128; l += OG_WARPS * 32)
     asm volatile("prefetch.global.L1 [%0];" ::"l"((const char *)p.nw + 128LL * l));
+}
+#endif
+
+#if OG_QKPRO
+#if !defined(OG_QK_D) || (OG_QK_D != 64 && OG_QK_D != 128 && OG_QK_D != 256)
+#error "OG_QKPRO needs OG_QK_D: 64, 128 or 256"
+#endif
+#if OG_QK_D % OG_ROWS != 0
+#error "a block's rows must lie in one head (8 * OG_TILES divides OG_QK_D)"
+#endif
+#ifndef OG_QKNORM
+#define OG_QKNORM 0
+#endif
+#ifndef OG_ROPE
+#define OG_ROPE 0
+#endif
+#include "og_qk.cuh"
+#define OG_QK_P (OG_QK_D / 8)  // a head's 16-byte pieces
+
+// Head `head` of every row, normalized and rotated in place. Whole warps take M x OG_QK_P pieces,
+// a head's pieces in OG_QK_P consecutive lanes (og_qk.cuh's layout); lanes past the end redo row
+// M - 1's pieces for the shuffles and store nothing. The rows come from L2 (ld.global.cg): other
+// blocks wrote them.
+__device__ __forceinline__ void og_qk_epilogue(const og_linear_params &p, int head) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool isq = head < p.q_heads;
+  for (int base = warp * 32; base < p.M * OG_QK_P; base += OG_WARPS * 32) {
+    const int i = base + lane, m = min(i / OG_QK_P, p.M - 1), piece = i % OG_QK_P;
+    og_u16 *row = (og_u16 *)p.y + (long long)m * p.y_stride + (long long)head * OG_QK_D + 8 * piece;
+    og_vec4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(row));
+    og_qk_consts k;
+    og_qk_load(p.qk_qw, p.qk_kw, p.cos_sin, p.cs_stride, p.rope_rows, OG_ROPE ? p.positions[m] : 0, 8 * piece, k);
+    const og_vec4 w = OG_QKNORM ? (isq ? k.qw : k.kw) : v;  // a copy: a reference to either member
+    const og_vec4 o = og_qk_piece(v, w, p.qk_eps, k, piece & (OG_QK_P / 2));  // would put both on the stack
+    if (i < p.M * OG_QK_P) *(og_vec4 *)row = o;
+  }
 }
 #endif
 
@@ -274,4 +329,17 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
     if (p.bias) sum += og_to_float(((const og_u16 *)p.bias)[n]);
     ((og_u16 *)p.y)[(long long)m * p.y_stride + n] = og_from_float(sum);
   }
+#if OG_QKPRO
+  const int head = (int)(n0 / OG_QK_D);
+  if (head >= p.qk_heads) return;  // a value head (the whole block): as it is
+  __shared__ int s_last;
+  __threadfence();  // this thread's rows visible before the block counts itself done
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(p.counters + head, 1u) == (unsigned)(OG_QK_D / OG_ROWS - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (threadIdx.x == 0) p.counters[head] = 0u;  // every block of the head has arrived: ready for the next call
+  og_qk_epilogue(p, head);
+#endif
 }

@@ -115,6 +115,19 @@ class LinearArgs(ctypes.Structure):
         # ABI 12: the add + RMSNorm form's normalized rows, written where set
         ("normed_out", ctypes.c_void_p),
         ("normed_out_stride", _I64_2),
+        # ABI 14: the q/k RMSNorm and rotary embedding of a qkv projection's output heads
+        ("head_size", ctypes.c_int32),
+        ("q_heads", ctypes.c_int32),
+        ("qk_heads", ctypes.c_int32),
+        ("rope_style", ctypes.c_int32),
+        ("qk_norm_eps", ctypes.c_float),
+        ("q_norm_weight", ctypes.c_void_p),
+        ("k_norm_weight", ctypes.c_void_p),
+        ("cos_sin_cache", ctypes.c_void_p),
+        ("cos_sin_stride", ctypes.c_int64),
+        ("rope_rows", ctypes.c_int64),
+        ("positions", ctypes.c_void_p),
+        ("qk_counters", ctypes.c_void_p),
     ]
 
 
@@ -274,6 +287,7 @@ _SIGNATURES = {
     "opgraft_linear_plan_run": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P]),
     "opgraft_linear_plan_run_fp8": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P]),
     "opgraft_linear_plan_run_norm": (ctypes.c_int32, [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "opgraft_linear_plan_run_args": (ctypes.c_int32, [_P, ctypes.POINTER(LinearArgs), _P]),
     "opgraft_linear_run": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.c_void_p]),
     "opgraft_linear_reference": (ctypes.c_int32, [ctypes.POINTER(LinearArgs), ctypes.POINTER(ctypes.c_double)]),
     "opgraft_linear_compile_report": (

@@ -94,3 +94,27 @@ float opgraft__e4m3_quantize_group(int32_t dtype, const uint16_t *x, int64_t str
   for (int64_t i = 0; i < n; ++i) q[i] = e4m3_round((float)opgraft__half_to_double(dtype, x[i * stride]) * r);
   return amax / 448.f;
 }
+
+void opgraft__qk_head_ref(int32_t dtype, int64_t D, uint16_t *x, const void *w, double eps, int32_t rope_style,
+                          const void *cos_sin, int64_t cs_stride, int64_t rope_rows, int64_t pos) {
+  const uint16_t *wt = w, *cs = cos_sin;
+  if (wt) {
+    double ss = 0;
+    for (int64_t d = 0; d < D; ++d) ss += opgraft__half_to_double(dtype, x[d]) * opgraft__half_to_double(dtype, x[d]);
+    const double r = 1.0 / sqrt(ss / (double)D + eps);
+    for (int64_t d = 0; d < D; ++d)
+      x[d] = opgraft__double_to_half(
+          dtype, opgraft__half_to_double(dtype, opgraft__double_to_half(dtype, opgraft__half_to_double(dtype, x[d]) * r)) *
+                     opgraft__half_to_double(dtype, wt[d]));
+  }
+  if (!rope_style || pos < 0 || pos >= rope_rows) return;
+  double y[256];
+  const int64_t half = D / 2, row = pos * cs_stride;
+  for (int64_t i = 0; i < half; ++i) {
+    const double c = opgraft__half_to_double(dtype, cs[row + i]), s = opgraft__half_to_double(dtype, cs[row + half + i]);
+    const int64_t i1 = rope_style == 1 ? i : 2 * i, i2 = rope_style == 1 ? i + half : 2 * i + 1;
+    const double x1 = opgraft__half_to_double(dtype, x[i1]), x2 = opgraft__half_to_double(dtype, x[i2]);
+    y[i1] = x1 * c - x2 * s, y[i2] = x2 * c + x1 * s;
+  }
+  for (int64_t d = 0; d < D; ++d) x[d] = opgraft__double_to_half(dtype, y[d]);
+}

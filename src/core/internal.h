@@ -50,6 +50,12 @@ double opgraft__e4m3_to_double(uint8_t b);
 float opgraft__e4m3_quantize_group(int32_t dtype, const uint16_t *x, int64_t stride, int64_t n, double *q);
 /* Rounds to the nearest even value of the dtype (infinity past its largest finite value). */
 uint16_t opgraft__double_to_half(int32_t dtype, double d);
+/* The oracles' q/k RMSNorm (weights w [D], or NULL) and rotary embedding (style 0 none, 1 NeoX,
+ * 2 GPT-J; cos_sin [rope_rows, cs_stride]: D/2 cosines, then the sines) of one head's D 16-bit
+ * values x at position pos, in place, rounded where vLLM rounds: the normalized value, its product
+ * with the weight, the rotated value. A position outside [0, rope_rows) is not rotated. */
+void opgraft__qk_head_ref(int32_t dtype, int64_t D, uint16_t *x, const void *w, double eps, int32_t rope_style,
+                          const void *cos_sin, int64_t cs_stride, int64_t rope_rows, int64_t pos);
 
 /* ---- runtime.c: libcuda and libnvrtc through dlopen, with our own minimal declarations ---- */
 typedef int og_CUresult;

@@ -57,32 +57,11 @@ static uint16_t double_to_fp16(double d) {
 static double value16(int32_t dtype, uint16_t h) { return dtype == OPGRAFT_DTYPE_BF16 ? bf16_to_double(h) : fp16_to_double(h); }
 static double load16(int32_t dtype, const void *base, int64_t idx) { return value16(dtype, ((const uint16_t *)base)[idx]); }
 
-static uint16_t round16(int32_t dtype, double v) { return dtype == OPGRAFT_DTYPE_BF16 ? double_to_bf16(v) : double_to_fp16(v); }
-
-/* vLLM's q/k RMSNorm (weights w, or none) and rotary embedding of one head of row b, in place on its
- * D 16-bit values, rounded where vLLM rounds: the normalized value, its product with the weight,
- * the rotated value. */
+/* vLLM's q/k RMSNorm (weights w, or none) and rotary embedding of one head of row b, in place. */
 static void prologue_head(const opgraft_attention_args *a, uint16_t *x, const void *w, int64_t b) {
-  const int64_t D = a->head_size;
-  const int32_t t = a->dtype;
-  if (w) {
-    double ss = 0;
-    for (int64_t d = 0; d < D; ++d) ss += load16(t, x, d) * load16(t, x, d);
-    const double r = 1.0 / sqrt(ss / (double)D + a->qk_norm_eps);
-    for (int64_t d = 0; d < D; ++d)
-      x[d] = round16(t, value16(t, round16(t, load16(t, x, d) * r)) * load16(t, w, d));
-  }
   const int64_t pos = a->rope_style ? ((const int64_t *)a->positions)[b] : -1;
-  if (pos < 0 || pos >= a->rope_rows) return; /* no rotation, or a position outside the cache */
-  double y[256];
-  const int64_t half = D / 2, row = pos * a->cos_sin_stride;
-  for (int64_t i = 0; i < half; ++i) {
-    const double c = load16(t, a->cos_sin_cache, row + i), s = load16(t, a->cos_sin_cache, row + half + i);
-    const int64_t i1 = a->rope_style == OPGRAFT_ROPE_NEOX ? i : 2 * i, i2 = a->rope_style == OPGRAFT_ROPE_NEOX ? i + half : 2 * i + 1;
-    const double x1 = load16(t, x, i1), x2 = load16(t, x, i2);
-    y[i1] = x1 * c - x2 * s, y[i2] = x2 * c + x1 * s;
-  }
-  for (int64_t d = 0; d < D; ++d) x[d] = round16(t, y[d]);
+  opgraft__qk_head_ref(a->dtype, a->head_size, x, w, a->qk_norm_eps, a->rope_style, a->cos_sin_cache, a->cos_sin_stride,
+                       a->rope_rows, pos);
 }
 
 /* The call with its query and new keys normalized and rotated (contiguous copies), then as without. */

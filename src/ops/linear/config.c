@@ -42,6 +42,9 @@ void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const ch
     while (c->unroll > 1 && c->unroll * (c->tiles + 1) > 16) c->unroll--;
     if (c->unroll > per_warp) c->unroll = per_warp > 0 ? (int)per_warp : 1; /* no loads a warp never issues */
   }
+  /* The q/k epilogue: a block's rows lie in one head. */
+  if (a->qk_heads)
+    while (c->tiles > 1 && a->head_size % (8 * c->tiles)) c->tiles--;
   /* The add + RMSNorm form holds the first weights in flight through its prologue: at most 12
    * warps an SM by launch bounds (170 registers), where 16 spilled a few bytes. */
   const int max_warps = a->residual ? 12 : 16;
@@ -66,6 +69,12 @@ int32_t opgraft__linear_options(const opgraft_linear_args *a, const og_linear_cf
   OG_OPT("-DOG_PDL=%d", c->pdl);
   if (c->trigger) OG_OPT("-DOG_TRIGGER=1"); /* only where on, as OG_NORM */
   if (a->residual) OG_OPT("-DOG_NORM=1");
+  if (a->qk_heads) {
+    OG_OPT("-DOG_QKPRO=1");
+    OG_OPT("-DOG_QK_D=%d", a->head_size);
+    OG_OPT("-DOG_QKNORM=%d", a->q_norm_weight != NULL);
+    OG_OPT("-DOG_ROPE=%d", a->rope_style);
+  }
 #undef OG_OPT
   return opgraft__opts_check(o, "linear");
 }
@@ -76,8 +85,8 @@ unsigned opgraft__linear_grid(const opgraft_linear_args *a, const og_linear_cfg 
 }
 
 void opgraft__linear_fn_name(const opgraft_linear_args *a, char name[64]) {
-  snprintf(name, 64, "linear_%sgemv%s_%s", a->residual ? "norm_" : "", opgraft__linear_is_fp8(a) ? "_fp8" : "",
-           a->dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
+  snprintf(name, 64, "linear_%sgemv%s%s_%s", a->residual ? "norm_" : "", opgraft__linear_is_fp8(a) ? "_fp8" : "",
+           a->qk_heads ? "_qk" : "", a->dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16");
 }
 
 const char *opgraft__linear_source(const opgraft_linear_args *a) {

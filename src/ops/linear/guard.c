@@ -84,6 +84,26 @@ int32_t opgraft__linear_check_static(const opgraft_linear_args *a, char *reason,
   } else if (a->residual_out || a->norm_weight || a->normed_out) {
     return OG_REASON("residual_out, norm_weight or normed_out given without a residual");
   }
+  if (a->qk_heads) {
+    const int64_t D = a->head_size;
+    if (fp8) return OG_REASON("q/k norm and rotary embedding with FP8 weights (the epilogue takes 16-bit weights)");
+    if (D != 64 && D != 128 && D != 256) return OG_REASON("head_size %lld (the q/k epilogue takes 64, 128, 256)", (long long)D);
+    if (N % D) return OG_REASON("out_features %lld is not a multiple of head_size %lld", (long long)N, (long long)D);
+    if (a->q_heads < 1 || a->qk_heads < a->q_heads || a->qk_heads > N / D)
+      return OG_REASON("q_heads %d, qk_heads %d with %lld heads (1 <= q_heads <= qk_heads <= heads)", a->q_heads,
+                       a->qk_heads, (long long)(N / D));
+    if (!a->q_norm_weight != !a->k_norm_weight) return OG_REASON("one of q_norm_weight and k_norm_weight is NULL");
+    if (a->q_norm_weight && !(a->qk_norm_eps >= 0.f && a->qk_norm_eps <= 1.f))
+      return OG_REASON("qk_norm_eps %g outside 0..1", (double)a->qk_norm_eps);
+    if (a->rope_style != OPGRAFT_ROPE_NONE && a->rope_style != OPGRAFT_ROPE_NEOX && a->rope_style != OPGRAFT_ROPE_GPTJ)
+      return OG_REASON("unknown rotary embedding style %d", a->rope_style);
+    if (!a->q_norm_weight && a->rope_style == OPGRAFT_ROPE_NONE) return OG_REASON("a q/k epilogue with no norm and no rotation");
+    if (a->rope_style != OPGRAFT_ROPE_NONE && (a->rope_rows < 1 || a->cos_sin_stride < D || a->cos_sin_stride % 8))
+      return OG_REASON("rotary cache of %lld rows, row stride %lld (at least head_size, a multiple of 8 elements)",
+                       (long long)a->rope_rows, (long long)a->cos_sin_stride);
+  } else if (a->q_heads || a->q_norm_weight || a->k_norm_weight || a->rope_style || a->qk_counters) {
+    return OG_REASON("q/k epilogue arguments given with qk_heads 0");
+  }
   /* One row needs no row stride (a [1, K] view may carry any). */
   if (M > 1 && a->x_stride[0] < K)
     return OG_REASON("x row stride %lld < in_features %lld", (long long)a->x_stride[0], (long long)K);
@@ -103,6 +123,13 @@ int32_t opgraft__linear_check_pointers(const opgraft_linear_args *a, char *reaso
     if (((uintptr_t)a->residual | (uintptr_t)a->residual_out | (uintptr_t)a->norm_weight |
          (uintptr_t)a->normed_out) & 15u)
       return OG_REASON("residual, residual_out, norm_weight or normed_out not 16-byte aligned");
+  }
+  if (a->qk_heads && a->rows > 0) {
+    if (!a->qk_counters || (a->rope_style && (!a->cos_sin_cache || !a->positions)))
+      return OG_REASON("qk_counters, cos_sin_cache or positions is NULL");
+    if (((uintptr_t)a->q_norm_weight | (uintptr_t)a->k_norm_weight | (uintptr_t)a->cos_sin_cache) & 15u ||
+        ((uintptr_t)a->positions & 7u) || ((uintptr_t)a->qk_counters & 3u))
+      return OG_REASON("a q/k epilogue pointer is misaligned");
   }
   if (opgraft__linear_is_fp8(a) && a->rows > 0 && (!a->weight_scale || ((uintptr_t)a->weight_scale & 3u)))
     return OG_REASON("FP8 weight scales NULL or misaligned");

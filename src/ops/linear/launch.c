@@ -27,6 +27,14 @@ static void layout_of(const opgraft_linear_args *a, og_linear_params *q) {
   q->ws_stride0 = a->weight_scale_stride[0], q->ws_stride1 = a->weight_scale_stride[1];
   q->r_stride = a->residual_stride[0], q->ro_stride = a->residual_out_stride[0], q->eps = a->norm_eps;
   q->ho_stride = a->normed_out_stride[0];
+  q->q_heads = a->q_heads, q->qk_heads = a->qk_heads, q->qk_eps = a->qk_norm_eps;
+  q->cs_stride = a->cos_sin_stride, q->rope_rows = a->rope_rows;
+}
+
+/* The q/k epilogue's pointers of a call. */
+static void set_qk(const opgraft_linear_args *a, og_linear_params *q) {
+  q->qk_qw = a->q_norm_weight, q->qk_kw = a->k_norm_weight, q->cos_sin = a->cos_sin_cache;
+  q->positions = (const long long *)a->positions, q->counters = (unsigned *)a->qk_counters;
 }
 
 int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_plan **out, char *reason,
@@ -59,6 +67,9 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
   p->args.residual = a->residual ? (const void *)1 : NULL; /* likewise */
   p->args.residual_out = NULL, p->args.norm_weight = NULL;
   p->args.normed_out = a->normed_out ? (void *)1 : NULL; /* likewise */
+  p->args.q_norm_weight = a->q_norm_weight ? (const void *)1 : NULL; /* likewise */
+  p->args.k_norm_weight = a->k_norm_weight ? (const void *)1 : NULL;
+  p->args.cos_sin_cache = NULL, p->args.positions = NULL, p->args.qk_counters = NULL;
   opgraft__linear_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
   og_opts o;
   char name[64];
@@ -108,7 +119,7 @@ typedef struct og_norm_ptrs {
 } og_norm_ptrs;
 
 static int32_t plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight, const void *weight_scale,
-                        const void *bias, void *out, og_norm_ptrs nrm, void *stream) {
+                        const void *bias, void *out, og_norm_ptrs nrm, const opgraft_linear_args *qk, void *stream) {
   const og_cuda_api *cu;
   og_CUcontext ctx = NULL;
   int32_t st = opgraft__current_ctx(&cu, &ctx);
@@ -127,10 +138,27 @@ static int32_t plan_run(const opgraft_linear_plan *plan, const void *x, const vo
          (uintptr_t)nrm.normed_out) & 15u)))
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: residual, norm_weight or residual_out NULL, "
                                          "normed_out unlike the plan's, or one not 16-byte aligned");
+  if (plan->args.qk_heads) {
+    const opgraft_linear_args *a = qk;
+    if (!a || !a->qk_counters || !a->q_norm_weight != !plan->args.q_norm_weight ||
+        !a->k_norm_weight != !plan->args.k_norm_weight || (plan->args.rope_style && (!a->cos_sin_cache || !a->positions)))
+      return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_args: a q/k epilogue pointer NULL, or norm weights unlike the plan's");
+    if (((uintptr_t)a->q_norm_weight | (uintptr_t)a->k_norm_weight | (uintptr_t)a->cos_sin_cache) & 15u ||
+        ((uintptr_t)a->positions & 7u) || ((uintptr_t)a->qk_counters & 3u))
+      return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_args: a q/k epilogue pointer is misaligned");
+  }
   og_linear_params p = plan->proto;
   p.x = x, p.w = weight, p.bias = bias, p.y = out, p.ws = weight_scale;
   p.r = nrm.residual, p.nw = nrm.norm_weight, p.ro = nrm.residual_out, p.ho = nrm.normed_out;
+  if (qk) set_qk(qk, &p);
   return launch(cu, plan, &p, (og_CUstream)stream);
+}
+
+int32_t opgraft_linear_plan_run_args(const opgraft_linear_plan *plan, const opgraft_linear_args *a, void *stream) {
+  if (!plan || !a) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_args: no plan or arguments");
+  return plan_run(plan, a->x, a->weight, a->weight_scale, a->bias, a->out,
+                  (og_norm_ptrs){a->residual, a->norm_weight, a->residual_out, a->normed_out},
+                  plan->args.qk_heads ? a : NULL, stream);
 }
 
 int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, const void *weight, const void *bias,
@@ -140,7 +168,9 @@ int32_t opgraft_linear_plan_run(const opgraft_linear_plan *plan, const void *x, 
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: an FP8 plan (opgraft_linear_plan_run_fp8 runs it)");
   if (plan->args.residual)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a plan with a residual (opgraft_linear_plan_run_norm runs it)");
-  return plan_run(plan, x, weight, NULL, bias, out, (og_norm_ptrs){0}, stream);
+  if (plan->args.qk_heads)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run: a plan with the q/k epilogue (opgraft_linear_plan_run_args runs it)");
+  return plan_run(plan, x, weight, NULL, bias, out, (og_norm_ptrs){0}, NULL, stream);
 }
 
 int32_t opgraft_linear_plan_run_norm(const opgraft_linear_plan *plan, const void *x, const void *residual,
@@ -149,7 +179,10 @@ int32_t opgraft_linear_plan_run_norm(const opgraft_linear_plan *plan, const void
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: no plan");
   if (!plan->args.residual)
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: a plan without a residual");
-  return plan_run(plan, x, weight, NULL, bias, out, (og_norm_ptrs){residual, norm_weight, residual_out, normed_out}, stream);
+  if (plan->args.qk_heads)
+    return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_norm: a plan with the q/k epilogue (opgraft_linear_plan_run_args runs it)");
+  return plan_run(plan, x, weight, NULL, bias, out, (og_norm_ptrs){residual, norm_weight, residual_out, normed_out}, NULL,
+                  stream);
 }
 
 int32_t opgraft_linear_plan_run_fp8(const opgraft_linear_plan *plan, const void *x, const void *weight,
@@ -157,7 +190,7 @@ int32_t opgraft_linear_plan_run_fp8(const opgraft_linear_plan *plan, const void 
   if (!plan) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_fp8: no plan");
   if (!opgraft__linear_is_fp8(&plan->args))
     return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_fp8: a plan of 16-bit weights (opgraft_linear_plan_run runs it)");
-  return plan_run(plan, x, weight, weight_scale, bias, out, (og_norm_ptrs){0}, stream);
+  return plan_run(plan, x, weight, weight_scale, bias, out, (og_norm_ptrs){0}, NULL, stream);
 }
 
 /* ---- the argument-struct entry point, through plans cached here ---- */
@@ -171,7 +204,10 @@ static int same_plan(const opgraft_linear_args *p, const opgraft_linear_args *q)
          p->block_n == q->block_n && p->block_k == q->block_k &&
          !p->bias == !q->bias && (!p->bias || p->bias_dtype == q->bias_dtype) && p->rows == q->rows &&
          !p->residual == !q->residual && (!p->residual || (p->norm_dtype == q->norm_dtype && p->norm_eps == q->norm_eps)) &&
-         p->out_features == q->out_features && p->in_features == q->in_features && p->arch == q->arch;
+         p->out_features == q->out_features && p->in_features == q->in_features && p->arch == q->arch &&
+         p->qk_heads == q->qk_heads &&
+         (!p->qk_heads || (p->head_size == q->head_size && p->q_heads == q->q_heads && p->rope_style == q->rope_style &&
+                           !p->q_norm_weight == !q->q_norm_weight && p->qk_norm_eps == q->qk_norm_eps));
 }
 
 static int plan_matches(const void *plan, const void *args) {
@@ -200,5 +236,6 @@ int32_t opgraft_linear_run(const opgraft_linear_args *a, void *stream) {
   layout_of(a, &p); /* this entry point takes the strides from each call */
   p.x = a->x, p.w = a->weight, p.bias = a->bias, p.y = a->out, p.ws = a->weight_scale;
   p.r = a->residual, p.nw = a->norm_weight, p.ro = a->residual_out, p.ho = a->normed_out;
+  set_qk(a, &p);
   return launch(cu, plan, &p, (og_CUstream)stream);
 }

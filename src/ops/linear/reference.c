@@ -1,5 +1,6 @@
 /* CPU oracle for the linear op: fp64 accumulation on host pointers, for the tests (the add +
- * RMSNorm form: the norm in fp64, rounded where vLLM's function rounds). FP8 weights:
+ * RMSNorm form: the norm in fp64, rounded where vLLM's function rounds; the q/k epilogue on the
+ * rounded product, as the attention prologue's oracle). FP8 weights:
  * the activations are quantized in fp32 exactly as the kernel does (linear_fp8.cu), then every
  * product and sum is taken in fp64. */
 #include <math.h>
@@ -31,6 +32,20 @@ static void norm_row(const opgraft_linear_args *a, int64_t m, double *xin) {
     if (a->normed_out)
       ((uint16_t *)a->normed_out)[m * a->normed_out_stride[0] + k * a->normed_out_stride[1]] =
           opgraft__double_to_half(a->dtype, xin[k]);
+  }
+}
+
+/* The q/k epilogue of row m (its product rounded, in yrow): each query and key head normalized and
+ * rotated as the attention prologue does, then stored (or written as doubles). */
+static void qk_row(const opgraft_linear_args *a, int64_t m, uint16_t *yrow, double *out_f64) {
+  const int64_t D = a->head_size, N = a->out_features;
+  const int64_t pos = a->rope_style ? ((const int64_t *)a->positions)[m] : -1;
+  for (int64_t h = 0; h < a->qk_heads; ++h)
+    opgraft__qk_head_ref(a->dtype, D, yrow + h * D, h < a->q_heads ? a->q_norm_weight : a->k_norm_weight, a->qk_norm_eps,
+                         a->rope_style, a->cos_sin_cache, a->cos_sin_stride, a->rope_rows, pos);
+  for (int64_t n = 0; n < N; ++n) {
+    if (out_f64) out_f64[m * N + n] = opgraft__half_to_double(a->dtype, yrow[n]);
+    else ((uint16_t *)a->out)[m * a->out_stride[0] + n * a->out_stride[1]] = yrow[n];
   }
 }
 
@@ -79,8 +94,13 @@ int32_t opgraft_linear_reference(const opgraft_linear_args *a, double *out_f64) 
   if (fp8) return reference_fp8(a, out_f64);
   if (a->residual && (a->norm_dtype != a->dtype || !a->norm_weight))
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the reference's add + RMSNorm takes norm_dtype == dtype and a norm_weight");
-  double *xin = malloc(sizeof(double) * (size_t)K);
+  if (a->qk_heads && (a->head_size < 2 || a->head_size > 256 || N % a->head_size || a->qk_heads > N / a->head_size ||
+                      !a->q_norm_weight != !a->k_norm_weight || a->rope_style < 0 || a->rope_style > 2 ||
+                      (a->rope_style && (!a->cos_sin_cache || !a->positions))))
+    return opgraft__fail(OPGRAFT_EINVAL, "q/k epilogue: bad heads, weights or rotary cache");
+  double *xin = malloc(sizeof(double) * (size_t)K + sizeof(uint16_t) * (size_t)N);
   if (!xin) return opgraft__fail(OPGRAFT_ENOMEM, "out of memory");
+  uint16_t *yrow = (uint16_t *)(xin + K); /* the q/k epilogue's row, rounded as the kernel stores it */
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; ++k) xin[k] = load(a->dtype, a->x, m * a->x_stride[0] + k * a->x_stride[1]);
     if (a->residual) norm_row(a, m, xin);
@@ -89,9 +109,11 @@ int32_t opgraft_linear_reference(const opgraft_linear_args *a, double *out_f64) 
       for (int64_t k = 0; k < K; ++k)
         acc += xin[k] * load(a->dtype, a->weight, n * a->weight_stride[0] + k * a->weight_stride[1]);
       if (a->bias) acc += load(a->dtype, a->bias, n);
-      if (out_f64) out_f64[m * N + n] = acc;
+      if (a->qk_heads) yrow[n] = opgraft__double_to_half(a->dtype, acc);
+      else if (out_f64) out_f64[m * N + n] = acc;
       else ((uint16_t *)a->out)[m * a->out_stride[0] + n * a->out_stride[1]] = opgraft__double_to_half(a->dtype, acc);
     }
+    if (a->qk_heads) qk_row(a, m, yrow, out_f64);
   }
   free(xin);
   return OPGRAFT_OK;

@@ -85,6 +85,18 @@ static void linear_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_linear_args, norm_weight);
   OG_ABI_FIELD(b, opgraft_linear_args, normed_out);
   OG_ABI_FIELD(b, opgraft_linear_args, normed_out_stride);
+  OG_ABI_FIELD(b, opgraft_linear_args, head_size);
+  OG_ABI_FIELD(b, opgraft_linear_args, q_heads);
+  OG_ABI_FIELD(b, opgraft_linear_args, qk_heads);
+  OG_ABI_FIELD(b, opgraft_linear_args, rope_style);
+  OG_ABI_FIELD(b, opgraft_linear_args, qk_norm_eps);
+  OG_ABI_FIELD(b, opgraft_linear_args, q_norm_weight);
+  OG_ABI_FIELD(b, opgraft_linear_args, k_norm_weight);
+  OG_ABI_FIELD(b, opgraft_linear_args, cos_sin_cache);
+  OG_ABI_FIELD(b, opgraft_linear_args, cos_sin_stride);
+  OG_ABI_FIELD(b, opgraft_linear_args, rope_rows);
+  OG_ABI_FIELD(b, opgraft_linear_args, positions);
+  OG_ABI_FIELD(b, opgraft_linear_args, qk_counters);
   opgraft__abi_end(b);
 }
 

@@ -24,6 +24,7 @@ static const shape shapes[] = {
     {"Llama-3-70B/tp8 gate_up", 7168, 8192}, {"Llama-3-70B/tp8 down", 8192, 3584},
     {"odd N=1 K=8", 1, 8},                 {"odd N=7 K=72", 7, 72},
     {"odd N=129 K=2056", 129, 2056},       {"odd N=5 K=14336", 5, 14336},
+    {"heads 64 [6 x 64, 72]", 384, 72},    {"heads 256 [6 x 256, 2048]", 1536, 2048},
 };
 #define N_SHAPES ((int)(sizeof shapes / sizeof *shapes))
 static const int32_t archs[] = {80, 90}, fp8_archs[] = {89, 90};
@@ -41,6 +42,12 @@ static const shape fp8_shapes[] = {
 
 /* Set while the jobs of the add + RMSNorm form (16-bit weights) are added. */
 static int norm_jobs;
+
+/* The q/k epilogue's heads (a qkv projection's): set while its jobs are added. */
+typedef struct qk_heads {
+  int32_t D, q_heads, qk_heads, norm, rope;
+} qk_heads;
+static const qk_heads *qk_job;
 
 static void add_job(const shape *s, int64_t M, int32_t dtype, int fp8, int32_t arch, const char *setting) {
   opgraft_linear_args a;
@@ -60,8 +67,13 @@ static void add_job(const shape *s, int64_t M, int32_t dtype, int fp8, int32_t a
     a.norm_dtype = dtype, a.norm_eps = 1e-6f;
     a.residual_stride[0] = a.residual_out_stride[0] = s->K, a.residual_stride[1] = a.residual_out_stride[1] = 1;
   }
-  og_job *j = og_job_new("%s [%lld, %lld] %s%s%s M=%lld sm_%d%s%s", s->name, (long long)s->N, (long long)s->K,
-                         fp8 ? "fp8 x " : "", norm_jobs ? "add+RMSNorm " : "",
+  if (qk_job) {
+    a.head_size = qk_job->D, a.q_heads = qk_job->q_heads, a.qk_heads = qk_job->qk_heads, a.rope_style = qk_job->rope;
+    if (qk_job->norm) a.q_norm_weight = a.k_norm_weight = (const void *)16, a.qk_norm_eps = 1e-6f;
+    if (qk_job->rope) a.cos_sin_stride = qk_job->D, a.rope_rows = 40960;
+  }
+  og_job *j = og_job_new("%s [%lld, %lld] %s%s%s%s M=%lld sm_%d%s%s", s->name, (long long)s->N, (long long)s->K,
+                         fp8 ? "fp8 x " : "", norm_jobs ? "add+RMSNorm " : "", qk_job ? "q/k epilogue " : "",
                          dtype == OPGRAFT_DTYPE_BF16 ? "bf16" : "fp16", (long long)M, arch, setting ? " with " : "",
                          setting ? setting : "");
   j->source = opgraft__linear_source(&a), j->arch = arch, j->nfn = 1;
@@ -141,6 +153,31 @@ static int setup(void **state) {
   add_setting(NULL, NULL, N_SHAPES, 1, OPGRAFT_DTYPE_FP16);
   add_candidates(two, 8, 0);
   for (size_t i = 0; i < sizeof others / sizeof *others; ++i) add_setting(others[i], qkv_o, 2, 1, OPGRAFT_DTYPE_BF16);
+  /* The q/k epilogue (plain and add + RMSNorm forms): Qwen3-30B-A3B's and Qwen3-235B-A22B's qkv
+   * with the norm and NeoX rotation as shipped at one and eight rows, fp16 at one, the tile, unroll
+   * and warp candidates and the other keys on the first; head 64 with GPT-J rotation alone and head
+   * 256 with the norm alone on shapes of their own. */
+  static const qk_heads qwen3 = {128, 32, 36, 1, 1}, qwen3_235b = {128, 64, 68, 1, 1};
+  static const int q30[] = {0}, q235[] = {4}, h64[] = {20}, h256[] = {21};
+  static const qk_heads gptj64 = {64, 4, 5, 0, 2}, norm256 = {256, 4, 5, 1, 0};
+  for (int nj = 1; nj >= 0; --nj) {
+    norm_jobs = nj;
+    qk_job = &qwen3;
+    add_setting(NULL, q30, 1, 1, OPGRAFT_DTYPE_BF16);
+    add_setting(NULL, q30, 1, 8, OPGRAFT_DTYPE_BF16);
+    add_setting(NULL, q30, 1, 1, OPGRAFT_DTYPE_FP16);
+    for (size_t i = 0; i < sizeof others / sizeof *others; ++i) add_setting(others[i], q30, 1, 1, OPGRAFT_DTYPE_BF16);
+    qk_job = &qwen3_235b;
+    add_setting(NULL, q235, 1, 1, OPGRAFT_DTYPE_BF16);
+    qk_job = &gptj64;
+    add_setting(NULL, h64, 1, 3, OPGRAFT_DTYPE_FP16);
+    qk_job = &norm256;
+    add_setting(NULL, h256, 1, 8, OPGRAFT_DTYPE_BF16);
+  }
+  qk_job = &qwen3;
+  static const int q30x2[] = {0, 0};
+  add_candidates(q30x2, 8, 0);
+  qk_job = NULL;
   norm_jobs = 0;
   /* FP8 weights: every shape as shipped at one and eight rows (bf16 x; fp16 at one row), then the
    * tuner's candidates at 16 warps an SM for qkv and the odd shape, and the other keys on qkv. */

@@ -116,6 +116,97 @@ typedef struct refusal {
   const char *needle;
 } refusal;
 
+/* Qwen3-30B-A3B's qkv with its q/k RMSNorm and NeoX rotary embedding in the epilogue. */
+static opgraft_linear_args qk_args(void) {
+  opgraft_linear_args a = valid_args();
+  a.bias = NULL, a.bias_dtype = 0;
+  a.head_size = 128, a.q_heads = 32, a.qk_heads = 36, a.rope_style = OPGRAFT_ROPE_NEOX, a.qk_norm_eps = 1e-6f;
+  a.q_norm_weight = (const void *)0x500000, a.k_norm_weight = (const void *)0x500100;
+  a.cos_sin_cache = (const void *)0x600000, a.cos_sin_stride = 128, a.rope_rows = 40960;
+  a.positions = (const void *)0x700000, a.qk_counters = (void *)0x800000;
+  return a;
+}
+
+static void m_qk_d96(opgraft_linear_args *a) { *a = qk_args(), a->head_size = 96; }
+static void m_qk_n(opgraft_linear_args *a) { *a = qk_args(), set_shape(a, 1, 5120 + 64, 2048); }
+static void m_qk_heads(opgraft_linear_args *a) { *a = qk_args(), a->qk_heads = 41; }
+static void m_qk_q_over(opgraft_linear_args *a) { *a = qk_args(), a->q_heads = 37; }
+static void m_qk_one_norm(opgraft_linear_args *a) { *a = qk_args(), a->k_norm_weight = NULL; }
+static void m_qk_eps(opgraft_linear_args *a) { *a = qk_args(), a->qk_norm_eps = -1.f; }
+static void m_qk_style(opgraft_linear_args *a) { *a = qk_args(), a->rope_style = 3; }
+static void m_qk_nothing(opgraft_linear_args *a) {
+  *a = qk_args(), a->q_norm_weight = a->k_norm_weight = NULL, a->rope_style = OPGRAFT_ROPE_NONE;
+}
+static void m_qk_cs_stride(opgraft_linear_args *a) { *a = qk_args(), a->cos_sin_stride = 100; }
+static void m_qk_fp8(opgraft_linear_args *a) {
+  *a = qk_args();
+  a->weight_dtype = OPGRAFT_DTYPE_FP8_E4M3, a->scale_dtype = OPGRAFT_DTYPE_FP32, a->block_n = a->block_k = 128;
+  a->weight_scale = (const void *)0x400000, a->weight_scale_stride[0] = 16, a->weight_scale_stride[1] = 1;
+}
+static void m_qk_no_heads(opgraft_linear_args *a) { *a = qk_args(), a->qk_heads = 0; }
+static void m_qk_no_counters(opgraft_linear_args *a) { *a = qk_args(), a->qk_counters = NULL; }
+static void m_qk_positions(opgraft_linear_args *a) { *a = qk_args(), a->positions = (const void *)0x700004; }
+
+static void test_qk_epilogue(void **state) {
+  opgraft_linear_args a = qk_args();
+  for (int64_t M = 1; M <= 8; M += 7) {
+    set_shape(&a, M, 5120, 2048);
+    expect_ok(&a, "Qwen3-30B-A3B qkv with the q/k epilogue");
+  }
+  a = qk_args(), a.rope_style = OPGRAFT_ROPE_NONE, a.cos_sin_cache = a.positions = NULL;
+  expect_ok(&a, "the norm alone");
+  a = qk_args(), a.q_norm_weight = a.k_norm_weight = NULL, a.rope_style = OPGRAFT_ROPE_GPTJ;
+  expect_ok(&a, "GPT-J rotation alone");
+  const refusal qk_refusals[] = {
+      {m_qk_d96, "head_size 96"},
+      {m_qk_n, "not a multiple of head_size"},
+      {m_qk_heads, "qk_heads 41"},
+      {m_qk_q_over, "q_heads 37"},
+      {m_qk_one_norm, "one of q_norm_weight and k_norm_weight"},
+      {m_qk_eps, "qk_norm_eps"},
+      {m_qk_style, "rotary embedding style 3"},
+      {m_qk_nothing, "no norm and no rotation"},
+      {m_qk_cs_stride, "rotary cache"},
+      {m_qk_fp8, "FP8 weights"},
+      {m_qk_no_heads, "qk_heads 0"},
+      {m_qk_no_counters, "qk_counters"},
+      {m_qk_positions, "misaligned"},
+  };
+  for (size_t i = 0; i < sizeof qk_refusals / sizeof *qk_refusals; ++i) {
+    qk_refusals[i].mutate(&a);
+    expect_refusal(&a, qk_refusals[i].needle, qk_refusals[i].needle);
+  }
+  /* A block's rows lie in one head: three 8-row tiles (24 rows) become two for heads of 128 and 64. */
+  a = qk_args();
+  og_linear_cfg c;
+  opgraft__linear_config(&a, 90, NULL, &c);
+  assert_int_equal(128 % (8 * c.tiles), 0);
+  setenv("OPGRAFT_TUNE_LINEAR_TILES", "3", 1);
+  opgraft_tune_reload();
+  opgraft__linear_config(&a, 90, NULL, &c);
+  assert_int_equal(c.tiles, 2);
+  a.head_size = 64, a.q_heads = 64, a.qk_heads = 72;
+  opgraft__linear_config(&a, 90, NULL, &c);
+  assert_int_equal(c.tiles, 2);
+  unsetenv("OPGRAFT_TUNE_LINEAR_TILES");
+  opgraft_tune_reload();
+  a = qk_args();
+  opgraft__linear_config(&a, 90, NULL, &c);
+  og_opts o;
+  assert_int_equal(opgraft__linear_options(&a, &c, &o), OPGRAFT_OK);
+  int found = 0;
+  for (int i = 0; i < o.n; ++i)
+    found += strcmp(o.ptr[i], "-DOG_QKPRO=1") == 0 || strcmp(o.ptr[i], "-DOG_QK_D=128") == 0 ||
+             strcmp(o.ptr[i], "-DOG_QKNORM=1") == 0 || strcmp(o.ptr[i], "-DOG_ROPE=1") == 0;
+  assert_int_equal(found, 4);
+  char name[64];
+  opgraft__linear_fn_name(&a, name);
+  assert_string_equal(name, "linear_gemv_qk_bf16");
+  a.residual = (const void *)0x900000;
+  opgraft__linear_fn_name(&a, name);
+  assert_string_equal(name, "linear_norm_gemv_qk_bf16");
+}
+
 static void m_struct_size(opgraft_linear_args *a) { a->struct_size = (uint32_t)sizeof *a - 8; }
 static void m_dtype_fp32(opgraft_linear_args *a) { a->dtype = a->weight_dtype = a->bias_dtype = a->out_dtype = OPGRAFT_DTYPE_FP32; }
 static void m_weight_fp16(opgraft_linear_args *a) { a->weight_dtype = OPGRAFT_DTYPE_FP16; }
@@ -653,6 +744,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_config_clamps, reset_tunables),
       cmocka_unit_test_teardown(test_describe, reset_tunables),
       cmocka_unit_test(test_shape_key),
+      cmocka_unit_test_teardown(test_qk_epilogue, reset_tunables),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

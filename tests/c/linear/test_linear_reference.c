@@ -268,6 +268,75 @@ static void check_norm(int32_t dtype, int64_t M, int64_t N, int64_t K, int64_t r
   release(&p);
 }
 
+/* The q/k epilogue against the plain product, normalized and rotated here head by head in long
+ * double (rounded where vLLM rounds: the normalized value, its product with the weight, the
+ * rotated value): query heads with their weights, key heads with theirs, value heads untouched,
+ * a position outside the rotary cache not rotated. Within one 16-bit step of the brute force
+ * (its rsqrt in long double may round a value the other way). */
+static void check_qk(int32_t dtype, int64_t M, int64_t D, int q_heads, int qk_heads, int heads, int norm, int rope,
+                     const char *what) {
+  const int64_t N = D * heads, K = 72, rows = 50;
+  problem p = make(dtype, M, N, K, 8, 0, 0, 1);
+  uint16_t *w = malloc(sizeof(uint16_t) * 2 * (size_t)D), *cs = malloc(sizeof(uint16_t) * (size_t)(rows * D));
+  int64_t pos[8];
+  assert_non_null(w);
+  assert_non_null(cs);
+  for (int64_t i = 0; i < 2 * D; ++i) w[i] = nearest(dtype, 0.5 + (double)(rnd() % 1000) / 1000.0);
+  for (int64_t i = 0; i < rows * D; ++i) cs[i] = nearest(dtype, (double)(rnd() % 2001) / 1000.0 - 1.0);
+  for (int64_t m = 0; m < M; ++m) pos[m] = m == 1 ? rows + 3 : (int64_t)(rnd() % rows); /* row 1: outside */
+  opgraft_linear_args a = args_of(&p);
+  assert_int_equal(opgraft_linear_reference(&a, NULL), OPGRAFT_OK);
+  uint16_t *plain = malloc(sizeof(uint16_t) * (size_t)(M * p.os));
+  assert_non_null(plain);
+  memcpy(plain, p.out, sizeof(uint16_t) * (size_t)(M * p.os));
+  a.head_size = (int32_t)D, a.q_heads = q_heads, a.qk_heads = qk_heads, a.rope_style = rope, a.qk_norm_eps = 1e-6f;
+  if (norm) a.q_norm_weight = w, a.k_norm_weight = w + D;
+  if (rope) a.cos_sin_cache = cs, a.cos_sin_stride = D, a.rope_rows = rows, a.positions = pos;
+  double *y = malloc(sizeof(double) * (size_t)(M * N));
+  assert_non_null(y);
+  assert_int_equal(opgraft_linear_reference(&a, y), OPGRAFT_OK);
+  assert_int_equal(opgraft_linear_reference(&a, NULL), OPGRAFT_OK);
+  long double h[256], r[256];
+  for (int64_t m = 0; m < M; ++m)
+    for (int hd = 0; hd < heads; ++hd) {
+      for (int64_t d = 0; d < D; ++d) h[d] = dec(dtype, plain[m * p.os + hd * D + d]);
+      if (hd < qk_heads && norm) {
+        long double ss = 0;
+        for (int64_t d = 0; d < D; ++d) ss += h[d] * h[d];
+        const long double rs = 1.0L / sqrtl(ss / (long double)D + (long double)1e-6f);
+        const uint16_t *wt = w + (hd < q_heads ? 0 : D);
+        for (int64_t d = 0; d < D; ++d)
+          h[d] = dec(dtype, nearest(dtype, (double)(dec(dtype, nearest(dtype, (double)(h[d] * rs))) * dec(dtype, wt[d]))));
+      }
+      const int rot = hd < qk_heads && rope && pos[m] < rows;
+      for (int64_t i = 0; i < D / 2 && rot; ++i) {
+        const long double c = dec(dtype, cs[pos[m] * D + i]), sn = dec(dtype, cs[pos[m] * D + D / 2 + i]);
+        const int64_t i1 = rope == OPGRAFT_ROPE_NEOX ? i : 2 * i, i2 = rope == OPGRAFT_ROPE_NEOX ? i + D / 2 : 2 * i + 1;
+        r[i1] = h[i1] * c - h[i2] * sn, r[i2] = h[i2] * c + h[i1] * sn;
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const uint16_t want = nearest(dtype, (double)(rot ? r[d] : h[d])), got = p.out[m * p.os + hd * D + d];
+        const double step = fabs(dec(dtype, want)) * (dtype == OPGRAFT_DTYPE_BF16 ? 1.0 / 128 : 1.0 / 1024) + 1e-30;
+        if (hd >= qk_heads) {
+          if (got != plain[m * p.os + hd * D + d]) fail_msg("%s: a value head changed at [%lld][%d]", what, (long long)m, hd);
+        } else if (fabs(dec(dtype, got) - dec(dtype, want)) > step) {
+          fail_msg("%s: out[%lld] head %d dim %lld = %g, brute force %g", what, (long long)m, hd, (long long)d,
+                   dec(dtype, got), dec(dtype, want));
+        }
+        if (y[m * N + hd * D + d] != dec(dtype, got)) fail_msg("%s: out_f64 is not the rounded output", what);
+      }
+    }
+  free(y), free(plain), free(w), free(cs);
+  release(&p);
+}
+
+static void test_qk_epilogue(void **state) {
+  check_qk(OPGRAFT_DTYPE_BF16, 3, 128, 4, 5, 6, 1, OPGRAFT_ROPE_NEOX, "head 128, norm + NeoX, bf16");
+  check_qk(OPGRAFT_DTYPE_FP16, 2, 64, 2, 3, 4, 1, OPGRAFT_ROPE_GPTJ, "head 64, norm + GPT-J, fp16");
+  check_qk(OPGRAFT_DTYPE_BF16, 8, 256, 1, 2, 3, 1, OPGRAFT_ROPE_NONE, "head 256, norm alone");
+  check_qk(OPGRAFT_DTYPE_BF16, 2, 64, 3, 3, 3, 0, OPGRAFT_ROPE_NEOX, "head 64, NeoX alone, no value heads");
+}
+
 static void test_norm_shapes(void **state) {
   check_norm(OPGRAFT_DTYPE_BF16, 1, 5, 64, 0, 1e-6f, "norm M=1 N=5 K=64");
   check_norm(OPGRAFT_DTYPE_BF16, 3, 17, 40, 8, 1e-5f, "norm M=3 N=17 K=40 padded residual rows");
@@ -381,6 +450,7 @@ int main(void) {
       cmocka_unit_test(test_rounding_at_ties),
       cmocka_unit_test(test_zero_rows_and_bad_arguments),
       cmocka_unit_test(test_norm_shapes),
+      cmocka_unit_test(test_qk_epilogue),
       cmocka_unit_test(test_fp8_helpers),
       cmocka_unit_test(test_fp8_shapes),
   };
