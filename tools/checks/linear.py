@@ -8,6 +8,8 @@ bit for bit; then the bench rows."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from opgraft import _lib, bench, dispatch
@@ -109,6 +111,32 @@ def norm_cases() -> list[dict]:
     ]
 
 
+def _qk(name, M, D=128, q_heads=32, kv_heads=4, K=2048, norm=True, rope=1, add_norm=False, **kw):
+    """The q/k epilogue on a qkv projection of q_heads + 2 kv_heads heads of D."""
+    return _case(name, (q_heads + 2 * kv_heads) * D, K, M, **kw) | {
+        "qk": True, "D": D, "q_heads": q_heads, "qk_heads": q_heads + kv_heads, "qknorm": norm, "rope": rope,
+        "add_norm": add_norm}
+
+
+def qk_cases() -> list[dict]:
+    """The q/k epilogue ("qk"): Qwen3-30B-A3B's qkv at M = 1..8 with its norm and NeoX rotation,
+    alone and after the add + RMSNorm form, fp16, head 64 with GPT-J rotation alone, head 256 with
+    the norm alone, a position outside the rotary cache, and each tile count. Its query and key
+    heads must be the attention prologue's bits on the plain product, its value heads the plain
+    product's; against the C oracle; two calls back to back (the counters reset) bit-identical."""
+    q = [_qk(f"qk M={M} Qwen3-30B-A3B qkv, norm + NeoX{' bias' if M % 3 == 0 else ''}", M, bias=M % 3 == 0, seed=M)
+         for M in (1, 2, 3, 8)]
+    return q + [
+        _qk("qk add+RMSNorm M=2 Qwen3-30B-A3B qkv", 2, add_norm=True),
+        _qk("qk fp16 M=4", 4, dtype="fp16"),
+        _qk("qk head 64 GPT-J alone M=3, K=72", 3, D=64, q_heads=8, kv_heads=2, K=72, norm=False, rope=2),
+        _qk("qk head 256 norm alone M=8", 8, D=256, q_heads=8, kv_heads=1, rope=0),
+        _qk("qk tiles 1 M=1", 1, tunables={"linear.tiles": 1}),
+        _qk("qk tiles 4 (clamped to 2) M=8, pdl 2, trigger", 8,
+            tunables={"linear.tiles": 4, "linear.pdl": 2, "linear.trigger": 1}),
+    ]
+
+
 def cases() -> list[dict]:
     out = [_case(f"M={M} [129, 2048]{' bias' if M % 2 else ''}", 129, 2048, M, bias=bool(M % 2), seed=M)
            for M in range(1, 9)]
@@ -177,7 +205,7 @@ def cases() -> list[dict]:
         _case("graph: N=5120 K=2048 M=4 bias", 5120, 2048, 4, bias=True, path="graph"),
         _case("graph, pdl: N=2048 K=4096 M=1", 2048, 4096, 1, path="graph", tunables={"linear.pdl": 1}),
     ]
-    return out + norm_cases() + fp8_cases()
+    return out + norm_cases() + fp8_cases() + qk_cases()
 
 
 def configure(cfg: dict) -> None:
@@ -388,9 +416,70 @@ def _run_norm(c: dict, device) -> dict:
     return res
 
 
+def _run_qk(c: dict, device) -> dict:
+    from opgraft.ops import attention as attn
+
+    N, K, M, D, dtype = c["N"], c["K"], c["M"], c["D"], c["dtype"]
+    hq, hqk = c["q_heads"], c["qk_heads"]
+    dt = linear_bench.TORCH_DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(300 + c["seed"])
+    w = linear_bench.make_weight(LinearShape("check", "w", N, K), dtype, device, seed=c["seed"])
+    b = torch.randn(N, generator=gen, device=device).to(dt) if c["bias"] else None
+    x = torch.randn((M, K), generator=gen, device=device).to(dt)
+    rows = 64
+    qnw = (torch.rand(D, generator=gen, device=device) + 0.5).to(dt) if c["qknorm"] else None
+    knw = (torch.rand(D, generator=gen, device=device) + 0.5).to(dt) if c["qknorm"] else None
+    cs = (2 * torch.rand((rows, D), generator=gen, device=device) - 1).to(dt) if c["rope"] else None
+    pos = torch.randint(0, rows, (M,), generator=gen, device=device) if c["rope"] else None
+    if pos is not None and M > 1:
+        pos[1] = rows + 5  # outside the cache: not rotated
+    pro = attn.QKPrologue(qnw, knw, 1e-6, cs, pos, c["rope"])
+    norm = plain_norm = None
+    if c["add_norm"]:
+        x, r = _norm_inputs(M, K, dt, gen, device)
+        nw = (torch.rand(K, generator=gen, device=device) + 0.5).to(dt)
+        norm = (r, nw, NORM_EPS, torch.empty_like(x))
+        plain_norm = (r, nw, NORM_EPS, torch.empty_like(x))
+    res = {k: v for k, v in c.items()}
+    out = torch.full((M, N), float("nan"), dtype=dt, device=device)
+    ops.linear_qk_into(out, x, w, b, D, hq, hqk, pro, norm=norm)
+    plain = torch.full((M, N), float("nan"), dtype=dt, device=device)
+    if plain_norm is not None:
+        ops.add_rms_norm_linear_into(plain, plain_norm[3], x, *plain_norm[:3], w, b)
+    else:
+        ops.linear_into(plain, x, w, b)
+    qn, kn = attn.qk_prologue(plain[:, :hq * D].view(M, hq, D), plain[:, hq * D:hqk * D].view(M, hqk - hq, D), pro)
+    want = plain.clone()
+    want[:, :hq * D], want[:, hq * D:hqk * D] = qn.view(M, -1), kn.view(M, -1)
+    again = torch.full((M, N), float("nan"), dtype=dt, device=device)
+    ops.linear_qk_into(again, x, w, b, D, hq, hqk, pro, norm=norm)  # right after: the counters were reset
+    torch.cuda.synchronize()
+    res.update(prologue_bits=bool(torch.equal(out, want)), deterministic=bool(torch.equal(out, again)),
+               values_untouched=bool(torch.equal(out[:, hqk * D:], plain[:, hqk * D:])))
+    if plain_norm is None:  # the C oracle on CPU copies (the product in fp64, rounded, then the epilogue)
+        cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in (x, w, b, qnw, knw, cs, pos)]
+        a = ops.linear_args(cpu[0], cpu[1], cpu[2], None)
+        a.head_size, a.q_heads, a.qk_heads, a.rope_style = D, hq, hqk, c["rope"]
+        if qnw is not None:
+            a.q_norm_weight, a.k_norm_weight, a.qk_norm_eps = cpu[3].data_ptr(), cpu[4].data_ptr(), 1e-6
+        if cs is not None:
+            a.cos_sin_cache, a.cos_sin_stride, a.rope_rows, a.positions = cpu[5].data_ptr(), D, rows, cpu[6].data_ptr()
+        ref = torch.empty((M, N), dtype=torch.float64)
+        _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a), ctypes.cast(
+            ref.data_ptr(), ctypes.POINTER(ctypes.c_double))))
+        res["oracle_ok"] = _within_two_roundings(out.cpu(), ref.to(dt))
+    else:
+        res["oracle_ok"] = True  # the norm form's oracle is the plain product's case above
+    res["passed"] = bool(res["prologue_bits"] and res["deterministic"] and res["values_untouched"]
+                         and res["oracle_ok"])
+    return res
+
+
 def _run_case(c: dict, device) -> dict:
     if c.get("fp8"):
         return _run_fp8(c, device)
+    if c.get("qk"):
+        return _run_qk(c, device)
     if c.get("norm"):
         return _run_norm(c, device)
     N, K, M, dtype = c["N"], c["K"], c["M"], c["dtype"]

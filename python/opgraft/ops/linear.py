@@ -407,6 +407,57 @@ def norm_linear_or_none(x, residual, norm_weight, eps, weight, bias=None, normed
     return None if out is None else (out, *outs)
 
 
+# ---- the q/k epilogue: a qkv projection with its query and key heads normalized and rotated ----
+
+_counters: dict = {}  # device index -> the epilogue's zeroed per-head counters, grown outside capture
+
+
+def qk_counters(device, heads: int) -> torch.Tensor:
+    """The device's per-head counters (uint32 as int32, zero between calls: the kernel leaves them
+    so), at least heads long. Grown only where no CUDA graph is being captured; captured graphs keep
+    the address."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    c = _counters.get(index)
+    if c is None or c.numel() < heads:
+        if torch.cuda.is_current_stream_capturing():
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, "q/k epilogue counters not reserved before graph capture")
+        c = torch.zeros(max(heads, 256), dtype=torch.int32, device=device)
+        _counters[index] = c
+    return c
+
+
+def linear_qk_into(out, x, weight, bias, head_size: int, q_heads: int, qk_heads: int, pro, norm=None):
+    """The projection into out ([M, N], N = heads * head_size: q_heads query heads, then qk_heads -
+    q_heads key heads, then value heads), its query and key heads normalized and rotated as pro (an
+    ops.attention.QKPrologue: norm weights, eps, rotary cache, positions, style) says, in one
+    launch; with norm (residual, norm_weight, eps, residual_out) the add + RMSNorm form. Raises
+    OpgraftError where the library refuses the call (the message says why)."""
+    a = linear_args(x, weight, bias, out, norm=norm)
+    if a.dtype == -1:
+        raise _lib.OpgraftError(_lib.EINVAL, "tensor shapes or devices are not those of one linear call")
+    if not x.is_cuda:
+        raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensors are not on a CUDA device")
+    a.head_size, a.q_heads, a.qk_heads, a.rope_style = head_size, q_heads, qk_heads, int(pro.rope_style)
+    if pro.q_norm_weight is not None:
+        a.q_norm_weight, a.k_norm_weight = pro.q_norm_weight.data_ptr(), pro.k_norm_weight.data_ptr()
+        a.qk_norm_eps = float(pro.eps)
+    if pro.rope_style != _lib.ROPE_NONE:
+        cs = pro.cos_sin_cache
+        a.cos_sin_cache, a.cos_sin_stride, a.rope_rows = cs.data_ptr(), cs.stride(0), cs.shape[0]
+        a.positions = pro.positions.data_ptr()
+    a.qk_counters = qk_counters(x.device, qk_heads).data_ptr()
+    handle = ctypes.c_void_p()
+    reason = ctypes.create_string_buffer(256)
+    with torch.cuda.device(x.device):
+        st = _lib.lib().opgraft_linear_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
+    if st == _lib.EUNSUPPORTED:
+        raise _lib.OpgraftError(st, reason.value.decode(errors="replace"))
+    _lib.check(st)
+    plan = Plan(handle.value, "")
+    _lib.check(_lib.lib().opgraft_linear_plan_run_args(plan.handle, ctypes.byref(a), current_stream(x.device)))
+    return out
+
+
 def add_rms_norm(x, residual, norm_weight, eps):
     """vLLM's own add + RMSNorm where vLLM is loaded (its IR op, whichever implementation vLLM
     selected), else the same function in torch."""
