@@ -350,7 +350,7 @@ def schemas() -> str:
     """The schemas of this module's ops: a factor of vLLM's compile-cache key, so that a graph
     traced against one schema is never loaded against another."""
     return "; ".join(str(getattr(torch.ops.opgraft, n).default._schema)
-                     for n in ("linear", "linear_fp8", "add_rms_norm_linear"))
+                     for n in ("linear", "linear_fp8", "add_rms_norm_linear", "linear_qk"))
 
 
 # ---- add + RMSNorm, then the projection ------------------------------------------------------
@@ -426,17 +426,11 @@ def qk_counters(device, heads: int) -> torch.Tensor:
     return c
 
 
-def linear_qk_into(out, x, weight, bias, head_size: int, q_heads: int, qk_heads: int, pro, norm=None):
-    """The projection into out ([M, N], N = heads * head_size: q_heads query heads, then qk_heads -
-    q_heads key heads, then value heads), its query and key heads normalized and rotated as pro (an
-    ops.attention.QKPrologue: norm weights, eps, rotary cache, positions, style) says, in one
-    launch; with norm (residual, norm_weight, eps, residual_out) the add + RMSNorm form. Raises
-    OpgraftError where the library refuses the call (the message says why)."""
+def _qk_args(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm=None) -> _lib.LinearArgs:
+    """linear_args with the q/k epilogue's fields (pro: an ops.attention.QKPrologue)."""
     a = linear_args(x, weight, bias, out, norm=norm)
     if a.dtype == -1:
-        raise _lib.OpgraftError(_lib.EINVAL, "tensor shapes or devices are not those of one linear call")
-    if not x.is_cuda:
-        raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensors are not on a CUDA device")
+        return a
     a.head_size, a.q_heads, a.qk_heads, a.rope_style = head_size, q_heads, qk_heads, int(pro.rope_style)
     if pro.q_norm_weight is not None:
         a.q_norm_weight, a.k_norm_weight = pro.q_norm_weight.data_ptr(), pro.k_norm_weight.data_ptr()
@@ -445,17 +439,138 @@ def linear_qk_into(out, x, weight, bias, head_size: int, q_heads: int, qk_heads:
         cs = pro.cos_sin_cache
         a.cos_sin_cache, a.cos_sin_stride, a.rope_rows = cs.data_ptr(), cs.stride(0), cs.shape[0]
         a.positions = pro.positions.data_ptr()
-    a.qk_counters = qk_counters(x.device, qk_heads).data_ptr()
-    handle = ctypes.c_void_p()
-    reason = ctypes.create_string_buffer(256)
-    with torch.cuda.device(x.device):
-        st = _lib.lib().opgraft_linear_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
-    if st == _lib.EUNSUPPORTED:
-        raise _lib.OpgraftError(st, reason.value.decode(errors="replace"))
+    if x.is_cuda:
+        a.qk_counters = qk_counters(x.device, qk_heads).data_ptr()
+    return a
+
+
+def _qk_plan(a: _lib.LinearArgs, x, key) -> Plan:
+    """The plan of a q/k epilogue call's layout (key), made on first sight."""
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    if a.dtype == -1:
+        plan = Plan(None, "tensor shapes or devices are not those of one linear call")
+    elif not x.is_cuda:
+        plan = Plan(None, "tensors are not on a CUDA device")
+    else:
+        handle = ctypes.c_void_p()
+        reason = ctypes.create_string_buffer(256)
+        with torch.cuda.device(x.device):
+            st = _lib.lib().opgraft_linear_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
+        if st == _lib.OK:
+            plan = Plan(handle.value, "")
+        elif st == _lib.EUNSUPPORTED:
+            plan = Plan(None, reason.value.decode(errors="replace"))
+        else:
+            _lib.check(st)
+    return _plans.put(key, plan)
+
+
+def _qk_key(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm):
+    cs = pro.cos_sin_cache
+    return (_layout_key(x, weight, bias, out, norm=norm), "qk", head_size, q_heads, qk_heads, int(pro.rope_style),
+            None if pro.q_norm_weight is None else (pro.q_norm_weight.dtype, pro.k_norm_weight.dtype, float(pro.eps)),
+            None if cs is None else (cs.shape, cs.stride(), cs.dtype))
+
+
+def linear_qk_into(out, x, weight, bias, head_size: int, q_heads: int, qk_heads: int, pro, norm=None):
+    """The projection into out ([M, N], N = heads * head_size: q_heads query heads, then qk_heads -
+    q_heads key heads, then value heads), its query and key heads normalized and rotated as pro (an
+    ops.attention.QKPrologue: norm weights, eps, rotary cache, positions, style) says, in one
+    launch; with norm (residual, norm_weight, eps, residual_out) the add + RMSNorm form. Raises
+    OpgraftError where the library refuses the call (the message says why)."""
+    for _ in range(2):
+        a = _qk_args(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm)
+        plan = _qk_plan(a, x, _qk_key(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm))
+        if plan.handle is None:
+            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
+        st = _lib.lib().opgraft_linear_plan_run_args(plan.handle, ctypes.byref(a), current_stream(x.device))
+        if st != _lib.ESTALE:
+            _lib.check(st)
+            return out
+        forget_plans()
     _lib.check(st)
-    plan = Plan(handle.value, "")
-    _lib.check(_lib.lib().opgraft_linear_plan_run_args(plan.handle, ctypes.byref(a), current_stream(x.device)))
     return out
+
+
+def qk_reference(q, k, pro, head_size: int):
+    """vLLM's q/k RMSNorm (vllm_ir rms_norm: x in fp32 * rsqrt(mean(x^2) + eps), rounded, times the
+    weight) and rotary embedding (in fp32 from the normed values, rounded once) of q [T, Hq, D] and
+    k [T, Hk, D], in torch: new tensors. The hand-back where our prologue kernel is not available."""
+    def one(t, w):
+        if w is not None:
+            f = t.float()
+            t = (f * torch.rsqrt(f.pow(2).mean(dim=-1, keepdim=True) + pro.eps)).to(t.dtype) * w
+        if pro.rope_style == _lib.ROPE_NONE:
+            return t.clone()
+        T, D = t.shape[0], head_size
+        pos = pro.positions[:T]
+        ok = (pos >= 0) & (pos < pro.cos_sin_cache.shape[0])
+        cs = pro.cos_sin_cache[pos.clamp(0, pro.cos_sin_cache.shape[0] - 1)].float()
+        cos, sin = cs[:, None, :D // 2], cs[:, None, D // 2:]
+        f = t.float()
+        if pro.rope_style == _lib.ROPE_NEOX:
+            x1, x2 = f[..., :D // 2], f[..., D // 2:]
+            r = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = f[..., 0::2], f[..., 1::2]
+            r = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.where(ok[:, None, None], r, f).to(t.dtype)
+
+    return one(q, pro.q_norm_weight), one(k, pro.k_norm_weight)
+
+
+def linear_qk(x, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps: float, head_size: int,
+              q_heads: int, kv_heads: int, rope_style: int) -> torch.Tensor:
+    """A qkv projection (q_heads query, kv_heads key and kv_heads value heads of head_size) with its
+    query and key heads normalized and rotated: our kernel with the q/k epilogue for 1..8 rows where
+    it takes the call; otherwise the linear op, then the prologue alone (our kernel, ABI 13, or
+    qk_reference) on its q and k, and the three parts joined. Counted as the linear op's decisions."""
+    from .attention import QKPrologue, qk_prologue
+
+    if x.dim() != 2:
+        raise ValueError(f"opgraft::linear_qk takes a 2-D x, got {x.dim()} dimensions")
+    D, hqk = head_size, q_heads + kv_heads
+    pro = QKPrologue(q_norm_weight, k_norm_weight, eps, cos_sin_cache, positions, rope_style)
+    stats = dispatch.stats_of("linear")
+    if x.is_cuda and 1 <= x.shape[0] <= MAX_ROWS:
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        try:
+            linear_qk_into(out, x, weight, bias, D, q_heads, hqk, pro)
+            stats.take()
+            return out
+        except _lib.OpgraftError as e:
+            stats.delegate(str(e))
+    elif x.shape[0] > MAX_ROWS:
+        stats.delegate(_TOO_MANY)
+    y = linear_or_torch(x, weight, bias)
+    T = y.shape[0]
+    q, k = y[:, :q_heads * D].view(T, q_heads, D), y[:, q_heads * D:hqk * D].view(T, kv_heads, D)
+    qn = kn = None
+    if y.is_cuda:
+        try:
+            qn, kn = qk_prologue(q, k, pro)
+        except _lib.OpgraftError:
+            pass
+    if qn is None:
+        qn, kn = qk_reference(q, k, pro, D)
+    return torch.cat((qn.reshape(T, -1), kn.reshape(T, -1), y[:, hqk * D:]), dim=-1)
+
+
+_LIB.define("linear_qk(Tensor x, Tensor weight, Tensor? bias, Tensor? positions, Tensor? cos_sin_cache, "
+            "Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, int head_size, int q_heads, int kv_heads, "
+            "int rope_style) -> Tensor")
+for _key in ("CUDA", "CPU"):
+    _LIB.impl("linear_qk", linear_qk, _key)
+
+
+@torch.library.register_fake("opgraft::linear_qk")
+def _(x, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, head_size, q_heads, kv_heads,
+      rope_style):
+    if x.dim() != 2:
+        raise ValueError(f"opgraft::linear_qk takes a 2-D x, got {x.dim()} dimensions")
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def add_rms_norm(x, residual, norm_weight, eps):

@@ -44,6 +44,14 @@ host path per layer costs more than Inductor's kernels in a replayed graph).
 OPGRAFT_ATTENTION_PROLOGUE=1 takes every model, 0 none. It needs the attention
 seam with its KV-cache write (OPGRAFT_ATTENTION and OPGRAFT_ATTENTION_CACHE_WRITE not 0). A factor
 (OPGRAFT_ATTENTION_PROLOGUE_SEAM) joins vLLM's compile-cache key.
+The q/k epilogue form (OPGRAFT_QK_EPILOGUE=1; off unless set, not yet measured on a GPU): the
+same wrapper instead rewrites opgraft::linear(x, W, bias) -> split -> norms -> rotary into
+opgraft::linear_qk (ops/linear.py), the qkv projection whose kernel normalizes and rotates its
+query and key heads in its epilogue (kernels/linear/linear.cu, OG_QKPRO); vLLM's attention call
+stays and gets the split of that output. The op is not a splitting op: a prefill keeps it inside
+vLLM's graph pieces (the linear op, then the prologue alone, above linear.max_rows), so no eager
+host path is added; decode attention then follows the projection directly, as the early start
+needs (linear.trigger, attention.pdl 2). It needs the linear seam (its op is what is matched).
 Remove it: delete the ("attention prologue", rope_seam) entry of the seam list in
 opgraft/vllm/__init__.py.
 """
@@ -85,6 +93,8 @@ def enabled() -> bool:
 def wanted(vllm_config) -> bool:
     """Does this config's model get the prologue: the switch where it is set, else where the norm
     fusion's MoE form is on (OPGRAFT_NORM_FUSION_MOE=1) for a model with experts (the pair, NOTES v46)."""
+    if qk_switch():
+        return True
     on = switch_state()
     if on is not None:
         return on
@@ -350,11 +360,119 @@ def rewrite(gm) -> int:
     return count
 
 
+# ---- the q/k epilogue form: the norm and rotary embedding in the qkv projection ---------------
+
+QK_OP_NAME = "opgraft::linear_qk"
+_LINEAR_OP = "opgraft::linear"
+
+
+def qk_switch() -> bool:
+    """OPGRAFT_QK_EPILOGUE=1: the q/k norm and rotary embedding go into the qkv projection's kernel
+    (its epilogue) instead of the attention kernel (off unless set: not yet measured on a GPU)."""
+    return switch("OPGRAFT_QK_EPILOGUE", dispatch._warn_once) is True
+
+
+def _split_parts(q, k, v_view):
+    """(linear node, its split sizes) where q and k are getitems 0 and 1 of one split of an
+    opgraft::linear call's output along its last dimension and v_view views getitem 2; else None."""
+    import operator
+
+    Node = type(q)
+    if not (q.op == k.op == "call_function" and q.target is operator.getitem and k.target is operator.getitem):
+        return None
+    split = q.args[0]
+    if k.args[0] is not split or (q.args[1], k.args[1]) != (0, 1) or not isinstance(split, Node):
+        return None
+    if not (split.op == "call_method" and split.target == "split") or len(split.args) != 2 or \
+            split.kwargs not in ({"dim": -1}, {"dim": 1}):
+        return None
+    lin, sizes = split.args
+    if not (isinstance(lin, Node) and _is(lin, _LINEAR_OP)) or not isinstance(sizes, (list, tuple)) or \
+            len(sizes) != 3 or not all(isinstance(n, int) for n in sizes) or set(lin.users) != {split}:
+        return None
+    if not (_is_view(v_view) and isinstance(v_view.args[0], Node) and v_view.args[0].target is operator.getitem
+            and v_view.args[0].args == (split, 2)):
+        return None
+    return lin, list(sizes)
+
+
+def _match_qk(node, order):
+    """The q/k epilogue rewrite of an attention node, or None: (the linear node, the args of
+    opgraft::linear_qk, (attention's q view, raw q), (its k view, raw k), dead nodes)."""
+    m = _match(node)
+    if m is None:
+        return None
+    (q, k, v, out, name, positions, cache, head_size, neox, qw, kw, eps), dead = m
+    qv, kv = dead[1], dead[2]  # attention's views of the rotated q and k
+    parts = _split_parts(q, k, v)
+    if parts is None:
+        return None
+    lin, sizes = parts
+    D = head_size
+    if sizes[0] % D or sizes[1] % D or sizes[1] != sizes[2]:
+        return None
+    x, w = lin.args[0], lin.args[1]
+    bias = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
+    Node = type(node)
+    late = [t for t in (positions, cache, qw, kw) if isinstance(t, Node) and order.get(t, len(order)) > order[lin]]
+    # Dynamo reads a parameter's data (_get_data_attr of a graph input) where the model first uses
+    # it, after the projection: such a read can move before it; anything else leaves the call alone.
+    if not all(t.op == "call_function" and all(isinstance(a, Node) and a.op in ("placeholder", "get_attr")
+                                               for a in t.all_input_nodes) for t in late):
+        return None
+    args = (x, w, bias, positions, cache, qw, kw, eps, D, sizes[0] // D, sizes[1] // D,
+            _lib.ROPE_NEOX if neox else _lib.ROPE_GPTJ)
+    return lin, args, (qv, q), (kv, k), dead[3:], late
+
+
+def rewrite_qk(gm) -> int:
+    """Gives every matching qkv projection of the Dynamo graph module gm its q/k epilogue: the
+    projection becomes opgraft::linear_qk, whose output's split feeds attention directly (vLLM's
+    norm and rotary embedding nodes gone); returns how many."""
+    import torch
+
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    count = 0
+    for node in list(graph.nodes):
+        m = _match_qk(node, order)
+        if m is None:
+            continue
+        lin, args, (qv, q), (kv, k), dead, late = m
+        for t in late:
+            lin.prepend(t)
+        with graph.inserting_after(lin):
+            fused = graph.call_function(torch.ops.opgraft.linear_qk.default, args)
+        fused.meta.update({key: v for key, v in lin.meta.items() if key in ("example_value", "val", "stack_trace",
+                                                                             "nn_module_stack")})
+        lin.replace_all_uses_with(fused)
+        graph.erase_node(lin)
+        qv.replace_input_with(qv.args[0], q)
+        kv.replace_input_with(kv.args[0], k)
+        for d in dead:  # the rotary embedding first, then the norms' nodes, users first
+            graph.erase_node(d)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
 def _make_split_graph(original):
     def split_graph(graph, splitting_ops):
         global _fused_total
         ops = list(splitting_ops or [])
-        if any(s == _ATTN_OP or s == _ATTN_OP + ".default" for s in ops) and _graph_wanted(graph):
+        at_attention = any(s == _ATTN_OP or s == _ATTN_OP + ".default" for s in ops)
+        if at_attention and qk_switch():
+            try:
+                n = rewrite_qk(graph)
+            except Exception as e:  # a graph this rewrite does not understand: vLLM's as it was
+                dispatch._warn_once(f"q/k epilogue rewrite skipped ({type(e).__name__}: {e})")
+                n = 0
+            with _lock:
+                _fused_total += n
+            dispatch.logger.debug("opgraft: %d qkv projection(s) take the q/k norm and rotary embedding", n)
+        elif at_attention and _graph_wanted(graph):
             try:
                 n = rewrite(graph)
             except Exception as e:  # a graph this rewrite does not understand: vLLM's as it was
@@ -383,7 +501,9 @@ def _make_set_compile_ranges(original):
 
 
 def _compile_factor() -> str:
-    return f"{package_tag()}, attention prologue {({True: 'on', None: 'with the MoE norm form'})[switch_state()]}"
+    form = "q/k epilogue" if qk_switch() else \
+        f"attention prologue {({True: 'on', False: 'off', None: 'with the MoE norm form'})[switch_state()]}"
+    return f"{package_tag()}, {form}"
 
 
 def _backends():

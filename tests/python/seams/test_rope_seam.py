@@ -455,3 +455,138 @@ def test_the_prologue_bench_times_vllms_own_wrapper(fused_op):
     op(qkv, HQ, HK, HK, D, EPS, w, w, cache, True, torch.zeros(T, dtype=torch.long))
     ((shape, args),) = fused_op
     assert shape == qkv.shape and args[:4] == (HQ, HK, HK, D) and len(args) == 10
+
+
+# ---- the q/k epilogue form (OPGRAFT_QK_EPILOGUE=1): the norm and rotary embedding in qkv's kernel ----
+
+def qwen3_attention_from_x(layers, norm=True, bias=False, extra_k_use=False):
+    """qwen3_attention with the qkv projection in front, as the linear seam's op."""
+    inner = qwen3_attention(layers, norm, extra_k_use=extra_k_use)
+
+    def f(x, w, b, positions, output):
+        qkv = torch.ops.opgraft.linear(x, w, b if bias else None)
+        return inner(qkv, positions, output)
+
+    return f
+
+
+def qk_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    K = 72
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    w = (0.2 * torch.randn((HQ + 2 * HK) * D, K, generator=g)).to(torch.bfloat16)
+    b = torch.randn((HQ + 2 * HK) * D, generator=g).to(torch.bfloat16)
+    return x, w, b, torch.tensor([5, 0, 4000]), torch.zeros(T, HQ * D, dtype=torch.bfloat16)
+
+
+def qk_trace(cfg, f):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        (outs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        vals = [o.meta["example_value"] for o in outs]
+        return lambda *args: tuple(torch.zeros(v.shape, dtype=v.dtype) for v in vals)  # traced, not run
+
+    torch._dynamo.reset()
+    with set_current_vllm_config(cfg):
+        torch.compile(f, backend=backend, fullgraph=True, dynamic=False)(*qk_inputs())
+    return graphs[0]
+
+
+def qk_graph_inputs(gm, ex, seed):
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    out = [t.clone() if isinstance(t, torch.Tensor) else t for t in ex]
+    x = qk_inputs(seed)[0]
+    out[names.index("l_x_")] = x
+    return out
+
+
+@pytest.mark.parametrize("norm,bias", [(True, False), (False, True)])
+def test_the_qk_rewrite_gives_the_norm_and_rotation_to_the_projection(cfg, layers, norm, bias):
+    from opgraft.ops import linear as _linear  # noqa: F401  (registers opgraft::linear and linear_qk)
+
+    gm, ex = qk_trace(cfg, qwen3_attention_from_x(layers, norm, bias))
+    before = copy.deepcopy(gm)
+    assert "opgraft.linear.default" in targets(gm) or "opgraft.linear" in targets(gm)
+    assert rope_seam.rewrite_qk(gm) == 1
+    t = targets(gm)
+    assert "opgraft.linear_qk.default" in t and "vllm.unified_attention_with_output" in t
+    assert not any(x in t for x in ("_C.rotary_embedding", "vllm_ir.rms_norm.default", "opgraft.linear.default"))
+    (fused,) = [n for n in gm.graph.nodes if str(n.target) == "opgraft.linear_qk.default"]
+    x, w, b, positions, cache, qw, kw, eps, head_size, hq, hk, style = fused.args
+    assert (head_size, hq, hk, style) == (D, HQ, HK, 1) and (b is None) == (not bias)
+    assert (qw is None) == (not norm) and eps == (EPS if norm else 0.0) and cache is not None
+    # The same query, key and value reach attention, up to rounding: the CPU stand-in of vLLM's
+    # rotary embedding (forward_static) rounds each bf16 operation, ours once from fp32. A head
+    # normalized with the other weights, or rotated at another position, is off by far more.
+    seen = {}
+
+    def forward(layer, query, key, value, kv_cache, md, output=None, **kw):
+        seen.setdefault("qkv", []).append((query.clone(), key.clone(), value.clone()))
+        return output
+
+    run(before, SimpleNamespace(forward=forward), qk_graph_inputs(before, ex, 1))
+    run(gm, SimpleNamespace(forward=forward), qk_graph_inputs(gm, ex, 1))
+    (qa, ka, va), (qc, kc, vc) = seen["qkv"]
+    assert torch.equal(va, vc) and bool(qa.abs().sum() > 0)
+    for a, c in ((qa, qc), (ka, kc)):
+        err = float((a.float() - c.float()).norm() / a.float().norm())
+        assert err < 2 ** -7, err
+
+
+def test_the_qk_rewrite_leaves_a_rotated_key_used_elsewhere(cfg, layers):
+    gm, _ = qk_trace(cfg, qwen3_attention_from_x(layers, extra_k_use=True))
+    assert rope_seam.rewrite_qk(gm) == 0
+    assert "_C.rotary_embedding" in targets(gm)
+
+
+def test_the_qk_op_on_the_cpu_is_the_c_oracle():
+    """opgraft::linear_qk on CPU tensors (the linear op, then qk_reference) against the library's
+    fp64 oracle of the same call, within two roundings: NeoX with the norm, GPT-J alone, the norm
+    alone; a position outside the rotary cache is not rotated."""
+    import ctypes
+
+    from opgraft import _lib
+    from opgraft.ops import linear as ops
+
+    g = torch.Generator().manual_seed(5)
+    for style, norm in ((1, True), (2, False), (0, True)):
+        M, K, hq, hk = 3, 72, 4, 2
+        N = (hq + 2 * hk) * D
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        w = (0.2 * torch.randn(N, K, generator=g)).to(torch.bfloat16)
+        qw = (0.5 + torch.rand(D, generator=g)).to(torch.bfloat16) if norm else None
+        kw = (0.5 + torch.rand(D, generator=g)).to(torch.bfloat16) if norm else None
+        cs = (2 * torch.rand(40, D, generator=g) - 1).to(torch.bfloat16) if style else None
+        pos = torch.tensor([3, 45, 0]) if style else None
+        y = torch.ops.opgraft.linear_qk(x, w, None, pos, cs, qw, kw, EPS, D, hq, hk, style)
+        a = ops.linear_args(x, w, None, None)
+        a.head_size, a.q_heads, a.qk_heads, a.rope_style = D, hq, hq + hk, style
+        if norm:
+            a.q_norm_weight, a.k_norm_weight, a.qk_norm_eps = qw.data_ptr(), kw.data_ptr(), EPS
+        if style:
+            a.cos_sin_cache, a.cos_sin_stride, a.rope_rows, a.positions = cs.data_ptr(), D, 40, pos.data_ptr()
+        ref = torch.empty(M, N, dtype=torch.float64)
+        _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a),
+                                                       ctypes.cast(ref.data_ptr(), ctypes.POINTER(ctypes.c_double))))
+        diff = (y.double() - ref).abs()
+        assert bool((diff <= ref.abs() * 2 ** -6 + 1e-6).all()), (style, norm, float(diff.max()))
+        assert torch.equal(y[:, (hq + hk) * D:], torch.nn.functional.linear(x, w)[:, (hq + hk) * D:])
+
+
+def test_split_graph_gives_the_projection_the_epilogue_under_the_switch(cfg, layers, clean_plugin, monkeypatch):
+    monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "1")
+    monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
+    register()
+    assert rope_seam.installed()
+    gm, _ = qk_trace(cfg, qwen3_attention_from_x(layers))
+    before = rope_seam.fused_total()
+    split_gm, items = backends.split_graph(copy.deepcopy(gm), [ATTN])
+    assert rope_seam.fused_total() == before + 1
+    splitting = [i for i in items if i.is_splitting_graph]
+    assert len(splitting) == 1  # vLLM's attention, as before
+    assert "vllm.unified_attention_with_output" in targets(getattr(split_gm, splitting[0].submod_name))
+    pieces = [targets(getattr(split_gm, i.submod_name)) for i in items if not i.is_splitting_graph]
+    assert any("opgraft.linear_qk.default" in t for t in pieces)
+    assert not any("_C.rotary_embedding" in t for t in pieces)
