@@ -350,7 +350,8 @@ def schemas() -> str:
     """The schemas of this module's ops: a factor of vLLM's compile-cache key, so that a graph
     traced against one schema is never loaded against another."""
     return "; ".join(str(getattr(torch.ops.opgraft, n).default._schema)
-                     for n in ("linear", "linear_fp8", "add_rms_norm_linear", "linear_qk"))
+                     for n in ("linear", "linear_fp8", "add_rms_norm_linear", "linear_qk",
+                               "add_rms_norm_linear_qk"))
 
 
 # ---- add + RMSNorm, then the projection ------------------------------------------------------
@@ -607,6 +608,43 @@ for _key in ("CUDA", "CPU"):
 def _(x, residual, norm_weight, eps, weight, bias=None):
     if x.dim() != 2:
         raise ValueError(f"opgraft::add_rms_norm_linear takes a 2-D x, got {x.dim()} dimensions")
+    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty(x.shape)
+
+
+def add_rms_norm_linear_qk(x, residual, norm_weight, eps, weight, bias, positions, cos_sin_cache, q_norm_weight,
+                           k_norm_weight, qk_eps, head_size, q_heads, kv_heads, rope_style):
+    """(linear_qk(add_rms_norm(x, residual)), x + residual): the add + RMSNorm form of the q/k
+    epilogue's projection, one launch where our kernel takes the call; otherwise vLLM's add +
+    RMSNorm, then linear_qk."""
+    from .attention import QKPrologue
+
+    if x.dim() != 2:
+        raise ValueError(f"opgraft::add_rms_norm_linear_qk takes a 2-D x, got {x.dim()} dimensions")
+    if x.is_cuda and 1 <= x.shape[0] <= MAX_ROWS:
+        out, r_out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device), torch.empty_like(x)
+        pro = QKPrologue(q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, rope_style)
+        try:
+            linear_qk_into(out, x, weight, bias, head_size, q_heads, q_heads + kv_heads, pro,
+                           norm=(residual, norm_weight, eps, r_out))
+            dispatch.stats_of("linear").take()
+            return out, r_out
+        except _lib.OpgraftError as e:
+            dispatch.stats_of("linear").delegate(str(e))
+    n, r = add_rms_norm(x, residual, norm_weight, eps)
+    return linear_qk(n, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_weight, qk_eps, head_size,
+                     q_heads, kv_heads, rope_style), r
+
+
+_LIB.define("add_rms_norm_linear_qk(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
+            "Tensor? bias, Tensor? positions, Tensor? cos_sin_cache, Tensor? q_norm_weight, Tensor? k_norm_weight, "
+            "float qk_eps, int head_size, int q_heads, int kv_heads, int rope_style) -> (Tensor, Tensor)")
+for _key in ("CUDA", "CPU"):
+    _LIB.impl("add_rms_norm_linear_qk", add_rms_norm_linear_qk, _key)
+
+
+@torch.library.register_fake("opgraft::add_rms_norm_linear_qk")
+def _(x, residual, norm_weight, eps, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_weight, qk_eps,
+      head_size, q_heads, kv_heads, rope_style):
     return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty(x.shape)
 
 

@@ -232,19 +232,28 @@ def _defined_before(order, node, *deps) -> bool:
 def _match(node, order, ops, max_tokens=None):
     """The rewrite if `node` starts norm -> linear, else None: (args, getitem 1, the replaced
     node, dead nodes). max_tokens: the most rows the graph runs (its compile range), which the
-    shape's linear.norm_rows must allow."""
-    norm_op, linear_op = ops
+    shape's linear.norm_rows must allow. ops: (norm, linear[, linear_qk]): a linear_qk call (the
+    q/k epilogue's projection, rope_seam) matches too, its other arguments passed on after bias."""
+    norm_op, linear_op = ops[:2]
+    qk_op = ops[2] if len(ops) > 2 else None
     parts = _norm_parts(node, norm_op)
     if parts is None:
         return None
     from torch.fx import Node
 
     (x, res, nw, eps), g0, g1, lin = parts
-    if lin.op != "call_function" or lin.target is not linear_op or not 2 <= len(lin.args) <= 3 \
+    extra = ()
+    if qk_op is not None and lin.op == "call_function" and lin.target is qk_op:
+        if len(lin.args) != 12 or lin.kwargs or lin.args[0] is not g0:
+            return None
+        extra = tuple(lin.args[3:])
+        if not _defined_before(order, node, *(a for a in extra if isinstance(a, Node))):
+            return None
+    elif lin.op != "call_function" or lin.target is not linear_op or not 2 <= len(lin.args) <= 3 \
             or lin.args[0] is not g0 or set(lin.kwargs) - {"bias"} or (len(lin.args) == 3 and lin.kwargs):
         return None
     W = lin.args[1]
-    bias = lin.args[2] if len(lin.args) == 3 else lin.kwargs.get("bias")
+    bias = lin.args[2] if len(lin.args) >= 3 else lin.kwargs.get("bias")
     if not isinstance(W, Node) or not (bias is None or isinstance(bias, Node)) or not _defined_before(order, node, W, bias):
         return None
     xv, wv, bv = _val(x), _val(W), _val(bias)
@@ -259,7 +268,7 @@ def _match(node, order, ops, max_tokens=None):
         N, K = wv.shape
         if not (isinstance(N, int) and isinstance(K, int)) or rows_allowed(N, K, dt) < max_tokens:
             return None
-    return (x, res, nw, eps, W, bias), g1, lin, [lin, g0, g1, node]
+    return (x, res, nw, eps, W, bias, *extra), g1, lin, [lin, g0, g1, node]
 
 
 def _rewrite(graph, node, fused_op, args, g1, replaced, dead):
@@ -570,15 +579,18 @@ def _define_pass_class():
     from ..ops import linear as _op  # noqa: F401  (registers opgraft::linear, opgraft::add_rms_norm_linear)
 
     class OpgraftNormLinearFusionPass(VllmInductorPass):
-        """fused_add_rms_norm -> getitem 0 -> opgraft.linear  ==>  opgraft.add_rms_norm_linear."""
+        """fused_add_rms_norm -> getitem 0 -> opgraft.linear  ==>  opgraft.add_rms_norm_linear (and
+        -> opgraft.linear_qk  ==>  opgraft.add_rms_norm_linear_qk)."""
 
         def __init__(self, config):
             global _moe_form
             super().__init__(config)
             self.fused = 0  # in all graphs this instance has seen
             self.fused_moe = 0
-            self._ops = (torch.ops.vllm_ir.fused_add_rms_norm.default, torch.ops.opgraft.linear.default)
+            self._ops = (torch.ops.vllm_ir.fused_add_rms_norm.default, torch.ops.opgraft.linear.default,
+                         torch.ops.opgraft.linear_qk.default)
             self._fused_op = torch.ops.opgraft.add_rms_norm_linear.default
+            self._fused_qk_op = torch.ops.opgraft.add_rms_norm_linear_qk.default
             self.moe = moe_enabled() and _moe_forward() is not None
             _moe_form = self.moe and _model_takes_form(config)
             if self.moe:
@@ -601,7 +613,7 @@ def _define_pass_class():
             for node in list(graph.nodes):
                 m = _match(node, order, self._ops, end)
                 if m is not None:
-                    _rewrite(graph, node, self._fused_op, *m)
+                    _rewrite(graph, node, self._fused_op if len(m[0]) == 6 else self._fused_qk_op, *m)
                     count += 1
                 elif self.moe and (m := _match_moe(node, order, self._moe_ops, end, rows_of)) is not None:
                     _rewrite(graph, node, self._moe_fused_op, *m)

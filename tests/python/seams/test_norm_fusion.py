@@ -108,6 +108,28 @@ def test_pattern_is_fused_bit_for_bit(clean, cfg, mode, dtype, bias):
     assert p.fused == 1 and norm_seam.fused_total() == 1
 
 
+LINEAR_QK = torch.ops.opgraft.linear_qk.default
+FUSED_QK = torch.ops.opgraft.add_rms_norm_linear_qk.default
+
+
+def qk_pattern(x, r, w, W, b, pos, cs, qw, kw):
+    n, r2 = NORM(x, r, w, EPS, None)
+    return LINEAR_QK(n, W, b, pos, cs, qw, kw, EPS, 16, 2, 1, 1), r2
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_the_q_k_epilogues_projection_is_fused_bit_for_bit(clean, cfg, mode):
+    """norm -> opgraft.linear_qk (rope_seam's q/k epilogue form) ==> opgraft.add_rms_norm_linear_qk,
+    its epilogue's arguments passed on: the same bits on the CPU (vLLM's norm, then linear_qk)."""
+    g = torch.Generator().manual_seed(4)
+    x, r, w, W, b = tensors(N=64, K=64)  # heads of 16: 2 query, 1 key, 1 value
+    extra = (torch.tensor([1, 7, 3]), (2 * torch.rand(10, 16, generator=g) - 1).to(BF16),
+             (0.5 + torch.rand(16, generator=g)).to(BF16), (0.5 + torch.rand(16, generator=g)).to(BF16))
+    p, t = fuse_and_compare(qk_pattern, (x, r, w, W, b, *extra), cfg, mode)
+    assert t.count(FUSED_QK) == 1 and NORM not in t and LINEAR_QK not in t
+    assert p.fused == 1
+
+
 def test_two_layers_and_an_unused_residual(clean, cfg):
     def two(x, r, w, W, b):
         y, r2 = pattern(x, r, w, W, b)
