@@ -36,6 +36,11 @@ VARIANTS = {
     "shipped": ({}, True, None),  # the rows and rules as they ship
     "vllm-write": ({}, True, "vllm"),  # vLLM's KV write, then the shipped attention and projection
     "kernel-write": ({}, True, "kernel"),  # the KV write inside the shipped attention
+    # with --qkv: the projection's q/k epilogue (the model's q/k RMSNorm and rotary embedding in its
+    # kernel), then kernel-write's attention; and the same started early (qkv triggers, attention
+    # loads its first round before its wait)
+    "qk": ({}, True, "qk"),
+    "qk-early": ({"linear.trigger": 1, "attention.pdl": 2}, True, "qk"),
 }
 
 
@@ -44,7 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="Qwen3-30B-A3B")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", default="256,1024,8192")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(n for n, v in VARIANTS.items() if v[2] != "qk"),
+                    help="comma list of " + ", ".join(VARIANTS) + " (qk, qk-early: with --qkv)")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=KEY:VALUE,...[@kernel]",
                     help="one more variant on opgraft's projection, e.g. w16=attention.trigger:1,linear.warps:16; "
                          "@kernel: with the KV write inside attention (as kernel-write)")
@@ -64,10 +70,13 @@ def main(argv=None) -> int:
     if bad:
         print(f"tools.attn_o: error: unknown variants {', '.join(bad)}", file=sys.stderr)
         return 2
+    if not args.qkv and any(variants[n][2] == "qk" for n in names):
+        print("tools.attn_o: error: the qk variants need --qkv (the epilogue is the projection's)", file=sys.stderr)
+        return 2
     if not check_outputs("tools.attn_o", {"--json": args.json}):
         return 2
     torch = require_gpu("tools.attn_o")
-    from opgraft import bench
+    from opgraft import _lib, bench
     from opgraft.bench import attention as attn_bench
     from opgraft.bench import linear as linear_bench
     from opgraft.ops import attention as attn_ops
@@ -113,6 +122,12 @@ def main(argv=None) -> int:
             scale1 = torch.ones((), dtype=torch.float32, device="cuda")
             fsrc = fused.clone()
             hidden = torch.randn((B, qshape.in_features), device="cuda").to(torch.bfloat16) if args.qkv else None
+            # the q/k epilogue's inputs: Qwen3-style norm weights, a rotary cache, the step's positions
+            pro = attn_ops.QKPrologue((torch.rand(d, device="cuda") + 0.5).to(torch.bfloat16),
+                                      (torch.rand(d, device="cuda") + 0.5).to(torch.bfloat16), 1e-6,
+                                      (2 * torch.rand((C + 1, d), device="cuda") - 1).to(torch.bfloat16),
+                                      torch.full((B,), C - 1, dtype=torch.int64, device="cuda"),
+                                      _lib.ROPE_NEOX)
             out = torch.empty((B, hq, d), dtype=torch.bfloat16, device="cuda")
             x = out.view(B, -1)
             ys = [torch.empty((B, oshape.out_features), dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
@@ -122,14 +137,16 @@ def main(argv=None) -> int:
                 with bench.tunables(cfg, forget):
 
                     def call(i, _):
-                        if args.qkv:  # q/k/v of the step from the projection, as in a layer
+                        if write == "qk":  # the projection normalizes and rotates q and k itself
+                            linear_ops.linear_qk_into(fused, hidden, qweights[i], None, d, hq, hq + hk, pro)
+                        elif args.qkv:  # q/k/v of the step from the projection, as in a layer
                             linear_ops.linear_into(fused, hidden, qweights[i])
                         else:
                             fused.copy_(fsrc)
                         if write == "vllm":
                             reshape_and_cache_flash(knew, vnew, p.key_cache, p.value_cache, slots, "auto", scale1,
                                                     scale1)
-                        if write == "kernel":
+                        if write in ("kernel", "qk"):
                             attn_bench.run_ours(p, out, C, knew, vnew, slots)
                         else:
                             attn_bench.run_ours(p, out, C)

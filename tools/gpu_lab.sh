@@ -4,7 +4,7 @@
 # compute-sanitizer on a few of them, then the timings that need no vLLM. Results land in $OUT.
 #
 #   OUT=DIR bash tools/gpu_lab.sh [STEP ...]      steps: build warm check sanitize host before moe fp8 linear attention
-#                                                        fusions fusions-sanitize prologue vpf round early
+#                                                        fusions fusions-sanitize prologue vpf round early qk
 #
 # With no steps, all of them but warm (which compiles every op's variants for both archs in
 # parallel; the checks and benches compile what they use on demand). BEFORE_TREE (default .before) is an older tree's python/, src/,
@@ -196,6 +196,16 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
     timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m tools.gpucheck --quick --ops attention \
       --only "two tiles a round, warps 8" --out /tmp/og-san >"$OUT/memcheck-round.log" 2>&1
     note "round benched; memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-round.log" | tail -1)"
+    ;;
+  qk)  # the q/k norm and rotary embedding in the qkv projection's epilogue (NOTES v60): cases, memcheck, spans
+    python3 -m tools.gpucheck --quick --ops linear --only "qk " --out "$OUT/qk" >"$OUT/check-qk.log" 2>&1
+    note "q/k epilogue: $(grep 'cases pass' "$OUT/check-qk.log")"
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m tools.gpucheck --quick --ops linear \
+      --only "qk M=3" --out /tmp/og-san >"$OUT/memcheck-qk.log" 2>&1
+    note "q/k epilogue memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-qk.log" | tail -1)"
+    python3 -m tools.attn_o --qkv --batch 1,8 --context 144,1024,8192 --variants kernel-write,qk,qk-early \
+      --extra early=linear.trigger:1,attention.pdl:2@kernel --json "$OUT/qkv_attn_o_qk.json" 2>&1 | tail -10
+    note "q/k epilogue benched"
     ;;
   early)  # attention started early by the qkv projection (NOTES v58): cases, memcheck, qkv + attention + o
     python3 -m tools.gpucheck --quick --ops attention --only "first round before the wait" --out "$OUT/early" \

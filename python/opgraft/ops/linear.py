@@ -534,7 +534,9 @@ def linear_qk(x, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_w
         raise ValueError(f"opgraft::linear_qk takes a 2-D x, got {x.dim()} dimensions")
     D, hqk = head_size, q_heads + kv_heads
     pro = QKPrologue(q_norm_weight, k_norm_weight, eps, cos_sin_cache, positions, rope_style)
-    stats = dispatch.stats_of("linear")
+    stats = dispatch.stats_of("linear_qk")  # the epilogue's decisions; a hand-back's projection counts as linear's
+    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        qk_counters(x.device, hqk)  # reserved by any eager call (vLLM's profile run), before graph capture
     if x.is_cuda and 1 <= x.shape[0] <= MAX_ROWS:
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         try:
@@ -543,8 +545,9 @@ def linear_qk(x, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_w
             return out
         except _lib.OpgraftError as e:
             stats.delegate(str(e))
-    elif x.shape[0] > MAX_ROWS:
-        stats.delegate(_TOO_MANY)
+    else:
+        stats.delegate(_TOO_MANY if x.shape[0] > MAX_ROWS else "no rows" if x.shape[0] < 1 else
+                       "tensors are not on a CUDA device")
     y = linear_or_torch(x, weight, bias)
     T = y.shape[0]
     q, k = y[:, :q_heads * D].view(T, q_heads, D), y[:, q_heads * D:hqk * D].view(T, kv_heads, D)
@@ -626,10 +629,10 @@ def add_rms_norm_linear_qk(x, residual, norm_weight, eps, weight, bias, position
         try:
             linear_qk_into(out, x, weight, bias, head_size, q_heads, q_heads + kv_heads, pro,
                            norm=(residual, norm_weight, eps, r_out))
-            dispatch.stats_of("linear").take()
+            dispatch.stats_of("linear_qk").take()
             return out, r_out
         except _lib.OpgraftError as e:
-            dispatch.stats_of("linear").delegate(str(e))
+            dispatch.stats_of("linear_qk").delegate(str(e))
     n, r = add_rms_norm(x, residual, norm_weight, eps)
     return linear_qk(n, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_weight, qk_eps, head_size,
                      q_heads, kv_heads, rope_style), r
