@@ -1,11 +1,17 @@
 // vLLM's q/k RMSNorm and rotary embedding of one head's 8 dims a lane, shared by every kernel
 // that does them (a query/key prologue, a projection's epilogue), so all give the same bits. The
-// including file defines OG_QK_D (the head size: 64, 128 or 256), OG_QKNORM (0/1)
-// and OG_ROPE (0 none, 1 NeoX: dim i with i + D/2, 2 GPT-J: dim 2i with 2i + 1). A head's D/8
+// including file defines OG_QK_D (the head size: 64, 128 or 256), OG_QKNORM (0/1, default 0)
+// and OG_ROPE (default 0: none, 1 NeoX: dim i with i + D/2, 2 GPT-J: dim 2i with 2i + 1). A head's D/8
 // pieces sit in D/8 consecutive lanes of a warp (piece = lane % (D/8)); every lane of the warp
 // calls og_qk_piece (the head's lanes meet in shuffles).
 #ifndef OG_QK_CUH
 #define OG_QK_CUH
+#ifndef OG_QKNORM
+#define OG_QKNORM 0
+#endif
+#ifndef OG_ROPE
+#define OG_ROPE 0
+#endif
 #if OG_QKNORM || OG_ROPE
 
 // What a lane's 8 dims (from d) need: the norm weights, and the cosines and sines of the row's

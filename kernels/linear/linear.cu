@@ -191,12 +191,6 @@ __device__ __forceinline__ void og_prefetch_norm_weight(const og_linear_params &
 #if OG_QK_D % OG_ROWS != 0
 #error "a block's rows must lie in one head (8 * OG_TILES divides OG_QK_D)"
 #endif
-#ifndef OG_QKNORM
-#define OG_QKNORM 0
-#endif
-#ifndef OG_ROPE
-#define OG_ROPE 0
-#endif
 #include "og_qk.cuh"
 #define OG_QK_P (OG_QK_D / 8)  // a head's 16-byte pieces
 

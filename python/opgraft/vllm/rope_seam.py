@@ -458,29 +458,28 @@ def rewrite_qk(gm) -> int:
     return count
 
 
+def _apply(rewrite_fn, graph, what: str) -> int:
+    """rewrite_fn(graph), counted; a graph it does not understand stays vLLM's (warned once)."""
+    global _fused_total
+    try:
+        n = rewrite_fn(graph)
+    except Exception as e:
+        dispatch._warn_once(f"{what} rewrite skipped ({type(e).__name__}: {e})")
+        n = 0
+    with _lock:
+        _fused_total += n
+    dispatch.logger.debug("opgraft: %s rewrite: %d call(s) take the q/k norm and rotary embedding", what, n)
+    return n
+
+
 def _make_split_graph(original):
     def split_graph(graph, splitting_ops):
-        global _fused_total
         ops = list(splitting_ops or [])
         at_attention = any(s == _ATTN_OP or s == _ATTN_OP + ".default" for s in ops)
         if at_attention and qk_switch():
-            try:
-                n = rewrite_qk(graph)
-            except Exception as e:  # a graph this rewrite does not understand: vLLM's as it was
-                dispatch._warn_once(f"q/k epilogue rewrite skipped ({type(e).__name__}: {e})")
-                n = 0
-            with _lock:
-                _fused_total += n
-            dispatch.logger.debug("opgraft: %d qkv projection(s) take the q/k norm and rotary embedding", n)
+            _apply(rewrite_qk, graph, "q/k epilogue")
         elif at_attention and _graph_wanted(graph):
-            try:
-                n = rewrite(graph)
-            except Exception as e:  # a graph this rewrite does not understand: vLLM's as it was
-                dispatch._warn_once(f"attention prologue rewrite skipped ({type(e).__name__}: {e})")
-                n = 0
-            with _lock:
-                _fused_total += n
-            dispatch.logger.debug("opgraft: %d attention call(s) take the q/k norm and rotary embedding", n)
+            _apply(rewrite, graph, "attention prologue")
             ops.append(OP_NAME)
         return original(graph, ops)
 

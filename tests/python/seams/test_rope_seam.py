@@ -119,9 +119,9 @@ def qwen3_attention(layers, norm=True, extra_k_use=False, dummy_dep=False, hq=HQ
     return f
 
 
-def trace(cfg, f):
+def trace(cfg, f, inputs=None):
     """The Dynamo graph of f (what vLLM's backend receives), with the inputs it was called with
-    (vLLM's weights and buffers lifted among them)."""
+    (vLLM's weights and buffers lifted among them); inputs: example_inputs() unless given."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -132,7 +132,7 @@ def trace(cfg, f):
 
     torch._dynamo.reset()
     with set_current_vllm_config(cfg):
-        torch.compile(f, backend=backend, fullgraph=True, dynamic=False)(*example_inputs())
+        torch.compile(f, backend=backend, fullgraph=True, dynamic=False)(*(inputs or example_inputs()))
     return graphs[0]
 
 
@@ -480,18 +480,7 @@ def qk_inputs(seed=0):
 
 
 def qk_trace(cfg, f):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        (outs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
-        vals = [o.meta["example_value"] for o in outs]
-        return lambda *args: tuple(torch.zeros(v.shape, dtype=v.dtype) for v in vals)  # traced, not run
-
-    torch._dynamo.reset()
-    with set_current_vllm_config(cfg):
-        torch.compile(f, backend=backend, fullgraph=True, dynamic=False)(*qk_inputs())
-    return graphs[0]
+    return trace(cfg, f, qk_inputs())
 
 
 def qk_graph_inputs(gm, ex, seed):
