@@ -362,7 +362,6 @@ def rewrite(gm) -> int:
 
 # ---- the q/k epilogue form: the norm and rotary embedding in the qkv projection ---------------
 
-QK_OP_NAME = "opgraft::linear_qk"
 _LINEAR_OP = "opgraft::linear"
 
 
