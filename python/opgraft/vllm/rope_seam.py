@@ -533,6 +533,8 @@ def install() -> tuple[bool, str]:
     add_compile_factor(COMPILE_FACTOR, _compile_factor)
     from . import norm_seam
 
+    if qk_switch():
+        return True, "attention prologue seam installed (q/k norm and rotary embedding in the qkv projection's kernel)"
     return True, ("attention prologue seam installed (q/k norm and rotary embedding in the attention kernel, "
                   + ("every model)" if switch_state() else "with the MoE norm form)" if norm_seam.moe_enabled()
                      else "with the MoE norm form, off)"))

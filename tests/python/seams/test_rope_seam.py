@@ -568,7 +568,7 @@ def test_split_graph_gives_the_projection_the_epilogue_under_the_switch(cfg, lay
     monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "1")
     monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "1")
     register()
-    assert rope_seam.installed()
+    assert rope_seam.installed() and "in the qkv projection's kernel)" in summary()
     gm, _ = qk_trace(cfg, qwen3_attention_from_x(layers))
     before = rope_seam.fused_total()
     split_gm, items = backends.split_graph(copy.deepcopy(gm), [ATTN])
