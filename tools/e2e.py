@@ -400,7 +400,8 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 # The graph rewrites a worker reports: its key, the seam module and counter, the table's name.
 _REWRITES = (("norm_fusion_fused", "opgraft.vllm.norm_seam", "fused_total", "norm+linear"),
              ("norm_fusion_moe_fused", "opgraft.vllm.norm_seam", "fused_moe_total", "norm+MoE"),
-             ("attention_prologue_fused", "opgraft.vllm.rope_seam", "fused_total", "attention prologue"))
+             ("attention_prologue_fused", "opgraft.vllm.rope_seam", "fused_total", "attention prologue"),
+             ("qk_epilogue_fused", "opgraft.vllm.rope_seam", "qk_fused_total", "q/k epilogue"))
 
 
 def _worker_stats(worker=None) -> dict:

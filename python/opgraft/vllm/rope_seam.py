@@ -76,7 +76,8 @@ _NORM_OP = "vllm_ir::rms_norm"
 _MOE_OP = "vllm::moe_forward"
 
 _lock = threading.Lock()
-_fused_total = 0
+_fused_total = 0  # attention calls given the prologue
+_qk_fused_total = 0  # qkv projections given the q/k epilogue
 
 
 def switch_state() -> bool | None:
@@ -130,6 +131,12 @@ def fused_total() -> int:
     """Attention calls the rewrite has given the prologue in this process."""
     with _lock:
         return _fused_total
+
+
+def qk_fused_total() -> int:
+    """qkv projections the q/k epilogue rewrite has given the norm and rotary embedding in this process."""
+    with _lock:
+        return _qk_fused_total
 
 
 # ---- the op ------------------------------------------------------------------------------------
@@ -458,15 +465,19 @@ def rewrite_qk(gm) -> int:
 
 
 def _apply(rewrite_fn, graph, what: str) -> int:
-    """rewrite_fn(graph), counted; a graph it does not understand stays vLLM's (warned once)."""
-    global _fused_total
+    """rewrite_fn(graph), counted (the q/k epilogue's apart); a graph it does not understand stays
+    vLLM's (warned once)."""
+    global _fused_total, _qk_fused_total
     try:
         n = rewrite_fn(graph)
     except Exception as e:
         dispatch._warn_once(f"{what} rewrite skipped ({type(e).__name__}: {e})")
         n = 0
     with _lock:
-        _fused_total += n
+        if rewrite_fn is rewrite_qk:
+            _qk_fused_total += n
+        else:
+            _fused_total += n
     dispatch.logger.debug("opgraft: %s rewrite: %d call(s) take the q/k norm and rotary embedding", what, n)
     return n
 

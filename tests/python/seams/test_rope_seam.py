@@ -570,9 +570,9 @@ def test_split_graph_gives_the_projection_the_epilogue_under_the_switch(cfg, lay
     register()
     assert rope_seam.installed() and "in the qkv projection's kernel)" in summary()
     gm, _ = qk_trace(cfg, qwen3_attention_from_x(layers))
-    before = rope_seam.fused_total()
+    before, prologue = rope_seam.qk_fused_total(), rope_seam.fused_total()
     split_gm, items = backends.split_graph(copy.deepcopy(gm), [ATTN])
-    assert rope_seam.fused_total() == before + 1
+    assert rope_seam.qk_fused_total() == before + 1 and rope_seam.fused_total() == prologue
     splitting = [i for i in items if i.is_splitting_graph]
     assert len(splitting) == 1  # vLLM's attention, as before
     assert "vllm.unified_attention_with_output" in targets(getattr(split_gm, splitting[0].submod_name))

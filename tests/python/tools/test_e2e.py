@@ -265,6 +265,7 @@ def test_worker_stats_reports_the_plugin_and_counters(monkeypatch):
     assert set(e2e._worker_stats()["moe"]) >= {"taken", "delegated"}
     rope = importlib.import_module("opgraft.vllm.rope_seam")
     assert e2e._worker_stats()["attention_prologue_fused"] == rope.fused_total()
+    assert e2e._worker_stats()["qk_epilogue_fused"] == rope.qk_fused_total()
     monkeypatch.delitem(sys.modules, "opgraft.vllm.rope_seam")
     assert e2e._worker_stats()["attention_prologue_fused"] is None
     norm = importlib.import_module("opgraft.vllm.norm_seam")
