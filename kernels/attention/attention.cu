@@ -127,13 +127,9 @@
 #ifndef OG_FAN32
 #define OG_FAN32 0
 #endif
-#ifndef OG_QKNORM
-#define OG_QKNORM 0
-#endif
-// OG_ROPE: 0 none, 1 NeoX (dim i with i + D/2), 2 GPT-J (dim 2i with 2i + 1).
-#ifndef OG_ROPE
-#define OG_ROPE 0
-#endif
+// OG_QKNORM, OG_ROPE (0 none, 1 NeoX, 2 GPT-J): og_qk.cuh's, with their defaults.
+#define OG_QK_D OG_D
+#include "og_qk.cuh"
 #define OG_QKPRO (OG_QKNORM || OG_ROPE)
 // OG_QK_ONLY: the module holds only attention_qk_prologue_* (the q/k norm and rotary embedding
 // alone, for the rows the decode kernel does not take), no decode entry point.
@@ -467,8 +463,6 @@ __device__ __forceinline__ void og_store_piece(og_u16 *krow, og_u16 *vrow, int i
 #endif
 
 #if OG_QKPRO
-#define OG_QK_D OG_D
-#include "og_qk.cuh"
 // The thread's 8 dims are at d = 8 * (tid % (D/8)) of its head (the callers' layout).
 __device__ __forceinline__ void og_qk_load(const og_attn_params &p, long long pos, og_qk_consts &k) {
   og_qk_load(p.q_norm_w, p.k_norm_w, p.cos_sin, p.cs_stride, p.rope_rows, pos, 8 * ((int)threadIdx.x % (OG_D / 8)), k);

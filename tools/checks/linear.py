@@ -457,13 +457,10 @@ def _run_qk(c: dict, device) -> dict:
     res.update(prologue_bits=bool(torch.equal(out, want)), deterministic=bool(torch.equal(out, again)),
                values_untouched=bool(torch.equal(out[:, hqk * D:], plain[:, hqk * D:])))
     if plain_norm is None:  # the C oracle on CPU copies (the product in fp64, rounded, then the epilogue)
-        cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in (x, w, b, qnw, knw, cs, pos)]
-        a = ops.linear_args(cpu[0], cpu[1], cpu[2], None)
-        a.head_size, a.q_heads, a.qk_heads, a.rope_style = D, hq, hqk, c["rope"]
-        if qnw is not None:
-            a.q_norm_weight, a.k_norm_weight, a.qk_norm_eps = cpu[3].data_ptr(), cpu[4].data_ptr(), 1e-6
-        if cs is not None:
-            a.cos_sin_cache, a.cos_sin_stride, a.rope_rows, a.positions = cpu[5].data_ptr(), D, rows, cpu[6].data_ptr()
+        cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        cpro = attn.QKPrologue(*(cpu(t) for t in pro))  # named: the struct holds their addresses
+        xc, wc, bc = cpu(x), cpu(w), cpu(b)
+        a = ops._qk_args(xc, wc, bc, None, D, hq, hqk, cpro)
         ref = torch.empty((M, N), dtype=torch.float64)
         _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a), ctypes.cast(
             ref.data_ptr(), ctypes.POINTER(ctypes.c_double))))

@@ -112,18 +112,22 @@ def _layout_key(x, weight, bias, out, weight_scale=None, block=(0, 0), norm=None
                                          for t in norm[3:])))
 
 
-def plan_for(x, weight, bias=None, out=None, weight_scale=None, block=(0, 0), norm=None) -> Plan:
+def plan_for(x, weight, bias=None, out=None, weight_scale=None, block=(0, 0), norm=None, qk=None) -> Plan:
     """The plan of this call's layout, made on first sight (the guard runs then, and only then).
-    A kernel that cannot be built (no NVRTC, a compile error) gives a plan without a handle whose
-    reason says so, and warns once: the calls then go to torch (FP8: to the caller's own path)."""
+    qk: (head_size, q_heads, qk_heads, pro) of the q/k epilogue (_qk_args). A kernel that cannot be
+    built (no NVRTC, a compile error) gives a plan without a handle whose reason says so, and warns
+    once: the calls then go to torch (FP8: to the caller's own path)."""
     key = _layout_key(x, weight, bias, out, weight_scale, block, norm)
+    if qk is not None:
+        key = (key, _qk_layout(*qk))
     plan = _plans.get(key)
     if plan is not None:
         return plan
     if not x.is_cuda:
         plan = Plan(None, "tensors are not on a CUDA device")
     else:
-        a = linear_args(x, weight, bias, out, weight_scale=weight_scale, block=block, norm=norm)
+        a = linear_args(x, weight, bias, out, weight_scale=weight_scale, block=block, norm=norm) if qk is None \
+            else _qk_args(x, weight, bias, out, *qk, norm)
         if a.dtype == -1:
             plan = Plan(None, "tensor shapes or devices are not those of one linear call")
         else:
@@ -338,12 +342,18 @@ def linear_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 # layers cost 2-7 us a call more than this (5 against 7 us under inference_mode, 5 against 12 under
 # no_grad, on a CPU, for a call that torch's own linear makes in 3).
 _LIB = torch.library.Library("opgraft", "FRAGMENT")
-_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
-_LIB.define("linear_fp8(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k) "
-            "-> Tensor")
-for _key in ("CUDA", "CPU"):
-    _LIB.impl("linear", linear, _key)
-    _LIB.impl("linear_fp8", linear_fp8, _key)
+
+
+def _define(schema: str, fn) -> None:
+    """opgraft::<schema>, with fn as its CUDA and CPU implementation."""
+    _LIB.define(schema)
+    for key in ("CUDA", "CPU"):
+        _LIB.impl(schema.split("(", 1)[0], fn, key)
+
+
+_define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", linear)
+_define("linear_fp8(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, int block_n, int block_k) -> Tensor",
+        linear_fp8)
 
 
 def schemas() -> str:
@@ -445,34 +455,9 @@ def _qk_args(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm=None)
     return a
 
 
-def _qk_plan(a: _lib.LinearArgs, x, key) -> Plan:
-    """The plan of a q/k epilogue call's layout (key), made on first sight."""
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
-    if a.dtype == -1:
-        plan = Plan(None, "tensor shapes or devices are not those of one linear call")
-    elif not x.is_cuda:
-        plan = Plan(None, "tensors are not on a CUDA device")
-    else:
-        handle = ctypes.c_void_p()
-        reason = ctypes.create_string_buffer(256)
-        with torch.cuda.device(x.device):
-            st = _lib.lib().opgraft_linear_plan_create(ctypes.byref(a), ctypes.byref(handle), reason, len(reason))
-        if st == _lib.OK:
-            plan = Plan(handle.value, "")
-        elif st == _lib.EUNSUPPORTED:
-            plan = Plan(None, reason.value.decode(errors="replace"))
-        else:
-            _lib.check(st)
-    return _plans.put(key, plan)
-
-
-def _qk_key(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm):
-    cs = pro.cos_sin_cache
-    return (_layout_key(x, weight, bias, out, norm=norm), "qk", head_size, q_heads, qk_heads, int(pro.rope_style),
-            None if pro.q_norm_weight is None else (pro.q_norm_weight.dtype, pro.k_norm_weight.dtype, float(pro.eps)),
-            None if cs is None else (cs.shape, cs.stride(), cs.dtype))
+def _qk_layout(head_size, q_heads, qk_heads, pro):
+    """What of the q/k epilogue a plan depends on (with the call's layout key)."""
+    return ("qk", head_size, q_heads, qk_heads, pro.layout())
 
 
 def linear_qk_into(out, x, weight, bias, head_size: int, q_heads: int, qk_heads: int, pro, norm=None):
@@ -481,18 +466,13 @@ def linear_qk_into(out, x, weight, bias, head_size: int, q_heads: int, qk_heads:
     ops.attention.QKPrologue: norm weights, eps, rotary cache, positions, style) says, in one
     launch; with norm (residual, norm_weight, eps, residual_out) the add + RMSNorm form. Raises
     OpgraftError where the library refuses the call (the message says why)."""
-    for _ in range(2):
-        a = _qk_args(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm)
-        plan = _qk_plan(a, x, _qk_key(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm))
-        if plan.handle is None:
-            raise _lib.OpgraftError(_lib.EUNSUPPORTED, plan.reason)
-        st = _lib.lib().opgraft_linear_plan_run_args(plan.handle, ctypes.byref(a), current_stream(x.device))
-        if st != _lib.ESTALE:
-            _lib.check(st)
-            return out
-        forget_plans()
-    _lib.check(st)
-    return out
+    qk = (head_size, q_heads, qk_heads, pro)
+    return _into(out, lambda: plan_for(x, weight, bias, out, norm=norm, qk=qk),
+                 lambda: _aligned(x, weight, bias, out) if norm is None
+                 else _aligned_norm(x, norm[0], norm[1], weight, bias) and not norm[3].data_ptr() & 15,
+                 _MISALIGNED if norm is None else _MISALIGNED_NORM,
+                 lambda p, o: _lib.lib().opgraft_linear_plan_run_args(
+                     p.handle, ctypes.byref(_qk_args(x, weight, bias, o, *qk, norm)), current_stream(x.device)))
 
 
 def qk_reference(q, k, pro, head_size: int):
@@ -562,11 +542,9 @@ def linear_qk(x, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_w
     return torch.cat((qn.reshape(T, -1), kn.reshape(T, -1), y[:, hqk * D:]), dim=-1)
 
 
-_LIB.define("linear_qk(Tensor x, Tensor weight, Tensor? bias, Tensor? positions, Tensor? cos_sin_cache, "
-            "Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, int head_size, int q_heads, int kv_heads, "
-            "int rope_style) -> Tensor")
-for _key in ("CUDA", "CPU"):
-    _LIB.impl("linear_qk", linear_qk, _key)
+_define("linear_qk(Tensor x, Tensor weight, Tensor? bias, Tensor? positions, Tensor? cos_sin_cache, "
+        "Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, int head_size, int q_heads, int kv_heads, "
+        "int rope_style) -> Tensor", linear_qk)
 
 
 @torch.library.register_fake("opgraft::linear_qk")
@@ -601,10 +579,8 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     return linear_or_torch(n, weight, bias), r
 
 
-_LIB.define("add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
-            "Tensor? bias=None) -> (Tensor, Tensor)")
-for _key in ("CUDA", "CPU"):
-    _LIB.impl("add_rms_norm_linear", add_rms_norm_linear, _key)
+_define("add_rms_norm_linear(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
+        "Tensor? bias=None) -> (Tensor, Tensor)", add_rms_norm_linear)
 
 
 @torch.library.register_fake("opgraft::add_rms_norm_linear")
@@ -638,11 +614,10 @@ def add_rms_norm_linear_qk(x, residual, norm_weight, eps, weight, bias, position
                      q_heads, kv_heads, rope_style), r
 
 
-_LIB.define("add_rms_norm_linear_qk(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
-            "Tensor? bias, Tensor? positions, Tensor? cos_sin_cache, Tensor? q_norm_weight, Tensor? k_norm_weight, "
-            "float qk_eps, int head_size, int q_heads, int kv_heads, int rope_style) -> (Tensor, Tensor)")
-for _key in ("CUDA", "CPU"):
-    _LIB.impl("add_rms_norm_linear_qk", add_rms_norm_linear_qk, _key)
+_define("add_rms_norm_linear_qk(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, "
+        "Tensor? bias, Tensor? positions, Tensor? cos_sin_cache, Tensor? q_norm_weight, Tensor? k_norm_weight, "
+        "float qk_eps, int head_size, int q_heads, int kv_heads, int rope_style) -> (Tensor, Tensor)",
+        add_rms_norm_linear_qk)
 
 
 @torch.library.register_fake("opgraft::add_rms_norm_linear_qk")

@@ -344,27 +344,34 @@ def _match(node):
             [node, qv, kv, rope, *qm[3], *km[3]])
 
 
-def rewrite(gm) -> int:
-    """Rewrites every matching attention call of the Dynamo graph module gm; returns how many."""
+def _rewrite_each(gm, match, apply) -> int:
+    """apply(graph, node, m) for every node of gm's graph that match(node) takes (m), then the graph
+    checked and recompiled if anything changed; returns how many."""
     graph = gm.graph
     count = 0
-    target = None
     for node in list(graph.nodes):
-        m = _match(node)
-        if m is None:
-            continue
-        target = target or op()
-        args, dead = m
-        with graph.inserting_before(node):
-            fused = graph.call_function(target, args)
-        fused.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
-        for d in dead:  # the attention call first, then what only it used
-            graph.erase_node(d)
-        count += 1
+        m = match(node)
+        if m is not None:
+            apply(graph, node, m)
+            count += 1
     if count:
         graph.lint()
         gm.recompile()
     return count
+
+
+def _give_prologue(graph, node, m) -> None:
+    args, dead = m
+    with graph.inserting_before(node):
+        fused = graph.call_function(op(), args)
+    fused.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    for d in dead:  # the attention call first, then what only it used
+        graph.erase_node(d)
+
+
+def rewrite(gm) -> int:
+    """Rewrites every matching attention call of the Dynamo graph module gm; returns how many."""
+    return _rewrite_each(gm, _match, _give_prologue)
 
 
 # ---- the q/k epilogue form: the norm and rotary embedding in the qkv projection ---------------
@@ -431,37 +438,30 @@ def _match_qk(node, order):
     return lin, args, (qv, q), (kv, k), dead[3:], late
 
 
+def _give_epilogue(graph, node, m) -> None:
+    import torch
+
+    lin, args, (qv, q), (kv, k), dead, late = m
+    for t in late:
+        lin.prepend(t)
+    with graph.inserting_after(lin):
+        fused = graph.call_function(torch.ops.opgraft.linear_qk.default, args)
+    fused.meta.update({key: v for key, v in lin.meta.items()
+                       if key in ("example_value", "val", "stack_trace", "nn_module_stack")})
+    lin.replace_all_uses_with(fused)
+    graph.erase_node(lin)
+    qv.replace_input_with(qv.args[0], q)
+    kv.replace_input_with(kv.args[0], k)
+    for d in dead:  # the rotary embedding first, then the norms' nodes, users first
+        graph.erase_node(d)
+
+
 def rewrite_qk(gm) -> int:
     """Gives every matching qkv projection of the Dynamo graph module gm its q/k epilogue: the
     projection becomes opgraft::linear_qk, whose output's split feeds attention directly (vLLM's
     norm and rotary embedding nodes gone); returns how many."""
-    import torch
-
-    graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    count = 0
-    for node in list(graph.nodes):
-        m = _match_qk(node, order)
-        if m is None:
-            continue
-        lin, args, (qv, q), (kv, k), dead, late = m
-        for t in late:
-            lin.prepend(t)
-        with graph.inserting_after(lin):
-            fused = graph.call_function(torch.ops.opgraft.linear_qk.default, args)
-        fused.meta.update({key: v for key, v in lin.meta.items() if key in ("example_value", "val", "stack_trace",
-                                                                             "nn_module_stack")})
-        lin.replace_all_uses_with(fused)
-        graph.erase_node(lin)
-        qv.replace_input_with(qv.args[0], q)
-        kv.replace_input_with(kv.args[0], k)
-        for d in dead:  # the rotary embedding first, then the norms' nodes, users first
-            graph.erase_node(d)
-        count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-    return count
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return _rewrite_each(gm, lambda node: _match_qk(node, order), _give_epilogue)
 
 
 def _apply(rewrite_fn, graph, what: str) -> int:
