@@ -71,6 +71,26 @@ __device__ __forceinline__ void og_pdl_wait() {
 #endif
 }
 
+// Is this block the last of n to count itself on *counter? Called by every thread after the
+// block's stores, that the last block then reads: the block's barrier, then one thread's release
+// (fence.acq_rel.gpu, then the atomic) and, in the last block, its acquire before a second barrier
+// (cooperative groups' grid-sync pattern: one fence a block, not one a thread). The last block
+// resets the counter for the next call. s_flag: a __shared__ int of the caller's.
+__device__ __forceinline__ bool og_last_to_arrive(unsigned *counter, unsigned n, int &s_flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    const bool last = atomicAdd(counter, 1u) == n - 1;
+    if (last) {
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      *counter = 0u;
+    }
+    s_flag = last;
+  }
+  __syncthreads();
+  return s_flag;
+}
+
 // Asks L2 for the 128-byte line holding p (no destination, no register).
 __device__ __forceinline__ void og_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

@@ -32,9 +32,10 @@
 // rotary embedding of the output's query and key heads, in place, after the product (qkv's
 // [q heads | k heads | v heads], OG_QK_D columns a head), so that no kernel of their own follows
 // the projection. A head's rows are owned by OG_QK_D / (8 * OG_TILES) blocks; each stores its rows,
-// then counts itself done on the head's counter (a fence, then an atomic); the last to arrive reads
-// the head's rows back from L2, normalizes, rotates and stores them, and resets the counter for the
-// next call (as decode attention's combine). One block does a head's whole epilogue from the
+// then counts itself done on the head's counter (og_last_to_arrive: one fence and one atomic a
+// block), its norm weights, cosines and sines already asked for; the last to arrive reads the
+// head's rows back from L2, normalizes, rotates and stores them, and resets the counter for the
+// next call. One block does a head's whole epilogue from the
 // rounded outputs: the same bits every run, and the attention prologue's (og_qk.cuh).
 //
 // OG_NORM (linear_norm_gemv): vLLM's fused_add_rms_norm of x and a residual before the product.
@@ -194,22 +195,30 @@ __device__ __forceinline__ void og_prefetch_norm_weight(const og_linear_params &
 #include "og_qk.cuh"
 #define OG_QK_P (OG_QK_D / 8)  // a head's 16-byte pieces
 
+// Piece i's (row i / OG_QK_P, dims 8 * (i % OG_QK_P) ..) norm weights, cosines and sines.
+__device__ __forceinline__ void og_qk_piece_consts(const og_linear_params &p, int i, og_qk_consts &k) {
+  const int m = min(i / OG_QK_P, p.M - 1);
+  og_qk_load(p.qk_qw, p.qk_kw, p.cos_sin, p.cs_stride, p.rope_rows, OG_ROPE ? p.positions[m] : 0,
+             8 * (i % OG_QK_P), k);
+}
+
 // Head `head` of every row, normalized and rotated in place. Whole warps take M x OG_QK_P pieces,
 // a head's pieces in OG_QK_P consecutive lanes (og_qk.cuh's layout); lanes past the end redo row
 // M - 1's pieces for the shuffles and store nothing. The rows come from L2 (ld.global.cg): other
-// blocks wrote them.
-__device__ __forceinline__ void og_qk_epilogue(const og_linear_params &p, int head) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// blocks wrote them. k0: the consts of the thread's first piece (i = threadIdx.x), loaded before
+// the count.
+__device__ __forceinline__ void og_qk_epilogue(const og_linear_params &p, int head, const og_qk_consts &k0) {
+  const int lane = threadIdx.x & 31;
   const bool isq = head < p.q_heads;
-  for (int base = warp * 32; base < p.M * OG_QK_P; base += OG_WARPS * 32) {
-    const int i = base + lane, m = min(i / OG_QK_P, p.M - 1), piece = i % OG_QK_P;
+  for (int i = threadIdx.x; i - lane < p.M * OG_QK_P; i += OG_WARPS * 32) {
+    const int m = min(i / OG_QK_P, p.M - 1), piece = i % OG_QK_P;
     og_u16 *row = (og_u16 *)p.y + (long long)m * p.y_stride + (long long)head * OG_QK_D + 8 * piece;
     og_vec4 v;
     asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(row));
-    og_qk_consts k;
-    og_qk_load(p.qk_qw, p.qk_kw, p.cos_sin, p.cs_stride, p.rope_rows, OG_ROPE ? p.positions[m] : 0, 8 * piece, k);
+    og_qk_consts k = k0;
+    if (i != (int)threadIdx.x) og_qk_piece_consts(p, i, k);
     const og_vec4 w = OG_QKNORM ? (isq ? k.qw : k.kw) : v;  // a copy: a reference to either member
     const og_vec4 o = og_qk_piece(v, w, p.qk_eps, k, piece & (OG_QK_P / 2));  // would put both on the stack
     if (i < p.M * OG_QK_P) *(og_vec4 *)row = o;
@@ -327,13 +336,9 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
   const int head = (int)(n0 / OG_QK_D);
   if (head >= p.qk_heads) return;  // a value head (the whole block): as it is
   __shared__ int s_last;
-  __threadfence();  // this thread's rows visible before the block counts itself done
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(p.counters + head, 1u) == (unsigned)(OG_QK_D / OG_ROWS - 1);
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  if (threadIdx.x == 0) p.counters[head] = 0u;  // every block of the head has arrived: ready for the next call
-  og_qk_epilogue(p, head);
+  og_qk_consts k0;  // asked for before the count, whose round trips hide their latency
+  og_qk_piece_consts(p, threadIdx.x, k0);
+  if (!og_last_to_arrive(p.counters + head, OG_QK_D / OG_ROWS, s_last)) return;
+  og_qk_epilogue(p, head, k0);
 #endif
 }

@@ -299,16 +299,6 @@ def run_case(c: dict, device="cuda") -> dict:
         return _run_case(c, device)
 
 
-def _heads_within_two_steps(got, want) -> bool:
-    """Every element of got within two rounding steps (of its dtype) of the largest value of its head
-    (the last dim) in want, torch's normalized and rotated heads: the kernel's rsqrt and fp32
-    products are not torch's, and a normalized value a step apart moves a rotated one by a step of
-    its operands, which cancellation can make large against the result."""
-    step = 2.0 ** (-7 if want.dtype == torch.bfloat16 else -10)
-    g, w = got.float(), want.float()
-    return bool(((g - w).abs() <= 2 * step * w.abs().amax(-1, keepdim=True) + 1e-6).all())
-
-
 def _run_alone(c: dict, device) -> dict:
     T, Hq, Hk, D = c["rows"], c["hq"], c["hk"], c["d"]
     qkv, pro = attn_bench.prologue_rows(T, Hq, Hk, D, attn_bench.TORCH_DTYPES[c["dtype"]], device, seed=T + Hq,
@@ -325,7 +315,7 @@ def _run_alone(c: dict, device) -> dict:
         return dict(res, supported=False, reason=str(e)[:200], passed=False)
     torch.cuda.synchronize()
     qt, kt = attn_bench.qk_prologue_torch(q, pro.q_norm_weight, pro), attn_bench.qk_prologue_torch(k, pro.k_norm_weight, pro)
-    close = _heads_within_two_steps(qo, qt) and _heads_within_two_steps(ko, kt)
+    close = bench.heads_within_two_steps(qo, qt) and bench.heads_within_two_steps(ko, kt)
     det = torch.equal(qo, q2) and torch.equal(ko, k2)
     err = max(bench.rel_err(qo, qt), bench.rel_err(ko, kt))
     untouched = torch.equal(qkv, before)
@@ -416,7 +406,7 @@ class _NewRows:
                 self.p.value_cache[blk, row] = float("nan")
 
     def cache_as_expected(self) -> bool:
-        """Bit for bit; with pro, the new keys (at the slots) as _heads_within_two_steps says."""
+        """Bit for bit; with pro, the new keys (at the slots) as bench.heads_within_two_steps says."""
         bits = lambda t: t.contiguous().view(torch.int16)  # NaN rows compare by their bits
         kc, ke = self.p.key_cache.clone(), self.expected_k.clone()
         if self.pro is not None:
@@ -424,7 +414,7 @@ class _NewRows:
             for slot in self.slots.tolist():
                 if slot >= 0:
                     blk, row = divmod(slot, bs)
-                    if not _heads_within_two_steps(kc[blk, row], ke[blk, row]):
+                    if not bench.heads_within_two_steps(kc[blk, row], ke[blk, row]):
                         return False
                     kc[blk, row] = ke[blk, row]
         return bool(torch.equal(bits(kc), bits(ke)) and torch.equal(bits(self.p.value_cache), bits(self.expected_v)))

@@ -53,6 +53,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
+def heads_within_two_steps(got, want) -> bool:
+    """Every element of got within two rounding steps (of its dtype) of the largest value of its head
+    (the last dim) in want, torch's normalized and rotated heads: the kernel's rsqrt and fp32
+    products are not torch's, and a normalized value a step apart moves a rotated one by a step of
+    its operands, which cancellation can make large against the result."""
+    step = 2.0 ** (-7 if want.dtype == torch.bfloat16 else -10)
+    g, w = got.float(), want.float()
+    return bool(((g - w).abs() <= 2 * step * w.abs().amax(-1, keepdim=True) + 1e-6).all())
+
+
 # In a decode step the other layers' kernels (attention, the dense projections: ~38 MB of weights
 # per layer for Qwen3-30B-A3B) run between two MoE calls and leave L2 full of their lines. Kernels
 # can run slower after that than back to back (measured: bench/NOTES.md, v9), so by default the
