@@ -74,15 +74,13 @@ typedef struct opgraft_linear_args {
    * position positions[m] (int64 [M]) with cos_sin_cache ([rope_rows, cos_sin_stride] of dtype:
    * head_size / 2 cosines, then the sines; a position outside [0, rope_rows) is not rotated), the
    * same arithmetic and bits as opgraft_attention's prologue, in place; value heads stay as the
-   * product gives them. qk_counters: one uint32 a query and key head, zero before the call and left
-   * zero by it (the blocks of a head count themselves done on it); one call at a time uses them. */
+   * product gives them. The kernel runs a head's blocks as one thread-block cluster: sm_90 or newer. */
   int32_t head_size, q_heads, qk_heads, rope_style;
   float qk_norm_eps;
   const void *q_norm_weight, *k_norm_weight;
   const void *cos_sin_cache;
   int64_t cos_sin_stride, rope_rows;
   const void *positions;
-  void *qk_counters;
 } opgraft_linear_args;
 
 /* Can the kernel take this call? OPGRAFT_OK, or OPGRAFT_EUNSUPPORTED with a short reason (e.g.

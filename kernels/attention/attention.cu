@@ -215,31 +215,6 @@ __device__ __forceinline__ long long og_ld_meta_s64(const long long *p) {
 __device__ __forceinline__ og_u32 og_reg(const og_vec4 &v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 #if OG_CLUSTER
-__device__ __forceinline__ unsigned og_cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ unsigned og_cluster_size() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  return r;
-}
-// Every thread of every block of the cluster; shared-memory writes before it are seen after it.
-__device__ __forceinline__ void og_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The same meeting without ordering memory (no fence: a thread's loads whose values it has used
-// are complete): keeps every block, and its shared memory, until the others have read it.
-__device__ __forceinline__ void og_cluster_sync_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-// The address of this block's shared variable p in the shared memory of cluster block `rank`.
-__device__ __forceinline__ unsigned og_dsmem(const void *p, unsigned rank) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
-  return r;
-}
 __device__ __forceinline__ float4 og_ld_dsmem4(unsigned a) {
   float4 v;
   asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));

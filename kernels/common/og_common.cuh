@@ -71,25 +71,34 @@ __device__ __forceinline__ void og_pdl_wait() {
 #endif
 }
 
-// Is this block the last of n to count itself on *counter? Called by every thread after the
-// block's stores, that the last block then reads: the block's barrier, then one thread's release
-// (fence.acq_rel.gpu, then the atomic) and, in the last block, its acquire before a second barrier
-// (cooperative groups' grid-sync pattern: one fence a block, not one a thread). The last block
-// resets the counter for the next call. s_flag: a __shared__ int of the caller's.
-__device__ __forceinline__ bool og_last_to_arrive(unsigned *counter, unsigned n, int &s_flag) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    const bool last = atomicAdd(counter, 1u) == n - 1;
-    if (last) {
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");
-      *counter = 0u;
-    }
-    s_flag = last;
-  }
-  __syncthreads();
-  return s_flag;
+// Thread-block clusters (sm_90).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned og_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
 }
+__device__ __forceinline__ unsigned og_cluster_size() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every block of the cluster; shared-memory writes before it are seen after it.
+__device__ __forceinline__ void og_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The same meeting without ordering memory (no fence: a thread's loads whose values it has used
+// are complete): keeps every block, and its shared memory, until the others have read it.
+__device__ __forceinline__ void og_cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+// The address of this block's shared variable p in the shared memory of cluster block `rank`.
+__device__ __forceinline__ unsigned og_dsmem(const void *p, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+  return r;
+}
+#endif
 
 // Asks L2 for the 128-byte line holding p (no destination, no register).
 __device__ __forceinline__ void og_prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }

@@ -28,15 +28,14 @@
 // attention, which under its OG_PDL 2 loads its first K and V rows before its wait) starts while
 // this one streams its weights; that kernel still waits for this one's output.
 //
-// OG_QKPRO (with OG_QK_D, OG_QKNORM, OG_ROPE; the _qk entry points): vLLM's q/k RMSNorm and
-// rotary embedding of the output's query and key heads, in place, after the product (qkv's
-// [q heads | k heads | v heads], OG_QK_D columns a head), so that no kernel of their own follows
-// the projection. A head's rows are owned by OG_QK_D / (8 * OG_TILES) blocks; each stores its rows,
-// then counts itself done on the head's counter (og_last_to_arrive: one fence and one atomic a
-// block), its norm weights, cosines and sines already asked for; the last to arrive reads the
-// head's rows back from L2, normalizes, rotates and stores them, and resets the counter for the
-// next call. One block does a head's whole epilogue from the
-// rounded outputs: the same bits every run, and the attention prologue's (og_qk.cuh).
+// OG_QKPRO (with OG_QK_D, OG_QKNORM, OG_ROPE; the _qk entry points; sm_90): vLLM's q/k RMSNorm
+// and rotary embedding of the output's query and key heads after the product (qkv's [q heads |
+// k heads | v heads], OG_QK_D columns a head), so that no kernel of their own follows the
+// projection. A head's OG_QK_D / (8 * OG_TILES) blocks are one thread-block cluster: each puts its
+// rounded outputs into every block's copy of the head (distributed shared memory), and after the
+// cluster's barrier each normalizes and rotates the whole head from its copy and stores its own
+// columns. No global round trip, counter or fence: the barrier is the only wait. Every block works
+// from the same rounded outputs with og_qk.cuh's code: the attention prologue's bits.
 //
 // OG_NORM (linear_norm_gemv): vLLM's fused_add_rms_norm of x and a residual before the product.
 // After the wait every block normalizes the rows itself (h = x + residual in fp32, the rows' few
@@ -189,11 +188,15 @@ __device__ __forceinline__ void og_prefetch_norm_weight(const og_linear_params &
 #if !defined(OG_QK_D) || (OG_QK_D != 64 && OG_QK_D != 128 && OG_QK_D != 256)
 #error "OG_QKPRO needs OG_QK_D: 64, 128 or 256"
 #endif
-#if OG_QK_D % OG_ROWS != 0
-#error "a block's rows must lie in one head (8 * OG_TILES divides OG_QK_D)"
+#if OG_QK_D % OG_ROWS != 0 || OG_QK_D / OG_ROWS > 8
+#error "a head's blocks are one cluster of at most 8 (8 * OG_TILES divides OG_QK_D, at least OG_QK_D / 64)"
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "the q/k epilogue needs thread-block clusters (sm_90)"
 #endif
 #include "og_qk.cuh"
-#define OG_QK_P (OG_QK_D / 8)  // a head's 16-byte pieces
+#define OG_QK_P (OG_QK_D / 8)       // a head's 16-byte pieces (one 8-row tile each)
+#define OG_QK_R (OG_QK_D / OG_ROWS)  // a head's blocks: the cluster
 
 // Piece i's (row i / OG_QK_P, dims 8 * (i % OG_QK_P) ..) norm weights, cosines and sines.
 __device__ __forceinline__ void og_qk_piece_consts(const og_linear_params &p, int i, og_qk_consts &k) {
@@ -202,26 +205,36 @@ __device__ __forceinline__ void og_qk_piece_consts(const og_linear_params &p, in
              8 * (i % OG_QK_P), k);
 }
 
-// Head `head` of every row, normalized and rotated in place. Whole warps take M x OG_QK_P pieces,
-// a head's pieces in OG_QK_P consecutive lanes (og_qk.cuh's layout); lanes past the end redo row
-// M - 1's pieces for the shuffles and store nothing. The rows come from L2 (ld.global.cg): other
-// blocks wrote them. k0: the consts of the thread's first piece (i = threadIdx.x), loaded before
-// the count.
-__device__ __forceinline__ void og_qk_epilogue(const og_linear_params &p, int head, const og_qk_consts &k0) {
+// The block's head, whose rows' own pieces (OG_TILES from `first`) the block has put in s_head:
+// those go to every other block of the cluster, then, after its barrier, the whole head is
+// normalized and rotated from s_head and the block stores its own pieces. Whole warps take the
+// M x OG_QK_P pieces, a head's pieces in OG_QK_P consecutive lanes (og_qk.cuh's layout); lanes
+// past the end redo row M - 1's pieces for the shuffles and store nothing. k0: the consts of the
+// thread's first piece (i = threadIdx.x), asked for before the barrier.
+__device__ __forceinline__ void og_qk_epilogue(const og_linear_params &p, int head, int first,
+                                               og_u16 (*s_head)[OG_QK_D], const og_qk_consts &k0) {
+  const unsigned me = og_cluster_rank();
+  for (int j = threadIdx.x; j < OG_QK_R * p.M * OG_TILES; j += OG_WARPS * 32) {
+    const unsigned r = j / (p.M * OG_TILES);
+    const int m = j / OG_TILES % p.M, t = j % OG_TILES;
+    if (r == me) continue;
+    const og_vec4 v = *(const og_vec4 *)&s_head[m][8 * (first + t)];
+    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(og_dsmem(&s_head[m][8 * (first + t)], r)),
+                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+  }
+  og_cluster_sync();
   const int lane = threadIdx.x & 31;
   const bool isq = head < p.q_heads;
   for (int i = threadIdx.x; i - lane < p.M * OG_QK_P; i += OG_WARPS * 32) {
     const int m = min(i / OG_QK_P, p.M - 1), piece = i % OG_QK_P;
-    og_u16 *row = (og_u16 *)p.y + (long long)m * p.y_stride + (long long)head * OG_QK_D + 8 * piece;
-    og_vec4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(row));
     og_qk_consts k = k0;
     if (i != (int)threadIdx.x) og_qk_piece_consts(p, i, k);
+    const og_vec4 v = *(const og_vec4 *)&s_head[m][8 * piece];
     const og_vec4 w = OG_QKNORM ? (isq ? k.qw : k.kw) : v;  // a copy: a reference to either member
     const og_vec4 o = og_qk_piece(v, w, p.qk_eps, k, piece & (OG_QK_P / 2));  // would put both on the stack
-    if (i < p.M * OG_QK_P) *(og_vec4 *)row = o;
+    if (i < p.M * OG_QK_P && piece - first >= 0 && piece - first < OG_TILES)
+      *(og_vec4 *)((og_u16 *)p.y + (long long)m * p.y_stride + (long long)head * OG_QK_D + 8 * piece) = o;
   }
 }
 #endif
@@ -314,6 +327,15 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
 #endif
   for (; s0 < s_end; s0 += OG_U) group(s0, false);
 
+#if OG_QKPRO
+  // A query or key head's block (its whole cluster: a cluster is a head) keeps its outputs for the
+  // epilogue; the consts of its first piece are asked for now, their latency behind the sums.
+  const int head = (int)(n0 / OG_QK_D);
+  const bool qk = head < p.qk_heads;
+  __shared__ __align__(16) og_u16 s_head[8][OG_QK_D];
+  og_qk_consts k0;
+  if (qk) og_qk_piece_consts(p, threadIdx.x, k0);
+#endif
   // acc[t][0..1] = D[token g][rows 2c, 2c+1 of tile t]; acc[t][2..3] belong to tokens 8..15 (zero).
 #pragma unroll
   for (int t = 0; t < OG_TILES; ++t) {
@@ -330,15 +352,18 @@ extern "C" __global__ void __launch_bounds__(OG_WARPS * 32, OG_MINB)
 #pragma unroll
     for (int w = 0; w < OG_WARPS; ++w) sum += s_red[w][t][q][l];  // warp order: fixed
     if (p.bias) sum += og_to_float(((const og_u16 *)p.bias)[n]);
+#if OG_QKPRO
+    if (qk) {
+      s_head[m][n - (long long)head * OG_QK_D] = og_from_float(sum);
+      continue;
+    }
+#endif
     ((og_u16 *)p.y)[(long long)m * p.y_stride + n] = og_from_float(sum);
   }
 #if OG_QKPRO
-  const int head = (int)(n0 / OG_QK_D);
-  if (head >= p.qk_heads) return;  // a value head (the whole block): as it is
-  __shared__ int s_last;
-  og_qk_consts k0;  // asked for before the count, whose round trips hide their latency
-  og_qk_piece_consts(p, threadIdx.x, k0);
-  if (!og_last_to_arrive(p.counters + head, OG_QK_D / OG_ROWS, s_last)) return;
-  og_qk_epilogue(p, head, k0);
+  if (qk) {
+    __syncthreads();
+    og_qk_epilogue(p, head, (int)(n0 % OG_QK_D) / 8, s_head, k0);
+  }
 #endif
 }

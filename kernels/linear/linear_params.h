@@ -26,11 +26,10 @@ typedef struct og_linear_params {
   float eps;
   /* The q/k epilogue (OG_QKPRO): RMSNorm weights [D] of a query and a key head (16-bit), the
    * rotary cache [rope_rows rows of cs_stride: D/2 cosines, then D/2 sines], positions int64 [M],
-   * one counter a head (zero between calls); y's first q_heads heads are queries, the next
+   * y's first q_heads heads are queries, the next
    * qk_heads - q_heads keys, the rest values (untouched). */
   const void *qk_qw, *qk_kw, *cos_sin;
   const long long *positions;
-  unsigned *counters;
   long long cs_stride, rope_rows;
   int q_heads, qk_heads;
   float qk_eps;

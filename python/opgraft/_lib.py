@@ -127,7 +127,6 @@ class LinearArgs(ctypes.Structure):
         ("cos_sin_stride", ctypes.c_int64),
         ("rope_rows", ctypes.c_int64),
         ("positions", ctypes.c_void_p),
-        ("qk_counters", ctypes.c_void_p),
     ]
 
 

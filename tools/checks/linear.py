@@ -125,7 +125,7 @@ def qk_cases() -> list[dict]:
     heads must be the attention prologue's bits on the plain product, its value heads the plain
     product's; against the C oracle (its query and key heads within two steps of each head's largest
     value: a product a step apart moves the normalized and rotated values by a step of the head);
-    two calls back to back (the counters reset) bit-identical."""
+    two calls back to back bit-identical."""
     q = [_qk(f"qk M={M} Qwen3-30B-A3B qkv, norm + NeoX{' bias' if M % 3 == 0 else ''}", M, bias=M % 3 == 0, seed=M)
          for M in (1, 2, 3, 8)]
     return q + [
@@ -454,7 +454,7 @@ def _run_qk(c: dict, device) -> dict:
     want = plain.clone()
     want[:, :hq * D], want[:, hq * D:hqk * D] = qn.view(M, -1), kn.view(M, -1)
     again = torch.full((M, N), float("nan"), dtype=dt, device=device)
-    ops.linear_qk_into(again, x, w, b, D, hq, hqk, pro, norm=norm)  # right after: the counters were reset
+    ops.linear_qk_into(again, x, w, b, D, hq, hqk, pro, norm=norm)
     torch.cuda.synchronize()
     res.update(prologue_bits=bool(torch.equal(out, want)), deterministic=bool(torch.equal(out, again)),
                values_untouched=bool(torch.equal(out[:, hqk * D:], plain[:, hqk * D:])))

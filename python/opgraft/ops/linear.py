@@ -420,23 +420,6 @@ def norm_linear_or_none(x, residual, norm_weight, eps, weight, bias=None, normed
 
 # ---- the q/k epilogue: a qkv projection with its query and key heads normalized and rotated ----
 
-_counters: dict = {}  # device index -> the epilogue's zeroed per-head counters, grown outside capture
-
-
-def qk_counters(device, heads: int) -> torch.Tensor:
-    """The device's per-head counters (uint32 as int32, zero between calls: the kernel leaves them
-    so), at least heads long. Grown only where no CUDA graph is being captured; captured graphs keep
-    the address."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    c = _counters.get(index)
-    if c is None or c.numel() < heads:
-        if torch.cuda.is_current_stream_capturing():
-            raise _lib.OpgraftError(_lib.EUNSUPPORTED, "q/k epilogue counters not reserved before graph capture")
-        c = torch.zeros(max(heads, 256), dtype=torch.int32, device=device)
-        _counters[index] = c
-    return c
-
-
 def _qk_args(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm=None) -> _lib.LinearArgs:
     """linear_args with the q/k epilogue's fields (pro: an ops.attention.QKPrologue)."""
     a = linear_args(x, weight, bias, out, norm=norm)
@@ -450,8 +433,6 @@ def _qk_args(x, weight, bias, out, head_size, q_heads, qk_heads, pro, norm=None)
         cs = pro.cos_sin_cache
         a.cos_sin_cache, a.cos_sin_stride, a.rope_rows = cs.data_ptr(), cs.stride(0), cs.shape[0]
         a.positions = pro.positions.data_ptr()
-    if x.is_cuda:
-        a.qk_counters = qk_counters(x.device, qk_heads).data_ptr()
     return a
 
 
@@ -515,8 +496,6 @@ def linear_qk(x, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_w
     D, hqk = head_size, q_heads + kv_heads
     pro = QKPrologue(q_norm_weight, k_norm_weight, eps, cos_sin_cache, positions, rope_style)
     stats = dispatch.stats_of("linear_qk")  # the epilogue's decisions; a hand-back's projection counts as linear's
-    if x.is_cuda and not torch.cuda.is_current_stream_capturing():
-        qk_counters(x.device, hqk)  # reserved by any eager call (vLLM's profile run), before graph capture
     if x.is_cuda and 1 <= x.shape[0] <= MAX_ROWS:
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         try:

@@ -25,6 +25,11 @@ void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const ch
   const int64_t pdl = arch >= 90 ? opgraft__tune_value("linear.pdl", arch, gpu, shape, M) : 0;
   c->pdl = pdl >= 2 ? 2 : pdl != 0;
   c->trigger = arch >= 90 && opgraft__tune_value("linear.trigger", arch, gpu, shape, M) != 0;
+  /* The q/k epilogue: a head's blocks are one cluster of at most 8 (8 * tiles divides head_size). */
+  if (a->qk_heads) {
+    while (c->tiles > 1 && a->head_size % (8 * c->tiles)) c->tiles--;
+    while (a->head_size / (8 * c->tiles) > 8) c->tiles *= 2;
+  }
   if (opgraft__linear_is_fp8(a)) {
     /* A group's operands a lane: (block_k / 64) steps of 16 bytes of 2 rows a tile, and 32 bytes
      * of x (shared by the tiles): at most 64 registers for a batch of groups, 48 for one group
@@ -42,9 +47,6 @@ void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const ch
     while (c->unroll > 1 && c->unroll * (c->tiles + 1) > 16) c->unroll--;
     if (c->unroll > per_warp) c->unroll = per_warp > 0 ? (int)per_warp : 1; /* no loads a warp never issues */
   }
-  /* The q/k epilogue: a block's rows lie in one head. */
-  if (a->qk_heads)
-    while (c->tiles > 1 && a->head_size % (8 * c->tiles)) c->tiles--;
   /* The add + RMSNorm form holds the first weights in flight through its prologue: at most 12
    * warps an SM by launch bounds (170 registers), where 16 spilled a few bytes. */
   const int max_warps = a->residual ? 12 : 16;

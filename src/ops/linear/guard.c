@@ -101,7 +101,7 @@ int32_t opgraft__linear_check_static(const opgraft_linear_args *a, char *reason,
     if (a->rope_style != OPGRAFT_ROPE_NONE && (a->rope_rows < 1 || a->cos_sin_stride < D || a->cos_sin_stride % 8))
       return OG_REASON("rotary cache of %lld rows, row stride %lld (at least head_size, a multiple of 8 elements)",
                        (long long)a->rope_rows, (long long)a->cos_sin_stride);
-  } else if (a->q_heads || a->q_norm_weight || a->k_norm_weight || a->rope_style || a->qk_counters) {
+  } else if (a->q_heads || a->q_norm_weight || a->k_norm_weight || a->rope_style) {
     return OG_REASON("q/k epilogue arguments given with qk_heads 0");
   }
   /* One row needs no row stride (a [1, K] view may carry any). */
@@ -125,10 +125,9 @@ int32_t opgraft__linear_check_pointers(const opgraft_linear_args *a, char *reaso
       return OG_REASON("residual, residual_out, norm_weight or normed_out not 16-byte aligned");
   }
   if (a->qk_heads && a->rows > 0) {
-    if (!a->qk_counters || (a->rope_style && (!a->cos_sin_cache || !a->positions)))
-      return OG_REASON("qk_counters, cos_sin_cache or positions is NULL");
+    if (a->rope_style && (!a->cos_sin_cache || !a->positions)) return OG_REASON("cos_sin_cache or positions is NULL");
     if (((uintptr_t)a->q_norm_weight | (uintptr_t)a->k_norm_weight | (uintptr_t)a->cos_sin_cache) & 15u ||
-        ((uintptr_t)a->positions & 7u) || ((uintptr_t)a->qk_counters & 3u))
+        ((uintptr_t)a->positions & 7u))
       return OG_REASON("a q/k epilogue pointer is misaligned");
   }
   if (opgraft__linear_is_fp8(a) && a->rows > 0 && (!a->weight_scale || ((uintptr_t)a->weight_scale & 3u)))
@@ -147,6 +146,8 @@ int32_t opgraft__linear_check_device(const opgraft_linear_args *a, int32_t *arch
   if (arch < OG_LINEAR_MIN_ARCH) return OG_REASON("sm_%d is older than sm_%d", arch, OG_LINEAR_MIN_ARCH);
   if (opgraft__linear_is_fp8(a) && arch < OG_LINEAR_FP8_MIN_ARCH)
     return OG_REASON("FP8 weights on sm_%d: the kernel needs sm_%d (cvt e4m3x2)", arch, OG_LINEAR_FP8_MIN_ARCH);
+  if (a->qk_heads && arch < 90)
+    return OG_REASON("the q/k epilogue on sm_%d: it needs thread-block clusters (sm_90)", arch);
   char shape[96];
   opgraft__linear_shape_key(a, shape, sizeof shape);
   const char *g = gpu && *gpu ? gpu : NULL;

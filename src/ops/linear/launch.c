@@ -13,6 +13,7 @@ struct opgraft_linear_plan {
   og_linear_cfg cfg;
   og_CUfunction fn;
   unsigned grid, threads, smem; /* smem: dynamic shared memory (the add + RMSNorm form) */
+  unsigned cluster;             /* the q/k epilogue: a head's blocks (0: no clusters) */
   og_linear_params proto; /* strides and sizes; a run adds the pointers */
 };
 
@@ -34,7 +35,7 @@ static void layout_of(const opgraft_linear_args *a, og_linear_params *q) {
 /* The q/k epilogue's pointers of a call. */
 static void set_qk(const opgraft_linear_args *a, og_linear_params *q) {
   q->qk_qw = a->q_norm_weight, q->qk_kw = a->k_norm_weight, q->cos_sin = a->cos_sin_cache;
-  q->positions = (const long long *)a->positions, q->counters = (unsigned *)a->qk_counters;
+  q->positions = (const long long *)a->positions;
 }
 
 int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_plan **out, char *reason,
@@ -69,7 +70,7 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
   p->args.normed_out = a->normed_out ? (void *)1 : NULL; /* likewise */
   p->args.q_norm_weight = a->q_norm_weight ? (const void *)1 : NULL; /* likewise */
   p->args.k_norm_weight = a->k_norm_weight ? (const void *)1 : NULL;
-  p->args.cos_sin_cache = NULL, p->args.positions = NULL, p->args.qk_counters = NULL;
+  p->args.cos_sin_cache = NULL, p->args.positions = NULL;
   opgraft__linear_config(a, arch, gpu[0] ? gpu : NULL, &p->cfg);
   og_opts o;
   char name[64];
@@ -90,6 +91,21 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
     free(p);
     return st;
   }
+  if (a->qk_heads) { /* one cluster must fit, else the launch would fail at every call */
+    p->cluster = (unsigned)(a->head_size / (8 * p->cfg.tiles));
+    og_CUlaunchAttribute ca;
+    memset(&ca, 0, sizeof ca);
+    ca.id = OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, ca.value.dim[0] = p->cluster, ca.value.dim[1] = ca.value.dim[2] = 1;
+    og_CUlaunchConfig lc = {p->grid, 1, 1, p->threads, 1, 1, p->smem, NULL, &ca, 1};
+    int clusters = 0;
+    st = opgraft__cu_check(cu->cuOccupancyMaxActiveClusters(&clusters, p->fn, &lc), "cuOccupancyMaxActiveClusters (linear)");
+    if (!st && clusters < 1)
+      st = opgraft__fail(OPGRAFT_ECUDA, "no cluster of %u linear blocks can be resident on this GPU", p->cluster);
+    if (st) {
+      free(p);
+      return st;
+    }
+  }
   layout_of(a, &p->proto);
   *out = p;
   return OPGRAFT_OK;
@@ -97,19 +113,24 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
 
 void opgraft_linear_plan_destroy(opgraft_linear_plan *p) { free(p); }
 
-/* One launch; with linear.pdl as a programmatic dependent of the stream's previous kernel. */
+/* One launch; with linear.pdl as a programmatic dependent of the stream's previous kernel; with
+ * the q/k epilogue in clusters of a head's blocks. */
 static int32_t launch(const og_cuda_api *cu, const opgraft_linear_plan *plan, og_linear_params *p, og_CUstream s) {
   void *params[] = {p};
-  if (!plan->cfg.pdl)
+  if (!plan->cfg.pdl && !plan->cluster)
     return opgraft__cu_check(cu->cuLaunchKernel(plan->fn, plan->grid, 1, 1, plan->threads, 1, 1, plan->smem, s, params, NULL),
                              "launch linear_gemv");
-  og_CUlaunchAttribute attr;
-  memset(&attr, 0, sizeof attr);
-  attr.id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attr.value.flag = 1;
-  og_CUlaunchConfig lc = {plan->grid, 1, 1, plan->threads, 1, 1, plan->smem, s, &attr, 1};
+  og_CUlaunchAttribute attrs[2];
+  memset(attrs, 0, sizeof attrs);
+  unsigned n = 0;
+  if (plan->cfg.pdl) attrs[n].id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, attrs[n++].value.flag = 1;
+  if (plan->cluster) {
+    attrs[n].id = OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attrs[n].value.dim[0] = plan->cluster, attrs[n].value.dim[1] = attrs[n].value.dim[2] = 1, ++n;
+  }
+  og_CUlaunchConfig lc = {plan->grid, 1, 1, plan->threads, 1, 1, plan->smem, s, attrs, n};
   return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan->fn, params, NULL),
-                           "launch linear_gemv (programmatic dependent launch)");
+                           "launch linear_gemv (cuLaunchKernelEx: programmatic dependent launch or clusters)");
 }
 
 /* The norm form's pointers of a run (all NULL without a residual). */
@@ -140,11 +161,11 @@ static int32_t plan_run(const opgraft_linear_plan *plan, const void *x, const vo
                                          "normed_out unlike the plan's, or one not 16-byte aligned");
   if (plan->args.qk_heads) {
     const opgraft_linear_args *a = qk;
-    if (!a || !a->qk_counters || !a->q_norm_weight != !plan->args.q_norm_weight ||
+    if (!a || !a->q_norm_weight != !plan->args.q_norm_weight ||
         !a->k_norm_weight != !plan->args.k_norm_weight || (plan->args.rope_style && (!a->cos_sin_cache || !a->positions)))
       return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_args: a q/k epilogue pointer NULL, or norm weights unlike the plan's");
     if (((uintptr_t)a->q_norm_weight | (uintptr_t)a->k_norm_weight | (uintptr_t)a->cos_sin_cache) & 15u ||
-        ((uintptr_t)a->positions & 7u) || ((uintptr_t)a->qk_counters & 3u))
+        ((uintptr_t)a->positions & 7u))
       return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_args: a q/k epilogue pointer is misaligned");
   }
   og_linear_params p = plan->proto;

@@ -96,7 +96,6 @@ static void linear_abi(og_sbuf *b) {
   OG_ABI_FIELD(b, opgraft_linear_args, cos_sin_stride);
   OG_ABI_FIELD(b, opgraft_linear_args, rope_rows);
   OG_ABI_FIELD(b, opgraft_linear_args, positions);
-  OG_ABI_FIELD(b, opgraft_linear_args, qk_counters);
   opgraft__abi_end(b);
 }
 

@@ -1,5 +1,5 @@
 /* Every linear kernel variant that a shipped or tunable configuration can select compiles with
- * NVRTC, for sm_80 and sm_90 (FP8 weights: sm_89 and sm_90), without register spills. The
+ * NVRTC, for sm_80 and sm_90 (FP8 weights: sm_89 and sm_90; the q/k epilogue: sm_90), without register spills. The
  * configurations are resolved first (the rule at the projection shapes of the presets and dense
  * models, then the tuner's candidates over the keys that change registers or code), then compiled
  * as og_compile_jobs.h does. */
@@ -50,6 +50,7 @@ typedef struct qk_heads {
 static const qk_heads *qk_job;
 
 static void add_job(const shape *s, int64_t M, int32_t dtype, int fp8, int32_t arch, const char *setting) {
+  if (qk_job && arch < 90) return; /* the q/k epilogue's clusters: sm_90 (the guard refuses older) */
   opgraft_linear_args a;
   memset(&a, 0, sizeof a);
   a.struct_size = sizeof a;

@@ -123,7 +123,7 @@ static opgraft_linear_args qk_args(void) {
   a.head_size = 128, a.q_heads = 32, a.qk_heads = 36, a.rope_style = OPGRAFT_ROPE_NEOX, a.qk_norm_eps = 1e-6f;
   a.q_norm_weight = (const void *)0x500000, a.k_norm_weight = (const void *)0x500100;
   a.cos_sin_cache = (const void *)0x600000, a.cos_sin_stride = 128, a.rope_rows = 40960;
-  a.positions = (const void *)0x700000, a.qk_counters = (void *)0x800000;
+  a.positions = (const void *)0x700000;
   return a;
 }
 
@@ -144,7 +144,8 @@ static void m_qk_fp8(opgraft_linear_args *a) {
   a->weight_scale = (const void *)0x400000, a->weight_scale_stride[0] = 16, a->weight_scale_stride[1] = 1;
 }
 static void m_qk_no_heads(opgraft_linear_args *a) { *a = qk_args(), a->qk_heads = 0; }
-static void m_qk_no_counters(opgraft_linear_args *a) { *a = qk_args(), a->qk_counters = NULL; }
+static void m_qk_no_positions(opgraft_linear_args *a) { *a = qk_args(), a->positions = NULL; }
+static void m_qk_sm80(opgraft_linear_args *a) { *a = qk_args(), a->arch = 80; }
 static void m_qk_positions(opgraft_linear_args *a) { *a = qk_args(), a->positions = (const void *)0x700004; }
 
 static void test_qk_epilogue(void **state) {
@@ -169,14 +170,16 @@ static void test_qk_epilogue(void **state) {
       {m_qk_cs_stride, "rotary cache"},
       {m_qk_fp8, "FP8 weights"},
       {m_qk_no_heads, "qk_heads 0"},
-      {m_qk_no_counters, "qk_counters"},
+      {m_qk_no_positions, "positions is NULL"},
+      {m_qk_sm80, "thread-block clusters"},
       {m_qk_positions, "misaligned"},
   };
   for (size_t i = 0; i < sizeof qk_refusals / sizeof *qk_refusals; ++i) {
     qk_refusals[i].mutate(&a);
     expect_refusal(&a, qk_refusals[i].needle, qk_refusals[i].needle);
   }
-  /* A block's rows lie in one head: three 8-row tiles (24 rows) become two for heads of 128 and 64. */
+  /* A head's blocks are one cluster of at most 8: three 8-row tiles (24 rows) become two for heads
+   * of 128 and 64, and four for heads of 256; one tile becomes two for heads of 128. */
   a = qk_args();
   og_linear_cfg c;
   opgraft__linear_config(&a, 90, NULL, &c);
@@ -186,6 +189,14 @@ static void test_qk_epilogue(void **state) {
   opgraft__linear_config(&a, 90, NULL, &c);
   assert_int_equal(c.tiles, 2);
   a.head_size = 64, a.q_heads = 64, a.qk_heads = 72;
+  opgraft__linear_config(&a, 90, NULL, &c);
+  assert_int_equal(c.tiles, 2);
+  a.head_size = 256, a.q_heads = 16, a.qk_heads = 18;
+  opgraft__linear_config(&a, 90, NULL, &c);
+  assert_int_equal(c.tiles, 4);
+  setenv("OPGRAFT_TUNE_LINEAR_TILES", "1", 1);
+  opgraft_tune_reload();
+  a = qk_args();
   opgraft__linear_config(&a, 90, NULL, &c);
   assert_int_equal(c.tiles, 2);
   unsetenv("OPGRAFT_TUNE_LINEAR_TILES");
