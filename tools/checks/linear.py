@@ -123,8 +123,9 @@ def qk_cases() -> list[dict]:
     alone and after the add + RMSNorm form, fp16, head 64 with GPT-J rotation alone, head 256 with
     the norm alone, a position outside the rotary cache, and each tile count. Its query and key
     heads must be the attention prologue's bits on the plain product, its value heads the plain
-    product's; against the C oracle (its query and key heads within two steps of each head's largest
-    value: a product a step apart moves the normalized and rotated values by a step of the head);
+    product's; against the C oracle (every head within two steps of its largest value: a product a
+    step apart moves the normalized and rotated values by a step of the head, and the kernel's fp32
+    sums are not the oracle's fp64 ones);
     two calls back to back bit-identical."""
     q = [_qk(f"qk M={M} Qwen3-30B-A3B qkv, norm + NeoX{' bias' if M % 3 == 0 else ''}", M, bias=M % 3 == 0, seed=M)
          for M in (1, 2, 3, 8)]
@@ -467,9 +468,7 @@ def _run_qk(c: dict, device) -> dict:
         _lib.check(_lib.lib().opgraft_linear_reference(ctypes.byref(a), ctypes.cast(
             ref.data_ptr(), ctypes.POINTER(ctypes.c_double))))
         got, want_c = out.cpu(), ref.to(dt)
-        res["oracle_ok"] = (bench.heads_within_two_steps(got[:, :hqk * D].view(M, hqk, D),
-                                                         want_c[:, :hqk * D].view(M, hqk, D))
-                            and _within_two_roundings(got[:, hqk * D:], want_c[:, hqk * D:]))
+        res["oracle_ok"] = bench.heads_within_two_steps(got.view(M, N // D, D), want_c.view(M, N // D, D))
         res["rel_err"] = bench.rel_err(got, ref)
     else:
         res["oracle_ok"] = True  # the norm form's oracle is the plain product's case above

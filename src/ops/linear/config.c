@@ -25,10 +25,14 @@ void opgraft__linear_config(const opgraft_linear_args *a, int32_t arch, const ch
   const int64_t pdl = arch >= 90 ? opgraft__tune_value("linear.pdl", arch, gpu, shape, M) : 0;
   c->pdl = pdl >= 2 ? 2 : pdl != 0;
   c->trigger = arch >= 90 && opgraft__tune_value("linear.trigger", arch, gpu, shape, M) != 0;
-  /* The q/k epilogue: a head's blocks are one cluster of at most 8 (8 * tiles divides head_size). */
+  /* The q/k epilogue: a head's blocks are one cluster of at most 8 (8 * tiles divides head_size),
+   * of 4 warps or fewer: a cluster's blocks share a GPC, and Qwen3-30B-A3B's 40 clusters of eight
+   * 8-warp blocks (two an SM) did not all fit at once on the H100 (14.4 us against 11.4 with 4
+   * warps, 10.1 without the epilogue; bench/NOTES.md v61). */
   if (a->qk_heads) {
     while (c->tiles > 1 && a->head_size % (8 * c->tiles)) c->tiles--;
     while (a->head_size / (8 * c->tiles) > 8) c->tiles *= 2;
+    if (c->warps > 4) c->warps = 4;
   }
   if (opgraft__linear_is_fp8(a)) {
     /* A group's operands a lane: (block_k / 64) steps of 16 bytes of 2 rows a tile, and 32 bytes
