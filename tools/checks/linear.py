@@ -9,6 +9,7 @@ bit for bit; then the bench rows."""
 from __future__ import annotations
 
 import ctypes
+import re
 
 import torch
 
@@ -446,11 +447,19 @@ def _run_qk(c: dict, device) -> dict:
     res = {k: v for k, v in c.items()}
     out = torch.full((M, N), float("nan"), dtype=dt, device=device)
     ops.linear_qk_into(out, x, w, b, D, hq, hqk, pro, norm=norm)
+    # the plain product at the epilogue plan's warp count (its clusters take 4 warps or fewer), so
+    # that the warps' partial sums meet in the same order
+    desc = ctypes.create_string_buffer(512)
+    _lib.check(_lib.lib().opgraft_linear_describe(ctypes.byref(ops._qk_args(x, w, b, out, D, hq, hqk, pro, norm)),
+                                                  linear_bench.device_of(device)[0], desc, len(desc)))
+    warps = int(re.search(r"-DOG_WARPS=(\d+)", desc.value.decode()).group(1))
+    configure(dict(c["tunables"], **{"linear.warps": warps}))
     plain = torch.full((M, N), float("nan"), dtype=dt, device=device)
     if plain_norm is not None:
         ops.add_rms_norm_linear_into(plain, plain_norm[3], x, *plain_norm[:3], w, b)
     else:
         ops.linear_into(plain, x, w, b)
+    configure(c["tunables"])
     qn, kn = attn.qk_prologue(plain[:, :hq * D].view(M, hq, D), plain[:, hq * D:hqk * D].view(M, hqk - hq, D), pro)
     want = plain.clone()
     want[:, :hq * D], want[:, hq * D:hqk * D] = qn.view(M, -1), kn.view(M, -1)
