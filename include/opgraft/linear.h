@@ -73,8 +73,9 @@ typedef struct opgraft_linear_args {
    * both or neither; qk_norm_eps) and rotated by rope_style (OPGRAFT_ROPE_*, attention.h) at
    * position positions[m] (int64 [M]) with cos_sin_cache ([rope_rows, cos_sin_stride] of dtype:
    * head_size / 2 cosines, then the sines; a position outside [0, rope_rows) is not rotated), the
-   * same arithmetic and bits as opgraft_attention's prologue, in place; value heads stay as the
-   * product gives them. The kernel runs a head's blocks as one thread-block cluster: sm_90 or newer. */
+   * same arithmetic and bits as opgraft_attention's prologue on the same product, before they are
+   * stored; value heads stay as the product gives them. The kernel runs a head's blocks as one
+   * thread-block cluster: sm_90 or newer. */
   int32_t head_size, q_heads, qk_heads, rope_style;
   float qk_norm_eps;
   const void *q_norm_weight, *k_norm_weight;

@@ -25,9 +25,9 @@ typedef struct og_linear_params {
   long long r_stride, ro_stride, ho_stride;
   float eps;
   /* The q/k epilogue (OG_QKPRO): RMSNorm weights [D] of a query and a key head (16-bit), the
-   * rotary cache [rope_rows rows of cs_stride: D/2 cosines, then D/2 sines], positions int64 [M],
-   * y's first q_heads heads are queries, the next
-   * qk_heads - q_heads keys, the rest values (untouched). */
+   * rotary cache [rope_rows rows of cs_stride: D/2 cosines, then D/2 sines], positions int64 [M];
+   * y's first q_heads heads are queries, the next qk_heads - q_heads keys, the rest values (as the
+   * product gives them). */
   const void *qk_qw, *qk_kw, *cos_sin;
   const long long *positions;
   long long cs_stride, rope_rows;
