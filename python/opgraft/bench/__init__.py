@@ -55,9 +55,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def heads_within_two_steps(got, want) -> bool:
     """Every element of got within two rounding steps (of its dtype) of the largest value of its head
-    (the last dim) in want, torch's normalized and rotated heads: the kernel's rsqrt and fp32
-    products are not torch's, and a normalized value a step apart moves a rotated one by a step of
-    its operands, which cancellation can make large against the result."""
+    (the last dim) in want (another computation's heads: torch's, an oracle's): rsqrt and fp32
+    products differ between them, and a normalized value a step apart moves a rotated one by a step
+    of its operands, which cancellation can make large against the result."""
     step = 2.0 ** (-7 if want.dtype == torch.bfloat16 else -10)
     g, w = got.float(), want.float()
     return bool(((g - w).abs() <= 2 * step * w.abs().amax(-1, keepdim=True) + 1e-6).all())

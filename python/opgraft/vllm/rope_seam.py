@@ -44,7 +44,7 @@ host path per layer costs more than Inductor's kernels in a replayed graph).
 OPGRAFT_ATTENTION_PROLOGUE=1 takes every model, 0 none. It needs the attention
 seam with its KV-cache write (OPGRAFT_ATTENTION and OPGRAFT_ATTENTION_CACHE_WRITE not 0). A factor
 (OPGRAFT_ATTENTION_PROLOGUE_SEAM) joins vLLM's compile-cache key.
-The q/k epilogue form (OPGRAFT_QK_EPILOGUE=1; off unless set, not yet measured on a GPU): the
+The q/k epilogue form (OPGRAFT_QK_EPILOGUE=1; off unless set, sm_90; bench/NOTES.md v61): the
 same wrapper instead rewrites opgraft::linear(x, W, bias) -> split -> norms -> rotary into
 opgraft::linear_qk (ops/linear.py), the qkv projection whose kernel normalizes and rotates its
 query and key heads in its epilogue (kernels/linear/linear.cu, OG_QKPRO); vLLM's attention call
@@ -381,7 +381,8 @@ _LINEAR_OP = "opgraft::linear"
 
 def qk_switch() -> bool:
     """OPGRAFT_QK_EPILOGUE=1: the q/k norm and rotary embedding go into the qkv projection's kernel
-    (its epilogue) instead of the attention kernel (off unless set: not yet measured on a GPU)."""
+    (its epilogue) instead of the attention kernel (off unless set: the first token is not settled,
+    bench/NOTES.md v61)."""
     return switch("OPGRAFT_QK_EPILOGUE", dispatch._warn_once) is True
 
 
@@ -465,31 +466,29 @@ def rewrite_qk(gm) -> int:
 
 
 def _apply(rewrite_fn, graph, what: str) -> int:
-    """rewrite_fn(graph), counted (the q/k epilogue's apart); a graph it does not understand stays
-    vLLM's (warned once)."""
-    global _fused_total, _qk_fused_total
+    """rewrite_fn(graph); a graph it does not understand stays vLLM's (warned once, 0)."""
     try:
         n = rewrite_fn(graph)
     except Exception as e:
         dispatch._warn_once(f"{what} rewrite skipped ({type(e).__name__}: {e})")
         n = 0
-    with _lock:
-        if rewrite_fn is rewrite_qk:
-            _qk_fused_total += n
-        else:
-            _fused_total += n
     dispatch.logger.debug("opgraft: %s rewrite: %d call(s) take the q/k norm and rotary embedding", what, n)
     return n
 
 
 def _make_split_graph(original):
     def split_graph(graph, splitting_ops):
+        global _fused_total, _qk_fused_total
         ops = list(splitting_ops or [])
         at_attention = any(s == _ATTN_OP or s == _ATTN_OP + ".default" for s in ops)
         if at_attention and qk_switch():
-            _apply(rewrite_qk, graph, "q/k epilogue")
+            n = _apply(rewrite_qk, graph, "q/k epilogue")
+            with _lock:
+                _qk_fused_total += n
         elif at_attention and _graph_wanted(graph):
-            _apply(rewrite, graph, "attention prologue")
+            n = _apply(rewrite, graph, "attention prologue")
+            with _lock:
+                _fused_total += n
             ops.append(OP_NAME)
         return original(graph, ops)
 

@@ -114,6 +114,14 @@ int32_t opgraft__linear_check_static(const opgraft_linear_args *a, char *reason,
   return OPGRAFT_OK;
 }
 
+const char *opgraft__linear_qk_pointer_problem(const opgraft_linear_args *a) {
+  if (a->rope_style && (!a->cos_sin_cache || !a->positions)) return "cos_sin_cache or positions is NULL";
+  if (((uintptr_t)a->q_norm_weight | (uintptr_t)a->k_norm_weight | (uintptr_t)a->cos_sin_cache) & 15u ||
+      ((uintptr_t)a->positions & 7u))
+    return "a q/k epilogue pointer is misaligned";
+  return NULL;
+}
+
 int32_t opgraft__linear_check_pointers(const opgraft_linear_args *a, char *reason, size_t reason_len) {
   if (a->rows > 0 && (!a->x || !a->weight || !a->out)) return OG_REASON("a tensor pointer is NULL");
   if ((((uintptr_t)a->x | (uintptr_t)a->weight) & 15u)) return OG_REASON("x or weight not 16-byte aligned");
@@ -124,12 +132,8 @@ int32_t opgraft__linear_check_pointers(const opgraft_linear_args *a, char *reaso
          (uintptr_t)a->normed_out) & 15u)
       return OG_REASON("residual, residual_out, norm_weight or normed_out not 16-byte aligned");
   }
-  if (a->qk_heads && a->rows > 0) {
-    if (a->rope_style && (!a->cos_sin_cache || !a->positions)) return OG_REASON("cos_sin_cache or positions is NULL");
-    if (((uintptr_t)a->q_norm_weight | (uintptr_t)a->k_norm_weight | (uintptr_t)a->cos_sin_cache) & 15u ||
-        ((uintptr_t)a->positions & 7u))
-      return OG_REASON("a q/k epilogue pointer is misaligned");
-  }
+  const char *qk = a->qk_heads && a->rows > 0 ? opgraft__linear_qk_pointer_problem(a) : NULL;
+  if (qk) return OG_REASON("%s", qk);
   if (opgraft__linear_is_fp8(a) && a->rows > 0 && (!a->weight_scale || ((uintptr_t)a->weight_scale & 3u)))
     return OG_REASON("FP8 weight scales NULL or misaligned");
   return OPGRAFT_OK;

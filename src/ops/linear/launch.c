@@ -32,6 +32,14 @@ static void layout_of(const opgraft_linear_args *a, og_linear_params *q) {
   q->cs_stride = a->cos_sin_stride, q->rope_rows = a->rope_rows;
 }
 
+/* The launch attribute of clusters of n blocks (the q/k epilogue: a head's blocks). */
+static og_CUlaunchAttribute cluster_attr(unsigned n) {
+  og_CUlaunchAttribute c;
+  memset(&c, 0, sizeof c);
+  c.id = OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, c.value.dim[0] = n, c.value.dim[1] = c.value.dim[2] = 1;
+  return c;
+}
+
 /* The q/k epilogue's pointers of a call. */
 static void set_qk(const opgraft_linear_args *a, og_linear_params *q) {
   q->qk_qw = a->q_norm_weight, q->qk_kw = a->k_norm_weight, q->cos_sin = a->cos_sin_cache;
@@ -93,9 +101,7 @@ int32_t opgraft_linear_plan_create(const opgraft_linear_args *a, opgraft_linear_
   }
   if (a->qk_heads) { /* one cluster must fit, else the launch would fail at every call */
     p->cluster = (unsigned)(a->head_size / (8 * p->cfg.tiles));
-    og_CUlaunchAttribute ca;
-    memset(&ca, 0, sizeof ca);
-    ca.id = OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, ca.value.dim[0] = p->cluster, ca.value.dim[1] = ca.value.dim[2] = 1;
+    og_CUlaunchAttribute ca = cluster_attr(p->cluster);
     og_CUlaunchConfig lc = {p->grid, 1, 1, p->threads, 1, 1, p->smem, NULL, &ca, 1};
     int clusters = 0;
     st = opgraft__cu_check(cu->cuOccupancyMaxActiveClusters(&clusters, p->fn, &lc), "cuOccupancyMaxActiveClusters (linear)");
@@ -124,10 +130,7 @@ static int32_t launch(const og_cuda_api *cu, const opgraft_linear_plan *plan, og
   memset(attrs, 0, sizeof attrs);
   unsigned n = 0;
   if (plan->cfg.pdl) attrs[n].id = OG_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, attrs[n++].value.flag = 1;
-  if (plan->cluster) {
-    attrs[n].id = OG_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attrs[n].value.dim[0] = plan->cluster, attrs[n].value.dim[1] = attrs[n].value.dim[2] = 1, ++n;
-  }
+  if (plan->cluster) attrs[n++] = cluster_attr(plan->cluster);
   og_CUlaunchConfig lc = {plan->grid, 1, 1, plan->threads, 1, 1, plan->smem, s, attrs, n};
   return opgraft__cu_check(cu->cuLaunchKernelEx(&lc, plan->fn, params, NULL),
                            "launch linear_gemv (cuLaunchKernelEx: programmatic dependent launch or clusters)");
@@ -161,12 +164,11 @@ static int32_t plan_run(const opgraft_linear_plan *plan, const void *x, const vo
                                          "normed_out unlike the plan's, or one not 16-byte aligned");
   if (plan->args.qk_heads) {
     const opgraft_linear_args *a = qk;
-    if (!a || !a->q_norm_weight != !plan->args.q_norm_weight ||
-        !a->k_norm_weight != !plan->args.k_norm_weight || (plan->args.rope_style && (!a->cos_sin_cache || !a->positions)))
-      return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_args: a q/k epilogue pointer NULL, or norm weights unlike the plan's");
-    if (((uintptr_t)a->q_norm_weight | (uintptr_t)a->k_norm_weight | (uintptr_t)a->cos_sin_cache) & 15u ||
-        ((uintptr_t)a->positions & 7u))
-      return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_args: a q/k epilogue pointer is misaligned");
+    if (!a || !a->q_norm_weight != !plan->args.q_norm_weight || !a->k_norm_weight != !plan->args.k_norm_weight ||
+        a->rope_style != plan->args.rope_style)
+      return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_args: no arguments, or norm weights or rotary style unlike the plan's");
+    const char *problem = opgraft__linear_qk_pointer_problem(a);
+    if (problem) return opgraft__fail(OPGRAFT_EINVAL, "opgraft_linear_plan_run_args: %s", problem);
   }
   og_linear_params p = plan->proto;
   p.x = x, p.w = weight, p.bias = bias, p.y = out, p.ws = weight_scale;

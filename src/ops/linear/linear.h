@@ -39,6 +39,9 @@ void opgraft__linear_shape_key(const opgraft_linear_args *a, char *buf, size_t l
 int32_t opgraft__linear_check_static(const opgraft_linear_args *a, char *reason, size_t reason_len);
 /* The pointer checks every run repeats (NULL, alignment), as a reason. */
 int32_t opgraft__linear_check_pointers(const opgraft_linear_args *a, char *reason, size_t reason_len);
+/* What is wrong with a q/k epilogue call's own pointers (NULL where they are right): the guard's
+ * check and a plan run's. */
+const char *opgraft__linear_qk_pointer_problem(const opgraft_linear_args *a);
 /* The checks that need the device and the tunables; arch_out and gpu receive the device. */
 int32_t opgraft__linear_check_device(const opgraft_linear_args *a, int32_t *arch_out, char *gpu, size_t gpu_len,
                                      char *reason, size_t reason_len);
