@@ -31,13 +31,17 @@ enum {
   OPGRAFT_ATTN_ENCODER = 2,    /* encoder, encoder-only or cross attention: not supported */
   OPGRAFT_ATTN_ALIBI = 4,      /* ALiBi position biases: not supported */
   OPGRAFT_ATTN_NON_CAUSAL = 8, /* non-causal attention: not supported */
+  /* A hint, not a need (ABI 14): the kernel before this call on its stream is the qkv projection
+   * that made q and k_new (opgraft_linear_args' q/k epilogue), so the call may launch early and
+   * load its first keys while that projection runs (attention.pdl_pro). Only a launch choice. */
+  OPGRAFT_ATTN_AFTER_QKV = 16,
 };
 
 typedef struct opgraft_attention_args {
   uint32_t struct_size; /* sizeof(opgraft_attention_args), checked */
   int32_t dtype;        /* q, out: OPGRAFT_DTYPE_BF16 or _FP16 */
   int32_t kv_dtype;     /* the K/V cache's dtype: must be dtype (an FP8 cache is handed back) */
-  int32_t flags;        /* OPGRAFT_ATTN_* that the call needs (each one is refused) */
+  int32_t flags;        /* OPGRAFT_ATTN_*: what the call needs (each one is refused) and hints */
   int64_t batch;        /* sequences: rows of q, out, block_table and seq_lens */
   int64_t query_len;    /* query tokens per sequence: the kernel takes 1 */
   int64_t num_heads;    /* query heads */

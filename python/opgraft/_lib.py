@@ -132,6 +132,7 @@ class LinearArgs(ctypes.Structure):
 
 _I64_4 = ctypes.c_int64 * 4
 ATTN_MLA, ATTN_ENCODER, ATTN_ALIBI, ATTN_NON_CAUSAL = 1, 2, 4, 8
+ATTN_AFTER_QKV = 16  # a launch hint (ABI 14): the qkv projection with the q/k epilogue runs just before
 
 
 class AttentionArgs(ctypes.Structure):

@@ -348,6 +348,7 @@ class AttentionCall:
     value: Any = None
     slot_mapping: Any = None
     pro: Any = None
+    flags: int = 0  # hints for the launch (_lib.ATTN_AFTER_QKV), never a need
 
 
 @register_variant("attention", "passthrough")
@@ -364,13 +365,13 @@ def _attention_opgraft(call: AttentionCall):
 
     try:
         plan = attention.plan_for(call.query, call.key_cache, call.value_cache, call.block_table, call.seq_lens,
-                                  call.output, call.scale, call.softcap, call.window_left, call.sinks,
+                                  call.output, call.scale, call.softcap, call.window_left, call.sinks, call.flags,
                                   key=call.key, value=call.value, slot_mapping=call.slot_mapping, pro=call.pro)
         if plan.handle is None:
             return handed_back("attention", plan.reason, call)
         attention.run(plan, call.output, call.query, call.key_cache, call.value_cache, call.block_table,
                       call.seq_lens, call.scale, call.softcap, call.window_left, call.sinks, call.max_seq_len,
-                      call.key, call.value, call.slot_mapping, call.pro)
+                      call.key, call.value, call.slot_mapping, call.pro, call.flags)
     except Exception as e:
         return kernel_failed("attention", e, call)
     stats_of("attention").take()

@@ -199,7 +199,7 @@ MAX_BATCH = 65535
 
 
 def _static_key(a: _lib.AttentionArgs, device_index: int):
-    return (device_index, a.batch, a.dtype, a.num_heads // max(1, a.num_kv_heads), a.head_size, a.softcap > 0,
+    return (device_index, a.batch, a.flags, a.dtype, a.num_heads // max(1, a.num_kv_heads), a.head_size, a.softcap > 0,
             a.window_left >= 0, a.sinks_dtype if a.sinks else None, bool(a.k_new), bool(a.q_norm_weight), a.rope_style,
             _lib.lib().opgraft_tune_generation())
 
@@ -292,17 +292,18 @@ def workspace(device, nbytes: int) -> torch.Tensor | None:
 def prepare(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, device, softcap: float = 0.0,
             window_left: int = -1, sinks_dtype: torch.dtype | None = None, block_size: int = 16,
             batches=(1,), update: bool = False, qk_norm: bool = False,
-            rope_style: int = _lib.ROPE_NONE) -> tuple[bool, str]:
+            rope_style: int = _lib.ROPE_NONE, flags: int = 0) -> tuple[bool, str]:
     """Compiles and loads the kernel for a layer's static configuration at each of batches (the
     CUDA-graph capture sizes: a plan is per batch) and reserves the workspace, so that a call under
     CUDA graph capture only makes its plan. update: the variant that writes the call's new keys
     and values; qk_norm, rope_style: with update, the variant that normalizes and rotates the query
-    and the new key first. (True, "") or (False, why the layer's calls will be handed back), from
+    and the new key first; flags: the calls' hints (_lib.ATTN_AFTER_QKV). (True, "") or (False, why the layer's calls will be handed back), from
     batch 1; a larger batch the guard refuses is simply not prepared."""
     ok, why = True, ""
     for b in sorted({1, *batches}):
         took, reason = _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, window_left,
-                                    sinks_dtype, block_size, b, update=update, qk_norm=qk_norm, rope_style=rope_style)
+                                    sinks_dtype, block_size, b, update=update, qk_norm=qk_norm, rope_style=rope_style,
+                                    flags=flags)
         if b == 1:
             ok, why = took, reason
             if not ok:
@@ -311,13 +312,14 @@ def prepare(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtyp
 
 
 def _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, window_left, sinks_dtype, block_size,
-                 batch, update=False, qk_norm=False, rope_style=_lib.ROPE_NONE) -> tuple[bool, str]:
+                 batch, update=False, qk_norm=False, rope_style=_lib.ROPE_NONE, flags=0) -> tuple[bool, str]:
     code = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}.get(dtype)
     if code is None:
         return False, f"dtype {dtype} (the kernel takes bf16 and fp16)"
     a = _lib.AttentionArgs()
     a.struct_size = ctypes.sizeof(_lib.AttentionArgs)
     a.dtype = a.kv_dtype = code
+    a.flags = flags
     a.batch, a.query_len, a.num_heads, a.num_kv_heads, a.head_size = batch, 1, num_heads, num_kv_heads, head_size
     a.block_size, a.num_blocks, a.max_blocks = block_size, 1, 1
     a.scale, a.softcap, a.window_left = 1.0, float(softcap or 0.0), int(window_left)
@@ -395,7 +397,7 @@ def run_args(plan_args: _lib.AttentionArgs, query, key_cache, value_cache, block
 
 
 def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0, window_left=-1,
-        sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None, pro=None):
+        sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None, pro=None, flags=0):
     """Runs a plan made for these tensors' layout (plan_for) into out: one ctypes crossing."""
     for _ in range(2):
         if plan.handle is None:
@@ -420,7 +422,7 @@ def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, s
             return out
         forget_plans()  # the tunables changed (or the context): plan again, once
         plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
-                        key=key, value=value, slot_mapping=slot_mapping, pro=pro)
+                        flags, key=key, value=value, slot_mapping=slot_mapping, pro=pro)
     _lib.check(st)
     return out
 

@@ -197,6 +197,10 @@ def _build():
             self._og_kv = None  # (kv_cache, key view, value view) of the last call
             # forward writes the cache (vLLM's layer skips its write op), unless the layer shares one
             self._og_writes = writes and self.kv_sharing_target_layer_name is None
+            # With the q/k epilogue the qkv projection's kernel runs just before each decode call
+            # (rope_seam): a launch hint (attention.pdl_pro). A layer the rewrite does not match gets
+            # Inductor's kernels between the two, where the hint is a wait like any other.
+            self._og_flags = _lib.ATTN_AFTER_QKV if self._og_writes and rope_prologue and rope_seam.qk_switch() else 0
 
         def process_weights_after_loading(self, act_dtype):
             super().process_weights_after_loading(act_dtype)
@@ -226,7 +230,7 @@ def _build():
                 device = torch.device("cuda", torch.cuda.current_device())
                 ok, why = attention.prepare(self.num_heads, self.num_kv_heads, self.head_size, act_dtype, device,
                                             self.logits_soft_cap, left, sinks_dtype, block_size, batches=sizes,
-                                            update=self._og_writes)
+                                            update=self._og_writes, flags=self._og_flags)
                 if not ok:
                     self._og_reason = why
                 elif self._og_writes and prologue:  # the layer's norm is not known here: both NeoX forms
@@ -262,7 +266,8 @@ def _build():
             call = dispatch.AttentionCall(query, kv[1], kv[2], md.block_table, md.seq_lens, output, self.scale,
                                           float(self.logits_soft_cap or 0.0), _window_of(self, md)[0], self.sinks,
                                           int(md.max_seq_len), delegate, key=None if slots is None else key,
-                                          value=None if slots is None else value, slot_mapping=slots)
+                                          value=None if slots is None else value, slot_mapping=slots,
+                                          flags=self._og_flags if slots is not None else 0)
             return dispatch.dispatch("attention", call)
 
         def forward_prologue(self, layer, q, k, v, kv_cache, attn_metadata, output, pro):

@@ -72,8 +72,10 @@ void opgraft__attn_config(const opgraft_attention_args *a, int32_t arch, const c
   /* 2 loads the first round before the wait: rows the kernel reads must not be the previous
    * kernel's, so only where the kernel writes the step's key itself (and without a window). */
   int64_t pdl = arch >= 90 ? opgraft__tune_value("attention.pdl", arch, gpu, shape, B) : 0;
-  /* A call with the q/k prologue directly follows the qkv projection, whose trigger lets it start. */
-  if (arch >= 90 && (a->q_norm_weight != NULL || a->rope_style != OPGRAFT_ROPE_NONE)) {
+  /* A call with the q/k prologue, or after the q/k epilogue, directly follows the qkv projection,
+   * whose trigger lets it start. */
+  if (arch >= 90 && (a->q_norm_weight != NULL || a->rope_style != OPGRAFT_ROPE_NONE ||
+                     (a->flags & OPGRAFT_ATTN_AFTER_QKV))) {
     const int64_t pro = opgraft__tune_value("attention.pdl_pro", arch, gpu, shape, B);
     if (pro >= 0) pdl = pro;
   }

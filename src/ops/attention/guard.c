@@ -44,7 +44,8 @@ int32_t opgraft__attn_check_static(const opgraft_attention_args *a, char *reason
   if (a->flags & OPGRAFT_ATTN_ENCODER) return OG_REASON("encoder or cross attention is not supported");
   if (a->flags & OPGRAFT_ATTN_ALIBI) return OG_REASON("ALiBi is not supported");
   if (a->flags & OPGRAFT_ATTN_NON_CAUSAL) return OG_REASON("non-causal attention is not supported");
-  if (a->flags & ~(OPGRAFT_ATTN_MLA | OPGRAFT_ATTN_ENCODER | OPGRAFT_ATTN_ALIBI | OPGRAFT_ATTN_NON_CAUSAL))
+  if (a->flags & ~(OPGRAFT_ATTN_MLA | OPGRAFT_ATTN_ENCODER | OPGRAFT_ATTN_ALIBI | OPGRAFT_ATTN_NON_CAUSAL |
+                   OPGRAFT_ATTN_AFTER_QKV))
     return OG_REASON("unknown flags 0x%x", (unsigned)a->flags);
   if (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16)
     return OG_REASON("dtype %s (the kernel takes bf16 and fp16)", opgraft__attn_dtype_name(a->dtype));

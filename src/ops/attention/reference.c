@@ -101,7 +101,8 @@ static int32_t reference_prologue(const opgraft_attention_args *a, double *out_f
 int32_t opgraft_attention_reference(const opgraft_attention_args *a, double *out_f64) {
   if (!a || a->struct_size < sizeof *a) return opgraft__fail(OPGRAFT_EINVAL, "bad arguments");
   /* The oracle covers what the guard takes (apart from the strides' 16-byte rule). */
-  if (a->flags || (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16) || a->kv_dtype != a->dtype ||
+  if ((a->flags & ~OPGRAFT_ATTN_AFTER_QKV) || (a->dtype != OPGRAFT_DTYPE_BF16 && a->dtype != OPGRAFT_DTYPE_FP16) ||
+      a->kv_dtype != a->dtype ||
       a->query_len != 1 || a->block_table_dtype != OPGRAFT_DTYPE_INT32 || a->seq_lens_dtype != OPGRAFT_DTYPE_INT32 ||
       (a->sinks && a->sinks_dtype != OPGRAFT_DTYPE_FP32 && a->sinks_dtype != a->dtype))
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the reference covers bf16/fp16 decoder decode attention");

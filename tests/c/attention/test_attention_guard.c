@@ -625,6 +625,25 @@ static void test_config(void **state) {
     unsetenv("OPGRAFT_TUNE_ATTENTION_PDL_PRO");
     opgraft_tune_reload();
   }
+  /* A call after the q/k epilogue (the hint, no prologue) takes the same key; the guard and the
+   * oracle take the hint, not an unknown bit beside it. */
+  {
+    const char *h100 = "NVIDIA H100 80GB HBM3";
+    opgraft_attention_args u = valid_args();
+    set_update(&u);
+    u.flags = OPGRAFT_ATTN_AFTER_QKV;
+    opgraft__attn_config(&u, 90, h100, &c);
+    assert_int_equal(c.pdl, 2);
+    opgraft__attn_config(&u, 90, "NVIDIA H200", &c);
+    assert_int_equal(c.pdl, 0);
+    opgraft__attn_config(&u, 80, h100, &c);
+    assert_int_equal(c.pdl, 0);
+    char why[160];
+    assert_int_equal(opgraft_attention_supports(&u, why, sizeof why), OPGRAFT_OK);
+    u.flags = OPGRAFT_ATTN_AFTER_QKV | 32;
+    assert_int_equal(opgraft_attention_supports(&u, why, sizeof why), OPGRAFT_EUNSUPPORTED);
+    assert_non_null(strstr(why, "unknown flags"));
+  }
   /* A combine's maxima and sums (32 partials x G pairs) fit the room of the warps' partials. */
   for (int D = 64; D <= 256; D *= 2)
     for (int G = 1; G <= 16; ++G)

@@ -378,6 +378,11 @@ static void test_arguments(void **state) {
   build(&p);
   double out[256];
   assert_int_equal(opgraft_attention_reference(NULL, out), OPGRAFT_EINVAL);
+  p.a.flags = OPGRAFT_ATTN_ALIBI;
+  assert_int_equal(opgraft_attention_reference(&p.a, out), OPGRAFT_EUNSUPPORTED);
+  p.a.flags = OPGRAFT_ATTN_AFTER_QKV; /* a launch hint: the same answer */
+  assert_int_equal(opgraft_attention_reference(&p.a, out), OPGRAFT_OK);
+  p.a.flags = 0;
   p.a.kv_dtype = OPGRAFT_DTYPE_FP8_E4M3;
   assert_int_equal(opgraft_attention_reference(&p.a, out), OPGRAFT_EUNSUPPORTED);
   p.a.kv_dtype = p.a.dtype;

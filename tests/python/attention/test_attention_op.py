@@ -298,7 +298,7 @@ def test_a_plan_is_per_batch():
 def test_prepare_loads_every_capture_size_and_needs_only_batch_one(monkeypatch):
     seen = []
 
-    def one(*args, update=False, qk_norm=False, rope_style=0):
+    def one(*args, update=False, qk_norm=False, rope_style=0, flags=0):
         batch = args[-1]
         seen.append(batch)
         return (True, "") if batch <= 32 else (False, f"batch {batch} > attention.max_batch 32")

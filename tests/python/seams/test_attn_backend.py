@@ -339,6 +339,23 @@ def test_the_call_our_kernel_gets_carries_the_write(writes, seen):
     assert seen[0].key is None and seen[0].slot_mapping is None
 
 
+def test_with_the_qk_epilogue_a_writing_call_carries_the_after_qkv_hint(writes, seen, monkeypatch):
+    from opgraft import _lib
+
+    q, k, v, kv, out = tensors()
+    impl().forward(layer_named(), q, k, v, kv, metadata(), out)
+    monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "1")  # read when a layer's impl is made
+    impl().forward(layer_named(), q, k, v, kv, metadata(), out)
+    impl(kv_sharing_target_layer_name="x").forward(layer_named(), q, k, v, kv, metadata(), out)
+    monkeypatch.setenv("OPGRAFT_ATTENTION_PROLOGUE", "0")  # the rewrite lives in that seam
+    attn_seam._classes.clear()  # read when the classes are built
+    try:
+        impl().forward(layer_named(), q, k, v, kv, metadata(), out)
+    finally:
+        attn_seam._classes.clear()
+    assert [c.flags for c in seen] == [0, _lib.ATTN_AFTER_QKV, 0, 0]
+
+
 def test_the_cache_write_kill_switch_keeps_vllms_write_op(writes, monkeypatch):
     monkeypatch.setenv("OPGRAFT_ATTENTION_CACHE_WRITE", "0")
     attn_seam._classes.clear()  # the flag is read when the classes are built
