@@ -41,6 +41,9 @@ VARIANTS = {
     # loads its first round before its wait)
     "qk": ({}, True, "qk"),
     "qk-early": ({"linear.trigger": 1, "attention.pdl": 2}, True, "qk"),
+    # the rows as the engine runs them with the epilogue: attention told it follows the projection
+    # (_lib.ATTN_AFTER_QKV, attention.pdl_pro)
+    "qk-shipped": ({}, True, "qk-hint"),
 }
 
 
@@ -49,8 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="Qwen3-30B-A3B")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", default="256,1024,8192")
-    ap.add_argument("--variants", default=",".join(n for n, v in VARIANTS.items() if v[2] != "qk"),
-                    help="comma list of " + ", ".join(VARIANTS) + " (qk, qk-early: with --qkv)")
+    ap.add_argument("--variants", default=",".join(n for n, v in VARIANTS.items() if v[2] not in ("qk", "qk-hint")),
+                    help="comma list of " + ", ".join(VARIANTS) + " (qk, qk-early, qk-shipped: with --qkv)")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=KEY:VALUE,...[@kernel]",
                     help="one more variant on opgraft's projection, e.g. w16=attention.trigger:1,linear.warps:16; "
                          "@kernel: with the KV write inside attention (as kernel-write)")
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"tools.attn_o: error: unknown variants {', '.join(bad)}", file=sys.stderr)
         return 2
-    if not args.qkv and any(variants[n][2] == "qk" for n in names):
+    if not args.qkv and any(variants[n][2] in ("qk", "qk-hint") for n in names):
         print("tools.attn_o: error: the qk variants need --qkv (the epilogue is the projection's)", file=sys.stderr)
         return 2
     if not check_outputs("tools.attn_o", {"--json": args.json}):
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
                 with bench.tunables(cfg, forget):
 
                     def call(i, _):
-                        if write == "qk":  # the projection normalizes and rotates q and k itself
+                        if write in ("qk", "qk-hint"):  # the projection normalizes and rotates q and k itself
                             linear_ops.linear_qk_into(fused, hidden, qweights[i], None, d, hq, hq + hk, pro)
                         elif args.qkv:  # q/k/v of the step from the projection, as in a layer
                             linear_ops.linear_into(fused, hidden, qweights[i])
@@ -146,8 +149,9 @@ def main(argv=None) -> int:
                         if write == "vllm":
                             reshape_and_cache_flash(knew, vnew, p.key_cache, p.value_cache, slots, "auto", scale1,
                                                     scale1)
-                        if write in ("kernel", "qk"):
-                            attn_bench.run_ours(p, out, C, knew, vnew, slots)
+                        if write in ("kernel", "qk", "qk-hint"):
+                            attn_bench.run_ours(p, out, C, knew, vnew, slots,
+                                                flags=_lib.ATTN_AFTER_QKV if write == "qk-hint" else 0)
                         else:
                             attn_bench.run_ours(p, out, C)
                         if args.attention_only:

@@ -203,7 +203,7 @@ print(', '.join(f\"{x['label']} T={x['tokens']} {x['path']} {x['host_us_per_call
     timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m tools.gpucheck --quick --ops linear \
       --only "qk M=3" --out /tmp/og-san >"$OUT/memcheck-qk.log" 2>&1
     note "q/k epilogue memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck-qk.log" | tail -1)"
-    python3 -m tools.attn_o --qkv --batch 1,8 --context 144,1024,8192 --variants kernel-write,qk,qk-early \
+    python3 -m tools.attn_o --qkv --batch 1,8 --context 144,1024,8192 --variants kernel-write,qk,qk-early,qk-shipped \
       --extra early=linear.trigger:1,attention.pdl:2@kernel --json "$OUT/qkv_attn_o_qk.json" 2>&1 | tail -10
     note "q/k epilogue benched"
     ;;

@@ -136,11 +136,12 @@ def reference(p: Problem, rows: int | None = None) -> torch.Tensor:
 
 
 def run_ours(p: Problem, out: torch.Tensor, max_seq_len: int = 0, key=None, value=None,
-             slot_mapping=None, pro=None) -> torch.Tensor:
+             slot_mapping=None, pro=None, flags: int = 0) -> torch.Tensor:
     """Our kernel on the problem; with key, value and slot_mapping it also stores them in the cache
-    (with pro, the query and the new keys normalized and rotated first)."""
+    (with pro, the query and the new keys normalized and rotated first); flags: launch hints."""
     return ops.attention_decode_into(out, p.query, p.key_cache, p.value_cache, p.block_table, p.seq_lens, p.scale,
-                                     p.softcap, p.window_left, p.sinks, max_seq_len, key, value, slot_mapping, pro)
+                                     p.softcap, p.window_left, p.sinks, max_seq_len, key, value, slot_mapping, pro,
+                                     flags)
 
 
 def rope_cache(rows: int, head_size: int, dtype, device, base: float = 1e6) -> torch.Tensor:

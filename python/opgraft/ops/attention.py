@@ -370,15 +370,15 @@ def supports(query, key_cache, value_cache, block_table, seq_lens, out=None, sca
 
 def attention_decode_into(out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap=0.0,
                           window_left=-1, sinks=None, max_seq_len=0, key=None, value=None, slot_mapping=None,
-                          pro=None):
+                          pro=None, flags=0):
     """Runs the kernel into out (rows 0 .. batch-1). Raises OpgraftError if unsupported.
     max_seq_len is an upper bound of seq_lens (0 = unknown): it caps the split count only. With
     key, value and slot_mapping the kernel also stores them into the cache, with pro normalized and
-    rotated first, the query too (see the module's text)."""
+    rotated first, the query too (see the module's text); flags: hints (_lib.ATTN_AFTER_QKV)."""
     plan = plan_for(query, key_cache, value_cache, block_table, seq_lens, out, scale, softcap, window_left, sinks,
-                    key=key, value=value, slot_mapping=slot_mapping, pro=pro)
+                    flags, key=key, value=value, slot_mapping=slot_mapping, pro=pro)
     return run(plan, out, query, key_cache, value_cache, block_table, seq_lens, scale, softcap, window_left, sinks,
-               max_seq_len, key, value, slot_mapping, pro)
+               max_seq_len, key, value, slot_mapping, pro, flags)
 
 
 def run_args(plan_args: _lib.AttentionArgs, query, key_cache, value_cache, block_table, seq_lens, out, sinks,
