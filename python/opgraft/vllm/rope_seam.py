@@ -51,7 +51,8 @@ query and key heads in its epilogue (kernels/linear/linear.cu, OG_QKPRO); vLLM's
 stays and gets the split of that output. The op is not a splitting op: a prefill keeps it inside
 vLLM's graph pieces (the linear op, then the prologue alone, above linear.max_rows), so no eager
 host path is added; decode attention then follows the projection directly, as the early start
-needs (linear.trigger, attention.pdl 2). It needs the linear seam (its op is what is matched).
+needs (linear.trigger on qkv; the backend's writing layers pass the OPGRAFT_ATTN_AFTER_QKV hint, so
+attention takes attention.pdl_pro). It needs the linear seam (its op is what is matched).
 Remove it: delete the ("attention prologue", rope_seam) entry of the seam list in
 opgraft/vllm/__init__.py.
 """

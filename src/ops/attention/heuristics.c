@@ -38,8 +38,9 @@
  *   kernel before it lets it start early (linear.trigger on the qkv projection, which precedes
  *   attention only with the prologue): with it -4.5 us a layer at batch 1 (H100, qkv + attention
  *   + o, v59). Without the prologue Inductor's rotary kernel comes between and pdl 2 gained
- *   nothing in the engine (v59), so calls with the prologue have their own key,
- *   attention.pdl_pro (-1 by the rule: attention.pdl's value). Its H100 row (table.c) with the
+ *   nothing in the engine (v59), so calls with the prologue, or after the q/k epilogue (the
+ *   OPGRAFT_ATTN_AFTER_QKV hint), have their own key, attention.pdl_pro (-1 by the rule:
+ *   attention.pdl's value). Its H100 row (table.c) with the
  *   qkv projection's trigger row: batch-1 ITL 3.206 -> 2.905 and 3.129 -> 3.010 ms against the
  *   prologue alone, in both orders (v60); not timed on the H200.
  * - attention.trigger 1 on sm_90: the output projection launched as a programmatic dependent
