@@ -168,6 +168,16 @@ def _call_reason(impl, md, output_scale, output_block_scale, kv_cache) -> str:
     return ""
 
 
+def _current_config():
+    """vLLM's current config (set while the model is built and loaded), or None."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        return get_current_vllm_config_or_none()
+    except Exception:
+        return None
+
+
 def _build():
     """Defines the backend classes on top of the installed vLLM's (once)."""
     if _classes:
@@ -200,7 +210,8 @@ def _build():
             # With the q/k epilogue the qkv projection's kernel runs just before each decode call
             # (rope_seam): a launch hint (attention.pdl_pro). A layer the rewrite does not match gets
             # Inductor's kernels between the two, where the hint is a wait like any other.
-            self._og_flags = _lib.ATTN_AFTER_QKV if self._og_writes and rope_prologue and rope_seam.qk_switch() else 0
+            after = self._og_writes and rope_prologue and rope_seam.qk_model(_current_config())
+            self._og_flags = _lib.ATTN_AFTER_QKV if after else 0
 
         def process_weights_after_loading(self, act_dtype):
             super().process_weights_after_loading(act_dtype)
@@ -214,9 +225,7 @@ def _build():
                 block_size, sizes = 16, (1, 2, 4, 8, 16, 24, 32)  # vLLM's first capture sizes, if it has none
                 prologue = False
                 try:
-                    from vllm.config import get_current_vllm_config_or_none
-
-                    cfg = get_current_vllm_config_or_none()
+                    cfg = _current_config()
                     block_size = int(getattr(cfg.cache_config, "block_size", None) or 16) if cfg else 16
                     # a plan is per batch, and the decode graphs are captured at these batches
                     captured = getattr(cfg.compilation_config, "cudagraph_capture_sizes", None) if cfg else None

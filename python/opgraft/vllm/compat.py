@@ -102,6 +102,32 @@ def package_tag() -> str:
     return f"opgraft {__version__} (source {digest})"
 
 
+@functools.lru_cache(maxsize=4)
+def _file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def tunables_tag() -> str:
+    """What a graph-time tunable reads beside the shape and the GPU: the library (its baked rows),
+    the tune file and the OPGRAFT_TUNE_ environment, as one digest, for a compile-cache factor."""
+    from .. import _lib
+
+    h = hashlib.sha256()
+    try:
+        h.update(_file_digest(_lib.lib()._name).encode())
+    except Exception as e:  # no library: every graph-time key is 0, and says why
+        h.update(f"no library: {type(e).__name__}".encode())
+    path = os.environ.get("OPGRAFT_TUNE_FILE", "")
+    try:
+        h.update(b"\0" + (open(path, "rb").read() if path else b""))
+    except OSError:
+        h.update(b"\0unreadable " + path.encode())
+    for k in sorted(k for k in os.environ if k.startswith("OPGRAFT_TUNE_") and k != "OPGRAFT_TUNE_FILE"):
+        h.update(f"\0{k}={os.environ[k]}".encode())
+    return f"tunables {h.hexdigest()[:16]}"
+
+
 def add_compile_factor(key: str, fn) -> None:
     """Adds fn (-> str) under key to the factors of vLLM's compile-cache key: a graph traced with
     a seam's state is then never reused with another."""

@@ -145,9 +145,10 @@ def _device() -> tuple[int, str | None]:
         return 0, None
 
 
-def rows_allowed(N: int, K: int, dtype) -> int:
-    """The most rows at which a [N, K] projection gets the add + RMSNorm form on this GPU: the
-    linear op's linear.norm_rows (its rule, rows, tune file or environment), 0 without a GPU."""
+def linear_tunable(key: str, N: int, K: int, dtype) -> int:
+    """A graph-time key of the linear op (read when vLLM's graph is traced, not by the kernel) for a
+    [N, K] projection of dtype on this GPU at one row: its rule, rows, tune file or environment; 0
+    without a GPU or for another dtype."""
     import torch
 
     from .. import _lib
@@ -155,11 +156,17 @@ def rows_allowed(N: int, K: int, dtype) -> int:
     arch, gpu = _device()
     if not arch or dtype not in (torch.bfloat16, torch.float16):
         return 0
-    key = f"linear:{'bf16' if dtype == torch.bfloat16 else 'fp16'}:N{int(N)}:K{int(K)}"
+    shape = f"linear:{'bf16' if dtype == torch.bfloat16 else 'fp16'}:N{int(N)}:K{int(K)}"
     try:
-        return int(_lib.tune_get("linear.norm_rows", arch, gpu, key, 1)[0])
+        return int(_lib.tune_get(key, arch, gpu, shape, 1)[0])
     except Exception:
         return 0
+
+
+def rows_allowed(N: int, K: int, dtype) -> int:
+    """The most rows at which a [N, K] projection gets the add + RMSNorm form on this GPU: the
+    linear op's linear.norm_rows."""
+    return linear_tunable("linear.norm_rows", N, K, dtype)
 
 
 def _range_end(compile_range) -> int | None:
@@ -644,15 +651,21 @@ def _make_configure(original):
     return configure
 
 
-def qkv_rows(vllm_config) -> int:
-    """linear.norm_rows of the model's qkv projection on this GPU (this rank's [N, K]), or 0."""
+def qkv_shape(vllm_config):
+    """(N, K, dtype) of the model's qkv projection on this rank, or None."""
     try:
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         K = mc.get_hidden_size()
         N = (mc.get_num_attention_heads(pc) + 2 * mc.get_num_kv_heads(pc)) * mc.get_head_size()
-        return rows_allowed(N, K, mc.dtype)
+        return int(N), int(K), mc.dtype
     except Exception:
-        return 0
+        return None
+
+
+def qkv_rows(vllm_config) -> int:
+    """linear.norm_rows of the model's qkv projection on this GPU (this rank's [N, K]), or 0."""
+    shape = qkv_shape(vllm_config)
+    return rows_allowed(*shape) if shape else 0
 
 
 def router_rows(vllm_config) -> int:

@@ -65,7 +65,7 @@ import threading
 
 from .. import _lib, dispatch
 from . import attn_seam
-from .compat import add_compile_factor, package_tag, remove_compile_factor, restore, switch
+from .compat import add_compile_factor, package_tag, remove_compile_factor, restore, switch, tunables_tag
 
 _PATCH_ATTR = "_opgraft_original_split_graph"
 _RANGES_ATTR = "_opgraft_rope_original_set_compile_ranges"
@@ -93,9 +93,10 @@ def enabled() -> bool:
 
 
 def wanted(vllm_config) -> bool:
-    """Does this config's model get the prologue: the switch where it is set, else where the norm
-    fusion's MoE form is on (OPGRAFT_NORM_FUSION_MOE=1) for a model with experts (the pair, NOTES v46)."""
-    if qk_switch():
+    """Does this config's model get a rewrite (so its rotary embedding must be one op): the q/k
+    epilogue (qk_model), or the prologue: the switch where it is set, else where the norm fusion's
+    MoE form is on (OPGRAFT_NORM_FUSION_MOE=1) for a model with experts (the pair, NOTES v46)."""
+    if qk_model(vllm_config):
         return True
     on = switch_state()
     if on is not None:
@@ -380,11 +381,33 @@ def rewrite(gm) -> int:
 _LINEAR_OP = "opgraft::linear"
 
 
-def qk_switch() -> bool:
-    """OPGRAFT_QK_EPILOGUE=1: the q/k norm and rotary embedding go into the qkv projection's kernel
-    (its epilogue) instead of the attention kernel (off unless set: the first token is not settled,
-    bench/NOTES.md v61)."""
-    return switch("OPGRAFT_QK_EPILOGUE", dispatch._warn_once) is True
+def qk_switch() -> bool | None:
+    """OPGRAFT_QK_EPILOGUE: True (1: the q/k norm and rotary embedding go into the kernel of every
+    qkv projection the rewrite matches, instead of the attention kernel), False (0: none), None
+    (unset or malformed, which warns once: by the linear op's linear.qk_epilogue, qk_on)."""
+    return switch("OPGRAFT_QK_EPILOGUE", dispatch._warn_once)
+
+
+def qk_on(N: int, K: int, dtype) -> bool:
+    """Does a [N, K] qkv projection of dtype get the q/k epilogue: the switch where set, else the
+    linear op's linear.qk_epilogue for the shape on this GPU (its rows; 0 by the rule)."""
+    on = qk_switch()
+    if on is not None:
+        return on
+    from . import norm_seam
+
+    return norm_seam.linear_tunable("linear.qk_epilogue", N, K, dtype) > 0
+
+
+def qk_model(vllm_config) -> bool:
+    """Does this config's model get the q/k epilogue (qk_on of its qkv projection on this rank)?"""
+    on = qk_switch()
+    if on is not None or vllm_config is None:
+        return bool(on)
+    from . import norm_seam
+
+    shape = norm_seam.qkv_shape(vllm_config)
+    return shape is not None and qk_on(*shape)
 
 
 def _split_parts(q, k, v_view):
@@ -427,6 +450,9 @@ def _match_qk(node, order):
     if sizes[0] % D or sizes[1] % D or sizes[1] != sizes[2]:
         return None
     x, w = lin.args[0], lin.args[1]
+    wv = _val(w)
+    if not qk_switch() and (wv is None or wv.dim() != 2 or not qk_on(wv.shape[0], wv.shape[1], wv.dtype)):
+        return None
     bias = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
     Node = type(node)
     late = [t for t in (positions, cache, qw, kw) if isinstance(t, Node) and order.get(t, len(order)) > order[lin]]
@@ -482,11 +508,12 @@ def _make_split_graph(original):
         global _fused_total, _qk_fused_total
         ops = list(splitting_ops or [])
         at_attention = any(s == _ATTN_OP or s == _ATTN_OP + ".default" for s in ops)
-        if at_attention and qk_switch():
+        n = 0
+        if at_attention and qk_switch() is not False:  # by each projection's shape where unset
             n = _apply(rewrite_qk, graph, "q/k epilogue")
             with _lock:
                 _qk_fused_total += n
-        elif at_attention and _graph_wanted(graph):
+        if at_attention and not n and _graph_wanted(graph):
             n = _apply(rewrite, graph, "attention prologue")
             with _lock:
                 _fused_total += n
@@ -510,9 +537,15 @@ def _make_set_compile_ranges(original):
 
 
 def _compile_factor() -> str:
-    form = "q/k epilogue" if qk_switch() else \
-        f"attention prologue {({True: 'on', False: 'off', None: 'with the MoE norm form'})[switch_state()]}"
-    return f"{package_tag()}, {form}"
+    """The switches, and where the q/k epilogue is decided by shape, what that decision reads (a
+    graph traced with one answer must not be reused with another)."""
+    from . import norm_seam
+
+    qk = qk_switch()
+    arch, gpu = norm_seam._device()
+    epilogue = {True: "on", False: "off", None: f"by linear.qk_epilogue on {gpu} sm_{arch}, {tunables_tag()}"}[qk]
+    prologue = {True: "on", False: "off", None: "with the MoE norm form"}[switch_state()]
+    return f"{package_tag()}, q/k epilogue {epilogue}, attention prologue {prologue}"
 
 
 def _backends():
@@ -548,7 +581,9 @@ def install() -> tuple[bool, str]:
         return True, "attention prologue seam installed (q/k norm and rotary embedding in the qkv projection's kernel)"
     return True, ("attention prologue seam installed (q/k norm and rotary embedding in the attention kernel, "
                   + ("every model)" if switch_state() else "with the MoE norm form)" if norm_seam.moe_enabled()
-                     else "with the MoE norm form, off)"))
+                     else "with the MoE norm form, off)")
+                  + ("; in the qkv projection's kernel instead where linear.qk_epilogue is on" if qk_switch() is None
+                     else ""))
 
 
 def uninstall() -> None:

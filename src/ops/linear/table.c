@@ -7,7 +7,9 @@
  * gives a value; the last field is what `opgraft tune` tries (config.c clamps what would not fit).
  * linear.max_rows is a hand-back threshold, not a speed choice the tuner makes; linear.norm_rows
  * (the most rows at which vLLM's graph gets the add + RMSNorm form, opgraft/vllm/norm_seam.py)
- * is read when the graph is compiled, not by the kernel. */
+ * and linear.qk_epilogue (1: vLLM's graph gives the qkv projection of this shape the q/k norm and
+ * rotary embedding, opgraft/vllm/rope_seam.py; OPGRAFT_QK_EPILOGUE overrides it either way) are
+ * read when the graph is compiled, not by the kernel. */
 static const og_tunable tunables[] = {
     {"linear.max_rows", 0, OG_LINEAR_MAX_ROWS, 1, NULL},
     {"linear.warps", 1, 16, 8, "2 4 8 16"},
@@ -19,6 +21,7 @@ static const og_tunable tunables[] = {
     {"linear.pdl", 0, 2, 0, "0 1 2"},
     {"linear.trigger", 0, 1, 0, NULL}, /* its effect is on the next kernel: not an op-level tune */
     {"linear.norm_rows", 0, OG_LINEAR_MAX_ROWS, 0, NULL},
+    {"linear.qk_epilogue", 0, 1, 0, NULL},
 };
 
 /* A placeholder row keeps the array non-empty for the compiler; nrows below excludes it. */

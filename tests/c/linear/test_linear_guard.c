@@ -543,6 +543,25 @@ static void test_config_clamps(void **state) {
     opgraft__linear_config(&q, 90, h100, &h);
     assert_int_equal(h.trigger, 0);
   }
+  /* linear.qk_epilogue (read when vLLM's graph is traced): 0 where no row says otherwise; the
+   * environment sets it, within 0..1. */
+  {
+    int64_t v = -1;
+    char src[64];
+    opgraft_tune_query k = {"linear.qk_epilogue", 90, "NVIDIA H200", "linear:bf16:N5120:K2048", 1};
+    assert_int_equal(opgraft_tune_get(&k, &v, src, sizeof src), OPGRAFT_OK);
+    assert_int_equal(v, 0);
+    setenv("OPGRAFT_TUNE_LINEAR_QK_EPILOGUE", "1", 1);
+    opgraft_tune_reload();
+    assert_int_equal(opgraft_tune_get(&k, &v, src, sizeof src), OPGRAFT_OK);
+    assert_int_equal(v, 1);
+    setenv("OPGRAFT_TUNE_LINEAR_QK_EPILOGUE", "2", 1); /* out of range: ignored */
+    opgraft_tune_reload();
+    assert_int_equal(opgraft_tune_get(&k, &v, src, sizeof src), OPGRAFT_OK);
+    assert_int_equal(v, 0);
+    unsetenv("OPGRAFT_TUNE_LINEAR_QK_EPILOGUE");
+    opgraft_tune_reload();
+  }
   /* A warp never gets more steps in flight than it has: K=64 is 2 k-steps, 16 warps. */
   c = config_of(1, 5120, 64, 90);
   assert_int_equal(c.unroll, 1);

@@ -492,9 +492,10 @@ def qk_graph_inputs(gm, ex, seed):
 
 
 @pytest.mark.parametrize("norm,bias", [(True, False), (False, True)])
-def test_the_qk_rewrite_gives_the_norm_and_rotation_to_the_projection(cfg, layers, norm, bias):
+def test_the_qk_rewrite_gives_the_norm_and_rotation_to_the_projection(cfg, layers, norm, bias, monkeypatch):
     from opgraft.ops import linear as _linear  # noqa: F401  (registers opgraft::linear and linear_qk)
 
+    monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "1")
     gm, ex = qk_trace(cfg, qwen3_attention_from_x(layers, norm, bias))
     before = copy.deepcopy(gm)
     assert "opgraft.linear.default" in targets(gm) or "opgraft.linear" in targets(gm)
@@ -524,10 +525,76 @@ def test_the_qk_rewrite_gives_the_norm_and_rotation_to_the_projection(cfg, layer
         assert err < 2 ** -7, err
 
 
-def test_the_qk_rewrite_leaves_a_rotated_key_used_elsewhere(cfg, layers):
+def test_the_qk_rewrite_leaves_a_rotated_key_used_elsewhere(cfg, layers, monkeypatch):
+    monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "1")
     gm, _ = qk_trace(cfg, qwen3_attention_from_x(layers, extra_k_use=True))
     assert rope_seam.rewrite_qk(gm) == 0
     assert "_C.rotary_embedding" in targets(gm)
+
+
+def test_unset_the_qk_rewrite_follows_linear_qk_epilogue_by_shape(cfg, layers, monkeypatch):
+    """OPGRAFT_QK_EPILOGUE unset: each projection as the linear op's linear.qk_epilogue says for its
+    [N, K] and dtype on this GPU (asked here of a stand-in: without a GPU every key is 0); 0 forces
+    none, whatever the key says."""
+    from opgraft.vllm import norm_seam
+
+    asked = []
+
+    def tunable(key, N, K, dtype):
+        asked.append((key, N, K, dtype))
+        return int(N == (HQ + 2 * HK) * D and K == 72)
+
+    monkeypatch.setattr(norm_seam, "linear_tunable", tunable)
+    monkeypatch.delenv("OPGRAFT_QK_EPILOGUE", raising=False)
+    gm, _ = qk_trace(cfg, qwen3_attention_from_x(layers))
+    assert rope_seam.rewrite_qk(copy.deepcopy(gm)) == 1
+    assert asked == [("linear.qk_epilogue", (HQ + 2 * HK) * D, 72, torch.bfloat16)]
+    monkeypatch.setattr(norm_seam, "linear_tunable", lambda *a: 0)
+    assert rope_seam.rewrite_qk(copy.deepcopy(gm)) == 0
+    monkeypatch.setattr(norm_seam, "linear_tunable", tunable)
+    monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "0")
+    assert rope_seam.rewrite_qk(copy.deepcopy(gm)) == 0
+
+
+def test_qk_model_asks_for_the_ranks_qkv_shape(monkeypatch):
+    from types import SimpleNamespace
+
+    from opgraft.vllm import norm_seam
+
+    mc = SimpleNamespace(get_hidden_size=lambda: 2048, get_num_attention_heads=lambda pc: 32 // pc.tp,
+                         get_num_kv_heads=lambda pc: 4 // pc.tp, get_head_size=lambda: 128, dtype=torch.bfloat16)
+    config = SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tp=2))
+    seen = []
+    monkeypatch.setattr(norm_seam, "linear_tunable", lambda key, N, K, dt: seen.append((key, N, K, dt)) or 1)
+    monkeypatch.delenv("OPGRAFT_QK_EPILOGUE", raising=False)
+    assert rope_seam.qk_model(config) and seen == [("linear.qk_epilogue", (16 + 2 * 2) * 128, 2048, torch.bfloat16)]
+    assert not rope_seam.qk_model(None) and not rope_seam.qk_model(SimpleNamespace())
+    monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "0")
+    assert not rope_seam.qk_model(config)
+    monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "1")
+    assert rope_seam.qk_model(None)
+
+
+def test_the_compile_factor_follows_what_decides_the_epilogue(monkeypatch, tmp_path):
+    """A graph traced with one decision must not be reused with another: the factor changes with the
+    switch, and where it is unset, with the tune file's bytes and the OPGRAFT_TUNE_ environment."""
+    monkeypatch.delenv("OPGRAFT_QK_EPILOGUE", raising=False)
+    monkeypatch.delenv("OPGRAFT_TUNE_FILE", raising=False)
+    seen = [rope_seam._compile_factor()]
+    f = tmp_path / "tune.json"
+    f.write_text('{"version": 1, "entries": []}')
+    monkeypatch.setenv("OPGRAFT_TUNE_FILE", str(f))
+    seen.append(rope_seam._compile_factor())
+    f.write_text('{"version": 1, "entries": [{"values": {"linear.qk_epilogue": 1}}]}')
+    seen.append(rope_seam._compile_factor())
+    monkeypatch.setenv("OPGRAFT_TUNE_LINEAR_QK_EPILOGUE", "1")
+    seen.append(rope_seam._compile_factor())
+    monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "1")
+    seen.append(rope_seam._compile_factor())
+    monkeypatch.setenv("OPGRAFT_QK_EPILOGUE", "0")
+    seen.append(rope_seam._compile_factor())
+    assert len(set(seen)) == len(seen), seen
+    assert rope_seam._compile_factor() == seen[-1]
 
 
 def test_the_qk_op_on_the_cpu_is_the_c_oracle():
