@@ -297,8 +297,9 @@ def prepare(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtyp
     CUDA-graph capture sizes: a plan is per batch) and reserves the workspace, so that a call under
     CUDA graph capture only makes its plan. update: the variant that writes the call's new keys
     and values; qk_norm, rope_style: with update, the variant that normalizes and rotates the query
-    and the new key first; flags: the calls' hints (_lib.ATTN_AFTER_QKV). (True, "") or (False, why the layer's calls will be handed back), from
-    batch 1; a larger batch the guard refuses is simply not prepared."""
+    and the new key first; flags: the calls' hints (_lib.ATTN_AFTER_QKV). (True, "") or (False, why
+    the layer's calls will be handed back), from batch 1; a larger batch the guard refuses is simply
+    not prepared."""
     ok, why = True, ""
     for b in sorted({1, *batches}):
         took, reason = _prepare_one(num_heads, num_kv_heads, head_size, dtype, device, softcap, window_left,

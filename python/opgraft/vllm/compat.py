@@ -120,7 +120,9 @@ def tunables_tag() -> str:
         h.update(f"no library: {type(e).__name__}".encode())
     path = os.environ.get("OPGRAFT_TUNE_FILE", "")
     try:
-        h.update(b"\0" + (open(path, "rb").read() if path else b""))
+        if path:
+            with open(path, "rb") as f:
+                h.update(b"\0" + f.read())
     except OSError:
         h.update(b"\0unreadable " + path.encode())
     for k in sorted(k for k in os.environ if k.startswith("OPGRAFT_TUNE_") and k != "OPGRAFT_TUNE_FILE"):
