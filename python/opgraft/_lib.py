@@ -343,8 +343,8 @@ _log_cb = None
 
 def _candidates() -> list[str]:
     env = os.environ.get("OPGRAFT_LIBRARY")
-    if env:
-        return [env]
+    if env:  # a file; absolute, so that the loaded library's _name stays its path (compat.tunables_tag)
+        return [os.path.abspath(env) if os.sep in env else env]
     here = os.path.dirname(os.path.abspath(__file__))
     found = sorted(glob.glob(os.path.join(here, "libopgraft.so*")))
     # A source checkout: the library built by `make` / cmake into build/.
