@@ -171,11 +171,13 @@ OPGRAFT_EXTERN int32_t opgraft_attention_plan_run_args(const opgraft_attention_p
                                                        const opgraft_attention_args *args, void *workspace,
                                                        void *stream);
 
-/* ABI 13: the q/k RMSNorm and rotary embedding of ABI 11 alone, out of place, on args->batch token
- * rows (a prefill's, or any the decode kernel does not take), with the same bits as the kernel's:
- * row t's query heads q[t] (q_stride[0..1]: [rows, num_heads, head_size]) go to out[t]
- * (out_stride[0..1]), its key heads k_new[t] (k_new_stride: [rows, num_kv_heads, head_size]) to
- * k_out[t] (k_out_stride), each head normalized and rotated by positions[t] as ABI 11 says. Reads
+/* ABI 13: the q/k RMSNorm and rotary embedding of ABI 11 alone on args->batch token rows (a
+ * prefill's, or any the decode kernel does not take), with the same bits as the kernel's: row t's
+ * query heads q[t] (q_stride[0..1]: [rows, num_heads, head_size]) go to out[t] (out_stride[0..1]),
+ * its key heads k_new[t] (k_new_stride: [rows, num_kv_heads, head_size]) to k_out[t]
+ * (k_out_stride), each head normalized and rotated by positions[t] as ABI 11 says. out may be q
+ * itself and k_out k_new itself (the same pointer and strides: in place); any other overlap of an
+ * output with an input is undefined. Reads
  * only dtype, batch, the heads, head_size, those tensors and the norm and rotary fields (at least
  * one of the two); the cache fields are ignored. Needs sm_80 or newer; no host synchronisation or
  * allocation once the kernel is compiled (its first call per layout compiles it). */

@@ -901,7 +901,9 @@ extern "C" __global__ void __launch_bounds__(OG_NT, OG_MIN_BLOCKS)
 // time, so a head's pieces sit in D/8 consecutive lanes and a thread's dims never change (the
 // block is a multiple of D/8 threads); OG_QK_UNROLL pieces a thread are loaded before any is
 // computed (one round trip for up to 1024 pieces, e.g. Qwen3-30B-A3B's 576). Lanes past the end
-// load zeros for the shuffles and store nothing; warps wholly past it skip the piece. Launch
+// load zeros for the shuffles and store nothing; warps wholly past it skip the piece. Loads are
+// coherent, not read-only (.nc), so that out may be q and k_out k_new (in place): a piece is
+// loaded and stored by one lane, its head's lanes meeting only in shuffles between. Launch
 // bounds with a minimum of one block: with the thread count alone ptxas held the fp16 NeoX form
 // to 64 registers and spilled (54-72 without a cap: 3-4 blocks an SM, 12-16 KB in flight each).
 #define OG_QK_THREADS OG_ATTN_QK_THREADS
@@ -920,7 +922,7 @@ extern "C" __global__ void __launch_bounds__(OG_QK_THREADS, 1) OG_SUFFIX(attenti
     for (int r = 0; r < OG_QK_UNROLL; ++r) {
       const int i = base + r * OG_QK_THREADS, h = i / (OG_D / 8), d = (i % (OG_D / 8)) * 8;
       const bool isq = h < hq;
-      v[r] = i < total ? og_load_activation<false>((const og_u16 *)(isq ? p.q : p.k_new) + row(h, isq) + d)
+      v[r] = i < total ? og_load_activation<true>((const og_u16 *)(isq ? p.q : p.k_new) + row(h, isq) + d)
                        : og_zero4();
     }
 #pragma unroll

@@ -308,19 +308,25 @@ def _run_alone(c: dict, device) -> dict:
     if T > 2:
         pro.positions[0], pro.positions[1] = -1, 4096  # not rotated (the kernel's rule)
     res = dict(c)
+    inplace = qkv.clone()  # the same call in place, as opgraft::linear_qk's hand-back runs it
+    qi, ki = inplace[:, :Hq * D].view(T, Hq, D), inplace[:, Hq * D:(Hq + Hk) * D].view(T, Hk, D)
     try:
         qo, ko = ops.qk_prologue(q, k, pro)
         q2, k2 = ops.qk_prologue(q, k, pro)
+        ops.qk_prologue(qi, ki, pro, in_place=True)
     except Exception as e:
         return dict(res, supported=False, reason=str(e)[:200], passed=False)
     torch.cuda.synchronize()
+    in_place = torch.equal(qi, qo) and torch.equal(ki, ko) and torch.equal(inplace[:, (Hq + Hk) * D:],
+                                                                            qkv[:, (Hq + Hk) * D:])
     qt, kt = attn_bench.qk_prologue_torch(q, pro.q_norm_weight, pro), attn_bench.qk_prologue_torch(k, pro.k_norm_weight, pro)
     close = bench.heads_within_two_steps(qo, qt) and bench.heads_within_two_steps(ko, kt)
     det = torch.equal(qo, q2) and torch.equal(ko, k2)
     err = max(bench.rel_err(qo, qt), bench.rel_err(ko, kt))
     untouched = torch.equal(qkv, before)
     res.update(supported=True, rel_err=err, within_two_steps=close, deterministic=det, input_untouched=untouched,
-               passed=bool(close and det and untouched and err <= bench.TOLERANCE[c["dtype"]]))
+               in_place_bits=in_place,
+               passed=bool(close and det and untouched and in_place and err <= bench.TOLERANCE[c["dtype"]]))
     return res
 
 

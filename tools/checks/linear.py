@@ -138,6 +138,8 @@ def qk_cases() -> list[dict]:
         _qk("qk tiles 1 M=1", 1, tunables={"linear.tiles": 1}),
         _qk("qk tiles 4 (clamped to 2) M=8, pdl 2, trigger", 8,
             tunables={"linear.tiles": 4, "linear.pdl": 2, "linear.trigger": 1}),
+        _qk("qk op hand-back M=128 (a prefill: torch's product, the prologue in place)", 128, bias=True, seed=9,
+            path="op"),
     ]
 
 
@@ -445,6 +447,18 @@ def _run_qk(c: dict, device) -> dict:
         norm = (r, nw, NORM_EPS, torch.empty_like(x))
         plain_norm = (r, nw, NORM_EPS, torch.empty_like(x))
     res = {k: v for k, v in c.items()}
+    if c["path"] == "op":  # the op above linear.max_rows: torch's product, then the prologue in place in it
+        args = (x, w, b, pos, cs, qnw, knw, 1e-6, D, hq, hqk - hq, c["rope"])
+        out, again = torch.ops.opgraft.linear_qk(*args), torch.ops.opgraft.linear_qk(*args)
+        plain = torch.nn.functional.linear(x, w, b)
+        qn, kn = attn.qk_prologue(plain[:, :hq * D].view(M, hq, D), plain[:, hq * D:hqk * D].view(M, hqk - hq, D), pro)
+        want = torch.cat((qn.reshape(M, -1), kn.reshape(M, -1), plain[:, hqk * D:]), dim=-1)
+        torch.cuda.synchronize()
+        res.update(prologue_bits=bool(torch.equal(out, want)), deterministic=bool(torch.equal(out, again)),
+                   values_untouched=bool(torch.equal(out[:, hqk * D:], plain[:, hqk * D:])), oracle_ok=True,
+                   rel_err=bench.rel_err(out, want.double()))
+        res["passed"] = res["prologue_bits"] and res["deterministic"] and res["values_untouched"]
+        return res
     out = torch.full((M, N), float("nan"), dtype=dt, device=device)
     ops.linear_qk_into(out, x, w, b, D, hq, hqk, pro, norm=norm)
     # the plain product at the epilogue plan's warp count (its clusters take 4 warps or fewer), so

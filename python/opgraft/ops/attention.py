@@ -428,11 +428,13 @@ def run(plan: Plan, out, query, key_cache, value_cache, block_table, seq_lens, s
     return out
 
 
-def qk_prologue(query: torch.Tensor, key: torch.Tensor, pro: QKPrologue) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_prologue(query: torch.Tensor, key: torch.Tensor, pro: QKPrologue,
+                in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The prologue alone (the library's opgraft_attention_prologue_run): query [rows, heads, D] and
     key [rows, kv_heads, D] normalized and rotated as the decode kernel does it, row r at position
-    pro.positions[r], into new contiguous tensors. For the rows the decode kernel does not take (a
-    prefill's). Raises OpgraftError where the library refuses the call (the message says why)."""
+    pro.positions[r], into new contiguous tensors, or with in_place into query and key themselves
+    (returned). For the rows the decode kernel does not take (a prefill's). Raises OpgraftError
+    where the library refuses the call (the message says why)."""
     rows, dev = query.shape[0], query.device
     if (query.dim() != 3 or key.dim() != 3 or key.shape[0] != rows or key.shape[2] != query.shape[2]
             or key.dtype != query.dtype or key.device != dev or not _pro_consistent(pro, query, key, rows, dev)):
@@ -441,8 +443,11 @@ def qk_prologue(query: torch.Tensor, key: torch.Tensor, pro: QKPrologue) -> tupl
         raise _lib.OpgraftError(_lib.EUNSUPPORTED, "tensors are not on a CUDA device")
     if key.stride(2) != 1:  # the struct has no key dims' stride; the guard checks the query's
         raise _lib.OpgraftError(_lib.EUNSUPPORTED, "a key head's dims are not contiguous")
-    q_out, k_out = torch.empty_like(query, memory_format=torch.contiguous_format), torch.empty_like(
-        key, memory_format=torch.contiguous_format)
+    if in_place:
+        q_out, k_out = query, key
+    else:
+        q_out, k_out = torch.empty_like(query, memory_format=torch.contiguous_format), torch.empty_like(
+            key, memory_format=torch.contiguous_format)
     a, ko = prologue_args(query, key, q_out, k_out, pro)
     _lib.check(_lib.lib().opgraft_attention_prologue_run(ctypes.byref(a), k_out.data_ptr(), ko, current_stream(dev)))
     return q_out, k_out

@@ -487,8 +487,9 @@ def linear_qk(x, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_w
               q_heads: int, kv_heads: int, rope_style: int) -> torch.Tensor:
     """A qkv projection (q_heads query, kv_heads key and kv_heads value heads of head_size) with its
     query and key heads normalized and rotated: our kernel with the q/k epilogue for 1..8 rows where
-    it takes the call; otherwise the linear op, then the prologue alone (our kernel, ABI 13, or
-    qk_reference) on its q and k, and the three parts joined. Counted as the linear op's decisions."""
+    it takes the call; otherwise the linear op, then the prologue alone on its q and k (our kernel,
+    ABI 13, in place in the projection's output; or qk_reference, and the three parts joined).
+    Counted as the linear op's decisions."""
     from .attention import QKPrologue, qk_prologue
 
     if x.dim() != 2:
@@ -510,14 +511,13 @@ def linear_qk(x, weight, bias, positions, cos_sin_cache, q_norm_weight, k_norm_w
     y = linear_or_torch(x, weight, bias)
     T = y.shape[0]
     q, k = y[:, :q_heads * D].view(T, q_heads, D), y[:, q_heads * D:hqk * D].view(T, kv_heads, D)
-    qn = kn = None
     if y.is_cuda:
         try:
-            qn, kn = qk_prologue(q, k, pro)
+            qk_prologue(q, k, pro, in_place=True)  # y is this call's own: no copy of q|k|v
+            return y
         except _lib.OpgraftError:
             pass
-    if qn is None:
-        qn, kn = qk_reference(q, k, pro, D)
+    qn, kn = qk_reference(q, k, pro, D)
     return torch.cat((qn.reshape(T, -1), kn.reshape(T, -1), y[:, hqk * D:]), dim=-1)
 
 
