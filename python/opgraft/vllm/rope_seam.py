@@ -544,8 +544,11 @@ def _compile_factor() -> str:
     from . import norm_seam
 
     qk = qk_switch()
-    arch, gpu = norm_seam._device()
-    epilogue = {True: "on", False: "off", None: f"by linear.qk_epilogue on {gpu} sm_{arch}, {tunables_tag()}"}[qk]
+    if qk is None:  # only then does the decision read the GPU and the tunables
+        arch, gpu = norm_seam._device()
+        epilogue = f"by linear.qk_epilogue on {gpu} sm_{arch}, {tunables_tag()}"
+    else:
+        epilogue = "on" if qk else "off"
     prologue = {True: "on", False: "off", None: "with the MoE norm form"}[switch_state()]
     return f"{package_tag()}, q/k epilogue {epilogue}, attention prologue {prologue}"
 
