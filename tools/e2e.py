@@ -569,6 +569,36 @@ def short_names(table: dict, width: int = 160) -> dict:
 RUNNER_SCOPE = "gpu_model_runner: "  # vLLM's record_function scopes of a model-runner step
 
 
+# Which op of a decode step a kernel serves, by its name: the first pattern that matches. Ours and
+# vLLM's (FA3, cuBLAS's nvjet GEMMs and split-K, the Triton / CUDA MoE kernels, Inductor's norms).
+# Inductor names its other fused kernels only by number (stock's q/k norm and rotary among them):
+# those count as "inductor", not guessed.
+OP_PATTERNS = (
+    ("norms", re.compile(r"rms_norm")),  # before "moe": Inductor's add + norm ahead of the MoE is "..._moe_forward_0"
+    ("attention", re.compile(r"flash::|FlashAttn|reshape_and_cache|^attention_|prepare_varlen_num_blocks")),
+    ("moe", re.compile(r"moe|topkGating|act_and_mul|count_and_sort_expert")),
+    ("projections", re.compile(r"^linear_|nvjet|splitKreduce|gemm|gemv|cutlass")),
+    ("inductor", re.compile(r"^triton_(poi|red|per)_fused_\d+$")),
+)
+
+
+def op_of(kernel: str) -> str:
+    return next((op for op, pat in OP_PATTERNS if pat.search(kernel)), "other")
+
+
+def op_times(rows: list) -> dict:
+    """{op: {"us": device time a step, "exposed": its exposed time where every kernel has one}}
+    over profile_rows' kernel rows. Our qkv projection with the norm folded in counts as a
+    projection: compare projections + norms where the norm fusion is on."""
+    out: dict = {}
+    for r in rows:
+        o = out.setdefault(op_of(r["kernel"]), {"us": 0.0, "exposed": 0.0})
+        o["us"] += r["us_per_step"]
+        if o["exposed"] is not None:
+            o["exposed"] = None if "exposed_us_per_step" not in r else o["exposed"] + r["exposed_us_per_step"]
+    return {op: {k: (None if v is None else round(v, 1)) for k, v in o.items()} for op, o in sorted(out.items())}
+
+
 def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
     """Per decode step: the kernels of `full` (prefill + `steps` decode steps) minus those of
     `prefill` (the same prefill alone), by device time, with the step's total GPU time."""
@@ -601,7 +631,7 @@ def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
                                 "ops": ops[:top], "scopes": scopes}
     out = {"steps": steps, "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
            "kernels_per_step": round(sum(r["launches_per_step"] for r in rows), 1),
-           "kernels": rows[:top], "prefill": prefill_step}
+           "ops": op_times(rows), "kernels": rows[:top], "prefill": prefill_step}
     if exposed:  # the GPU's busy span a step: the kernels' sum less their overlaps
         out["busy_us_per_step"] = round(sum(exposed.values()), 1)
     return out
@@ -1018,6 +1048,10 @@ def compare(out_dir: str, modes=None) -> dict:
             for k in prof["kernels"][:8]:
                 exp = f" ({k['exposed_us_per_step']:.1f} exposed)" if "exposed_us_per_step" in k else ""
                 print(f"    {k['us_per_step']:9.1f} us{exp}  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
+            ops = prof.get("ops") or op_times(prof["kernels"])  # older results: from their top kernels
+            print(f"ops {m} B={key} (us a step, exposed): " + ", ".join(
+                f"{op} {o['us']:.1f}" + ("" if o["exposed"] is None else f" ({o['exposed']:.1f})")
+                for op, o in sorted(ops.items(), key=lambda kv: -kv[1]["us"])))
             pre = prof.get("prefill")
             ps = prof.get("prefill_steps") or {}
             if pre:

@@ -1016,3 +1016,30 @@ def test_compare_prints_the_host_beside_the_reps(tmp_path, capsys):
     (tmp_path / "e2e-opgraft.json").write_text(json.dumps(r))
     e2e.compare(str(tmp_path))
     assert "host opgraft B=1: quiet after 1.0 s; busy cores a rep 1.1..5.2; ITL a rep 3.50 3.10 3.00" in capsys.readouterr().out
+
+
+def test_kernels_group_into_the_ops_of_a_step_by_name():
+    names = {
+        "triton_red_fused_fused_add_rms_norm_moe_forward_0": "norms",
+        "void cutlass::device_kernel<flash::FlashAttnFwdCombine<cute::tuple<": "attention",
+        "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16": "attention",
+        "attention_decode_bf16": "attention",
+        "fused_moe_kernel": "moe", "moe_gate_up_bf16": "moe",
+        "void vllm::moe::topkGating<8, 128, 4, 16, 32, int": "moe",
+        "void vllm::act_and_mul_kernel<c10::BFloat16": "moe",
+        "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT": "projections",
+        "void cublasLt::splitKreduce_kernel<32, 16, int": "projections",
+        "linear_norm_gemv_qk_bf16": "projections",
+        "triton_poi_fused_3": "inductor", "triton_red_fused_2": "inductor",
+        "Memcpy HtoD (Pinned -> Device)": "other", "_compute_slot_mapping_kernel": "other",
+    }
+    assert {n: e2e.op_of(n) for n in names} == names
+    rows = [{"kernel": "moe_down_bf16", "us_per_step": 10.0, "exposed_us_per_step": 8.0},
+            {"kernel": "fused_moe_kernel", "us_per_step": 5.0, "exposed_us_per_step": 5.0},
+            {"kernel": "attention_decode_bf16", "us_per_step": 4.0, "exposed_us_per_step": 1.5},
+            {"kernel": "nvjet_x", "us_per_step": 3.0}]  # no exposed time: the op's is unknown
+    assert e2e.op_times(rows) == {"attention": {"us": 4.0, "exposed": 1.5}, "moe": {"us": 15.0, "exposed": 13.0},
+                                  "projections": {"us": 3.0, "exposed": None}}
+    full = {"kernels": {"attention_decode_bf16": [96, 600.0], "linear_gemv_bf16": [48, 400.0]}}
+    assert e2e.profile_rows({"kernels": {}}, full, steps=2)["ops"] == {
+        "attention": {"us": 300.0, "exposed": None}, "projections": {"us": 200.0, "exposed": None}}
