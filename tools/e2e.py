@@ -47,7 +47,8 @@ With --profile-steps N, a torch profiler in the worker records the GPU's kernels
 alone and during the same prefill plus N decode steps; the difference is the GPU time of one decode
 step, kernel by kernel (CUDA-graph replays included), to set against the ITL, with each kernel's
 exposed time (the part of its span that no kernel started before it covers: under programmatic
-dependent launch a kernel's own span includes its wait), whose sum is the GPU's busy span a step;
+dependent launch a kernel's own span includes its wait), whose sum is the GPU's busy span a step,
+and both summed by op (`ops`: the kernel's name decides, OP_PATTERNS);
 the prefill's own kernels are kept too, to set against the one-token run (whose phases, from vLLM's
 per-request stats, are kept for every rep: front end, queue, the engine core's prefill step), and
 with --profile-host the worker's host ops during that prefill (self CPU time, op by op), for a
