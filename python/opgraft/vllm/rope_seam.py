@@ -45,16 +45,17 @@ OPGRAFT_ATTENTION_PROLOGUE=1 takes every model, 0 none. It needs the attention
 seam with its KV-cache write (OPGRAFT_ATTENTION and OPGRAFT_ATTENTION_CACHE_WRITE not 0). A factor
 (OPGRAFT_ATTENTION_PROLOGUE_SEAM) joins vLLM's compile-cache key.
 The q/k epilogue form (OPGRAFT_QK_EPILOGUE=1 every model, 0 none; unset: each projection whose
-[N, K] has the linear op's linear.qk_epilogue on this GPU, no rows yet; sm_90; bench/NOTES.md
-v61): the same wrapper first rewrites opgraft::linear(x, W, bias) -> split -> norms -> rotary into
-opgraft::linear_qk (ops/linear.py), the qkv projection whose kernel normalizes and rotates its
-query and key heads in its epilogue (kernels/linear/linear.cu, OG_QKPRO); vLLM's attention call
-stays and gets the split of that output. The op is not a splitting op: a prefill keeps it inside
-vLLM's graph pieces (the linear op, then the prologue alone, above linear.max_rows), so no eager
-host path is added; decode attention then follows the projection directly, as the early start
-needs (linear.trigger on qkv; the backend's writing layers pass the OPGRAFT_ATTN_AFTER_QKV hint, so
-attention takes attention.pdl_pro). It needs the linear seam (its op is what is matched). Where
-it rewrote nothing, the prologue form above may still apply. Its decision joins the factor.
+[N, K] has the linear op's linear.qk_epilogue on this GPU: a row for Qwen3-30B-A3B's qkv on the
+H100; sm_90; bench/NOTES.md v61, v63): the same wrapper first rewrites opgraft::linear(x, W, bias)
+-> split -> norms -> rotary into opgraft::linear_qk (ops/linear.py), the qkv projection whose
+kernel normalizes and rotates its query and key heads in its epilogue (kernels/linear/linear.cu,
+OG_QKPRO); vLLM's attention call stays and gets the split of that output. The op is not a splitting
+op: a prefill keeps it inside vLLM's graph pieces (the linear op, then the prologue alone, above
+linear.max_rows), so no eager host path is added; decode attention then follows the projection
+directly, as the early start needs (linear.trigger on qkv; the backend's writing layers pass the
+OPGRAFT_ATTN_AFTER_QKV hint, so attention takes attention.pdl_pro). It needs the linear seam (its
+op is what is matched). Where it rewrote nothing, the prologue form above may still apply. Its
+decision joins the factor.
 Remove it: delete the ("attention prologue", rope_seam) entry of the seam list in
 opgraft/vllm/__init__.py.
 """

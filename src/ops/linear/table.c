@@ -51,6 +51,9 @@ static const og_tune_entry rows[] = {
     /* Qwen3-30B-A3B's qkv lets decode attention launch as it starts; acts only where attention
      * directly follows (with the q/k prologue) and launches as a dependent (attention.pdl_pro). */
     {90, "NVIDIA H100 80GB HBM3", "linear:bf16:N5120:K2048", 1, 8, "linear.trigger", 1, "H100 2026-12-06 engine, vLLM 0.26, Qwen3-30B-A3B bf16 with the prologue: with attention.pdl_pro 2, batch-1 ITL 3.206 -> 2.905 and 3.129 -> 3.010 ms against the prologue alone (both orders); op level qkv + attention + o at batch 1 144 / 8K tokens 24.43 / 32.30 -> 19.80 / 28.46 us; alone it changes nothing (24.19 / 32.33)"},
+    /* Qwen3-30B-A3B's qkv with the q/k norm and rotary in its epilogue (rope_seam.py), with its early
+     * start by the two rows around it (linear.trigger above, attention.pdl_pro). */
+    {90, "NVIDIA H100 80GB HBM3", "linear:bf16:N5120:K2048", 0, 0, "linear.qk_epilogue", 1, "H100 2026-12-07 engine, vLLM 0.26, Qwen3-30B-A3B bf16, 128 in / 64 out, 30 reps in both orders against opgraft without it: batch-1 ITL 3.145 -> 2.957 and 3.121 -> 2.963 ms, one-token run (median) 14.6 -> 12.7 and 13.3 -> 13.0 ms, prefill GPU time x0.992 / x0.998, tokens identical; batch 8 11.197 -> 10.744 (2026-12-06)"},
     /* END TUNED ROWS */
     {0, NULL, NULL, 0, 0, NULL, 0, NULL},
 };

@@ -543,11 +543,20 @@ static void test_config_clamps(void **state) {
     opgraft__linear_config(&q, 90, h100, &h);
     assert_int_equal(h.trigger, 0);
   }
-  /* linear.qk_epilogue (read when vLLM's graph is traced): 0 where no row says otherwise; the
-   * environment sets it, within 0..1. */
+  /* linear.qk_epilogue (read when vLLM's graph is traced): 1 by the H100's row for Qwen3-30B-A3B's
+   * qkv, at any row count; 0 where no row says otherwise; the environment sets it, within 0..1. */
   {
     int64_t v = -1;
     char src[64];
+    opgraft_tune_query h = {"linear.qk_epilogue", 90, "NVIDIA H100 80GB HBM3", "linear:bf16:N5120:K2048", 1};
+    assert_int_equal(opgraft_tune_get(&h, &v, src, sizeof src), OPGRAFT_OK);
+    assert_int_equal(v, 1);
+    h.tokens = 512;
+    assert_int_equal(opgraft_tune_get(&h, &v, src, sizeof src), OPGRAFT_OK);
+    assert_int_equal(v, 1);
+    h.shape = "linear:fp16:N5120:K2048";
+    assert_int_equal(opgraft_tune_get(&h, &v, src, sizeof src), OPGRAFT_OK);
+    assert_int_equal(v, 0);
     opgraft_tune_query k = {"linear.qk_epilogue", 90, "NVIDIA H200", "linear:bf16:N5120:K2048", 1};
     assert_int_equal(opgraft_tune_get(&k, &v, src, sizeof src), OPGRAFT_OK);
     assert_int_equal(v, 0);
