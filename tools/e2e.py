@@ -575,7 +575,7 @@ RUNNER_SCOPE = "gpu_model_runner: "  # vLLM's record_function scopes of a model-
 # Inductor names its other fused kernels only by number (stock's q/k norm and rotary among them):
 # those count as "inductor", not guessed.
 OP_PATTERNS = (
-    ("norms", re.compile(r"rms_norm")),  # before "moe": Inductor's add + norm ahead of the MoE is "..._moe_forward_0"
+    ("norms", re.compile(r"rms_norm")),  # before "moe": Inductor's add + norm before it is "..._moe_forward_0"
     ("attention", re.compile(r"flash::|FlashAttn|reshape_and_cache|^attention_|prepare_varlen_num_blocks")),
     ("moe", re.compile(r"moe|topkGating|act_and_mul|count_and_sort_expert")),
     ("projections", re.compile(r"^linear_|nvjet|splitKreduce|gemm|gemv|cutlass")),
@@ -598,6 +598,18 @@ def op_times(rows: list) -> dict:
         if o["exposed"] is not None:
             o["exposed"] = None if "exposed_us_per_step" not in r else o["exposed"] + r["exposed_us_per_step"]
     return {op: {k: (None if v is None else round(v, 1)) for k, v in o.items()} for op, o in sorted(out.items())}
+
+
+def op_ratios(base: dict, ops: dict) -> dict:
+    """{op: ops' time over base's} for the ops base has (op_times results): exposed time where
+    both have it, else device time; an op that `ops` no longer runs is 0."""
+    out = {}
+    for op, b in base.items():
+        o = ops.get(op, {"us": 0.0, "exposed": 0.0})
+        key = "exposed" if b["exposed"] is not None and o["exposed"] is not None else "us"
+        if b[key]:
+            out[op] = round(o[key] / b[key], 3)
+    return out
 
 
 def profile_rows(prefill: dict, full: dict, steps: int, top: int = 60) -> dict:
@@ -945,6 +957,10 @@ def compare(out_dir: str, modes=None) -> dict:
             if base and key in base.get("batches", {}):
                 bi = base["batches"][key]["itl_ms"]["median"]
                 row["itl_vs_disabled"] = br["itl_ms"]["median"] / bi
+                bp, mp = _rank0_profile(base["batches"][key]), _rank0_profile(br)
+                if m != "disabled" and bp and mp and "error" not in bp and "error" not in mp:
+                    row["ops_vs_disabled"] = op_ratios(bp.get("ops") or op_times(bp["kernels"]),
+                                                       mp.get("ops") or op_times(mp["kernels"]))
             rows.append(row)
     par = {m: parity(base, r) for m, r in runs.items() if base and m != "disabled"}
     # A labelled setting (opgraft-both) against the setting it labels (opgraft), run in the same
@@ -1053,6 +1069,11 @@ def compare(out_dir: str, modes=None) -> dict:
             print(f"ops {m} B={key} (us a step, exposed): " + ", ".join(
                 f"{op} {o['us']:.1f}" + ("" if o["exposed"] is None else f" ({o['exposed']:.1f})")
                 for op, o in sorted(ops.items(), key=lambda kv: -kv[1]["us"])))
+            vs = next((r["ops_vs_disabled"] for r in rows
+                       if r["mode"] == m and r["batch"] == int(key) and "ops_vs_disabled" in r), None)
+            if vs:
+                print(f"ops {m} vs disabled B={key} (exposed where both have it): "
+                      + ", ".join(f"{op} x{x:.3f}" for op, x in vs.items()))
             pre = prof.get("prefill")
             ps = prof.get("prefill_steps") or {}
             if pre:

@@ -1043,3 +1043,10 @@ def test_kernels_group_into_the_ops_of_a_step_by_name():
     full = {"kernels": {"attention_decode_bf16": [96, 600.0], "linear_gemv_bf16": [48, 400.0]}}
     assert e2e.profile_rows({"kernels": {}}, full, steps=2)["ops"] == {
         "attention": {"us": 300.0, "exposed": None}, "projections": {"us": 200.0, "exposed": None}}
+
+
+def test_op_ratios_take_exposed_time_where_both_sides_have_it():
+    base = {"attention": {"us": 600.0, "exposed": 600.0}, "projections": {"us": 1000.0, "exposed": None},
+            "inductor": {"us": 100.0, "exposed": 100.0}, "other": {"us": 0.0, "exposed": 0.0}}
+    ours = {"attention": {"us": 900.0, "exposed": 300.0}, "projections": {"us": 700.0, "exposed": 500.0}}
+    assert e2e.op_ratios(base, ours) == {"attention": 0.5, "projections": 0.7, "inductor": 0.0}
