@@ -600,6 +600,11 @@ def op_times(rows: list) -> dict:
     return {op: {k: (None if v is None else round(v, 1)) for k, v in o.items()} for op, o in sorted(out.items())}
 
 
+def profile_ops(prof: dict) -> dict:
+    """A profile's op_times: stored since the sums were added, else from its top kernels."""
+    return prof.get("ops") or op_times(prof["kernels"])
+
+
 def op_ratios(base: dict, ops: dict) -> dict:
     """{op: ops' time over base's} for the ops base has (op_times results): exposed time where
     both have it, else device time; an op that `ops` no longer runs is 0."""
@@ -959,8 +964,7 @@ def compare(out_dir: str, modes=None) -> dict:
                 row["itl_vs_disabled"] = br["itl_ms"]["median"] / bi
                 bp, mp = _rank0_profile(base["batches"][key]), _rank0_profile(br)
                 if m != "disabled" and bp and mp and "error" not in bp and "error" not in mp:
-                    row["ops_vs_disabled"] = op_ratios(bp.get("ops") or op_times(bp["kernels"]),
-                                                       mp.get("ops") or op_times(mp["kernels"]))
+                    row["ops_vs_disabled"] = op_ratios(profile_ops(bp), profile_ops(mp))
             rows.append(row)
     par = {m: parity(base, r) for m, r in runs.items() if base and m != "disabled"}
     # A labelled setting (opgraft-both) against the setting it labels (opgraft), run in the same
@@ -1065,7 +1069,7 @@ def compare(out_dir: str, modes=None) -> dict:
             for k in prof["kernels"][:8]:
                 exp = f" ({k['exposed_us_per_step']:.1f} exposed)" if "exposed_us_per_step" in k else ""
                 print(f"    {k['us_per_step']:9.1f} us{exp}  {k['launches_per_step']:6.1f}x  {k['kernel'][:90]}")
-            ops = prof.get("ops") or op_times(prof["kernels"])  # older results: from their top kernels
+            ops = profile_ops(prof)
             print(f"ops {m} B={key} (us a step, exposed): " + ", ".join(
                 f"{op} {o['us']:.1f}" + ("" if o["exposed"] is None else f" ({o['exposed']:.1f})")
                 for op, o in sorted(ops.items(), key=lambda kv: -kv[1]["us"])))
