@@ -972,14 +972,19 @@ def cmd_doctor(args) -> int:
         ncls, nwhy = (None, "") if noff else norm_seam._target()
         say("norm fusion", noff or ("ready: add + RMSNorm in the qkv projection's kernel, in graphs of up to "
                                     "linear.norm_rows tokens" if ncls else f"unavailable: {nwhy}"))
-        say("norm fusion, MoE", noff or ("ready: add + RMSNorm in a MoE layer's router gate, which also writes the "
-                                         "normalized rows (OPGRAFT_NORM_FUSION_MOE=1)" if norm_seam.moe_enabled()
-                                         else "off (OPGRAFT_NORM_FUSION_MOE=1 turns it on)"))
+        moe_on = norm_seam.moe_switch()
+        say("norm fusion, MoE", noff or ("off (OPGRAFT_NORM_FUSION_MOE=1 turns it on)" if moe_on is False else
+                                         "ready: add + RMSNorm in a MoE layer's router gate, which also writes the "
+                                         "normalized rows (" + ("OPGRAFT_NORM_FUSION_MOE=1)" if moe_on
+                                                                else "models with the q/k epilogue; "
+                                                                "OPGRAFT_NORM_FUSION_MOE=1 every MoE model)")))
         from .vllm import rope_seam
 
         say("attention prologue", rope_seam.disabled() or "ready: q/k RMSNorm and rotary embedding in the attention "
             "kernel (" + ("every model, OPGRAFT_ATTENTION_PROLOGUE=1)" if rope_seam.switch_state()
-                          else "with the MoE norm form)" if norm_seam.moe_enabled()
+                          else "with the MoE norm form)" if moe_on
+                          else "with the MoE norm form where no q/k epilogue takes the graph; "
+                          "OPGRAFT_NORM_FUSION_MOE=1 turns both on)" if moe_on is None
                           else "with the MoE norm form, off: OPGRAFT_NORM_FUSION_MOE=1 turns both on)"))
     print("\n".join(out))
     if args.model:

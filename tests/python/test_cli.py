@@ -447,8 +447,8 @@ def test_doctor_says_whether_the_attention_prologue_is_on(capsys, monkeypatch):
     for k in ("OPGRAFT_DISABLE", "OPGRAFT_ATTENTION", "OPGRAFT_ATTENTION_CACHE_WRITE", "OPGRAFT_ATTENTION_PROLOGUE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE", raising=False)
-    for env, want in ((None, "ready: q/k RMSNorm and rotary embedding in the attention kernel (with the MoE norm form, "
-                             "off: OPGRAFT_NORM_FUSION_MOE=1 turns both on)"),
+    for env, want in ((None, "ready: q/k RMSNorm and rotary embedding in the attention kernel (with the MoE norm form "
+                             "where no q/k epilogue takes the graph; OPGRAFT_NORM_FUSION_MOE=1 turns both on)"),
                       ("0", "attention prologue off (OPGRAFT_ATTENTION_PROLOGUE=0)"),
                       ("1", "ready: q/k RMSNorm and rotary embedding in the attention kernel (every model")):
         if env is not None:

@@ -34,10 +34,11 @@ left to vLLM. The pass's uuid (part of the pass manager's Inductor cache key) ha
 source (compat.package_tag); install() also adds a factor (OPGRAFT_NORM_FUSION_SEAM) to the environment factors of
 vLLM's compile cache, as the linear seam does.
 
-MoE layers (OPGRAFT_NORM_FUSION_MOE=1; off unless set. Alone it measured no faster; with the
-attention prologue, which follows it, batch-1 ITL fell 3-6% on Qwen3-30B-A3B (bench/NOTES.md v46),
-but the pair doubled a batch-1 first token under vLLM's serve capture sizes (v48), so it waits for
-that to be measured no worse than stock): the norm before
+MoE layers (OPGRAFT_NORM_FUSION_MOE=1 every MoE model, 0 none; unset: a model whose qkv projection
+gets the q/k epilogue, rope_seam.qk_model. Alone it measured no faster; with the attention prologue
+batch-1 ITL fell 3-6% but the pair doubled a batch-1 first token under vLLM's serve capture sizes
+(bench/NOTES.md v46, v48); with the epilogue, batch-1 ITL x0.974 / x0.972 in both orders, the
+first token no later, the same tokens (H100, Qwen3-30B-A3B, v64)): the norm before
 a Qwen3-MoE-style layer feeds vLLM's moe_forward(n, n, None, None, layer_name, 0) (the router
 gate runs inside the runner, eagerly, so no pass sees norm and gate together), which after
 functionalization is auto_functionalized(vllm.moe_forward.default, hidden_states=n, ...). The
@@ -320,12 +321,17 @@ def num_experts(vllm_config) -> int:
         return 0
 
 
-def moe_enabled() -> bool:
-    """Does the pass also put the add + RMSNorm before a MoE layer into the layer's router gate: only
-    with OPGRAFT_NORM_FUSION_MOE=1 (v47's default for unquantized MoE models was taken back in v48:
-    with the attention prologue that follows it, a batch-1 first token took 30-31 ms against 16-17
-    without the pair, H100, vLLM's serve capture sizes)."""
-    return moe_switch() is True
+def moe_enabled(vllm_config=None) -> bool:
+    """Does the pass also put the add + RMSNorm before a MoE layer into the layer's router gate: the
+    switch where set, else for a model that gets the q/k epilogue (the pair measured faster, v64;
+    with the attention prologue instead, a batch-1 first token doubled, v48). No config: the switch
+    alone."""
+    on = moe_switch()
+    if on is not None or vllm_config is None:
+        return bool(on)
+    from . import rope_seam
+
+    return rope_seam.installed() and rope_seam.qk_model(vllm_config)
 
 
 def moe_form_on() -> bool:
@@ -598,7 +604,7 @@ def _define_pass_class():
                          torch.ops.opgraft.linear_qk.default)
             self._fused_op = torch.ops.opgraft.add_rms_norm_linear.default
             self._fused_qk_op = torch.ops.opgraft.add_rms_norm_linear_qk.default
-            self.moe = moe_enabled() and _moe_forward() is not None
+            self.moe = moe_enabled(config) and _moe_forward() is not None
             _moe_form = self.moe and _model_takes_form(config)
             if self.moe:
                 self._moe_ops = (self._ops[0], _moe_forward())
@@ -673,7 +679,7 @@ def router_rows(vllm_config) -> int:
     experts, or the MoE form off)."""
     try:
         mc, E = vllm_config.model_config, num_experts(vllm_config)
-        return rows_allowed(E, mc.get_hidden_size(), mc.dtype) if E > 0 and moe_enabled() else 0
+        return rows_allowed(E, mc.get_hidden_size(), mc.dtype) if E > 0 and moe_enabled(vllm_config) else 0
     except Exception:
         return 0
 
@@ -703,7 +709,8 @@ def _compile_factor() -> str:
 
 
 def _moe_said() -> str:
-    return ", MoE layers too" if moe_enabled() else ""
+    on = moe_switch()
+    return ", MoE layers too" if on else "" if on is False else ", MoE layers with the q/k epilogue"
 
 
 def _add_compile_factor() -> None:
@@ -730,7 +737,7 @@ def install() -> tuple[bool, str]:
         return False, "the linear variant is passthrough (no linear op in the graph to fuse into)"
     try:
         pass_class()
-        if moe_enabled():  # registered with the seam: a graph loaded from vLLM's compile cache may call it
+        if moe_switch() is not False:  # registered with the seam: a graph loaded from vLLM's compile cache may call it
             moe_op()
     except Exception as e:
         return False, f"the fusion pass cannot be built ({type(e).__name__}: {e})"

@@ -35,8 +35,9 @@ and rotary embedding (every prefill's: the rewrite holds in every compile range)
 alone (ABI 13, one pass) where the library takes it, else vLLM's ops: a copy of q|k|v and its
 fused_qk_norm_rope cost a prefill 2-2.6% of its GPU time against Inductor's two kernels (v45).
 
-When: unset, together with the norm fusion's MoE form (OPGRAFT_NORM_FUSION_MOE=1), in graphs with
-MoE layers; so off by default. The pair measured batch-1 ITL 3-6% below opgraft without it on
+When: unset, together with the norm fusion's MoE form, in graphs with MoE layers: that form is on
+with OPGRAFT_NORM_FUSION_MOE=1 or, unset, for the models that get the q/k epilogue below, which
+then takes the graphs it rewrites; so off by default elsewhere. The pair measured batch-1 ITL 3-6% below opgraft without it on
 Qwen3-30B-A3B, either part alone no faster (the prologue alone up to 5% slower at batch 1):
 bench/NOTES.md v46; but its first token at batch 1 was twice opgraft's without it under vLLM's
 serve capture sizes (v48: the prefill's norm and rotary leave vLLM's graphs for this op, whose
@@ -98,7 +99,7 @@ def enabled() -> bool:
 def wanted(vllm_config) -> bool:
     """Does this config's model get a rewrite (so its rotary embedding must be one op): the q/k
     epilogue (qk_model), or the prologue: the switch where it is set, else where the norm fusion's
-    MoE form is on (OPGRAFT_NORM_FUSION_MOE=1) for a model with experts (the pair, NOTES v46)."""
+    MoE form is on for a model with experts (the pair, NOTES v46)."""
     if qk_model(vllm_config):
         return True
     on = switch_state()
@@ -106,7 +107,7 @@ def wanted(vllm_config) -> bool:
         return on
     from . import norm_seam
 
-    return norm_seam.num_experts(vllm_config) > 0 and norm_seam.installed() and norm_seam.moe_enabled()
+    return norm_seam.num_experts(vllm_config) > 0 and norm_seam.installed() and norm_seam.moe_enabled(vllm_config)
 
 
 def _graph_wanted(graph) -> bool:
@@ -586,8 +587,8 @@ def install() -> tuple[bool, str]:
     if qk_switch():
         return True, "attention prologue seam installed (q/k norm and rotary embedding in the qkv projection's kernel)"
     return True, ("attention prologue seam installed (q/k norm and rotary embedding in the attention kernel, "
-                  + ("every model)" if switch_state() else "with the MoE norm form)" if norm_seam.moe_enabled()
-                     else "with the MoE norm form, off)")
+                  + ("every model)" if switch_state() else {True: "with the MoE norm form)", False: "with the MoE norm form, "
+                     "off)", None: "with the MoE norm form where the q/k epilogue rewrote nothing)"}[norm_seam.moe_switch()])
                   + ("; in the qkv projection's kernel instead where linear.qk_epilogue is on" if qk_switch() is None
                      else ""))
 

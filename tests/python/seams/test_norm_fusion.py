@@ -228,16 +228,22 @@ def test_pass_uuid_is_stable_and_differs_from_the_base(cfg):
     assert a.uuid() == b.uuid() and a.uuid() != VllmInductorPass.uuid(a)
 
 
-def test_install_uninstall_and_compile_factor(clean, cfg):
+def test_install_uninstall_and_compile_factor(clean, cfg, monkeypatch):
     import vllm.envs as envs
 
+    monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE", raising=False)
     original = PostGradPassManager.__dict__["configure"]
     register()
     patched = PostGradPassManager.__dict__["configure"]
     assert patched is not original and patched._opgraft_original_configure is original
     assert norm_seam.install() == (True, "norm fusion seam already installed")
     assert PostGradPassManager.__dict__["configure"] is patched
-    assert envs.compile_factors().get(norm_seam.COMPILE_FACTOR, "").endswith("norm fusion on")
+    factor = lambda: envs.compile_factors().get(norm_seam.COMPILE_FACTOR, "")
+    assert factor().endswith("norm fusion on, MoE layers with the q/k epilogue")
+    monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "0")
+    assert factor().endswith("norm fusion on")
+    monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "1")
+    assert factor().endswith("norm fusion on, MoE layers too")
     m = PostGradPassManager()
     with set_current_vllm_config(cfg):
         m.configure(cfg)
@@ -481,7 +487,16 @@ def test_compile_ranges_get_the_router_endpoint_with_the_moe_form(clean, monkeyp
     assert endpoints() == [2, 8, 8192]
     c = ranges_config(SimpleNamespace(dtype=BF16, get_hidden_size=lambda: 2048, get_num_experts=lambda: 0))
     assert norm_seam.router_rows(c) == 0  # no experts
-    monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE")  # the default: off
+    monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE")  # the default: the models with the q/k epilogue
+    assert endpoints() == [2, 8192]  # the attention prologue seam (the epilogue's) not installed
+    from opgraft.vllm import rope_seam
+
+    qk = []
+    monkeypatch.setattr(rope_seam, "installed", lambda: True)
+    monkeypatch.setattr(rope_seam, "qk_model", lambda c: qk.append(c) or c.model_config.dtype == BF16)
+    assert endpoints() == [2, 8, 8192] and qk
+    assert norm_seam.moe_enabled(ranges_config()) and not norm_seam.moe_enabled()  # no config: the switch
+    monkeypatch.setattr(rope_seam, "qk_model", lambda c: False)
     assert endpoints() == [2, 8192]
     monkeypatch.setenv("OPGRAFT_NORM_FUSION_MOE", "1")
     rows[(128, 2048)] = 2  # the same rows as the qkv's: one endpoint
@@ -518,7 +533,7 @@ def test_doctor_reports_the_norm_fusion(clean, capsys, monkeypatch):
     assert line()[1].startswith("ready: add + RMSNorm in a MoE layer's router gate")
     assert line()[1].endswith("(OPGRAFT_NORM_FUSION_MOE=1)")
     monkeypatch.delenv("OPGRAFT_NORM_FUSION_MOE")
-    assert line()[1] == off
+    assert line()[1].endswith("(models with the q/k epilogue; OPGRAFT_NORM_FUSION_MOE=1 every MoE model)")
     monkeypatch.setenv("OPGRAFT_NORM_FUSION", "0")
     assert line() == ["norm fusion disabled by OPGRAFT_NORM_FUSION=0"] * 2
     monkeypatch.delenv("OPGRAFT_NORM_FUSION")

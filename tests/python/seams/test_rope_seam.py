@@ -307,7 +307,8 @@ class _Model:
 
 def test_by_default_with_the_moe_norm_form_on_moe_models(clean_plugin, monkeypatch):
     """Unset: installed; a model gets it where the norm fusion's MoE form is on for it
-    (OPGRAFT_NORM_FUSION_MOE=1, a model with experts), so none by default; 1: every model."""
+    (OPGRAFT_NORM_FUSION_MOE=1, a model with experts; unset, the models with the q/k epilogue, which
+    want the seam for that), so none without the epilogue by default; 1: every model."""
     from opgraft.vllm import norm_seam
 
     monkeypatch.delenv("OPGRAFT_ATTENTION_PROLOGUE", raising=False)
@@ -315,7 +316,7 @@ def test_by_default_with_the_moe_norm_form_on_moe_models(clean_plugin, monkeypat
     register()
     assert rope_seam.installed() and norm_seam.installed()
     assert "attention prologue seam installed (q/k norm and rotary embedding in the attention kernel, with the MoE " \
-           "norm form, off)" in summary()
+           "norm form where the q/k epilogue rewrote nothing)" in summary()
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))  # no model
     assert "+rotary_embedding" not in cfg.compilation_config.custom_ops and not rope_seam.wanted(cfg)
     of = lambda model: SimpleNamespace(model_config=model)
