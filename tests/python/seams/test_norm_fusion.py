@@ -503,6 +503,29 @@ def test_compile_ranges_get_the_router_endpoint_with_the_moe_form(clean, monkeyp
     assert endpoints() == [2, 8192]
 
 
+def test_unset_the_moe_form_follows_the_epilogue_rows(monkeypatch):
+    """OPGRAFT_NORM_FUSION_MOE unset, through the library's real rows (the GPU a stand-in): on for
+    Qwen3-30B-A3B where its qkv has linear.qk_epilogue 1 (the H100's row) and the epilogue's seam
+    is installed; off on the H200 (no row), for another model's qkv, and without that seam."""
+    from opgraft.vllm import rope_seam
+
+    model = Qwen3MoeModel()
+    config = SimpleNamespace(model_config=model, parallel_config=None)
+    for k in ("OPGRAFT_NORM_FUSION_MOE", "OPGRAFT_QK_EPILOGUE") + tuple(k for k in os.environ if k.startswith("OPGRAFT_TUNE")):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(rope_seam, "installed", lambda: True)
+    monkeypatch.setattr(norm_seam, "_device", lambda: (90, "NVIDIA H100 80GB HBM3"))
+    assert norm_seam.moe_enabled(config)
+    monkeypatch.setattr(norm_seam, "_device", lambda: (90, "NVIDIA H200"))
+    assert not norm_seam.moe_enabled(config)
+    monkeypatch.setattr(norm_seam, "_device", lambda: (90, "NVIDIA H100 80GB HBM3"))
+    model.get_num_kv_heads = lambda pc: 8  # another qkv shape: no row
+    assert not norm_seam.moe_enabled(config)
+    model.get_num_kv_heads = lambda pc: 4
+    monkeypatch.setattr(rope_seam, "installed", lambda: False)
+    assert not norm_seam.moe_enabled(config)
+
+
 def test_rows_allowed_asks_the_linear_op(monkeypatch):
     """Without the fixture: the linear op's linear.norm_rows for the shape on this process's GPU
     (through vLLM's platform), 0 without one or for other dtypes."""
