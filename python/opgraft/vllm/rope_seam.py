@@ -37,8 +37,8 @@ fused_qk_norm_rope cost a prefill 2-2.6% of its GPU time against Inductor's two 
 
 When: unset, together with the norm fusion's MoE form, in graphs with MoE layers: that form is on
 with OPGRAFT_NORM_FUSION_MOE=1 or, unset, for the models that get the q/k epilogue below, which
-then takes the graphs it rewrites; so off by default elsewhere. The pair measured batch-1 ITL 3-6% below opgraft without it on
-Qwen3-30B-A3B, either part alone no faster (the prologue alone up to 5% slower at batch 1):
+then takes the graphs it rewrites; so off by default elsewhere. The pair measured batch-1 ITL 3-6%
+below opgraft without it on Qwen3-30B-A3B, either part alone no faster (the prologue alone up to 5% slower at batch 1):
 bench/NOTES.md v46; but its first token at batch 1 was twice opgraft's without it under vLLM's
 serve capture sizes (v48: the prefill's norm and rotary leave vLLM's graphs for this op, whose
 host path per layer costs more than Inductor's kernels in a replayed graph).
@@ -587,8 +587,9 @@ def install() -> tuple[bool, str]:
     if qk_switch():
         return True, "attention prologue seam installed (q/k norm and rotary embedding in the qkv projection's kernel)"
     return True, ("attention prologue seam installed (q/k norm and rotary embedding in the attention kernel, "
-                  + ("every model)" if switch_state() else {True: "with the MoE norm form)", False: "with the MoE norm form, "
-                     "off)", None: "with the MoE norm form where the q/k epilogue rewrote nothing)"}[norm_seam.moe_switch()])
+                  + ("every model)" if switch_state() else
+                     {True: "with the MoE norm form)", False: "with the MoE norm form, off)",
+                      None: "with the MoE norm form where the q/k epilogue rewrote nothing)"}[norm_seam.moe_switch()])
                   + ("; in the qkv projection's kernel instead where linear.qk_epilogue is on" if qk_switch() is None
                      else ""))
 
