@@ -323,9 +323,8 @@ def num_experts(vllm_config) -> int:
 
 def moe_enabled(vllm_config=None) -> bool:
     """Does the pass also put the add + RMSNorm before a MoE layer into the layer's router gate: the
-    switch where set, else for a model that gets the q/k epilogue (the pair measured faster, v64;
-    with the attention prologue instead, a batch-1 first token doubled, v48). No config: the switch
-    alone."""
+    switch where set, else for a model that gets the q/k epilogue (why: the module's docstring).
+    No config: the switch alone."""
     on = moe_switch()
     if on is not None or vllm_config is None:
         return bool(on)
