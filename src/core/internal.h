@@ -23,6 +23,9 @@ int32_t opgraft__fail(int32_t status, const char *fmt, ...) OG_PRINTF(2, 3);
 void opgraft__log(int32_t level, const char *fmt, ...) OG_PRINTF(2, 3);
 /* Logs a warning only the first time this exact message is seen in the process. */
 void opgraft__warn_once(const char *fmt, ...) OG_PRINTF(1, 2);
+/* An environment switch read as the Python layer reads one (python/opgraft/vllm/compat.py): 0 for
+ * 0, false, no or off (any case, blanks around ignored), -1 unset or blank, 1 anything else. */
+int opgraft__env_switch(const char *name);
 /* snprintf that always terminates and never overflows; returns dst. */
 char *opgraft__copy(char *dst, size_t len, const char *src);
 /* stat, fstat and exp bound to the glibc symbol versions the wheel may need (src/core/compat.c). */

@@ -1,8 +1,10 @@
 /* Status codes, per-thread error messages and logging. */
+#include <ctype.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "internal.h"
 
@@ -74,9 +76,21 @@ static void emit(int32_t level, const char *msg) {
     fn(level, msg, ud);
     return;
   }
-  const char *debug = getenv("OPGRAFT_DEBUG");
-  if (level < OPGRAFT_LOG_WARNING && !(debug && *debug && strcmp(debug, "0") != 0)) return;
+  if (level < OPGRAFT_LOG_WARNING && opgraft__env_switch("OPGRAFT_DEBUG") != 1) return;
   fprintf(stderr, "opgraft: %s%s\n", level >= OPGRAFT_LOG_WARNING ? "warning: " : "", msg);
+}
+
+int opgraft__env_switch(const char *name) {
+  static const char *const off[] = {"0", "false", "no", "off"};
+  const char *v = getenv(name);
+  if (!v) return -1;
+  while (isspace((unsigned char)*v)) ++v;
+  size_t n = strlen(v);
+  while (n && isspace((unsigned char)v[n - 1])) --n;
+  if (!n) return -1;
+  for (size_t i = 0; i < sizeof off / sizeof *off; ++i)
+    if (strlen(off[i]) == n && strncasecmp(v, off[i], n) == 0) return 0;
+  return 1;
 }
 
 void opgraft__log(int32_t level, const char *fmt, ...) {

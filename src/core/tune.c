@@ -15,7 +15,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -68,7 +70,7 @@ static int parse_int(const char *s, int64_t *out) {
 
 /* ---- the tune file, parsed once per (path, size, mtime) ---- */
 typedef struct og_file_table {
-  char path[1024];
+  char *path; /* a copy of $OPGRAFT_TUNE_FILE as last read (any length) */
   off_t size;
   struct timespec mtime;
   og_tune_entry *rows;
@@ -89,6 +91,13 @@ static void free_rows(og_tune_entry *rows, int n) {
   free(rows);
 }
 
+/* Called with tune_lock held. */
+static void reset_file_table(void) {
+  free_rows(file_table.rows, file_table.nrows);
+  free(file_table.path);
+  memset(&file_table, 0, sizeof file_table);
+}
+
 static _Atomic uint32_t tune_gen;
 uint32_t opgraft__tune_generation(void) { return tune_gen; }
 uint32_t opgraft_tune_generation(void) { return tune_gen; }
@@ -96,8 +105,7 @@ uint32_t opgraft_tune_generation(void) { return tune_gen; }
 void opgraft_tune_reload(void) {
   pthread_mutex_lock(&tune_lock);
   tune_gen++;
-  free_rows(file_table.rows, file_table.nrows);
-  memset(&file_table, 0, sizeof file_table);
+  reset_file_table();
   pthread_mutex_unlock(&tune_lock);
 }
 
@@ -227,20 +235,16 @@ static const char *load_rows(const char *path, const og_json *root, og_tune_entr
 static void refresh_file_locked(void) {
   const char *path = getenv("OPGRAFT_TUNE_FILE");
   if (!path || !*path) {
-    if (file_table.path[0]) {
-      free_rows(file_table.rows, file_table.nrows);
-      memset(&file_table, 0, sizeof file_table);
-    }
+    if (file_table.path) reset_file_table();
     return;
   }
   struct stat sb;
   const int have = opgraft__stat(path, &sb) == 0;
-  if (have && strcmp(file_table.path, path) == 0 && file_table.size == sb.st_size &&
+  if (have && file_table.path && strcmp(file_table.path, path) == 0 && file_table.size == sb.st_size &&
       file_table.mtime.tv_sec == sb.st_mtim.tv_sec && file_table.mtime.tv_nsec == sb.st_mtim.tv_nsec)
     return;
-  free_rows(file_table.rows, file_table.nrows);
-  memset(&file_table, 0, sizeof file_table);
-  opgraft__copy(file_table.path, sizeof file_table.path, path);
+  reset_file_table();
+  if (!(file_table.path = strdup(path))) return;
   if (!have) {
     opgraft__warn_once("OPGRAFT_TUNE_FILE=%s cannot be read (%s); using the built-in table", path,
                        strerror(errno));
@@ -248,21 +252,38 @@ static void refresh_file_locked(void) {
   }
   file_table.size = sb.st_size;
   file_table.mtime = sb.st_mtim;
+  if (!S_ISREG(sb.st_mode)) {
+    opgraft__warn_once("OPGRAFT_TUNE_FILE=%s is not a regular file; using the built-in table", path);
+    return;
+  }
   if (sb.st_size > (1 << 24)) {
     opgraft__warn_once("tune file %s is larger than 16 MiB; ignoring it", path);
     return;
   }
-  FILE *f = fopen(path, "rb");
-  char *text = f ? malloc((size_t)sb.st_size + 1) : NULL;
-  const size_t got = text ? fread(text, 1, (size_t)sb.st_size, f) : 0;
-  if (f) fclose(f);
+  /* O_NONBLOCK and the type checked again on the open file: a FIFO put there since the stat must
+   * not wait for a writer while tune_lock holds every lookup. */
+  const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  struct stat fsb;
+  char *text = NULL;
+  size_t got = 0;
+  if (fd >= 0 && opgraft__fstat(fd, &fsb) == 0 && S_ISREG(fsb.st_mode) && fsb.st_size == sb.st_size &&
+      (text = malloc((size_t)sb.st_size + 1)) != NULL) {
+    while (got < (size_t)sb.st_size) {
+      const ssize_t r = read(fd, text + got, (size_t)sb.st_size - got);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) break;
+      got += (size_t)r;
+    }
+  }
+  if (fd >= 0) close(fd);
   if (!text || got != (size_t)sb.st_size) {
     free(text);
     opgraft__warn_once("tune file %s cannot be read; using the built-in table", path);
     return;
   }
   char err[256];
-  og_json *root = opgraft__json_parse(text, got, err, sizeof err);
+  const size_t bom = got >= 3 && memcmp(text, "\xEF\xBB\xBF", 3) == 0 ? 3 : 0; /* a UTF-8 byte-order mark */
+  og_json *root = opgraft__json_parse(text + bom, got - bom, err, sizeof err);
   free(text);
   if (!root) {
     opgraft__warn_once("tune file %s is not valid JSON (%s); ignoring it", path, err);

@@ -49,8 +49,7 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
  * when a shape's plan is made and by opgraft_moe_workspace_size; a plan with tracing writes only
  * into a workspace that has room for it. */
 int opgraft__moe_trace_on(void) {
-  const char *v = getenv("OPGRAFT_TRACE");
-  return v && *v && strcmp(v, "0") != 0;
+  return opgraft__env_switch("OPGRAFT_TRACE") == 1;
 }
 int64_t opgraft__moe_trace_blocks(const opgraft_moe_args *a) {
   int64_t b = a->num_tokens * a->top_k * (a->inter / 16); /* gate_up's grid is at most this */
@@ -146,8 +145,9 @@ int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_
   if (a->hidden_states_stride[1] != 1 || a->w13_stride[2] != 1 || a->w2_stride[2] != 1 ||
       a->out_stride[1] != 1 || a->topk_weights_stride[1] != 1 || a->topk_ids_stride[1] != 1)
     return OG_REASON("a tensor's last dimension is not contiguous");
-  if (a->w13_stride[1] < H || a->w13_stride[0] < 2 * I * a->w13_stride[1] || a->w2_stride[1] < I ||
-      a->w2_stride[0] < H * a->w2_stride[1])
+  /* The products below fit in int64 (H and I are bounded above; the row strides first). */
+  if (a->w13_stride[1] < H || a->w13_stride[1] > INT64_MAX / (2 * I) || a->w13_stride[0] < 2 * I * a->w13_stride[1] ||
+      a->w2_stride[1] < I || a->w2_stride[1] > INT64_MAX / H || a->w2_stride[0] < H * a->w2_stride[1])
     return OG_REASON("weight strides do not describe plain [E, 2I, H] / [E, H, I] tensors");
   if (a->w13_stride[0] % 8 || a->w13_stride[1] % 8 || a->w2_stride[0] % 8 || a->w2_stride[1] % 8 ||
       a->hidden_states_stride[0] % 8)
@@ -198,8 +198,7 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
   if (opgraft__moe_is_fp8(a)) {
     if (arch < OG_MOE_FP8_MIN_ARCH)
       return OG_REASON("FP8 weights on sm_%d: the FP8 kernels need sm_%d (mma.sync e4m3)", arch, OG_MOE_FP8_MIN_ARCH);
-    const char *off = getenv("OPGRAFT_MOE_FP8");
-    if (off && strcmp(off, "0") == 0) return OG_REASON("OPGRAFT_MOE_FP8=0 (FP8 MoE calls are handed back)");
+    if (opgraft__env_switch("OPGRAFT_MOE_FP8") == 0) return OG_REASON("OPGRAFT_MOE_FP8 is off (FP8 MoE calls are handed back)");
     if (!opgraft__tune_value("moe.fp8", arch, g, shape, (int32_t)T))
       return OG_REASON("moe.fp8 is 0 on sm_%d at T=%lld (FP8 MoE call handed back)", arch, (long long)T);
     if (opgraft__moe_quantizes_x(a) && !opgraft__tune_value("moe.fp8_quantize", arch, g, shape, (int32_t)T))
@@ -211,8 +210,7 @@ int32_t opgraft__moe_check_device(const opgraft_moe_args *a, int32_t *arch_out, 
   if (a->expert_map && !opgraft__tune_value("moe.expert_map", arch, g, shape, (int32_t)T))
     return OG_REASON("expert_map is set and moe.expert_map is 0 (expert parallelism is handed back)");
   if (opgraft__moe_routed(a)) {
-    const char *off = getenv("OPGRAFT_MOE_ROUTE");
-    if (off && strcmp(off, "0") == 0) return OG_REASON("OPGRAFT_MOE_ROUTE=0 (routing stays vLLM's)");
+    if (opgraft__env_switch("OPGRAFT_MOE_ROUTE") == 0) return OG_REASON("OPGRAFT_MOE_ROUTE is off (routing stays vLLM's)");
     if (!opgraft__tune_value("moe.route", arch, g, shape, (int32_t)T))
       return OG_REASON("moe.route is 0 on sm_%d at T=%lld (routing stays vLLM's)", arch, (long long)T);
   }

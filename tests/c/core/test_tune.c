@@ -2,6 +2,8 @@
  * and malformed sources. The MoE op's keys serve as the examples; the baked-table checks cover the
  * keys of every registered op. */
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "og_test.h"
 #include "moe/moe.h"
@@ -496,6 +498,18 @@ static void test_missing_or_unreadable_file(void **state) {
   opgraft_tune_reload();
   for (int i = 0; i < 3; ++i) assert_baked("moe.max_tokens", 90, NULL, NULL, 1);
   assert_int_equal(og_log_warnings(NULL), 1);
+  /* Nor is a FIFO, which must not wait for a writer (the alarm turns a hang into a failure). */
+  og_log_reset();
+  char fifo[1100];
+  snprintf(fifo, sizeof fifo, "%s/fifo.json", tmp);
+  assert_int_equal(mkfifo(fifo, 0600), 0);
+  setenv("OPGRAFT_TUNE_FILE", fifo, 1);
+  opgraft_tune_reload();
+  alarm(20);
+  for (int i = 0; i < 3; ++i) assert_baked("moe.max_tokens", 90, NULL, NULL, 1);
+  alarm(0);
+  assert_int_equal(og_log_warnings("not a regular file"), 1);
+  unlink(fifo);
   /* The file appearing later is picked up. */
   og_write_file(path, "{\"version\": 1, \"entries\": [{\"values\": {\"moe.max_tokens\": 29}}]}");
   setenv("OPGRAFT_TUNE_FILE", path, 1);
@@ -549,6 +563,32 @@ static void test_file_changes(void **state) {
   assert_baked("moe.max_tokens", 90, NULL, NULL, 1);
 }
 
+/* A byte-order mark before the JSON is skipped; a path of any length is read once and kept. */
+static void test_bom_and_long_path(void **state) {
+  const char *path = use_file("bom.json", "\xEF\xBB\xBF{\"version\": 1, \"entries\": [{\"values\": {\"moe.max_tokens\": 27}}]}");
+  assert_from_file("moe.max_tokens", 90, NULL, NULL, 1, 27, path);
+  char dir[2400];
+  snprintf(dir, sizeof dir, "%s", tmp);
+  for (int i = 0; i < 12; ++i) { /* a path past 1024 bytes, the old fixed copy's size */
+    const size_t n = strlen(dir);
+    snprintf(dir + n, sizeof dir - n, "/%0120d", i);
+    assert_int_equal(mkdir(dir, 0700), 0);
+  }
+  char longp[2500];
+  snprintf(longp, sizeof longp, "%s/t.json", dir);
+  assert_true(strlen(longp) > 1100);
+  og_write_file(longp, "{\"version\": 1, \"entries\": [{\"values\": {\"moe.max_tokens\": 26}}]}");
+  setenv("OPGRAFT_TUNE_FILE", longp, 1);
+  opgraft_tune_reload();
+  og_log_reset();
+  char src[2600], want[2600];
+  snprintf(want, sizeof want, "file:%s", longp);
+  for (int i = 0; i < 3; ++i) assert_int_equal(lookup("moe.max_tokens", 90, NULL, NULL, 1, src, sizeof src), 26);
+  assert_int_equal(strncmp(src, want, strlen(want)), 0); /* the whole path: the copy kept is the file read */
+  assert_int_equal(og_log_warnings(NULL), 0);
+  unsetenv("OPGRAFT_TUNE_FILE");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup(test_keys, fresh),
@@ -565,6 +605,7 @@ int main(void) {
       cmocka_unit_test_setup(test_skipped_entries_and_values, fresh),
       cmocka_unit_test_setup(test_missing_or_unreadable_file, fresh),
       cmocka_unit_test_setup(test_file_changes, fresh),
+      cmocka_unit_test_setup(test_bom_and_long_path, fresh),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

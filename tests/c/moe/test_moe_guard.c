@@ -134,6 +134,9 @@ static void m_negative_t(opgraft_moe_args *a) { a->num_tokens = -1; }
 static void m_hidden_stride2(opgraft_moe_args *a) { a->hidden_states_stride[1] = 2; }
 static void m_w13_rows_short(opgraft_moe_args *a) { a->w13_stride[1] = 2048 - 32; }
 static void m_w2_experts_short(opgraft_moe_args *a) { a->w2_stride[0] = 2048 * 768 - 8; }
+/* 2 * I * stride wraps around in int64 to a small expert stride (found by fuzzing the guard). */
+static void m_w13_stride_wraps(opgraft_moe_args *a) { a->w13_stride[1] = (int64_t)1 << 62; }
+static void m_w2_stride_wraps(opgraft_moe_args *a) { a->w2_stride[1] = (int64_t)1 << 62; }
 static void m_hidden_row_stride(opgraft_moe_args *a) { a->hidden_states_stride[0] = 2048 + 4; }
 static void m_w13_row_stride(opgraft_moe_args *a) {
   a->w13_stride[1] = 2048 + 4;
@@ -163,6 +166,8 @@ static const refusal r_negative_t = {m_negative_t, "negative token count"};
 static const refusal r_hidden_stride2 = {m_hidden_stride2, "not contiguous"};
 static const refusal r_w13_rows_short = {m_w13_rows_short, "weight strides"};
 static const refusal r_w2_experts_short = {m_w2_experts_short, "weight strides"};
+static const refusal r_w13_stride_wraps = {m_w13_stride_wraps, "weight strides"};
+static const refusal r_w2_stride_wraps = {m_w2_stride_wraps, "weight strides"};
 static const refusal r_hidden_row_stride = {m_hidden_row_stride, "multiples of 16 bytes"};
 static const refusal r_w13_row_stride = {m_w13_row_stride, "multiples of 16 bytes"};
 static const refusal r_out_rows_short = {m_out_rows_short, "smaller than the rows"};
@@ -376,8 +381,12 @@ static void test_fp8_archs_and_switches(void **state) {
   expect_refusal(&a, "moe.fp8 is 0 on sm_90 at T=3", "fp8 on sm_90 at three tokens by the rule");
   fp8_on();
   expect_ok(&a, "fp8 on sm_90 with moe.fp8=1");
+  setenv("OPGRAFT_MOE_FP8", " Off ", 1); /* read as the Python layer reads a switch */
+  expect_refusal(&a, "OPGRAFT_MOE_FP8 is off", "fp8 with OPGRAFT_MOE_FP8=' Off '");
+  setenv("OPGRAFT_MOE_FP8", "false", 1);
+  expect_refusal(&a, "OPGRAFT_MOE_FP8 is off", "fp8 with OPGRAFT_MOE_FP8=false");
   setenv("OPGRAFT_MOE_FP8", "0", 1);
-  expect_refusal(&a, "OPGRAFT_MOE_FP8=0", "fp8 with OPGRAFT_MOE_FP8=0");
+  expect_refusal(&a, "OPGRAFT_MOE_FP8 is off", "fp8 with OPGRAFT_MOE_FP8=0");
   opgraft_moe_args b = valid_args(); /* bf16 calls do not look at the FP8 switches */
   expect_ok(&b, "bf16 with OPGRAFT_MOE_FP8=0");
   setenv("OPGRAFT_MOE_FP8", "1", 1);
@@ -610,6 +619,8 @@ int main(void) {
       REFUSAL(hidden_stride2),
       REFUSAL(w13_rows_short),
       REFUSAL(w2_experts_short),
+      REFUSAL(w13_stride_wraps),
+      REFUSAL(w2_stride_wraps),
       REFUSAL(hidden_row_stride),
       REFUSAL(w13_row_stride),
       REFUSAL(out_rows_short),

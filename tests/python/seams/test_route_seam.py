@@ -234,6 +234,6 @@ def test_routed_args_and_guard_without_a_gpu():
     assert a.dtype == 0  # fp32 logits: refused as a dtype mismatch
     os.environ["OPGRAFT_MOE_ROUTE"] = "0"
     try:
-        assert reason() == "OPGRAFT_MOE_ROUTE=0 (routing stays vLLM's)"
+        assert reason() == "OPGRAFT_MOE_ROUTE is off (routing stays vLLM's)"
     finally:
         del os.environ["OPGRAFT_MOE_ROUTE"]
