@@ -384,8 +384,8 @@ def lib() -> ctypes.CDLL:
             try:
                 handle = ctypes.CDLL(path)
                 break
-            except OSError as e:
-                errors.append(f"{path}: {e}")
+            except (OSError, UnicodeError) as e:  # UnicodeError: a path or message that is not UTF-8
+                errors.append(f"{path!r}: {e}")
         if handle is None:
             raise OpgraftError(
                 ENOLIB,
@@ -393,7 +393,11 @@ def lib() -> ctypes.CDLL:
                 "in a source checkout, or set OPGRAFT_LIBRARY)" + ("; " + "; ".join(errors) if errors else ""),
             )
         for name, (res, args) in _SIGNATURES.items():
-            fn = getattr(handle, name)
+            try:
+                fn = getattr(handle, name)
+            except AttributeError:  # another library, or a libopgraft older than this package
+                raise OpgraftError(ENOLIB, f"{handle._name!r} is not the libopgraft this package needs: it lacks "
+                                           f"{name} (rebuild it, reinstall opgraft, or fix OPGRAFT_LIBRARY)") from None
             fn.restype, fn.argtypes = res, args
         for d in nvidia_library_dirs():
             handle.opgraft_add_library_dir(d.encode())

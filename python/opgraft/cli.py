@@ -425,9 +425,6 @@ def cmd_bench_linear(args) -> int:
     if not 0 <= args.between_mib <= 4096:
         print("error: --between-mib must be in 0..4096", file=sys.stderr)
         return 2
-    if any(m > 8 for m in args.rows):
-        print("error: --rows values must be in 1..8 (the kernel's limit)", file=sys.stderr)
-        return 2
     try:
         models = _linear_models(args.models, args.dtype)
     except ValueError as e:
@@ -466,12 +463,19 @@ def cmd_bench_linear(args) -> int:
 
 def _parse_ints(text: str, what: str, lo: int, hi: int) -> list[int]:
     try:
-        vals = [int(t) for t in text.split(",") if t.strip()]
+        vals = [int(t) for t in text.split(",")]  # an empty item ("1,,2", "1,") is an error too
     except ValueError:
         raise argparse.ArgumentTypeError(f"{what} takes comma-separated integers, got {text!r}") from None
     if not vals or any(v < lo or v > hi for v in vals):
         raise argparse.ArgumentTypeError(f"{what} values must be between {lo} and {hi}")
     return vals
+
+
+def _parse_names(text: str, what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:  # "," or "" would otherwise mean every name
+        raise argparse.ArgumentTypeError(f"{what} takes comma-separated names, got {text!r}")
+    return names
 
 
 def attention_args_struct(heads_q: int, heads_kv: int, head_size: int, batch: int, dtype: str, arch: int,
@@ -512,6 +516,8 @@ def _attention_points(args):
             hq, hk, d = (int(x) for x in args.model.split("/"))
         except ValueError:
             raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(ATTENTION_PRESETS)}) nor HQ/HKV/D") from None
+        if not all(0 < v <= 1 << 16 for v in (hq, hk, d)):
+            raise ValueError(f"--model {args.model!r}: HQ, HKV and D must be integers in 1..65536")
         presets[args.model] = AttnShape(args.model, hq, hk, d)
     return [(args.model, b, c) for b in args.batch for c in args.context], presets
 
@@ -902,7 +908,7 @@ def dispatch_variant(op: str) -> str:
 
 def cmd_doctor(args) -> int:
     """What opgraft would do in a vLLM process on this machine, and why."""
-    from .vllm import attn_seam, moe_seam, platform_gate
+    from .vllm import _truthy, attn_seam, moe_seam, platform_gate
 
     out = []
     say = lambda k, v: out.append(f"{k:<22} {v}")
@@ -937,7 +943,7 @@ def cmd_doctor(args) -> int:
             f"{cache or 'none'} (not usable: {why}; compiled kernels are kept in memory only)")
     except _lib.OpgraftError as e:
         say("libopgraft", f"not usable: {e}")
-    if os.environ.get("OPGRAFT_DISABLE", "").strip() not in ("", "0"):
+    if _truthy("OPGRAFT_DISABLE"):  # as register() reads it
         say("seams", "none: OPGRAFT_DISABLE is set")
     elif _pkg_version("vllm") == "not installed":
         say("seams", "none: vLLM is not installed")
@@ -1066,7 +1072,8 @@ def main(argv=None) -> int:
     bl.add_argument("--models", default=None,
                     help=f"comma-separated, from {', '.join(LINEAR_PRESETS)}; with --dtype fp8-block from "
                          f"{', '.join(LINEAR_FP8_PRESETS)} (default: all)")
-    bl.add_argument("--rows", type=_parse_tokens, default=[1, 2, 4, 8], help="row counts M (1..8)")
+    bl.add_argument("--rows", type=lambda t: _parse_ints(t, "--rows", 1, 8), default=[1, 2, 4, 8],
+                    help="row counts M (1..8)")
     bl.add_argument("--dtype", choices=["bf16", "fp16", "fp8-block"], default="bf16",
                     help="fp8-block: e4m3 weights with 128x128 fp32 block scales, bf16 x (ours alone: vLLM's FP8 "
                          "kernel is timed in the engine)")
@@ -1122,7 +1129,7 @@ def main(argv=None) -> int:
         dest="op", required=True, metavar="OP")
     def tune_common(tp, table):
         tp.add_argument("--rounds", type=int, default=2, help="rounds of the coordinate descent over the tunables")
-        tp.add_argument("--keys", type=lambda t: [k.strip() for k in t.split(",") if k.strip()], default=None,
+        tp.add_argument("--keys", type=lambda t: _parse_names(t, "--keys"), default=None,
                         help="comma-separated tunable keys to search (default: all the op's tuned keys)")
         tp.add_argument("--out", default=None, metavar="FILE",
                         help="merge the winners into this JSON tune file (default: print them)")
@@ -1153,7 +1160,7 @@ def main(argv=None) -> int:
     tl = tune_ops.add_parser("linear", help="decode projections")
     tl.add_argument("--model", choices=list(LINEAR_PRESETS), default="Qwen3-30B-A3B",
                     help="whose projections (each tuned on its own)")
-    tl.add_argument("--proj", type=lambda t: [p.strip() for p in t.split(",") if p.strip()], default=None,
+    tl.add_argument("--proj", type=lambda t: _parse_names(t, "--proj"), default=None,
                     help="comma-separated projection names of the model (default: all)")
     tl.add_argument("--rows", type=lambda t: _parse_ints(t, "--rows", 1, 8), default=[1, 8],
                     help="row counts M; each one tunes the row range around it")

@@ -399,5 +399,7 @@ def _summary_at_exit():
 
 def install_exit_summary() -> None:
     """With OPGRAFT_STATS=1, logs the counters when the process exits."""
-    if os.environ.get("OPGRAFT_STATS", "0") not in ("", "0"):
+    from .vllm.compat import OFF
+
+    if os.environ.get("OPGRAFT_STATS", "").strip().lower() not in ("", *OFF):
         atexit.register(_summary_at_exit)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass
 
 
@@ -82,8 +83,8 @@ def from_config(cfg: dict, name: str = "config") -> MoeShape:
     if missing:
         raise ConfigError(f"{name}: not a MoE config (missing {', '.join(missing)})")
     for k, v in fields.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigError(f"{name}: {k} must be a positive integer, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 1 << 31:
+            raise ConfigError(f"{name}: {k} must be a positive integer below 2^31, got {v!r}")
     if fields["top_k"] > fields["num_experts"]:
         raise ConfigError(f"{name}: num_experts_per_tok {fields['top_k']} > {fields['num_experts']} experts")
     label = (cfg.get("architectures") or [name])[0] if isinstance(cfg.get("architectures"), list) else name
@@ -96,20 +97,30 @@ def moe_layer_count(cfg: dict) -> int | None:
     """How many decoder layers are MoE layers in a Hugging Face config (None if unknown)."""
     if isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]
+    def count(v) -> bool:  # a non-negative int a model could have (bool is an int to Python)
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 16
+
     n = cfg.get("num_hidden_layers")
-    if not isinstance(n, int) or n <= 0:
+    if not count(n) or n == 0:
         return None
-    dense = set(cfg.get("mlp_only_layers") or [])
+    dense = cfg.get("mlp_only_layers") or []
     first_dense = cfg.get("first_k_dense_replace") or 0
+    if not isinstance(dense, list) or not all(count(i) for i in dense) or not count(first_dense):
+        return None
+    dense = set(dense)
     step = cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1
-    if not isinstance(step, int) or step <= 0:
+    if not count(step) or step == 0:
         step = 1
     return sum(1 for i in range(n) if i >= first_dense and i not in dense and (i + 1) % step == 0)
 
 
 def load_config(path: str) -> dict:
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: a FIFO must not wait for a writer; only a regular file is read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError(f"{path}: not a regular file")
             data = f.read(1 << 24)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
@@ -120,6 +131,8 @@ def load_config(path: str) -> dict:
                           "not a Hugging Face config.json") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply") from None
 
 
 def _preset(model: str) -> MoeShape | None:

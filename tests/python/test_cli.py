@@ -86,6 +86,26 @@ def test_bad_arguments_are_clear_errors():
     assert r.returncode == 2 and "--layers is for bf16/fp16" in r.stderr
 
 
+def test_bad_shapes_lists_and_libraries_are_clear():
+    """Each a one-line error (rc 2) or, for doctor, a line that says what is wrong: no traceback."""
+    for model in ("0/0/0", "32/8/-128", "99999999999999999999/8/128"):
+        r = run("bench", "attention", "--model", model)
+        assert r.returncode == 2 and "HQ, HKV and D must be integers in 1..65536" in r.stderr, (model, r.stderr[-300:])
+    r = run("bench", "attention", "--context", "1,,2")
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    r = run("bench", "linear", "--rows", "0")
+    assert r.returncode == 2 and "--rows values must be between 1 and 8" in r.stderr
+    r = run("tune", "moe", "--keys", ",")
+    assert r.returncode == 2 and "--keys takes comma-separated names" in r.stderr
+    libm = "/lib/x86_64-linux-gnu/libm.so.6"
+    if os.path.exists(libm):
+        r = run("doctor", env={"OPGRAFT_LIBRARY": libm})
+        assert r.returncode == 0 and "Traceback" not in r.stderr
+        assert "is not the libopgraft this package needs: it lacks opgraft_version" in r.stdout
+    r = run("doctor", env={"OPGRAFT_DISABLE": "false"})
+    assert r.returncode == 0 and "OPGRAFT_DISABLE is set" not in r.stdout
+
+
 def probe(*args):
     e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
     return subprocess.run([sys.executable, "-m", "tools.probe", *args], capture_output=True, text=True,

@@ -40,3 +40,20 @@ def test_an_unreadable_source_gives_a_key_no_cache_shares(monkeypatch):
         assert a.startswith("opgraft ") and "unreadable" in a and compat.package_tag() != a
     finally:
         compat.package_tag.cache_clear()
+
+
+def test_tunables_tag_takes_fifos_and_bytes_that_are_not_utf8(monkeypatch, tmp_path):
+    """vLLM hashes this factor while it builds its compile-cache key: a FIFO as the tune file must
+    not wait for a writer, and a value that is not UTF-8 must still change the tag (vLLM would skip
+    a factor that raises, and reuse a graph traced under other tunables)."""
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("OPGRAFT_TUNE_FILE", str(fifo))
+    with_fifo = compat.tunables_tag()
+    monkeypatch.delenv("OPGRAFT_TUNE_FILE")
+    plain = compat.tunables_tag()
+    assert with_fifo != plain
+    monkeypatch.setitem(os.environb, b"OPGRAFT_TUNE_MOE_MAX_TOKENS", b"\xff")
+    odd = compat.tunables_tag()
+    monkeypatch.setitem(os.environb, b"OPGRAFT_TUNE_MOE_MAX_TOKENS", b"\xfe")
+    assert len({plain, odd, compat.tunables_tag()}) == 3

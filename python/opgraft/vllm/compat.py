@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import stat
 import uuid
 
 # How a switch is turned off: OPGRAFT_X=0 (or false, no, off; any case, spaces ignored).
@@ -118,15 +119,17 @@ def tunables_tag() -> str:
         h.update(_file_digest(_lib.lib()._name).encode())
     except Exception as e:  # no library: every graph-time key is 0, and says why
         h.update(f"no library: {type(e).__name__}".encode())
-    path = os.environ.get("OPGRAFT_TUNE_FILE", "")
-    try:
-        if path:
-            with open(path, "rb") as f:
-                h.update(b"\0" + f.read())
-    except OSError:
-        h.update(b"\0unreadable " + path.encode())
-    for k in sorted(k for k in os.environ if k.startswith("OPGRAFT_TUNE_") and k != "OPGRAFT_TUNE_FILE"):
-        h.update(f"\0{k}={os.environ[k]}".encode())
+    # Bytes throughout: a value that is not UTF-8 must not make vLLM drop this factor from its key.
+    env = os.environb
+    path = env.get(b"OPGRAFT_TUNE_FILE", b"")
+    if path:
+        try:  # as the library reads it: a regular file only, and a FIFO must not wait for a writer
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                h.update(b"\0" + f.read() if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else b"\0not a file " + path)
+        except OSError:
+            h.update(b"\0unreadable " + path)
+    for k in sorted(k for k in env if k.startswith(b"OPGRAFT_TUNE_") and k != b"OPGRAFT_TUNE_FILE"):
+        h.update(b"\0" + k + b"=" + env[k])
     return f"tunables {h.hexdigest()[:16]}"
 
 

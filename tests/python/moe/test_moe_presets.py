@@ -96,3 +96,31 @@ def test_a_config_that_is_not_utf8_is_a_clear_error(tmp_path):
     p.write_bytes(b'{"architectures": ["X\xff\xfe"]}')
     with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xff at offset 21\)"):
         resolve(str(p))
+
+
+def test_malformed_configs_are_clear_errors(tmp_path):
+    """A FIFO, JSON nested past the parser's depth and sizes past 2^31 are errors that say so, not
+    a hang, a traceback or a size wrapped around by ctypes."""
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        resolve(str(fifo))
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200000)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        resolve(str(deep))
+    base = {"num_experts": 64, "hidden_size": 2048, "moe_intermediate_size": 1024, "num_experts_per_tok": 8}
+    with pytest.raises(ConfigError, match="hidden must be a positive integer below 2"):
+        from_config({**base, "hidden_size": 2**64 + 2048})
+
+
+def test_moe_layer_count_takes_only_counts():
+    from opgraft.presets import moe_layer_count
+
+    cfg = {"num_hidden_layers": 8, "first_k_dense_replace": 2, "mlp_only_layers": [5]}
+    assert moe_layer_count(cfg) == 5
+    for bad in ({"first_k_dense_replace": "3"}, {"mlp_only_layers": 5}, {"mlp_only_layers": [[1]]},
+                {"num_hidden_layers": 10**11}, {"num_hidden_layers": True}):
+        assert moe_layer_count({**cfg, **bad}) is None, bad
