@@ -97,6 +97,7 @@ def moe_layer_count(cfg: dict) -> int | None:
     """How many decoder layers are MoE layers in a Hugging Face config (None if unknown)."""
     if isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]
+
     def count(v) -> bool:  # a non-negative int a model could have (bool is an int to Python)
         return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 16
 

@@ -11,11 +11,11 @@
  * later one. */
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -239,7 +239,7 @@ static void refresh_file_locked(void) {
     return;
   }
   struct stat sb;
-  const int have = opgraft__stat(path, &sb) == 0;
+  const int have = opgraft__stat(path, &sb) == 0, stat_errno = errno;
   if (have && file_table.path && strcmp(file_table.path, path) == 0 && file_table.size == sb.st_size &&
       file_table.mtime.tv_sec == sb.st_mtim.tv_sec && file_table.mtime.tv_nsec == sb.st_mtim.tv_nsec)
     return;
@@ -247,7 +247,7 @@ static void refresh_file_locked(void) {
   if (!(file_table.path = strdup(path))) return;
   if (!have) {
     opgraft__warn_once("OPGRAFT_TUNE_FILE=%s cannot be read (%s); using the built-in table", path,
-                       strerror(errno));
+                       strerror(stat_errno));
     return;
   }
   file_table.size = sb.st_size;
