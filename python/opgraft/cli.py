@@ -908,7 +908,8 @@ def dispatch_variant(op: str) -> str:
 
 def cmd_doctor(args) -> int:
     """What opgraft would do in a vLLM process on this machine, and why."""
-    from .vllm import _truthy, attn_seam, moe_seam, platform_gate
+    from .vllm import attn_seam, moe_seam, platform_gate
+    from .vllm.compat import switched_on
 
     out = []
     say = lambda k, v: out.append(f"{k:<22} {v}")
@@ -943,7 +944,7 @@ def cmd_doctor(args) -> int:
             f"{cache or 'none'} (not usable: {why}; compiled kernels are kept in memory only)")
     except _lib.OpgraftError as e:
         say("libopgraft", f"not usable: {e}")
-    if _truthy("OPGRAFT_DISABLE"):  # as register() reads it
+    if switched_on("OPGRAFT_DISABLE"):  # as register() reads it
         say("seams", "none: OPGRAFT_DISABLE is set")
     elif _pkg_version("vllm") == "not installed":
         say("seams", "none: vLLM is not installed")

@@ -399,7 +399,7 @@ def _summary_at_exit():
 
 def install_exit_summary() -> None:
     """With OPGRAFT_STATS=1, logs the counters when the process exits."""
-    from .vllm.compat import OFF
+    from .vllm.compat import switched_on
 
-    if os.environ.get("OPGRAFT_STATS", "").strip().lower() not in ("", *OFF):
+    if switched_on("OPGRAFT_STATS"):
         atexit.register(_summary_at_exit)

@@ -12,10 +12,9 @@ a GPU). vLLM's own VLLM_PLUGINS filter decides whether register() is called at a
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
-from .compat import OFF, TESTED_VLLM, vllm_version, vllm_version_is
+from .compat import TESTED_VLLM, switched_on, vllm_version, vllm_version_is
 
 _lock = threading.Lock()
 _done = False
@@ -34,13 +33,9 @@ def _logger():
         return logging.getLogger("opgraft")
 
 
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", *OFF)
-
-
 def platform_gate() -> tuple[bool, str]:
     """(True, "") if this process runs on a CUDA GPU we support."""
-    if _truthy("OPGRAFT_FORCE_PLATFORM"):
+    if switched_on("OPGRAFT_FORCE_PLATFORM"):
         return True, ""
     try:
         from vllm.platforms import current_platform
@@ -68,7 +63,7 @@ def register() -> None:
             return
         _done = True
         log = _logger()
-        if _truthy("OPGRAFT_DISABLE"):
+        if switched_on("OPGRAFT_DISABLE"):
             _summary = "disabled by OPGRAFT_DISABLE: nothing patched"
             log.info("opgraft: %s", _summary)
             return

@@ -18,6 +18,11 @@ def switched_off(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in OFF
 
 
+def switched_on(name: str) -> bool:
+    """Is the environment switch `name` set, and not to one of OFF? (Unset or blank: off.)"""
+    return os.environ.get(name, "").strip().lower() not in ("", *OFF)
+
+
 def switch(name: str, warn) -> bool | None:
     """A switch with a default: True for 1 (or true, yes, on), False for one of OFF, None when unset
     (the caller's default). Anything else calls warn(message) and is None too."""
