@@ -3,6 +3,8 @@
         python3 -m tools.ncu_attention Qwen3-30B-A3B 1 8192 [bf16|fp16]
 Three calls over one batch of equal lengths (batch, context), each after the bench's traffic between
 calls (64 MiB of other reads), so that the profiled kernel finds the L2 as a decode step leaves it.
+Keep ncu's default --cache-control all: with none, its replay passes after the first find the K and V
+in L2 (bench/NOTES.md v66).
 """
 import sys
 

@@ -2,7 +2,8 @@
     ncu --clock-control none --kernel-name regex:moe_ --launch-skip 2 --launch-count 2 \\
         python3 -m tools.ncu_moe Mixtral-8x7B 1 [bf16|fp16|fp8-block|fp8-tensor]
 Three calls, each after the bench's traffic between calls (64 MiB of other reads), so that the
-profiled kernels find the L2 as a decode step leaves it.
+profiled kernels find the L2 as a decode step leaves it. Keep ncu's default --cache-control all: with
+none, its replay passes after the first find the weights in L2.
 """
 import sys
 
