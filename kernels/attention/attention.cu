@@ -306,6 +306,12 @@ __device__ __forceinline__ void og_v_tile(og_vec4 (&vc)[OG_DV], og_vec4 (&v8)[OG
   }
 }
 
+// Where a warp's partial keeps the 16-byte chunk `chunk` of head h's row: rows are D floats apart,
+// so the four heads a quarter-warp stores (h = 2c + e, c = lane % 4) would share banks; their
+// chunks are permuted within each group of eight (bits 1-2, an even mask: a chunk pair stays
+// adjacent). The merge reads through the same map, a permutation of each row.
+__device__ __forceinline__ int og_so_chunk(int h, int chunk) { return chunk ^ (((h >> 1) & 3) << 1); }
+
 // Combines count (<= FAN, 16 or 32) consecutive partials src .. src+count-1 in order: into the
 // output (root) or into the partial dst. All threads of the block take part. A thread loads its
 // item's outputs OG_CHUNK partials at a time; those of its first item's first chunk are in flight
@@ -793,10 +799,15 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
       if (g == 0) sml[(warp * OG_G + h) * 2] = m[nh][e], sml[(warp * OG_G + h) * 2 + 1] = l[nh][e];
 #pragma unroll
       for (int j = 0; j < OG_DV; ++j) {
-        float *dst = so + (warp * OG_G + h) * OG_D + 64 * j + 8 * g;
-        *(float4 *)dst = make_float4(o[nh][4 * j][e], o[nh][4 * j][e + 2], o[nh][4 * j + 1][e], o[nh][4 * j + 1][e + 2]);
-        *(float4 *)(dst + 4) =
+        // Dims 64j + 8g .. +8 as two 16-byte chunks, placed by og_so_chunk; odd g store their
+        // upper chunk first, so each quarter-warp's stores fall in eight bank groups.
+        float *row = so + (warp * OG_G + h) * OG_D;
+        const int ch = og_so_chunk(h, 16 * j + 2 * g), odd = g & 1;
+        const float4 lo = make_float4(o[nh][4 * j][e], o[nh][4 * j][e + 2], o[nh][4 * j + 1][e], o[nh][4 * j + 1][e + 2]);
+        const float4 hi =
             make_float4(o[nh][4 * j + 2][e], o[nh][4 * j + 2][e + 2], o[nh][4 * j + 3][e], o[nh][4 * j + 3][e + 2]);
+        *(float4 *)(row + 4 * (ch + odd)) = odd ? hi : lo;
+        *(float4 *)(row + 4 * (ch + 1 - odd)) = odd ? lo : hi;
       }
     }
   }
@@ -825,7 +836,7 @@ __device__ __forceinline__ void og_attention(const og_attn_params &p) {
 #pragma unroll
     for (int w = 0; w < OG_W; ++w) {
       const float e = og_exp2(sml[(w * OG_G + h) * 2] - mu);
-      const float4 v = *(const float4 *)(so + (w * OG_G + h) * OG_D + d);
+      const float4 v = *(const float4 *)(so + (w * OG_G + h) * OG_D + 4 * og_so_chunk(h, d / 4));
       sum += sml[(w * OG_G + h) * 2 + 1] * e;
       acc.x += v.x * e, acc.y += v.y * e, acc.z += v.z * e, acc.w += v.w * e;
     }
