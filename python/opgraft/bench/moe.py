@@ -616,7 +616,7 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
     scale layout), where vLLM finds DeepGEMM (installed or vendored) and the GPU supports it; backend
     "flashinfer_cutlass": FlashInferExperts (block FP8 only) on the weights as vLLM prepares them for
     it (flashinfer_block_weights), taking the bf16 activations, where vLLM finds it usable and its
-    module is built (FlashInfer compiles it on first use, for over 7 minutes on a 16-core H100 host:
+    module is built (FlashInfer compiles it on first use, for about 35 minutes on a 16-core H100 host:
     flashinfer_build lets that happen)."""
     try:
         from vllm.model_executor.layers.fused_moe import modular_kernel as mk
@@ -643,7 +643,7 @@ def vllm_fp8_experts(shape: MoeShape, kind: str, w13_q, w13_scale, w2_q, w2_scal
             return None, "vLLM finds no usable FlashInfer CUTLASS MoE here (flashinfer's fused MoE on sm_90, 10x, 12x)"
         if not flashinfer_build and flashinfer_cutlass_moe_built(device) is False:
             return None, ("FlashInfer's CUTLASS MoE module is not built on this machine (its first call compiles it, "
-                          "over 7 minutes on an H100 host); --flashinfer-build builds it")
+                          "about 35 minutes on a 16-core H100 host); --flashinfer-build builds it")
     if backend != "flashinfer_cutlass" and moe_seam.installed():
         return None, "opgraft's seam is installed in this process (TritonExperts.apply would be ours)"
     try:
