@@ -32,10 +32,15 @@ __device__ __forceinline__ void og_load_act(const unsigned short *act, int row, 
 #ifndef OG_DOWN_HOIST
 #define OG_DOWN_HOIST (OG_NT * OG_U2 <= 16 && OG_W2 <= 8)  // at 16 warps (128 registers) they would spill
 #endif
+#ifndef OG_DOWN_PREFETCH
+#define OG_DOWN_PREFETCH 0
+#endif
+
 // The scales of k-step s: the weight block's (f[0]) and, for each token tile, the lane's B group
-// scale over its slot's largest (f[1 + nt]; 0 without a token). Loaded with the step's operands
-// where registers allow (OG_DOWN_HOIST) and multiplied only where used: loaded next to their use,
-// each k-step waited a round trip for its scales after its MMAs were ready.
+// scale over its slot's largest (f[1 + nt]; 0 without a token; SCALED false: not yet over it, the
+// maxima still to come). Loaded with the step's operands where registers allow (OG_DOWN_HOIST):
+// loaded next to their use, each k-step waited a round trip for its scales after its MMAs were ready.
+template <bool SCALED>
 __device__ __forceinline__ void og_fp8_step_scales(const og_moe_fp8_params &q, const float *ws, const int *src0,
                                                    const float *inv_max, int s, int c, float *f) {
 #if OG_SCALE == 1
@@ -46,7 +51,8 @@ __device__ __forceinline__ void og_fp8_step_scales(const og_moe_fp8_params &q, c
   const int grp = (s * OG_DOWN_KS + c * (OG_DOWN_KS / 4)) / 16;
 #pragma unroll
   for (int nt = 0; nt < OG_NT; ++nt)
-    f[1 + nt] = src0[nt] >= 0 ? og_load_coherent_f32(q.act_scale + (long long)src0[nt] * OG_AS + grp) * inv_max[nt]
+    f[1 + nt] = src0[nt] >= 0 ? og_load_coherent_f32(q.act_scale + (long long)src0[nt] * OG_AS + grp) *
+                                    (SCALED ? inv_max[nt] : 1.f)
                               : 0.f;
 }
 
@@ -83,6 +89,11 @@ __device__ __forceinline__ void og_fp8_slot_max(const og_moe_fp8_params &q, cons
     m1[nt] = __shfl_sync(OG_FULL, m, 8 * c + 4);
   }
 }
+
+// A fresh item's act loads go out before its maxima's where those take one round of scale loads
+// (I <= 1024 at 4 chunks a lane): both then come back in one round trip. With more rounds the act
+// operands held across them spill (Qwen3-235B-A22B's 32-k steps).
+#define OG_DOWN_ACT_FIRST (OG_AS <= 16 * OG_DOWN_SCALE_UNROLL)
 
 // b's f16 values times v (f16x2 products, rounded to nearest).
 __device__ __forceinline__ og_u32 og_hmul2(og_u32 a, og_u32 b) {
@@ -131,6 +142,19 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
   const float *ws = 0;  // this tile's row of w2 scales for the current expert
   int src0[OG_NT], src1[OG_NT];
   float inv_max[OG_NT], m0[OG_NT], m1[OG_NT];  // og_fp8_slot_max
+#if OG_DOWN_PREFETCH
+  // Every weight row of the tile for every used expert asked of L2 at once: a warp's later items
+  // then find theirs there instead of a DRAM round trip after the item before (config.c keeps this
+  // to calls whose rows fit L2 beside gate_up's stream).
+  {
+    constexpr int lines = (OG_I + 127) / 128;
+    for (int j = threadIdx.x; j < r.nused * 16 * lines; j += blockDim.x) {
+      const int l = j % lines, row = (j / lines) % 16, uu = j / (16 * lines);
+      og_prefetch_l2((const char *)p.w2 + r.experts[uu] * p.w2_estride + (long long)(h0 + row) * p.w2_rstride +
+                     128 * l);
+    }
+  }
+#endif
   for (int it = warp; it < items; it += W) {
     const int uu = it / nchunks, ch = it - uu * nchunks;
     if (uu != cur_u) {  // warp-uniform: every lane takes the shuffles
@@ -149,8 +173,7 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
     float f[OG_U2][1 + OG_NT];  // the k-steps' scales (og_fp8_step_scales)
     // act, its scales (written by gate_up) and the slot maxima they give: after the wait with EARLY
     auto load_act = [&]() {
-      if (fresh) og_fp8_slot_max(q, src0, c, inv_max, m0, m1);
-      fresh = false;
+      if (!OG_DOWN_ACT_FIRST && fresh) og_fp8_slot_max(q, src0, c, inv_max, m0, m1);
 #pragma unroll
       for (int u = 0; u < OG_U2; ++u) {
         const int s = ch * OG_U2 + u;
@@ -158,9 +181,18 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
           const long long off = (long long)(s * OG_DOWN_KS + c * (OG_DOWN_KS / 4));
 #pragma unroll
           for (int nt = 0; nt < OG_NT; ++nt) og_load_act(act, src0[nt], off, b[u][nt]);
-          if (OG_DOWN_HOIST) og_fp8_step_scales(q, ws, src0, inv_max, s, c, f[u]);
+          if (OG_DOWN_HOIST) og_fp8_step_scales<!OG_DOWN_ACT_FIRST>(q, ws, src0, inv_max, s, c, f[u]);
         }
       }
+      if (OG_DOWN_ACT_FIRST) {
+        if (fresh) og_fp8_slot_max(q, src0, c, inv_max, m0, m1);
+#pragma unroll
+        for (int u = 0; u < OG_U2; ++u)
+#pragma unroll
+          for (int nt = 0; nt < OG_NT; ++nt)
+            if (OG_DOWN_HOIST && (steps % OG_U2 == 0 || ch * OG_U2 + u < steps)) f[u][1 + nt] *= inv_max[nt];
+      }
+      fresh = false;
     };
 #pragma unroll
     for (int u = 0; u < OG_U2; ++u) {
@@ -180,7 +212,7 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
     for (int u = 0; u < OG_U2; ++u) {
       const int s = ch * OG_U2 + u;
       if (steps % OG_U2 == 0 || s < steps) {
-        if (!OG_DOWN_HOIST) og_fp8_step_scales(q, ws, src0, inv_max, s, c, f[u]);
+        if (!OG_DOWN_HOIST) og_fp8_step_scales<true>(q, ws, src0, inv_max, s, c, f[u]);
 #pragma unroll
         for (int nt = 0; nt < OG_NT; ++nt) {
           if (nt * 8 < T) {
