@@ -29,8 +29,11 @@ __device__ __forceinline__ void og_load_act(const unsigned short *act, int row, 
   b.hi = og_load_act8(act, row, off + 8);
 }
 
+// The k-steps' scales loaded with act (og_fp8_step_scales): b is scaled before its MMA, so loaded
+// in the loop each step waits a round trip of its own (four an item in the SASS at one token tile).
+// At 16 warps (128 registers) only where they are few (one token tile, 4 steps: 8 registers).
 #ifndef OG_DOWN_HOIST
-#define OG_DOWN_HOIST (OG_NT * OG_U2 <= 16 && OG_W2 <= 8)  // at 16 warps (128 registers) they would spill
+#define OG_DOWN_HOIST (OG_NT * OG_U2 <= 16 && (OG_W2 <= 8 || OG_NT * OG_U2 <= 4))
 #endif
 #ifndef OG_DOWN_PREFETCH
 #define OG_DOWN_PREFETCH 0
