@@ -41,8 +41,7 @@ __device__ __forceinline__ void og_load_act(const unsigned short *act, int row, 
 
 // The scales of k-step s: the weight block's (f[0]) and, for each token tile, the lane's B group
 // scale over its slot's largest (f[1 + nt]; 0 without a token; SCALED false: not yet over it, the
-// maxima still to come). Loaded with the step's operands where registers allow (OG_DOWN_HOIST):
-// loaded next to their use, each k-step waited a round trip for its scales after its MMAs were ready.
+// maxima still to come). Loaded with the step's operands where OG_DOWN_HOIST allows.
 template <bool SCALED>
 __device__ __forceinline__ void og_fp8_step_scales(const og_moe_fp8_params &q, const float *ws, const int *src0,
                                                    const float *inv_max, int s, int c, float *f) {
