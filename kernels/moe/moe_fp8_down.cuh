@@ -35,9 +35,6 @@ __device__ __forceinline__ void og_load_act(const unsigned short *act, int row, 
 #ifndef OG_DOWN_HOIST
 #define OG_DOWN_HOIST (OG_NT * OG_U2 <= 16 && (OG_W2 <= 8 || OG_NT * OG_U2 <= 4))
 #endif
-#ifndef OG_DOWN_PREFETCH
-#define OG_DOWN_PREFETCH 0
-#endif
 
 // The scales of k-step s: the weight block's (f[0]) and, for each token tile, the lane's B group
 // scale over its slot's largest (f[1 + nt]; 0 without a token; SCALED false: not yet over it, the
@@ -144,19 +141,6 @@ __device__ __forceinline__ void og_fp8_down_tile(const og_moe_fp8_params &q, con
   const float *ws = 0;  // this tile's row of w2 scales for the current expert
   int src0[OG_NT], src1[OG_NT];
   float inv_max[OG_NT], m0[OG_NT], m1[OG_NT];  // og_fp8_slot_max
-#if OG_DOWN_PREFETCH
-  // Every weight row of the tile for every used expert asked of L2 at once: a warp's later items
-  // then find theirs there instead of a DRAM round trip after the item before (config.c keeps this
-  // to calls whose rows fit L2 beside gate_up's stream).
-  {
-    constexpr int lines = (OG_I + 127) / 128;
-    for (int j = threadIdx.x; j < r.nused * 16 * lines; j += blockDim.x) {
-      const int l = j % lines, row = (j / lines) % 16, uu = j / (16 * lines);
-      og_prefetch_l2((const char *)p.w2 + r.experts[uu] * p.w2_estride + (long long)(h0 + row) * p.w2_rstride +
-                     128 * l);
-    }
-  }
-#endif
   for (int it = warp; it < items; it += W) {
     const int uu = it / nchunks, ch = it - uu * nchunks;
     if (uu != cur_u) {  // warp-uniform: every lane takes the shuffles

@@ -48,7 +48,6 @@ static void config_fp8(const opgraft_moe_args *a, int32_t arch, const char *gpu,
   c->gu_ks = ks == 64 && bk_ok && a->hidden % 64 == 0 ? 64 : 32;
   c->down_ks = ks == 64 && bk_ok && a->inter % 64 == 0 ? 64 : 32;
   c->gu_rows = opgraft__tune_value("moe.gate_up.fp8_rows", arch, gpu, shape, T) == 32 ? 32 : 16;
-  c->down_prefetch = opgraft__tune_value("moe.down.prefetch", arch, gpu, shape, T) != 0;
   while (c->w1 > 1 && c->w1 * c->nt > 16) c->w1 /= 2; /* 2 KB of reduction buffer per warp-tile */
   while (c->w2 > 1 && c->w2 * c->nt > 64) c->w2 /= 2;
   if (c->nt >= 2 && c->w1 > 8) c->w1 = 8; /* 16 warps cap a thread at 128 registers */
@@ -175,7 +174,6 @@ int32_t opgraft__moe_options(const opgraft_moe_args *a, const og_moe_cfg *c, og_
     OG_OPT("-DOG_DOWN_KS=%d", c->down_ks);
     OG_OPT("-DOG_GU_ROWS=%d", c->gu_rows);
     OG_OPT("-DOG_XQ=%d", c->xq);
-    OG_OPT("-DOG_DOWN_PREFETCH=%d", c->down_prefetch);
     OG_OPT("-DOG_XG=%d", c->xq ? (int)opgraft__moe_x_group(a) : 0);
   }
 #undef OG_OPT

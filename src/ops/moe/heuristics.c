@@ -59,11 +59,7 @@
  *   configuration (H200 check, NOTES v35). Per-tensor scales (1 x 128 groups in place of vLLM's
  *   dynamic per-tensor quantization, NOTES v40): the op bench -8.9 / -13.0 µs at 1 / 2 tokens on
  *   Mixtral-8x7B, -10.6 / -10.1 on Qwen3-30B-A3B; from three tokens on Mixtral-8x7B a tie, then
- *   up to +4.5 µs.
- * - moe.down.prefetch where the down weights of the experts a call can use (min(E, T*k) x H x I
- *   bytes) fit OG_MOE_DOWN_PREFETCH_MAX: each down block asks L2 for all its rows at its start,
- *   so that a warp's later items do not wait a DRAM round trip each after the one before; larger
- *   calls would evict their own prefetched lines before use. */
+ *   up to +4.5 µs. */
 #include <stdio.h>
 #include <string.h>
 
@@ -90,10 +86,6 @@ static int fp8_rule(const opgraft_tune_query *q, const og_moe_shape *s, int64_t 
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 8, 1;
   if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)
     return *value = T >= 1 && (int64_t)T * s->k <= 32, 1;
-  if (strcmp(key, "moe.down.prefetch") == 0) {
-    const int64_t used = (int64_t)T * s->k < s->E ? (int64_t)T * s->k : s->E;
-    return *value = T >= 1 && used * s->H * s->I <= OG_MOE_DOWN_PREFETCH_MAX, 1;
-  }
   return 0;
 }
 

@@ -42,9 +42,6 @@ int opgraft__moe_quantizes_x(const opgraft_moe_args *a);
 /* The k of the groups gate_up quantizes them in: block_k with block scales, else
  * OG_MOE_X_GROUP. */
 #define OG_MOE_X_GROUP 128
-/* moe.down.prefetch's rule: calls whose down weights (e4m3, one byte each) for the experts they
- * can use are at most this many bytes, a third of an H100's or H200's 50 MB L2. */
-#define OG_MOE_DOWN_PREFETCH_MAX (16LL << 20)
 int64_t opgraft__moe_x_group(const opgraft_moe_args *a);
 /* The pointer checks every run repeats (alignment, NULL), as a reason. */
 int32_t opgraft__moe_check_pointers(const opgraft_moe_args *a, char *reason, size_t reason_len);
@@ -76,7 +73,6 @@ typedef struct og_moe_cfg {
   int gu_ks, down_ks;  /* FP8: the k of gate_up's / down's k-steps, 32 or 64 (OG_GU_KS, OG_DOWN_KS) */
   int gu_rows;         /* FP8: rows of I a gate_up tile, 16 or 32 (OG_GU_ROWS) */
   int xq;              /* FP8: gate_up quantizes 16-bit hidden states itself (OG_XQ) */
-  int down_prefetch;   /* FP8: down asks L2 for its block's weight rows at its start (OG_DOWN_PREFETCH) */
 } og_moe_cfg;
 void opgraft__moe_config(const opgraft_moe_args *a, int32_t arch, const char *gpu, og_moe_cfg *c);
 /* The compile options of a configuration; OPGRAFT_EINVAL if they did not fit. */

@@ -35,8 +35,6 @@ static const og_tunable tunables[] = {
     {"moe.fp8_kstep", 32, 64, 64, "64 32"},
     /* FP8 weights: rows of I a gate_up tile (16: twice the blocks of 32). */
     {"moe.gate_up.fp8_rows", 16, 32, 16, "16 32"},
-    /* FP8 weights: down asks L2 for every weight row of its block at its start (1). */
-    {"moe.down.prefetch", 0, 1, 0, "0 1"},
     /* FP8 weights taken (1) or handed back (0); also OPGRAFT_MOE_FP8=0. A switch, not tuned. */
     {"moe.fp8", 0, 1, 0, NULL},
     /* FP8 weights: 16-bit hidden states quantized by gate_up (1), or refused so that the caller

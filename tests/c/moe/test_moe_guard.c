@@ -568,11 +568,6 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
       {"moe.gate_up.slot_routing", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 1},
       {"moe.gate_up.slot_routing", "moe:fp8block:E128:H2048:I768:k8", 90, 5, 0},
       {"moe.down.warp_routing", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 16, 1},
-      {"moe.down.prefetch", "moe:fp8block:E128:H2048:I768:k8", 90, 1, 1},  /* 12.6 MB of down rows */
-      {"moe.down.prefetch", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 0},  /* 25.2 MB */
-      {"moe.down.prefetch", "moe:fp8block:E256:H7168:I256:k8", 90, 1, 1},  /* DeepSeek-V3/tp8: 14.7 MB */
-      {"moe.down.prefetch", "moe:fp8tensor:E8:H4096:I14336:k2", 90, 1, 0}, /* Mixtral-8x7B: 117 MB */
-      {"moe.down.prefetch", "moe:fp8block:E4:H2048:I768:k8", 90, 8, 1},    /* 4 experts however many tokens */
       {"moe.max_tokens", "moe:fp8block:E128:H2048:I768:k8", 90, 9, 8},
       {"moe.route", "moe:fp8block:E128:H2048:I768:k8", 90, 2, 1},
       {"moe.route", "moe:fp8block:E128:H2048:I768:k8", 90, 3, 0},
