@@ -17,7 +17,7 @@ static const og_tunable tunables[] = {
     {"moe.gate_up.one_token", 0, 1, 0, "0 1"},
     {"moe.gate_up.slot_routing", 0, 1, 0, "0 1"},
     {"moe.down.warps", 1, 16, 8, "2 4 8 16"},
-    {"moe.down.unroll", 1, 8, 4, "1 2 4 8"},
+    {"moe.down.unroll", 1, 8, 4, "1 2 3 4 8"},
     {"moe.down.min_blocks", 0, 4, 0, "0 2 4"},
     {"moe.down.early", 0, 1, 0, "0 1"},
     {"moe.down.one_token", 0, 1, 0, "0 1"},
@@ -167,6 +167,15 @@ static const og_tune_entry rows[] = {
     {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H2048:I768:k8", 2, 2, "moe.pdl_in", 1, "H100 2026-12-06 opgraft tune (one round, 64 MiB between calls): Qwen3-30B-A3B fp8-block T=2 32.05 -> 31.69 us"},
     {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H2048:I768:k8", 3, 5, "moe.gate_up.warps", 4, "H100 2026-12-06 opgraft tune (one round, 64 MiB between calls): Qwen3-30B-A3B fp8-block T=4 56.10 -> 55.06 us"},
     {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H2048:I768:k8", 6, 64, "moe.down.early", 1, "H100 2026-12-06 opgraft tune (one round, 64 MiB between calls): Qwen3-30B-A3B fp8-block T=8 92.88 -> 91.43 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H2048:I768:k8", 1, 1, "moe.down.unroll", 3, "H100 2026-12-07 bench, alternating rounds: Qwen3-30B-A3B fp8-block T=1 19.8-19.9 -> 19.4 us with down unroll 3 (32 items of 3 k-steps, two a warp); T=2/4/8 lose 0.2-0.5"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E384:H7168:I256:k8", 1, 1, "moe.load", 1, "H100 2026-12-07 opgraft tune (one round): Kimi-K2/tp8 fp8-block T=1 22.75 -> 22.05 us; bench 23.0 -> 22.2 (T=2 36.2 either way)"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H4096:I384:k8", 1, 1, "moe.gate_up.warps", 8, "H100 2026-12-07 opgraft tune (one round), then the bench in two alternating rounds: Qwen3-235B-A22B/tp4 fp8-block T=1/2/4/8 23.6/36.8/59.5/105.5 -> 19.4/32.0/53.5/89.5 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H4096:I384:k8", 2, 2, "moe.gate_up.warps", 4, "H100 2026-12-07 opgraft tune (one round), then the bench in two alternating rounds: Qwen3-235B-A22B/tp4 fp8-block T=1/2/4/8 23.6/36.8/59.5/105.5 -> 19.4/32.0/53.5/89.5 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H4096:I384:k8", 3, 64, "moe.gate_up.warps", 2, "H100 2026-12-07 opgraft tune (one round), then the bench in two alternating rounds: Qwen3-235B-A22B/tp4 fp8-block T=1/2/4/8 23.6/36.8/59.5/105.5 -> 19.4/32.0/53.5/89.5 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H4096:I384:k8", 1, 64, "moe.pdl", 1, "H100 2026-12-07 opgraft tune (one round), then the bench in two alternating rounds: Qwen3-235B-A22B/tp4 fp8-block T=1/2/4/8 23.6/36.8/59.5/105.5 -> 19.4/32.0/53.5/89.5 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H4096:I384:k8", 1, 1, "moe.pdl_in", 1, "H100 2026-12-07 opgraft tune (one round), then the bench in two alternating rounds: Qwen3-235B-A22B/tp4 fp8-block T=1/2/4/8 23.6/36.8/59.5/105.5 -> 19.4/32.0/53.5/89.5 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H4096:I384:k8", 1, 64, "moe.load", 1, "H100 2026-12-07 opgraft tune (one round), then the bench in two alternating rounds: Qwen3-235B-A22B/tp4 fp8-block T=1/2/4/8 23.6/36.8/59.5/105.5 -> 19.4/32.0/53.5/89.5 us"},
+    {90, "NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H4096:I384:k8", 3, 8, "moe.fp8", 1, "H100 2026-12-07 tuned rows vs vLLM 0.26 TritonExperts in the same runs: Qwen3-235B-A22B/tp4 T=4 1.38x, T=8 1.23x"},
     /* END TUNED ROWS */
 };
 

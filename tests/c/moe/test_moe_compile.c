@@ -20,8 +20,9 @@ static const shape shapes[] = {
     {"DeepSeek-V3/tp8", 256, 7168, 256, 8, 0}, {"Kimi-K2/tp8", 384, 7168, 256, 8, 0},
     {"DeepSeek-V3/ep8", 32, 7168, 2048, 8, 256}, {"Kimi-K2/ep8", 48, 7168, 2048, 8, 384},
     {"Qwen3-30B-A3B/tp4", 128, 2048, 192, 8, 0}, {"Qwen3-30B-A3B/tp8", 128, 2048, 96, 8, 0},
+    {"Qwen3-235B-A22B/tp4", 128, 4096, 384, 8, 0},
 };
-enum { Q30, Q235, MIX, DSV3, KIMI, ODD, EP2, EP64, DSV3_TP8, KIMI_TP8, DSV3_EP8, KIMI_EP8, Q30_TP4, Q30_TP8 };
+enum { Q30, Q235, MIX, DSV3, KIMI, ODD, EP2, EP64, DSV3_TP8, KIMI_TP8, DSV3_EP8, KIMI_EP8, Q30_TP4, Q30_TP8, Q235_TP4 };
 /* The shapes of the bf16/fp16 jobs (unchanged since before the FP8 kernels). */
 #define N_SHAPES 8
 static const int32_t token_counts[] = {1, 2, 4, 8, 9, 16, 17, 32, 33, 64};
@@ -44,6 +45,8 @@ static int32_t job_weight_dtype[OG_JOB_MAX];
 static int32_t job_routing;
 /* FP8 jobs added with 16-bit hidden states that gate_up quantizes (hidden_dtype = dtype). */
 static int job_hidden16;
+/* The GPU name the jobs added resolve their rows under (NULL: the rows of every GPU of the arch). */
+static const char *job_gpu;
 
 /* Adds the configuration that the current tunables give (shape s, T tokens, dtype, weights, arch). */
 static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, const char *setting) {
@@ -77,10 +80,11 @@ static void add_job(int s, int32_t T, int32_t dtype, quant qz, int32_t arch, con
   if (job_routing)
     snprintf(j->what + strlen(j->what), sizeof j->what - strlen(j->what), " routed %s",
              job_routing == OPGRAFT_MOE_ROUTING_SOFTMAX ? "softmax" : "softmax-renorm");
+  if (job_gpu) snprintf(j->what + strlen(j->what), sizeof j->what - strlen(j->what), " on %s", job_gpu);
   job_weight_dtype[og_njobs] = a.weight_dtype;
   j->source = opgraft__moe_source(&a), j->arch = arch;
   og_moe_cfg cfg;
-  opgraft__moe_config(&a, arch, NULL, &cfg);
+  opgraft__moe_config(&a, arch, job_gpu, &cfg);
   j->nfn = opgraft__moe_nkernels(&a, &cfg);
   char names[OG_MOE_KERNELS][64];
   opgraft__moe_fn_names(&a, names);
@@ -205,6 +209,16 @@ static int setup(void **state) {
   add_setting_q((const char *[]){"OPGRAFT_TUNE_MOE_FP8_KSTEP", "32", NULL}, (const int[]){MIX}, 1,
                 (const int32_t[]){1, 8}, 2, OPGRAFT_DTYPE_BF16, Q_TENSOR);
   job_hidden16 = 0;
+  /* the rows of one GPU name (the H100's FP8 rows): top-k ids, and routed with 16-bit x */
+  job_gpu = "NVIDIA H100 80GB HBM3";
+  static const int h100_fp8[] = {Q30, Q235_TP4, KIMI_TP8, DSV3_TP8};
+  job_routing = OPGRAFT_MOE_ROUTING_TOPK;
+  add_setting_q(NULL, h100_fp8, 4, (const int32_t[]){1, 2, 4, 8}, 4, OPGRAFT_DTYPE_BF16, Q_B128);
+  job_routing = OPGRAFT_MOE_ROUTING_SOFTMAX_RENORM;
+  job_hidden16 = 1;
+  add_setting_q(NULL, h100_fp8, 4, (const int32_t[]){1, 2}, 2, OPGRAFT_DTYPE_BF16, Q_B128);
+  job_hidden16 = 0;
+  job_gpu = NULL;
   job_routing = OPGRAFT_MOE_ROUTING_SOFTMAX;
   add_setting_q(NULL, (const int[]){Q30}, 1, (const int32_t[]){1}, 1, OPGRAFT_DTYPE_FP16, Q_TENSOR);
   job_routing = OPGRAFT_MOE_ROUTING_TOPK;
