@@ -352,6 +352,8 @@ def fp8_cases() -> list[dict]:
         cases.append(_fp8_case(f"fp8 block tuned rows Qwen3-235B-A22B T={T}", PRESETS["Qwen3-235B-A22B"], T))
     for T in (1, 4, 8):
         cases.append(_fp8_case(f"fp8 block tuned rows Kimi-K2/tp8 T={T}", PRESETS["Kimi-K2"].per_rank(8), T))
+    for T in (1, 2, 8):  # the H100's rows for this shape (v69); elsewhere the rule's configuration
+        cases.append(_fp8_case(f"fp8 block tuned rows Qwen3-235B-A22B/tp4 T={T}", PRESETS["Qwen3-235B-A22B"].per_rank(4), T))
     cases += [
         _fp8_case("fp8 tensor Qwen3-30B-A3B T=3", q30, 3, kind="fp8-tensor", vllm=True),
         _fp8_case("fp8 block small T=5", small, 5),
