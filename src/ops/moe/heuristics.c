@@ -35,12 +35,18 @@
  *   three tokens the shapes part: table.c takes the block shapes that won there (Qwen3-30B-A3B,
  *   DeepSeek-V3/tp8, Kimi-K2/tp8 to eight tokens, Qwen3-235B-A22B to five: -v36-fp8-shapes/), and
  *   Mixtral-8x7B's per-tensor shape to eight once tuned (-v39-fp8-tensor-combine/); elsewhere
- *   vLLM's. Other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8 overrides it; the tile
- *   rules below were argued from the kernels' structure (the tuned rows, where they exist, were
- *   measured).
+ *   vLLM's. Other GPUs are not measured: vLLM's. OPGRAFT_TUNE_MOE_FP8 overrides it. Of the tile
+ *   rules below, the unroll and the down warps were argued from the kernels' structure.
  * - moe.max_tokens as for bf16 (8 on sm_90).
- * - gate_up warps 8 for H <= 2048, 16 above (argued for the 32-row tiles of v22; on the 16-row
- *   tiles the tuned Qwen3-30B-A3B rows take 4 at one token and 2 from two).
+ * - gate_up warps, PDL between the stages and load form 1 as the rows of the six FP8 shapes tuned
+ *   on the 16-row tiles chose them (NOTES v69): gate_up at one token 4 warps for H <= 2048 and 8
+ *   above (the rows: 4 on Qwen3-30B-A3B and Mixtral-8x7B, 8 on three shapes of H 4096-7168, 2 on
+ *   Qwen3-235B-A22B), 4 at two tokens (rows 2-8), 2 from three (rows 1-4); PDL up to two tokens
+ *   (every shape at one, every block shape at two); load form 1 from two tokens (all six at two,
+ *   five at 3-5, three from six; at one token the GPUs differ). Against the rule before it (v22's
+ *   32-row tiles) on six block shapes without rows (Qwen3-235B-A22B/tp2 and /tp8, DeepSeek-V3 and
+ *   /tp4, Kimi-K2/tp4, Qwen3-30B-A3B/tp2), H100: 4-16% faster at each of 1, 2, 4 and 8 tokens
+ *   (NOTES v70, bench/results/2026-12-07-h100-v70-fp8-rule/).
  * - Both stages unroll 8 32-k steps' worth: config.c turns that into 4 of the 64-k steps (16
  *   bytes of each row a lane), the same bytes in flight, and clamps it where more token tiles need
  *   the registers; down warps as for bf16.
@@ -82,7 +88,9 @@ static int fp8_rule(const opgraft_tune_query *q, const og_moe_shape *s, int64_t 
   if (strcmp(key, "moe.fp8") == 0) return *value = q->arch == 90 && T <= 2, 1;
   if (strcmp(key, "moe.route") == 0) return *value = T <= 2, 1;
   if (strcmp(key, "moe.fp8_quantize") == 0) return *value = q->arch == 90 && T <= 2, 1;
-  if (strcmp(key, "moe.gate_up.warps") == 0) return *value = s->H <= 2048 ? 8 : 16, 1;
+  if (strcmp(key, "moe.gate_up.warps") == 0) return *value = T >= 3 ? 2 : T == 2 ? 4 : s->H <= 2048 ? 4 : 8, 1;
+  if (strcmp(key, "moe.pdl") == 0) return *value = q->arch >= 90 && T <= 2, 1;
+  if (strcmp(key, "moe.load") == 0) return *value = T >= 2 ? 1 : 4, 1;
   if (strcmp(key, "moe.gate_up.unroll") == 0 || strcmp(key, "moe.down.unroll") == 0) return *value = 8, 1;
   if (strcmp(key, "moe.gate_up.slot_routing") == 0 || strcmp(key, "moe.down.warp_routing") == 0)
     return *value = T >= 1 && (int64_t)T * s->k <= 32, 1;
