@@ -588,6 +588,27 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
       fail_msg("%s for %s sm_%d T=%d: %lld (%s), expected %lld", rules[i].key, rules[i].shape, rules[i].arch,
                rules[i].tokens, (long long)v, src, (long long)rules[i].want);
   }
+  /* On an H100 the rule takes block scales up to eight tokens; per-tensor and other GPUs as above. */
+  const struct {
+    const char *gpu, *shape;
+    int32_t tokens;
+    int64_t want;
+  } h100[] = {
+      {"NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H4096:I768:k8", 3, 1},
+      {"NVIDIA H100 PCIe", "moe:fp8block:E128:H4096:I768:k8", 8, 1},
+      {"NVIDIA H100 80GB HBM3", "moe:fp8block:E128:H4096:I768:k8", 9, 0},
+      {"NVIDIA H100 80GB HBM3", "moe:fp8tensor:E8:H4096:I6400:k2", 3, 0},
+      {"NVIDIA H200", "moe:fp8block:E128:H4096:I768:k8", 3, 0},
+      {"NVIDIA H20", "moe:fp8block:E128:H4096:I768:k8", 3, 0},
+  };
+  for (size_t i = 0; i < sizeof h100 / sizeof *h100; ++i) {
+    const opgraft_tune_query q = {"moe.fp8", 90, h100[i].gpu, h100[i].shape, h100[i].tokens};
+    int64_t v = -1;
+    assert_int_equal(opgraft_tune_get(&q, &v, NULL, 0), OPGRAFT_OK);
+    if (v != h100[i].want)
+      fail_msg("moe.fp8 for %s on %s T=%d: %lld, expected %lld", h100[i].shape, h100[i].gpu, h100[i].tokens,
+               (long long)v, (long long)h100[i].want);
+  }
   /* Workspace: act [T*k, I] in f16, padded, then a scale per slot and 16 rows, padded, then the
    * counter's 256 bytes. */
   const int64_t cases[][3] = {{1, 8, 768}, {3, 3, 160}, {64, 8, 2048}, {5, 2, 96}};
