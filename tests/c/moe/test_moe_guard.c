@@ -509,6 +509,16 @@ static void test_fp8_tokens_and_expert_map(void **state) {
   expect_ok(&b, "bf16 k > E with an expert_map");
 }
 
+/* The value a tunable query resolves to (rows, then the op's rule), against what is expected. */
+static void expect_tunable(const opgraft_tune_query *q, int64_t want) {
+  int64_t v = -1;
+  char src[64];
+  assert_int_equal(opgraft_tune_get(q, &v, src, sizeof src), OPGRAFT_OK);
+  if (v != want)
+    fail_msg("%s for %s sm_%d%s%s T=%d: %lld (%s), expected %lld", q->key, q->shape, q->arch, q->gpu ? " on " : "",
+             q->gpu ? q->gpu : "", q->tokens, (long long)v, src, (long long)want);
+}
+
 static void test_fp8_shape_key_rules_workspace(void **state) {
   opgraft_moe_args a = fp8_args(OPGRAFT_MOE_SCALE_BLOCK);
   char key[128];
@@ -581,12 +591,7 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
   };
   for (size_t i = 0; i < sizeof rules / sizeof *rules; ++i) {
     const opgraft_tune_query q = {rules[i].key, rules[i].arch, NULL, rules[i].shape, rules[i].tokens};
-    int64_t v = -1;
-    char src[64];
-    assert_int_equal(opgraft_tune_get(&q, &v, src, sizeof src), OPGRAFT_OK);
-    if (v != rules[i].want)
-      fail_msg("%s for %s sm_%d T=%d: %lld (%s), expected %lld", rules[i].key, rules[i].shape, rules[i].arch,
-               rules[i].tokens, (long long)v, src, (long long)rules[i].want);
+    expect_tunable(&q, rules[i].want);
   }
   /* On an H100 the rule takes block scales up to eight tokens; per-tensor and other GPUs as above. */
   const struct {
@@ -603,11 +608,7 @@ static void test_fp8_shape_key_rules_workspace(void **state) {
   };
   for (size_t i = 0; i < sizeof h100 / sizeof *h100; ++i) {
     const opgraft_tune_query q = {"moe.fp8", 90, h100[i].gpu, h100[i].shape, h100[i].tokens};
-    int64_t v = -1;
-    assert_int_equal(opgraft_tune_get(&q, &v, NULL, 0), OPGRAFT_OK);
-    if (v != h100[i].want)
-      fail_msg("moe.fp8 for %s on %s T=%d: %lld, expected %lld", h100[i].shape, h100[i].gpu, h100[i].tokens,
-               (long long)v, (long long)h100[i].want);
+    expect_tunable(&q, h100[i].want);
   }
   /* Workspace: act [T*k, I] in f16, padded, then a scale per slot and 16 rows, padded, then the
    * counter's 256 bytes. */
