@@ -277,7 +277,7 @@ def cmd_bench(args) -> int:
             return 2
         os.environ["OPGRAFT_TUNE_MOE_MAX_TOKENS"] = str(args.max_tokens)
     fp8 = args.dtype in FP8_DTYPES
-    if fp8:  # the shipped rule takes FP8 at one token only; the bench times the kernels at every T
+    if fp8:  # the shipped rule takes FP8 at few tokens only; the bench times the kernels at every T
         os.environ.setdefault("OPGRAFT_TUNE_MOE_FP8", "1")
     if args.ep != 1 and not fp8:
         print("error: --ep takes the FP8 dtypes (fp8-block, fp8-tensor)", file=sys.stderr)

@@ -545,7 +545,7 @@ class Fp8Fixture(Fixture):
     def __init__(self, shape, T, kind, n_routings=16, weights=None):
         self.shape, self.T, self.dtype = shape, T, kind
         measure_whole_token_range()
-        os.environ.setdefault("OPGRAFT_TUNE_MOE_FP8", "1")  # the rule takes one token; tune every T
+        os.environ.setdefault("OPGRAFT_TUNE_MOE_FP8", "1")  # the rule takes few tokens; tune every T
         if weights is None:
             weights = make_weights_fp8(shape, kind, "cuda")
         self.w13, s13, self.w2, s2 = weights
