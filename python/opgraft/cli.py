@@ -527,10 +527,10 @@ def _cpu_bench_attention(args, why: str) -> int:
           f"kernel for sm_90 with its resource report.", file=sys.stderr)
     try:
         points, presets = _attention_points(args)
-        info = _lib.runtime_info()
-    except (ValueError, _lib.OpgraftError) as e:
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    info = _lib.runtime_info()
     rows = []
     for name, batch, context in points:
         s = presets[name]
@@ -561,6 +561,17 @@ def cmd_bench_attention(args) -> int:
     if not 0 <= args.between_mib <= 4096:
         print("error: --between-mib must be in 0..4096", file=sys.stderr)
         return 2
+    if args.reps < 1 or args.hint < 0:
+        print("error: --reps must be at least 1 and --hint at least 0", file=sys.stderr)
+        return 2
+    from .bench import attention as ab
+
+    known = (ab.PROLOGUE_ALONE_IMPLS if args.prologue_rows else ab.PROLOGUE_IMPLS if args.prologue else ab.IMPLS)
+    impls = known if args.impls is None else tuple(args.impls.split(","))
+    unknown = [i for i in impls if i not in known]
+    if unknown:
+        print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(known)})", file=sys.stderr)
+        return 2
     if not _check_outputs({"--json": args.json}):
         return 2
     ok, why = _gpu_status()
@@ -570,18 +581,10 @@ def cmd_bench_attention(args) -> int:
         return 0
     if not ok:
         return _cpu_bench_attention(args, why)
-    from .bench import attention as ab
-
     try:
         points, presets = _attention_points(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    known = (ab.PROLOGUE_ALONE_IMPLS if args.prologue_rows else ab.PROLOGUE_IMPLS if args.prologue else ab.IMPLS)
-    impls = known if args.impls is None else tuple(args.impls.split(","))
-    unknown = [i for i in impls if i not in known]
-    if unknown:
-        print(f"error: unknown --impls {', '.join(unknown)} (have: {', '.join(known)})", file=sys.stderr)
         return 2
     if args.prologue_rows:
         return _bench_prologue_alone(args, points, presets, impls, ab)
@@ -816,6 +819,10 @@ def cmd_tune(args) -> int:
     if not _check_outputs({"--out": args.out, "--report": args.report}):
         return 2
     try:
+        if args.out:
+            from .tune import read_tune_file
+
+            read_tune_file(args.out)  # a file it could not merge into fails now, not after the first point
         space = _tune_space(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -1028,6 +1035,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
+    # stdout is the commands' output (tables, `--json -`): vLLM, imported by some of them, logs to stderr.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     import opgraft
 
     ap = _Parser(prog="opgraft", description="opgraft: faster decode kernels (MoE experts, attention, projections) for stock vLLM")
@@ -1173,7 +1182,16 @@ def main(argv=None) -> int:
                         "(default: none)")
     d.set_defaults(fn=cmd_doctor)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        rc = args.fn(args)
+        sys.stdout.flush()  # a reader that left shows here, in the handler below, not at exit
+        return rc
+    except _lib.OpgraftError as e:  # libopgraft missing or unusable, wherever a command first needs it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as Python's docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

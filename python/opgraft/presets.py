@@ -122,9 +122,11 @@ def load_config(path: str) -> dict:
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise ConfigError(f"{path}: not a regular file")
-            data = f.read(1 << 24)
+            data = f.read((1 << 24) + 1)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    if len(data) > 1 << 24:
+        raise ConfigError(f"{path}: larger than 16 MiB: not a Hugging Face config.json")
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:

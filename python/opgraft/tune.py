@@ -75,6 +75,26 @@ def make_entries(winners: list[dict]) -> list[dict]:
     return out
 
 
+def read_tune_file(path: str) -> dict:
+    """The tune file at path as a dict ({"version": 1, "entries": []} where there is none); ValueError
+    where it exists but is not one this module wrote, so that it is never overwritten."""
+    import json
+    import os
+
+    if not os.path.exists(path):
+        return {"version": 1, "entries": []}
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read as JSON ({e}); refusing to overwrite it") from None
+    entries = doc.get("entries") if isinstance(doc, dict) else None
+    if (doc.get("version") if isinstance(doc, dict) else None) != 1 or not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("tokens") or [], list) for e in entries):
+        raise ValueError(f"{path} is not an opgraft tune file (version 1); refusing to overwrite it")
+    return doc
+
+
 def merge_tune_file(path: str, entries: list[dict]) -> dict:
     """Writes entries into the JSON tune file at path (created if missing). An older entry with the
     same arch, gpu, shape and tokens is replaced. The file is replaced atomically."""
@@ -82,15 +102,7 @@ def merge_tune_file(path: str, entries: list[dict]) -> dict:
     import os
     import tempfile
 
-    doc = {"version": 1, "entries": []}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            try:
-                doc = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON ({e.msg}); refusing to overwrite it") from None
-        if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("entries"), list):
-            raise ValueError(f"{path} is not an opgraft tune file (version 1); refusing to overwrite it")
+    doc = read_tune_file(path)
     key = lambda e: (e.get("arch"), e.get("gpu"), e.get("shape"), tuple(e.get("tokens") or ()))
     new_keys = {key(e) for e in entries}
     doc["entries"] = [e for e in doc["entries"] if key(e) not in new_keys] + entries

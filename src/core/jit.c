@@ -296,8 +296,12 @@ int32_t opgraft__compile(const char *path, const char *const *opts, int nopts, i
   }
   int32_t st = OPGRAFT_OK;
   if (cr != 0) {
-    st = opgraft__fail(OPGRAFT_ENVRTC, "NVRTC could not compile %s for sm_%d: %s\n%.700s", name,
-                       arch, nv->nvrtcGetErrorString(cr), log ? log : "");
+    /* The log leads with warnings and ptxas lines: quote it from the line of its first error. */
+    const char *from = log ? strstr(log, ": error") : NULL;
+    if (!from) from = log ? log : "";
+    while (log && from > log && from[-1] != '\n') --from;
+    st = opgraft__fail(OPGRAFT_ENVRTC, "NVRTC could not compile %s for sm_%d: %s\n%.700s", name, arch,
+                       nv->nvrtcGetErrorString(cr), from);
   } else {
     size_t size = 0;
     nv->nvrtcGetCUBINSize(prog, &size);

@@ -92,6 +92,10 @@ static char *parse_string(og_parser *p) {
           cp = cp * 16 + (unsigned)v;
           p->s++;
         }
+        if (cp == 0) { /* a C string would end there: "a\u0000b" must not read as "a" */
+          free(out);
+          return fail_at(p, "\\u0000 in string");
+        }
         if (cp >= 0xd800 && cp <= 0xdfff) cp = '?'; /* surrogates are not needed in tune files */
         break;
       }

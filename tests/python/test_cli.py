@@ -476,3 +476,66 @@ def test_doctor_says_whether_the_attention_prologue_is_on(capsys, monkeypatch):
         rc, out, err = in_process(capsys, "doctor")
         lines = {line[:22].strip(): line[22:].strip() for line in out.splitlines() if len(line) > 22}
         assert rc == 0 and lines["attention prologue"].startswith(want), (out, err)
+
+
+@no_gpu_only
+def test_a_missing_library_is_one_error_line_with_rc_1_in_every_command(tmp_path):
+    env = {"OPGRAFT_LIBRARY": str(tmp_path / "libopgraft.so")}
+    for args in (("bench", "moe", "--tokens", "1"), ("bench", "linear", "--models", "Qwen3-30B-A3B", "--rows", "1"),
+                 ("bench", "attention", "--batch", "1", "--context", "16"), ("tune", "linear"),
+                 ("doctor", "--model", "Qwen3-30B-A3B")):
+        r = run(*args, env=env)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, (args, r.returncode, r.stderr[-400:])
+        assert r.stderr.strip().splitlines()[-1].startswith("error: libopgraft not found"), (args, r.stderr[-400:])
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    """stdout a pipe whose reader has gone (`opgraft doctor | head -1`): rc 1, no traceback."""
+    code = ("import os, sys\n"
+            "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+            "from opgraft import cli\n"
+            "sys.exit(cli.main(['doctor']))\n")
+    e = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OPGRAFT_DISABLE="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300, cwd=ROOT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-600:]
+
+
+def test_vllms_log_lines_stay_off_stdout(capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_LOGGING_STREAM", raising=False)
+    in_process(capsys, "doctor")
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
+
+
+def test_a_config_over_16_mib_says_so(tmp_path, capsys):
+    p = tmp_path / "config.json"
+    p.write_text('{"num_experts": 8, "hidden_size": 64, "pad": "' + "x" * (1 << 24) + '"}')
+    rc, _, err = in_process(capsys, "bench", "moe", "--model", str(p))
+    assert rc == 2 and err.strip().splitlines()[-1] == f"error: {p}: larger than 16 MiB: not a Hugging Face config.json"
+
+
+@no_gpu_only
+def test_bench_attention_checks_its_options_without_a_gpu(capsys):
+    for args, want in [(("--reps", "0"), "--reps must be at least 1"), (("--hint", "-5"), "--hint at least 0"),
+                       (("--impls", "opgraft,nope"), "unknown --impls nope")]:
+        rc, _, err = in_process(capsys, "bench", "attention", "--batch", "1", "--context", "16", *args)
+        assert rc == 2 and want in err, (args, err[-300:])
+
+
+def test_tune_refuses_an_out_file_it_could_not_merge_into_before_any_work(tmp_path, capsys):
+    for text in (b"{", b"\xff\xfe", b'{"version": 1, "entries": [5]}', b'{"version": 1, "entries": [{"tokens": 5}]}',
+                 b'{"version": 2, "entries": []}'):
+        p = tmp_path / "tune.json"
+        p.write_bytes(text)
+        rc, _, err = in_process(capsys, "tune", "linear", "--out", str(p))
+        assert rc == 2 and "refusing to overwrite it" in err and "Traceback" not in err, (text, err[-300:])
+        assert p.read_bytes() == text
+
+
+@no_gpu_only
+def test_the_compile_report_of_a_shape_past_the_kernels_limits_is_its_short_reason(tmp_path, capsys):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"num_experts": 65536, "hidden_size": 4096, "moe_intermediate_size": 14336,
+                             "num_experts_per_tok": 2}))
+    rc, out, err = in_process(capsys, "bench", "moe", "--model", str(p), "--tokens", "1")
+    assert rc == 0 and "65536 experts (1..4096 supported)" in out, out
+    assert "NVRTC" not in out and "shape outside the kernel's limits" in out, out

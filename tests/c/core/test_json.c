@@ -140,6 +140,8 @@ static void test_invalid_documents(void **state) {
       "\"a\tb\"", "\"a\nb\"", "\"\x01\"", "\"\x1f\"",
       /* bad escapes */
       "\"\\x\"", "\"\\u12G4\"", "\"\\u12\"",
+      /* a NUL would cut the C string: a key "moe.max_tokens\u0000junk" must not read as moe.max_tokens */
+      "\"a\\u0000b\"", "{\"moe.max_tokens\\u0000junk\": 3}",
       /* leading zeros and bad numbers */
       "01", "[00]", "-01", "1.", ".5", "1e", "1e+", "+1", "-", "0x10",
       /* bare words */
