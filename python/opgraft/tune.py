@@ -86,11 +86,12 @@ def read_tune_file(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} cannot be read as JSON ({e}); refusing to overwrite it") from None
-    entries = doc.get("entries") if isinstance(doc, dict) else None
-    if (doc.get("version") if isinstance(doc, dict) else None) != 1 or not isinstance(entries, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("tokens") or [], list) for e in entries):
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg}); refusing to overwrite it") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} cannot be read as UTF-8 text ({e}); refusing to overwrite it") from None
+    if not (isinstance(doc, dict) and doc.get("version") == 1 and isinstance(doc.get("entries"), list) and
+            all(isinstance(e, dict) and isinstance(e.get("tokens") or [], list) for e in doc["entries"])):
         raise ValueError(f"{path} is not an opgraft tune file (version 1); refusing to overwrite it")
     return doc
 
