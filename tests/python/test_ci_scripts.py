@@ -147,3 +147,16 @@ def test_newest_requirements_pin_one_vllm_that_ci_expects():
     assert len(pins) == 1 and re.fullmatch(r"vllm==[0-9.]+", pins[0]), pins
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert "ci/install_newest.py ci/requirements-newest.txt ci/newest-overrides.txt" in f.read()
+
+
+def test_make_test_builds_the_c_tests_and_fails_without_any():
+    """An earlier `cmake -DOPGRAFT_BUILD_TESTS=OFF` of the build folder must not make `make test` pass
+    with no C test run."""
+    r = subprocess.run(["make", "-n", "test", "BUILD=/nonexistent-build"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    cmds = r.stdout.splitlines()
+    configure = [c for c in cmds if c.startswith("cmake -S")]
+    ctests = [c for c in cmds if c.startswith("ctest")]
+    assert configure and all("-DOPGRAFT_BUILD_TESTS=ON" in c for c in configure), configure
+    assert len(ctests) == 2 and all("--no-tests=error" in c for c in ctests), ctests
