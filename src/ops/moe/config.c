@@ -214,8 +214,8 @@ static int32_t compile_check(const opgraft_moe_args *a, const char *what) {
          a->block_k >= 32 && a->block_k % 32 == 0)))
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "FP8 scale layout %d (blocks %dx%d) has no kernel", a->scale_layout,
                          a->block_n, a->block_k);
-  if (a->hidden % 32 || a->inter % 32 || a->hidden <= 0 || a->inter <= 0 || a->hidden > (1 << 20) ||
-      a->inter > (1 << 20) || a->num_experts < 1 || a->num_experts > OG_MOE_MAX_EXPERTS || a->top_k < 1 ||
+  if (a->hidden % 32 || a->inter % 32 || a->hidden <= 0 || a->inter <= 0 || a->hidden > OG_MOE_MAX_DIM ||
+      a->inter > OG_MOE_MAX_DIM || a->num_experts < 1 || a->num_experts > OG_MOE_MAX_EXPERTS || a->top_k < 1 ||
       a->top_k > OG_MOE_MAX_TOPK || a->num_tokens < 1 || a->num_tokens > OG_MOE_MAX_TOKENS)
     return opgraft__fail(OPGRAFT_EUNSUPPORTED, "shape outside the kernel's limits");
   if (!opgraft__op_ok(&opgraft__moe_op)) return opgraft__fail(OPGRAFT_EUNSUPPORTED, "the MoE op is not registered");

@@ -136,7 +136,7 @@ int32_t opgraft__moe_check_static(const opgraft_moe_args *a, char *reason, size_
   if (T < 0) return OG_REASON("negative token count %lld", (long long)T);
   if (H < 32 || H % 32) return OG_REASON("hidden size %lld is not a positive multiple of 32", (long long)H);
   if (I < 32 || I % 32) return OG_REASON("intermediate size %lld is not a positive multiple of 32", (long long)I);
-  if (H > (1 << 20) || I > (1 << 20)) return OG_REASON("hidden/intermediate size too large");
+  if (H > OG_MOE_MAX_DIM || I > OG_MOE_MAX_DIM) return OG_REASON("hidden/intermediate size too large");
   if (E < 1 || E > OG_MOE_MAX_EXPERTS) return OG_REASON("%lld experts (1..%d supported)", (long long)E, OG_MOE_MAX_EXPERTS);
   if (k < 1 || k > OG_MOE_MAX_TOPK) return OG_REASON("top_k %lld (1..%d supported)", (long long)k, OG_MOE_MAX_TOPK);
   /* A rank of an expert-parallel model may hold fewer experts than a token picks (DeepSeek-V3 at

@@ -10,6 +10,7 @@
 #define OG_MOE_MAX_TOKENS 64
 #define OG_MOE_MAX_EXPERTS 4096
 #define OG_MOE_MAX_TOPK 16
+#define OG_MOE_MAX_DIM (1 << 20) /* hidden and intermediate sizes: their products stay in int64 */
 #define OG_MOE_ROUTE_MAX_EXPERTS 512 /* routing from logits: a warp holds a token's E keys, E/32 a lane */
 #define OG_MOE_MIN_ARCH 80 /* mma.sync bf16 and cvt.rn.bf16x2.f32 need sm_80 */
 #define OG_MOE_FP8_MIN_ARCH 89 /* mma.sync e4m3 and cvt e4m3x2 need sm_89 */
